@@ -1,0 +1,34 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint fmt proto clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/skymesh up --config configs/local.yaml
+
+test: setup
+	$(BIN)/ruff check skymesh controller tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check skymesh controller tests benchmarks
+
+fmt: setup
+	$(BIN)/ruff check --fix skymesh controller tests benchmarks
+	$(BIN)/ruff format skymesh controller tests benchmarks
+
+proto: setup
+	$(BIN)/python -m skymesh.proto_build
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,121 @@
+"""The routing core's shared types and the one Policy protocol.
+
+Everything under ``skymesh.routing`` is pure: no sockets, no clock reads (``now`` is
+passed in, in seconds on any monotonic clock), no module-level mutable state. The balancer
+daemon, the discrete-event simulator and the benchmarks all drive these same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """What the routing core knows of one request (computed once at admission)."""
+
+    request_id: str
+    # cumulative xxhash64 of the prompt's fixed-size token chunks: chunk_hashes[i] identifies
+    # the prefix made of chunks 0..i (see skymesh.routing.hashing)
+    chunk_hashes: tuple[int, ...]
+    prompt_tokens: int
+    arrival: float
+    max_tokens: int = 16
+    session_key: str | None = None  # X-Session-ID header or OpenAI `user`
+    slo_ttft_s: float | None = None  # None: the balancer's configured SLO
+    forwarded: bool = False  # arrived from a peer balancer (never forwarded again)
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """The balancer's current view of one replica, as handed to a policy."""
+
+    replica_id: str
+    healthy: bool = True
+    # selective pushing: the replica reported no waiting request at the last probe and the
+    # balancer has not dispatched past its budget since
+    available: bool = True
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    # prefill tokens the balancer dispatched to this replica that have not produced their
+    # first token yet (the load signal DualMap and Mooncake use)
+    pending_prefill_tokens: int = 0
+    in_flight: int = 0  # dispatched by this balancer and not finished
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's answer for one request. ``replica_id=None`` means: keep it queued."""
+
+    replica_id: str | None
+    reason: str = ""
+    matched_tokens: int = 0  # prefix tokens the policy expects to hit in the replica cache
+    estimated_ttft_s: float | None = None
+
+
+@dataclass(slots=True)
+class Migration:
+    """DualMap hotspot rebalancing: move a request still queued at the balancer."""
+
+    request_id: str
+    from_replica: str
+    to_replica: str
+    benefit_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """Settings every policy is built from (the registry passes the same one to all)."""
+
+    chunk_tokens: int = 64
+    ttft_slo_s: float = 2.0
+    trie_max_nodes: int = 200_000
+    # prefill cost seed for TTFT estimates before online fitting: seconds per uncached
+    # prompt token and fixed seconds per request (from the replica profile)
+    prefill_s_per_token: float = 300e-3 / 512
+    prefill_fixed_s: float = 0.02
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """One routing policy. Implementations live one per file in ``policies/``.
+
+    Call order per request: ``choose`` (possibly several times while the request waits),
+    then ``on_dispatch`` once it is sent, ``on_first_token`` when its first byte comes back,
+    ``on_complete`` when it ends (``ok`` False on failure). ``set_replicas`` is called on
+    every membership change with the full current list.
+
+    The balancer keeps one FCFS queue (selective pushing) and offers queued requests in
+    order to ``choose`` whenever some replica is available. ``choose`` must return an
+    available, healthy replica or ``None`` (hold the request; only DualMap holds, waiting
+    for one of its two candidates, and bounded by the SLO). ``rebalance`` runs
+    periodically over the still-queued requests; a policy that holds requests for a
+    replica may move them (DualMap hotspot migration) and reports the moves it made.
+    """
+
+    name: str
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None: ...
+
+    def choose(
+        self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float
+    ) -> Decision: ...
+
+    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None: ...
+
+    def on_first_token(
+        self, req: RoutingRequest, replica_id: str, ttft_s: float, now: float
+    ) -> None: ...
+
+    def on_complete(self, req: RoutingRequest, replica_id: str, ok: bool, now: float) -> None: ...
+
+    def rebalance(
+        self, queued: Sequence[RoutingRequest], replicas: Mapping[str, ReplicaView], now: float
+    ) -> list[Migration]: ...
+
+    def stats(self) -> dict[str, Any]: ...
