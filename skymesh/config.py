@@ -77,7 +77,14 @@ class ReplicaConfig:
 class BalancerConfig:
     listen: HostPort  # HTTP (OpenAI API, admin, metrics)
     grpc_listen: HostPort  # balancer<->balancer heartbeats
-    advertise_url: str  # what peers and DNS hand out (HTTP)
+    # what clients, peers and DNS use. With emulate_latency, `skymesh up` puts a delay
+    # proxy on these addresses in front of `listen` / `grpc_listen`.
+    advertise: HostPort
+    grpc_advertise: HostPort
+
+    @property
+    def advertise_url(self) -> str:
+        return self.advertise.http_url
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,9 @@ class RegionConfig:
     balancer: BalancerConfig
     replicas: tuple[ReplicaConfig, ...]
     aws_region: str | None = None
+    # source address this region's balancer binds when it connects to peers, so a delay
+    # proxy (or a real network) can tell which region traffic comes from
+    egress_source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,8 @@ class DnsConfig:
     listen: HostPort | None = None  # embedded server address
     ttl_s: int = 5
     hosted_zone: str | None = None  # route53
+    # route53 API endpoint override (an emulator on loopback in tests); None: AWS
+    endpoint_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -324,8 +336,10 @@ def _parse_region(v: Any, path: str, profiles: set[str]) -> RegionConfig:
     bo = _Obj(o.get("balancer"), o.sub("balancer"))
     listen = _hostport(bo.get("listen"), bo.sub("listen"))
     grpc_listen = _hostport(bo.get("grpc_listen"), bo.sub("grpc_listen"))
-    adv = bo.get("advertise_url", None)
-    advertise = listen.http_url if adv is None else _url(adv, bo.sub("advertise_url"))
+    adv = bo.get("advertise", None)
+    advertise = listen if adv is None else _hostport(adv, bo.sub("advertise"))
+    gadv = bo.get("grpc_advertise", None)
+    grpc_advertise = grpc_listen if gadv is None else _hostport(gadv, bo.sub("grpc_advertise"))
     bo.done()
     replicas = []
     seen: dict[str, int] = {}
@@ -337,15 +351,27 @@ def _parse_region(v: Any, path: str, profiles: set[str]) -> RegionConfig:
             )
         seen[rep.id] = i
         replicas.append(rep)
+    eg = o.get("egress_source", None)
+    egress = None
+    if eg is not None:
+        try:
+            egress = str(ipaddress.ip_address(_str(eg, o.sub("egress_source"))))
+        except ValueError:
+            raise ConfigError(o.sub("egress_source"), f"expected an IP address, got {eg!r}") from None
+        if not any(ipaddress.ip_address(egress) in n for n in nets):
+            raise ConfigError(o.sub("egress_source"), f"{egress} is not inside this region's source_networks")
     aws = o.get("aws_region", None)
     aws_region = None if aws is None else _str(aws, o.sub("aws_region"), REGION_NAME_RE, "an AWS region")
     o.done()
     return RegionConfig(
         name=name,
         source_networks=tuple(nets),
-        balancer=BalancerConfig(listen=listen, grpc_listen=grpc_listen, advertise_url=advertise),
+        balancer=BalancerConfig(
+            listen=listen, grpc_listen=grpc_listen, advertise=advertise, grpc_advertise=grpc_advertise
+        ),
         replicas=tuple(replicas),
         aws_region=aws_region,
+        egress_source=egress,
     )
 
 
@@ -463,12 +489,15 @@ def parse_config(data: Any, profiles: set[str] | None = None) -> MeshConfig:
     zone = None if zone_v is None else _str(zone_v, "dns.hosted_zone")
     if provider == "route53" and zone is None:
         raise ConfigError("dns.hosted_zone", "is required for provider route53")
+    ep_v = do.get("endpoint_url", None)
+    endpoint_url = None if ep_v is None else _url(ep_v, "dns.endpoint_url")
     dns = DnsConfig(
         name=dname.rstrip("."),
         provider=provider,
         listen=dlisten,
         ttl_s=_int(do.get("ttl_s", 5), "dns.ttl_s", 1, 86400),
         hosted_zone=zone,
+        endpoint_url=endpoint_url,
     )
     do.done()
 
@@ -502,6 +531,13 @@ def _check_unique_endpoints(regions: list[RegionConfig]) -> None:
     for i, r in enumerate(regions):
         claim((r.balancer.listen.host, r.balancer.listen.port), f"regions[{i}].balancer.listen")
         claim((r.balancer.grpc_listen.host, r.balancer.grpc_listen.port), f"regions[{i}].balancer.grpc_listen")
+        if r.balancer.advertise != r.balancer.listen:
+            claim((r.balancer.advertise.host, r.balancer.advertise.port), f"regions[{i}].balancer.advertise")
+        if r.balancer.grpc_advertise != r.balancer.grpc_listen:
+            claim(
+                (r.balancer.grpc_advertise.host, r.balancer.grpc_advertise.port),
+                f"regions[{i}].balancer.grpc_advertise",
+            )
         for j, rep in enumerate(r.replicas):
             if rep.sim is not None:
                 claim((rep.sim.host, rep.sim.port), f"regions[{i}].replicas[{j}].sim.port")
