@@ -1,0 +1,332 @@
+"""The balancer's queue and dispatch core (SkyWalker's selective pushing), pure.
+
+Requests wait here, at the balancer, not at a busy replica: a replica is *available* only
+while its last probe reported no waiting request (``vllm:num_requests_waiting == 0``) and
+the balancer has not already pushed ``dispatch_budget`` requests to it since that probe
+(so it never overfills between probes). A first token coming back proves the replica
+admitted that request, so it returns one unit of budget early.
+
+The daemon (real sockets, real clock), the discrete-event simulator and the benchmarks all
+drive this class; it never reads a clock or touches I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
+
+
+@dataclass(slots=True)
+class _Queued:
+    req: RoutingRequest
+    excluded: set[str] = field(default_factory=set)  # replicas that already failed it
+    attempts: int = 0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    req: RoutingRequest
+    replica_id: str
+    dispatched_at: float
+    prefill_tokens: int  # counted in the replica's pending_prefill_tokens until first token
+    excluded: set[str]
+    attempts: int
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class DispatchCounters:
+    submitted: int = 0
+    rejected_queue_full: int = 0
+    dispatched: int = 0
+    retried: int = 0
+    failed: int = 0
+    completed: int = 0
+    migrated: int = 0
+    spilled: int = 0
+    offloaded: int = 0
+
+
+class QueueFull(Exception):
+    """The bounded queue is full: the caller answers 429 with Retry-After."""
+
+
+class BalancerCore:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        queue_bound: int = 1024,
+        dispatch_budget: int = 2,
+        lookahead: int = 64,
+        rebalance_interval_s: float = 0.05,
+        max_retries: int = 2,
+    ) -> None:
+        self.policy = policy
+        self.queue_bound = queue_bound
+        self.dispatch_budget = dispatch_budget
+        self.lookahead = lookahead
+        self.rebalance_interval_s = rebalance_interval_s
+        self.max_retries = max_retries
+        self.replicas: dict[str, ReplicaView] = {}
+        self._since_probe: dict[str, int] = {}
+        self._queue: OrderedDict[str, _Queued] = OrderedDict()
+        self._in_flight: dict[str, _InFlight] = {}
+        self._last_rebalance = float("-inf")
+        self.counters = DispatchCounters()
+        self.dispatches_per_replica: dict[str, int] = {}
+        self.migrations: list[Migration] = []  # the last rebalance's moves (for metrics)
+
+    # ------------------------------------------------------------------ membership/probes
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None:
+        """Replace membership. New replicas start unavailable until their first probe."""
+        wanted = list(dict.fromkeys(replica_ids))
+        for rid in list(self.replicas):
+            if rid not in wanted:
+                del self.replicas[rid]
+                self._since_probe.pop(rid, None)
+        for rid in wanted:
+            if rid not in self.replicas:
+                self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
+                self._since_probe[rid] = 0
+                self.dispatches_per_replica.setdefault(rid, 0)
+        self.policy.set_replicas(wanted)
+
+    def update_replica(
+        self,
+        replica_id: str,
+        *,
+        healthy: bool,
+        num_running: int = 0,
+        num_waiting: int = 0,
+        kv_usage: float = 0.0,
+    ) -> None:
+        """A probe result (a scrape of the replica's /metrics, or its failure)."""
+        view = self.replicas.get(replica_id)
+        if view is None:
+            return
+        view.healthy = healthy
+        view.num_running = num_running
+        view.num_waiting = num_waiting
+        view.kv_usage = kv_usage
+        self._since_probe[replica_id] = 0
+        self._refresh_available(view)
+
+    def _refresh_available(self, view: ReplicaView) -> None:
+        view.available = (
+            view.healthy
+            and view.num_waiting == 0
+            and self._since_probe[view.replica_id] < self.dispatch_budget
+        )
+
+    def any_available(self) -> bool:
+        return any(v.available for v in self.replicas.values())
+
+    def available_count(self) -> int:
+        return sum(1 for v in self.replicas.values() if v.available)
+
+    # ------------------------------------------------------------------ admission
+
+    def submit(self, req: RoutingRequest) -> None:
+        """Queue a request (FCFS). Raises QueueFull when the bound is reached."""
+        if len(self._queue) >= self.queue_bound:
+            self.counters.rejected_queue_full += 1
+            raise QueueFull(f"balancer queue is full ({self.queue_bound} requests waiting)")
+        if req.request_id in self._queue or req.request_id in self._in_flight:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self._queue[req.request_id] = _Queued(req)
+        self.counters.submitted += 1
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight_count(self) -> int:
+        return len(self._in_flight)
+
+    def queued_requests(self) -> list[RoutingRequest]:
+        return [q.req for q in self._queue.values()]
+
+    def queued_prefill_tokens(self) -> int:
+        return sum(q.req.prompt_tokens for q in self._queue.values())
+
+    def pending_prefill_tokens(self) -> int:
+        return sum(v.pending_prefill_tokens for v in self.replicas.values()) + self.queued_prefill_tokens()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(self, now: float) -> list[tuple[RoutingRequest, Decision]]:
+        """Place as many queued requests as available replicas allow, FCFS order.
+
+        Looks up to ``lookahead`` requests past held ones so that one request waiting for
+        its cache-affine replica does not block the rest (no head-of-line blocking).
+        """
+        if not self._queue:
+            return []
+        if now - self._last_rebalance >= self.rebalance_interval_s:
+            self._last_rebalance = now
+            self.migrations = self.policy.rebalance(self.queued_requests(), self.replicas, now)
+            self.counters.migrated += len(self.migrations)
+        placed: list[tuple[RoutingRequest, Decision]] = []
+        held = 0
+        for rid in list(self._queue):
+            if held >= self.lookahead or not self.any_available():
+                break
+            q = self._queue[rid]
+            views = self._views_for(q)
+            if not any(v.available for v in views.values()):
+                held += 1
+                continue
+            decision = self.policy.choose(q.req, views, now)
+            if decision.replica_id is None:
+                held += 1
+                continue
+            target = views.get(decision.replica_id)
+            if target is None or not target.available:
+                # A policy must only pick available replicas; guard the invariant rather
+                # than overfill a busy replica.
+                raise RuntimeError(
+                    f"policy {self.policy.name!r} chose unavailable replica {decision.replica_id!r}"
+                )
+            del self._queue[rid]
+            self._commit(q, decision, now)
+            placed.append((q.req, decision))
+        return placed
+
+    def _views_for(self, q: _Queued) -> dict[str, ReplicaView]:
+        if not q.excluded:
+            return self.replicas
+        # a retried request never goes back to a replica that already failed it
+        return {k: v for k, v in self.replicas.items() if k not in q.excluded}
+
+    def _commit(self, q: _Queued, decision: Decision, now: float) -> None:
+        rid = decision.replica_id
+        assert rid is not None
+        view = self.replicas[rid]
+        prefill = max(0, q.req.prompt_tokens - decision.matched_tokens)
+        view.pending_prefill_tokens += prefill
+        view.in_flight += 1
+        self._since_probe[rid] += 1
+        self._refresh_available(view)
+        self._in_flight[q.req.request_id] = _InFlight(
+            req=q.req,
+            replica_id=rid,
+            dispatched_at=now,
+            prefill_tokens=prefill,
+            excluded=q.excluded,
+            attempts=q.attempts,
+        )
+        self.counters.dispatched += 1
+        if decision.reason == "spill":
+            self.counters.spilled += 1
+        self.dispatches_per_replica[rid] = self.dispatches_per_replica.get(rid, 0) + 1
+        self.policy.on_dispatch(q.req, rid, now)
+
+    def take_for_offload(self, request_ids: Iterable[str]) -> list[RoutingRequest]:
+        """Remove queued requests that the region layer forwards to a peer balancer."""
+        out = []
+        for rid in request_ids:
+            q = self._queue.pop(rid, None)
+            if q is not None:
+                out.append(q.req)
+                self.counters.offloaded += 1
+        return out
+
+    # ------------------------------------------------------------------ request lifecycle
+
+    def replica_of(self, request_id: str) -> str | None:
+        f = self._in_flight.get(request_id)
+        return f.replica_id if f else None
+
+    def on_first_token(self, request_id: str, now: float) -> float | None:
+        """Returns the TTFT seen from the balancer (dispatch → first token)."""
+        f = self._in_flight.get(request_id)
+        if f is None or f.first_token_at is not None:
+            return None
+        f.first_token_at = now
+        view = self.replicas.get(f.replica_id)
+        if view is not None:
+            view.pending_prefill_tokens -= f.prefill_tokens
+            # the replica admitted it: one unit of dispatch budget comes back early
+            self._since_probe[f.replica_id] = max(0, self._since_probe[f.replica_id] - 1)
+            self._refresh_available(view)
+        ttft = now - f.dispatched_at
+        self.policy.on_first_token(f.req, f.replica_id, ttft, now)
+        return ttft
+
+    def on_complete(self, request_id: str, ok: bool, now: float) -> None:
+        f = self._in_flight.pop(request_id, None)
+        if f is None:
+            return
+        self._release(f)
+        if ok:
+            self.counters.completed += 1
+        else:
+            self.counters.failed += 1
+        self.policy.on_complete(f.req, f.replica_id, ok, now)
+
+    def retry(self, request_id: str, now: float) -> bool:
+        """The replica failed before the first byte: queue again at the head, never to the
+        same replica. Returns False when the retry budget is spent (the caller fails it)."""
+        f = self._in_flight.pop(request_id, None)
+        if f is None:
+            return False
+        self._release(f)
+        self.policy.on_complete(f.req, f.replica_id, False, now)
+        view = self.replicas.get(f.replica_id)
+        if view is not None:
+            # a connection failure: stop sending there until the next probe says otherwise
+            view.healthy = False
+            view.available = False
+        if f.attempts + 1 > self.max_retries:
+            self.counters.failed += 1
+            return False
+        q = _Queued(f.req, excluded=f.excluded | {f.replica_id}, attempts=f.attempts + 1)
+        self._queue[request_id] = q
+        self._queue.move_to_end(request_id, last=False)
+        self.counters.retried += 1
+        return True
+
+    def cancel(self, request_id: str, now: float) -> None:
+        """The client went away: forget the request wherever it is."""
+        if self._queue.pop(request_id, None) is not None:
+            return
+        self.on_complete(request_id, False, now)
+
+    def _release(self, f: _InFlight) -> None:
+        view = self.replicas.get(f.replica_id)
+        if view is None:
+            return
+        view.in_flight -= 1
+        if f.first_token_at is None:
+            view.pending_prefill_tokens -= f.prefill_tokens
+        self._refresh_available(view)
+
+    # ------------------------------------------------------------------ introspection
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "queue_length": len(self._queue),
+            "in_flight": len(self._in_flight),
+            "replicas": {
+                rid: {
+                    "healthy": v.healthy,
+                    "available": v.available,
+                    "num_running": v.num_running,
+                    "num_waiting": v.num_waiting,
+                    "kv_cache_usage": v.kv_usage,
+                    "pending_prefill_tokens": v.pending_prefill_tokens,
+                    "in_flight": v.in_flight,
+                    "dispatched": self.dispatches_per_replica.get(rid, 0),
+                }
+                for rid, v in self.replicas.items()
+            },
+            "counters": {k: getattr(self.counters, k) for k in self.counters.__slots__},
+            "policy": {"name": self.policy.name, **self.policy.stats()},
+        }
