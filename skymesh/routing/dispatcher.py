@@ -132,14 +132,17 @@ class BalancerCore:
 
     # ------------------------------------------------------------------ admission
 
-    def submit(self, req: RoutingRequest) -> None:
-        """Queue a request (FCFS). Raises QueueFull when the bound is reached."""
+    def submit(self, req: RoutingRequest, front: bool = False) -> None:
+        """Queue a request (FCFS; ``front`` for one that already waited, e.g. a request a
+        peer region bounced back). Raises QueueFull when the bound is reached."""
         if len(self._queue) >= self.queue_bound:
             self.counters.rejected_queue_full += 1
             raise QueueFull(f"balancer queue is full ({self.queue_bound} requests waiting)")
         if req.request_id in self._queue or req.request_id in self._in_flight:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self._queue[req.request_id] = _Queued(req)
+        if front:
+            self._queue.move_to_end(req.request_id, last=False)
         self.counters.submitted += 1
 
     @property
@@ -244,8 +247,12 @@ class BalancerCore:
         f = self._in_flight.get(request_id)
         return f.replica_id if f else None
 
-    def on_first_token(self, request_id: str, now: float) -> float | None:
-        """Returns the TTFT seen from the balancer (dispatch → first token)."""
+    def on_first_token(self, request_id: str, now: float, observe: bool = True) -> float | None:
+        """Returns the TTFT seen from the balancer (dispatch → first token).
+
+        ``observe=False`` when the first byte is not the first token (a non-streaming
+        response arrives whole), so the policy's TTFT model is not fed end-to-end times.
+        """
         f = self._in_flight.get(request_id)
         if f is None or f.first_token_at is not None:
             return None
@@ -257,7 +264,8 @@ class BalancerCore:
             self._since_probe[f.replica_id] = max(0, self._since_probe[f.replica_id] - 1)
             self._refresh_available(view)
         ttft = now - f.dispatched_at
-        self.policy.on_first_token(f.req, f.replica_id, ttft, now)
+        if observe:
+            self.policy.on_first_token(f.req, f.replica_id, ttft, now)
         return ttft
 
     def on_complete(self, request_id: str, ok: bool, now: float) -> None:

@@ -89,6 +89,12 @@ class OffloadRouter:
         p.forwarded_since_heartbeat = 0
         return True
 
+    def mark_unavailable(self, region: str) -> None:
+        """A forward to ``region`` failed: use none of its replicas until it heartbeats."""
+        p = self.peers.get(region)
+        if p is not None:
+            p.forwarded_since_heartbeat = max(p.forwarded_since_heartbeat, p.replicas_available)
+
     def remove_peer(self, region: str) -> None:
         self.peers.pop(region, None)
         self.snapshot.remove_target(region)

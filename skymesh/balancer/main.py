@@ -1,0 +1,58 @@
+"""`skymesh balancer --config FILE --region NAME`: run one regional balancer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from skymesh.config import ConfigError, load_config
+from skymesh.logging_setup import setup_logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local mesh)")
+    p.add_argument("--region", required=True, help="which region of the config this balancer serves")
+    p.add_argument("--policy", default=None, help="override the config's routing policy")
+    p.add_argument("--balancer-id", default=None)
+    p.add_argument("--no-controller", action="store_true", help="run from the YAML alone")
+    p.add_argument("--no-peers", action="store_true", help="region-local: no heartbeats, no offload")
+    p.add_argument("--log-level", default="INFO")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from skymesh.balancer.server import Balancer
+    from skymesh.balancer.services import attach_services
+
+    cfg = load_config(args.config)
+    balancer = Balancer(cfg, args.region, balancer_id=args.balancer_id, policy_name=args.policy)
+    attach_services(balancer, peers=not args.no_peers, controller=not args.no_controller)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await balancer.start()
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await balancer.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        cfg = load_config(args.config)
+        cfg.region(args.region)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except KeyError:
+        print(f"config error: no region named {args.region!r}", file=sys.stderr)
+        return 2
+    logging.getLogger("skymesh").debug("starting balancer for %s", args.region)
+    return asyncio.run(serve(args))

@@ -1,0 +1,54 @@
+"""Replica probing: scrape vLLM's Prometheus page for the signals selective pushing needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+from skymesh.prom import parse_samples
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # vLLM before the v1 engine rename
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+_WANTED = (WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, PREFIX_QUERIES, PREFIX_HITS)
+
+
+@dataclass(slots=True)
+class ProbeResult:
+    healthy: bool
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    error: str = ""
+
+
+def parse_probe(text: str) -> ProbeResult:
+    s = parse_samples(text, _WANTED)
+    if WAITING not in s or RUNNING not in s:
+        return ProbeResult(healthy=False, error="metrics page lacks vllm:num_requests_* gauges")
+    return ProbeResult(
+        healthy=True,
+        num_running=int(s[RUNNING]),
+        num_waiting=int(s[WAITING]),
+        kv_usage=s.get(KV_USAGE, s.get(KV_USAGE_OLD, 0.0)),
+        prefix_queries=s.get(PREFIX_QUERIES, 0.0),
+        prefix_hits=s.get(PREFIX_HITS, 0.0),
+    )
+
+
+async def probe_replica(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> ProbeResult:
+    try:
+        async with session.get(
+            base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                return ProbeResult(healthy=False, error=f"HTTP {resp.status}")
+            return parse_probe(await resp.text())
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return ProbeResult(healthy=False, error=type(e).__name__)
