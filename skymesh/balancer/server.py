@@ -191,7 +191,10 @@ class Balancer:
             limit=0, local_addr=(egress_addr, 0) if egress_addr else None
         )
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that goes away frees its queue slot or replica at once
+        self._runner = web.AppRunner(
+            self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(
             self._runner, host or listen.host, listen.port if port is None else port, reuse_address=True

@@ -1,0 +1,305 @@
+"""The balancer's links to the rest of the mesh: gRPC heartbeats with peer balancers
+(SkyWalker's availability exchange) and the controller link (register, report, watch
+topology). Both are optional and failure-tolerant: the data plane serves from its last
+known state when peers or the controller are unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+
+if TYPE_CHECKING:
+    from skymesh.balancer.server import Balancer
+
+log = logging.getLogger("skymesh.balancer.mesh")
+
+
+class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
+    """Bidirectional heartbeat streams to every peer balancer.
+
+    Each balancer dials every peer and also answers the peers that dial it, so each pair
+    has two streams; heartbeats carry (epoch, seq), and the receiver drops anything older
+    than what it has, so duplicates are harmless. A heartbeat is sent every interval and
+    at once when this region's availability changes, so a replica filling up is seen by
+    peers within one probe interval plus the one-way latency.
+    """
+
+    def __init__(self, b: Balancer) -> None:
+        self.b = b
+        self.seq = 0
+        self.interval = b.cfg.offload.heartbeat_interval_s
+        self.changed = asyncio.Event()
+        self._last_sent_state: tuple[int, int] | None = None
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._subscribers: set[asyncio.Event] = set()
+
+    # ------------------------------------------------------------------ what we send
+
+    def heartbeat(self) -> Any:
+        b = self.b
+        self.seq += 1
+        return mesh_pb2.PeerHeartbeat(
+            region=b.region,
+            balancer_id=b.balancer_id,
+            epoch=b.epoch,
+            seq=self.seq,
+            replicas_total=len(b.core.replicas),
+            replicas_available=b.core.available_count(),
+            queue_length=b.core.queue_length,
+            pending_prefill_tokens=max(0, b.core.pending_prefill_tokens()),
+            version=_version(),
+            sent_unix_ms=int(time.time() * 1000),
+            offloaded_out=b.offloaded_out,
+            offloaded_in=b.offloaded_in,
+        )
+
+    def notify_state(self) -> None:
+        """Called after every dispatch round/probe: wake the senders if availability moved."""
+        state = (self.b.core.available_count(), self.b.core.queue_length)
+        if state != self._last_sent_state:
+            self._last_sent_state = state
+            for ev in self._subscribers:
+                ev.set()
+
+    async def _outgoing(self) -> AsyncIterator[Any]:
+        ev = asyncio.Event()
+        self._subscribers.add(ev)
+        try:
+            while True:
+                yield self.heartbeat()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ev.wait(), timeout=self.interval)
+                ev.clear()
+        finally:
+            self._subscribers.discard(ev)
+
+    # ------------------------------------------------------------------ what we receive
+
+    def receive(self, hb: Any) -> None:
+        if hb.region == self.b.region or hb.region not in self.b.peers:
+            return
+        cfg = self.b.cfg
+        delay = 0.0
+        if cfg.emulate_latency:
+            # gRPC cannot bind a source address, so the delay proxies cannot tell which
+            # region a heartbeat stream comes from; apply the link's one-way latency here.
+            delay = max(0.0, (cfg.one_way_ms(hb.region, self.b.region) - cfg.local_latency_ms) / 1000)
+        loop = asyncio.get_running_loop()
+        if delay > 0:
+            loop.call_later(delay, self._apply, hb)
+        else:
+            self._apply(hb)
+
+    def _apply(self, hb: Any) -> None:
+        b = self.b
+        b.offload.update_peer(
+            hb.region,
+            now=asyncio.get_running_loop().time(),
+            balancer_id=hb.balancer_id,
+            epoch=hb.epoch,
+            seq=hb.seq,
+            replicas_total=hb.replicas_total,
+            replicas_available=hb.replicas_available,
+            queue_length=hb.queue_length,
+            pending_prefill_tokens=hb.pending_prefill_tokens,
+        )
+        if b.core.queue_length:
+            b.wake.set()  # queued requests may now be offloaded
+
+    # ------------------------------------------------------------------ gRPC service
+
+    async def Heartbeat(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async def read() -> None:
+            async for hb in request_iterator:
+                self.receive(hb)
+
+        reader = asyncio.create_task(read())
+        try:
+            async for hb in self._outgoing():
+                if reader.done():
+                    break
+                yield hb
+        finally:
+            reader.cancel()
+
+    async def _dial(self, region: str) -> None:
+        backoff = self.interval
+        while True:
+            peer = self.b.peers.get(region)
+            if peer is None:
+                return
+            try:
+                async with grpc.aio.insecure_channel(peer.grpc_address) as channel:
+                    stub = mesh_pb2_grpc.MeshPeerStub(channel)
+                    call = stub.Heartbeat(self._outgoing())
+                    async for hb in call:
+                        backoff = self.interval
+                        self.receive(hb)
+            except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
+                log.debug("heartbeat stream to %s ended: %s", region, type(e).__name__)
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    async def start(self) -> None:
+        server = grpc.aio.server()
+        mesh_pb2_grpc.add_MeshPeerServicer_to_server(self, server)
+        g = self.b.region_cfg.balancer.grpc_listen
+        server.add_insecure_port(f"{g.host}:{g.port}")
+        await server.start()
+        self._server = server
+        for region in self.b.peers:
+            self._tasks.append(asyncio.create_task(self._dial(region), name=f"hb-{region}"))
+        self._tasks.append(asyncio.create_task(self._watch_state(), name="hb-state"))
+
+    async def _watch_state(self) -> None:
+        # cheap poll of two integers; pushes a heartbeat as soon as availability changes
+        step = min(self.interval, self.b.cfg.policy.probe_interval_s) / 4
+        while True:
+            self.notify_state()
+            await asyncio.sleep(step)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._server is not None:
+            await self._server.stop(grace=0.2)
+
+
+class ControllerLink:
+    """Register with the controller, report every second, follow its topology.
+
+    When the controller is unreachable the balancer keeps its last topology (from the
+    controller, or the YAML) and keeps serving; it reconnects in the background.
+    """
+
+    def __init__(self, b: Balancer, report_interval_s: float = 1.0) -> None:
+        self.b = b
+        self.report_interval_s = report_interval_s
+        self._task: asyncio.Task[Any] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="controller-link")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self) -> None:
+        addr = str(self.b.cfg.controller.listen)
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(addr) as channel:
+                    stub = mesh_pb2_grpc.ControllerStub(channel)
+                    reply = await stub.Register(self._register_request(), timeout=3.0)
+                    self.b.controller_connected = True
+                    if reply.HasField("topology"):
+                        self.apply_topology(reply.topology)
+                    reporter = asyncio.create_task(self._report_loop(stub))
+                    try:
+                        async for topo in stub.WatchTopology(
+                            mesh_pb2.WatchRequest(region=self.b.region, balancer_id=self.b.balancer_id)
+                        ):
+                            self.apply_topology(topo)
+                    finally:
+                        reporter.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await reporter
+            except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
+                log.debug("controller link down: %s", type(e).__name__)
+            self.b.controller_connected = False
+            await asyncio.sleep(1.0)
+
+    def _register_request(self) -> Any:
+        b = self.b
+        return mesh_pb2.RegisterRequest(
+            region=b.region,
+            balancer_id=b.balancer_id,
+            epoch=b.epoch,
+            http_url=b.region_cfg.balancer.advertise_url,
+            grpc_address=str(b.region_cfg.balancer.grpc_advertise),
+            version=_version(),
+        )
+
+    async def _report_loop(self, stub: Any) -> None:
+        while True:
+            await stub.Report(self.report(), timeout=3.0)
+            await asyncio.sleep(self.report_interval_s)
+
+    def report(self) -> Any:
+        b = self.b
+        status = b.admin_status()
+        reps = [
+            mesh_pb2.ReplicaReport(
+                replica_id=rid,
+                url=r["url"],
+                healthy=r.get("healthy", False),
+                available=r.get("available", False),
+                num_running=r.get("num_running", 0),
+                num_waiting=r.get("num_waiting", 0),
+                kv_cache_usage=r.get("kv_cache_usage", 0.0),
+                owner_region=b.region,
+            )
+            for rid, r in status["replicas"].items()
+        ]
+        return mesh_pb2.BalancerReport(
+            region=b.region,
+            balancer_id=b.balancer_id,
+            epoch=b.epoch,
+            queue_length=status["queue_length"],
+            offloaded_out=status["offloaded_out"],
+            offloaded_in=status["offloaded_in"],
+            prefix_hit_ratio=status["prefix_hit_ratio"],
+            replicas=reps,
+            admin_json=json.dumps(status),
+        )
+
+    def apply_topology(self, topo: Any) -> None:
+        from skymesh.balancer.server import ReplicaInfo
+
+        b = self.b
+        if topo.version <= b.topology_version:
+            return
+        b.topology_version = topo.version
+        for assignment in topo.balancers:
+            if assignment.region == b.region:
+                b.set_replicas(
+                    [
+                        ReplicaInfo(r.replica_id, r.url, r.home_region or b.region)
+                        for r in assignment.replicas
+                    ]
+                )
+            elif assignment.region in b.peers:
+                peer = b.peers[assignment.region]
+                peer.alive = assignment.alive
+                if assignment.http_url:
+                    peer.http_url = assignment.http_url
+        log.info("topology applied", extra={"version": topo.version, "replicas": len(b.replicas)})
+
+
+def _version() -> str:
+    from skymesh.balancer.server import VERSION
+
+    return VERSION
+
+
+def attach_services(b: Balancer, *, peers: bool = True, controller: bool = True) -> None:
+    if peers and b.peers and b.cfg.offload.enabled:
+        b.extra_services.append(PeerMesh(b))
+    if controller:
+        b.extra_services.append(ControllerLink(b))

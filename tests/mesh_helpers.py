@@ -1,0 +1,104 @@
+"""Shared helpers for integration tests: free ports, subprocesses stopped by PID,
+configs built from the embedded default."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+SKYMESH = [sys.executable, "-m", "skymesh.cli"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process in its own process group; stopped by PID, never by name."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.p = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait(timeout=10)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+async def wait_http_ok(url: str, timeout: float = 30.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.p.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited early:\n{proc.tail()}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout}s" + (f":\n{proc.tail()}" if proc else ""))
+
+
+def start_replica_sim(tmp: Path, port: int, profile: str = "tiny-test", time_scale: float = 1.0,
+                      extra: list[str] | None = None) -> Proc:
+    args = [*SKYMESH, "replica-sim", "--host", "127.0.0.1", "--port", str(port), "--profile", profile,
+            "--time-scale", str(time_scale), *(extra or [])]
+    return Proc(args, tmp / f"replica-{port}.log")
+
+
+def one_region_config(replica_urls: dict[str, str], balancer_port: int, grpc_port: int,
+                      **policy: Any) -> dict[str, Any]:
+    """A single-region mesh config dict around existing replica URLs."""
+    return {
+        "model": "skymesh-sim",
+        "regions": [
+            {
+                "name": "us-east-1",
+                "source_networks": ["127.1.0.0/16"],
+                "balancer": {"listen": f"127.0.0.1:{balancer_port}", "grpc_listen": f"127.0.0.1:{grpc_port}"},
+                "replicas": [{"id": rid, "url": url} for rid, url in replica_urls.items()],
+            }
+        ],
+        "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
+        "dns": {"name": "llm.skymesh.local", "listen": f"127.0.0.1:{free_port()}"},
+        "policy": {"name": "dualmap", "ttft_slo_s": 2.0, "probe_interval_s": 0.05, **policy},
+        "offload": {"enabled": False},
+    }

@@ -1,0 +1,249 @@
+"""A real balancer in front of real stand-in replica processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from skymesh.balancer.server import Balancer
+from skymesh.config import parse_config
+from tests.mesh_helpers import Proc, free_port, one_region_config, start_replica_sim, wait_http_ok
+
+pytestmark = pytest.mark.timeout(180)
+
+N_REPLICAS = 4
+
+
+class Cluster:
+    def __init__(self, procs: dict[str, Proc], urls: dict[str, str], balancer: Balancer, base: str) -> None:
+        self.procs = procs
+        self.urls = urls
+        self.balancer = balancer
+        self.base = base
+
+
+async def start_cluster(tmp_path: Path, time_scale: float, sim_extra: list[str] | None = None,
+                        **policy: Any) -> tuple[dict[str, Proc], Balancer, str]:
+    procs: dict[str, Proc] = {}
+    urls: dict[str, str] = {}
+    for i in range(N_REPLICAS):
+        port = free_port()
+        rid = f"r{i}"
+        procs[rid] = start_replica_sim(tmp_path, port, "tiny-test", time_scale, sim_extra)
+        urls[rid] = f"http://127.0.0.1:{port}"
+    try:
+        await asyncio.gather(*(wait_http_ok(u + "/health", 60, procs[r]) for r, u in urls.items()))
+    except BaseException:
+        for p in procs.values():
+            p.stop()
+        raise
+    cfg = parse_config(one_region_config(urls, free_port(), free_port(), **policy))
+    b = Balancer(cfg, "us-east-1")
+    await b.start()
+    return procs, b, f"http://127.0.0.1:{b.region_cfg.balancer.listen.port}"
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    procs, b, base = await start_cluster(tmp_path, time_scale=1.0)
+    try:
+        await wait_available(b)
+        yield Cluster(procs, {r: i.url for r, i in b.replicas.items()}, b, base)
+    finally:
+        await b.stop()
+        for p in procs.values():
+            p.stop()
+
+
+async def wait_available(b: Balancer, n: int = N_REPLICAS) -> None:
+    for _ in range(200):
+        if sum(v.healthy for v in b.core.replicas.values()) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("replicas never became healthy at the balancer")
+
+
+def prompt(prefix: int, suffix: int, n_prefix: int = 256, n_suffix: int = 32) -> str:
+    return " ".join([f"sys{prefix}w{i}" for i in range(n_prefix)] + [f"u{suffix}w{i}" for i in range(n_suffix)])
+
+
+async def complete(s: aiohttp.ClientSession, base: str, text: str, max_tokens: int = 4,
+                   stream: bool = False, **extra: Any) -> tuple[int, dict[str, str], Any]:
+    body = {"model": "skymesh-sim", "prompt": text, "max_tokens": max_tokens, "stream": stream, **extra}
+    async with s.post(base + "/v1/completions", json=body) as r:
+        data = await r.read()
+        return r.status, dict(r.headers), data
+
+
+async def test_shared_prefix_requests_land_on_their_dualmap_pair(cluster: Cluster) -> None:
+    served: dict[int, set[str]] = {}
+    async with aiohttp.ClientSession() as s:
+        for group in range(6):
+            for j in range(6):
+                status, headers, _ = await complete(s, cluster.base, prompt(group, j))
+                assert status == 200
+                served.setdefault(group, set()).add(headers["X-Skymesh-Replica"])
+    # each prefix group stays on at most its two candidates
+    assert all(len(reps) <= 2 for reps in served.values()), served
+    # and the groups do not all pile on one pair
+    assert len(set().union(*served.values())) >= 3, served
+    snap = cluster.balancer.core.snapshot()
+    assert all(r["in_flight"] == 0 for r in snap["replicas"].values())
+
+
+async def test_openai_shaped_errors_never_5xx(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as s:
+        cases = [
+            (b"{not json", 400),
+            (b"[1, 2]", 400),
+            (json.dumps({"model": "skymesh-sim"}).encode(), 400),
+            (json.dumps({"model": "skymesh-sim", "prompt": "x", "max_tokens": -3}).encode(), 400),
+            (json.dumps({"model": "other", "prompt": "x"}).encode(), 404),
+            (json.dumps({"model": "skymesh-sim", "prompt": "x " * 3_000_000}).encode(), 413),
+        ]
+        for body, want in cases:
+            async with s.post(cluster.base + "/v1/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as r:
+                assert r.status == want, (body[:40], r.status)
+                err = (await r.json())["error"]
+                assert err["message"] and err["type"]
+        async with s.post(cluster.base + "/v1/chat/completions",
+                          json={"model": "skymesh-sim", "messages": "hi"}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "messages"
+
+
+async def test_streaming_passthrough_and_chat(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "skymesh-sim", "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(cluster.base + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            events = [ln for ln in (await r.text()).split("\n\n") if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        usage = [json.loads(e[6:]) for e in events[:-1] if json.loads(e[6:]).get("usage")]
+        assert usage and usage[-1]["usage"]["completion_tokens"] == 5
+
+
+async def test_queue_bound_gives_429_with_retry_after(tmp_path: Path) -> None:
+    dead = {"r0": f"http://127.0.0.1:{free_port()}"}  # nothing listens: never available
+    cfg = parse_config(one_region_config(dead, free_port(), free_port(), queue_bound=1))
+    b = Balancer(cfg, "us-east-1")
+    await b.start()
+    base = f"http://127.0.0.1:{cfg.regions[0].balancer.listen.port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.create_task(complete(s, base, "a b c"))
+            for _ in range(100):
+                if b.core.queue_length == 1:
+                    break
+                await asyncio.sleep(0.02)
+            status, headers, data = await complete(s, base, "d e f")
+            assert status == 429
+            assert int(headers["Retry-After"]) >= 1
+            assert json.loads(data)["error"]["code"] == "queue_full"
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+        for _ in range(100):
+            if b.core.queue_length == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert b.core.queue_length == 0  # the abandoned request left the queue
+    finally:
+        await b.stop()
+
+
+async def _sample_replicas(urls: dict[str, str], stop: asyncio.Event, out: list[dict[str, tuple[int, int]]]) -> None:
+    from skymesh.balancer.prober import probe_replica
+
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            res = await asyncio.gather(*(probe_replica(s, u, 1.0) for u in urls.values()))
+            out.append({rid: (p.num_running, p.num_waiting) for rid, p in zip(urls, res, strict=True) if p.healthy})
+            await asyncio.sleep(0.05)
+
+
+async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -> None:
+    # small KV caches so 4 replicas cannot hold 48 long requests at once
+    procs, b, base = await start_cluster(
+        tmp_path, time_scale=1.0, sim_extra=["--num-gpu-blocks", "64"], name="least_load"
+    )
+    try:
+        await wait_available(b)
+        urls = {r: i.url for r, i in b.replicas.items()}
+        samples: list[dict[str, tuple[int, int]]] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample_replicas(urls, stop, samples))
+        async with aiohttp.ClientSession() as s:
+            results = await asyncio.gather(
+                *(complete(s, base, prompt(k, k, 200, 40), max_tokens=24) for k in range(48))
+            )
+        stop.set()
+        await sampler
+        assert all(st == 200 for st, _, _ in results)
+        assert b.core.counters.completed == 48
+        # the balancer held requests back: its queue was used...
+        assert b.core.counters.dispatched == 48
+        # ...and no replica built a waiting queue while another sat idle
+        for snap in samples:
+            if len(snap) < N_REPLICAS:
+                continue
+            waiting = [w for _, w in snap.values()]
+            idle = [rid for rid, (run, w) in snap.items() if run == 0 and w == 0]
+            assert not (max(waiting) > 2 and idle), snap
+        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
+    finally:
+        await b.stop()
+        for p in procs.values():
+            p.stop()
+
+
+async def _stream_one(s: aiohttp.ClientSession, base: str, k: int) -> dict[str, Any]:
+    body = {"model": "skymesh-sim", "prompt": prompt(k, k, 64, 8), "max_tokens": 40, "stream": True}
+    got_bytes = False
+    try:
+        async with s.post(base + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return {"status": r.status, "started": False, "done": False, "error_event": False}
+            text = ""
+            async for chunk in r.content.iter_any():
+                got_bytes = True
+                text += chunk.decode()
+            return {"status": 200, "started": got_bytes, "done": "data: [DONE]" in text,
+                    "error_event": '"error"' in text}
+    except aiohttp.ClientError:
+        return {"status": -1, "started": got_bytes, "done": False, "error_event": False}
+
+
+async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path) -> None:
+    procs, b, base = await start_cluster(tmp_path, time_scale=1.0, name="round_robin")
+    try:
+        await wait_available(b)
+        async with aiohttp.ClientSession() as s:
+            tasks = []
+            for k in range(40):
+                tasks.append(asyncio.create_task(_stream_one(s, base, k)))
+                await asyncio.sleep(0.03)
+                if k == 15:
+                    procs["r1"].kill()
+            results = await asyncio.gather(*tasks)
+        unstarted_failures = [r for r in results if not r["done"] and not r["started"]]
+        assert unstarted_failures == []
+        for r in results:
+            # a request either finished, or it was cut after it had started streaming and
+            # then got an explicit SSE error event
+            assert r["done"] or (r["started"] and r["error_event"]), r
+        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
+        assert b.core.queue_length == 0
+    finally:
+        await b.stop()
+        for p in procs.values():
+            p.stop()

@@ -1,0 +1,164 @@
+"""The balancer core: selective pushing, retries, bookkeeping that returns to zero."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.dispatcher import BalancerCore, QueueFull
+from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.registry import make_policy
+
+
+def req(i: int, now: float = 0.0, prefix: int = 0, tokens: int = 256) -> RoutingRequest:
+    text = " ".join([f"p{prefix}w{k}" for k in range(tokens - 8)] + [f"r{i}w{k}" for k in range(8)])
+    return RoutingRequest(
+        request_id=f"q{i}", chunk_hashes=prompt_chunk_hashes(text, 64), prompt_tokens=tokens, arrival=now
+    )
+
+
+def core(policy: str = "least_load", n: int = 3, budget: int = 2, bound: int = 100) -> BalancerCore:
+    c = BalancerCore(make_policy(policy, PolicyContext()), queue_bound=bound, dispatch_budget=budget)
+    c.set_replicas([f"r{i}" for i in range(n)])
+    return c
+
+
+def probe_all(c: BalancerCore, waiting: dict[str, int] | None = None) -> None:
+    for rid in c.replicas:
+        c.update_replica(rid, healthy=True, num_waiting=(waiting or {}).get(rid, 0))
+
+
+def test_new_replicas_wait_for_their_first_probe() -> None:
+    c = core()
+    c.submit(req(0))
+    assert c.dispatch(0.0) == []
+    probe_all(c)
+    assert len(c.dispatch(0.0)) == 1
+
+
+def test_replica_with_waiting_requests_is_not_available() -> None:
+    c = core(n=2)
+    probe_all(c, {"r0": 3})
+    for i in range(2):
+        c.submit(req(i))
+    placed = c.dispatch(0.0)
+    assert {d.replica_id for _, d in placed} == {"r1"}
+
+
+def test_dispatch_budget_stops_overfilling_between_probes() -> None:
+    c = core(n=2, budget=2)
+    probe_all(c)
+    for i in range(10):
+        c.submit(req(i, prefix=i))
+    placed = c.dispatch(0.0)
+    assert len(placed) == 4  # 2 replicas x budget 2
+    assert c.queue_length == 6
+    assert not c.any_available()
+    # a first token proves admission: one unit of budget comes back
+    c.on_first_token(placed[0][0].request_id, 0.3)
+    assert len(c.dispatch(0.3)) == 1
+    probe_all(c)  # the next probe resets the budget
+    assert len(c.dispatch(0.4)) == 4
+
+
+def test_queue_bound() -> None:
+    c = core(bound=2)
+    c.submit(req(0))
+    c.submit(req(1))
+    with pytest.raises(QueueFull):
+        c.submit(req(2))
+    assert c.counters.rejected_queue_full == 1
+
+
+def test_retry_goes_to_head_and_never_to_the_failed_replica() -> None:
+    c = core(n=2, budget=1)
+    probe_all(c)
+    c.submit(req(0))
+    (r, d), = c.dispatch(0.0)
+    failed = d.replica_id
+    c.submit(req(1))
+    assert c.retry(r.request_id, 0.1)
+    assert c.queued_requests()[0].request_id == r.request_id  # back at the head
+    probe_all(c)  # even once the failed replica looks healthy again...
+    placed = dict((q.request_id, dd.replica_id) for q, dd in c.dispatch(0.2))
+    assert placed[r.request_id] != failed  # ...the retry avoids it
+
+
+def test_retries_are_bounded() -> None:
+    c = BalancerCore(make_policy("round_robin", PolicyContext()), dispatch_budget=5, max_retries=1)
+    c.set_replicas(["a", "b", "c"])
+    probe_all(c)
+    c.submit(req(0))
+    (r, _), = c.dispatch(0.0)
+    assert c.retry(r.request_id, 0.0)
+    probe_all(c)
+    c.dispatch(0.0)
+    assert not c.retry(r.request_id, 0.0)
+    assert c.counters.failed == 1
+    assert all(v.in_flight == 0 for v in c.replicas.values())
+
+
+def test_cancel_removes_queued_or_in_flight() -> None:
+    c = core(n=1, budget=1)
+    probe_all(c)
+    c.submit(req(0))
+    c.submit(req(1))
+    (r0, _), = c.dispatch(0.0)
+    c.cancel("q1", 0.0)
+    assert c.queue_length == 0
+    c.cancel(r0.request_id, 0.0)
+    v = c.replicas["r0"]
+    assert v.in_flight == 0 and v.pending_prefill_tokens == 0
+
+
+def test_removed_replica_leaves_membership() -> None:
+    c = core(n=3)
+    probe_all(c)
+    c.set_replicas(["r0", "r2"])
+    for i in range(4):
+        c.submit(req(i, prefix=i))
+    assert {d.replica_id for _, d in c.dispatch(0.0)} <= {"r0", "r2"}
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["submit", "dispatch", "first", "done", "fail", "retry", "cancel", "probe"]),
+              st.integers(0, 15)),
+    max_size=80,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, policy=st.sampled_from(["least_load", "round_robin", "prefix_tree", "dualmap", "cache_aware"]))
+def test_bookkeeping_returns_to_zero_after_any_path(ops: list[tuple[str, int]], policy: str) -> None:
+    c = core(policy=policy, n=3, budget=2)
+    probe_all(c)
+    now = 0.0
+    seen: set[int] = set()
+    for op, i in ops:
+        now += 0.01
+        rid = f"q{i}"
+        if op == "submit" and i not in seen:
+            seen.add(i)
+            c.submit(req(i, now, prefix=i % 3))
+        elif op == "dispatch":
+            c.dispatch(now)
+        elif op == "first":
+            c.on_first_token(rid, now)
+        elif op == "done":
+            c.on_complete(rid, True, now)
+        elif op == "fail":
+            c.on_complete(rid, False, now)
+        elif op == "retry":
+            c.retry(rid, now)
+        elif op == "cancel":
+            c.cancel(rid, now)
+        elif op == "probe":
+            probe_all(c)
+        for v in c.replicas.values():
+            assert v.in_flight >= 0 and v.pending_prefill_tokens >= 0
+    for i in seen:
+        c.cancel(f"q{i}", now)
+    assert c.queue_length == 0 and c.in_flight_count == 0
+    assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in c.replicas.values())

@@ -1,0 +1,97 @@
+"""Cross-region offload: availability from heartbeats, rules, snapshot tries, one hop."""
+
+from __future__ import annotations
+
+from skymesh.routing.base import RoutingRequest
+from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.offload import OffloadRouter
+
+
+def req(prefix: int, i: int, forwarded: bool = False) -> RoutingRequest:
+    text = " ".join([f"p{prefix}w{k}" for k in range(256)] + [f"r{i}"])
+    return RoutingRequest(f"{prefix}-{i}", prompt_chunk_hashes(text, 64), 257, 0.0, forwarded=forwarded)
+
+
+def router(**kw: object) -> OffloadRouter:
+    rtt = {"eu-west-1": 0.08, "ap-northeast-1": 0.16, "eu-central-1": 0.03}
+    return OffloadRouter("us-east-1", rtt, heartbeat_interval_s=0.1, miss_limit=3, max_remote_queue=4, **kw)  # type: ignore[arg-type]
+
+
+def beat(r: OffloadRouter, region: str, now: float, avail: int = 2, queue: int = 0, seq: int = 1, epoch: int = 1) -> bool:
+    return r.update_peer(region, now=now, epoch=epoch, seq=seq, replicas_total=3,
+                         replicas_available=avail, queue_length=queue)
+
+
+def test_peer_available_needs_fresh_heartbeat_room_and_short_queue() -> None:
+    r = router()
+    beat(r, "eu-west-1", 0.0)
+    assert r.peer_available("eu-west-1", 0.1)
+    assert not r.peer_available("eu-west-1", 0.31)  # missed 3 intervals: stale
+    beat(r, "eu-west-1", 1.0, avail=0, seq=2)
+    assert not r.peer_available("eu-west-1", 1.0)
+    beat(r, "eu-west-1", 1.1, avail=2, queue=5, seq=3)
+    assert not r.peer_available("eu-west-1", 1.1)  # queue above tau
+    assert abs(r.staleness_s("eu-west-1", 1.2) - 0.1) < 1e-9
+
+
+def test_older_heartbeats_are_ignored() -> None:
+    r = router()
+    assert beat(r, "eu-west-1", 0.0, avail=2, seq=5)
+    assert not beat(r, "eu-west-1", 0.1, avail=0, seq=4)
+    assert r.peers["eu-west-1"].replicas_available == 2
+    assert beat(r, "eu-west-1", 0.2, avail=0, seq=1, epoch=2)  # a restarted balancer
+
+
+def test_forwards_use_up_advertised_replicas_until_next_heartbeat() -> None:
+    r = router()
+    beat(r, "eu-west-1", 0.0, avail=2)
+    for i in range(2):
+        q = req(0, i)
+        assert r.choose(q, 0.0) == "eu-west-1"
+        r.on_forwarded(q, "eu-west-1", 0.0)
+    assert r.choose(req(0, 9), 0.0) is None
+    beat(r, "eu-west-1", 0.1, avail=1, seq=2)
+    assert r.choose(req(0, 9), 0.1) == "eu-west-1"
+
+
+def test_rules_restrict_targets() -> None:
+    eu = OffloadRouter("eu-west-1", {"us-east-1": 0.08, "eu-central-1": 0.02},
+                       allowed=lambda s, d: not s.startswith("eu-") or d.startswith("eu-"))
+    eu.update_peer("us-east-1", now=0.0, seq=1, replicas_available=3)
+    assert eu.choose(req(0, 0), 0.0) is None  # EU traffic never leaves the EU
+    eu.update_peer("eu-central-1", now=0.0, seq=1, replicas_available=1)
+    assert eu.choose(req(0, 0), 0.0) == "eu-central-1"
+
+
+def test_forwarded_request_is_never_forwarded_again() -> None:
+    r = router()
+    beat(r, "eu-west-1", 0.0)
+    assert r.choose(req(0, 0, forwarded=True), 0.0) is None
+
+
+def test_snapshot_trie_prefers_where_the_prefix_went_then_rtt() -> None:
+    r = router()
+    for region in ("eu-west-1", "ap-northeast-1", "eu-central-1"):
+        beat(r, region, 0.0, avail=5)
+    # no history: nearest (smallest RTT) wins
+    assert r.choose(req(7, 0), 0.0) == "eu-central-1"
+    r.on_forwarded(req(7, 0), "ap-northeast-1", 0.0)
+    # the prefix was sent to ap-northeast-1 before: its KV cache is warm there
+    assert r.choose(req(7, 1), 0.0) == "ap-northeast-1"
+    # unrelated prefix: back to RTT order
+    assert r.choose(req(8, 0), 0.0) == "eu-central-1"
+
+
+def test_disabled_router_never_offloads() -> None:
+    r = router(enabled=False)
+    beat(r, "eu-west-1", 0.0)
+    assert r.choose(req(0, 0), 0.0) is None
+
+
+def test_mark_unavailable_until_next_heartbeat() -> None:
+    r = router()
+    beat(r, "eu-west-1", 0.0, avail=3)
+    r.mark_unavailable("eu-west-1")
+    assert r.choose(req(0, 0), 0.0) is None
+    beat(r, "eu-west-1", 0.1, avail=3, seq=2)
+    assert r.choose(req(0, 0), 0.1) == "eu-west-1"
