@@ -1,0 +1,54 @@
+"""SGLang router's cache-aware rule.
+
+If the load is imbalanced — (max − min) in-flight above ``balance_abs_threshold`` AND max
+above ``balance_rel_threshold`` × min — route to the least loaded replica. Otherwise, if
+the best prefix match covers more than ``cache_threshold`` of the prompt, route to the
+replica holding it; else to the replica whose cache tree is smallest (most room), which
+is how SGLang spreads new prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.policies.common import CacheTrackingPolicy, available, decide, least_loaded
+
+
+class CacheAwarePolicy(CacheTrackingPolicy):
+    name = "cache_aware"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        o = ctx.options
+        self.cache_threshold = float(o.get("cache_threshold", 0.5))
+        self.balance_abs = int(o.get("balance_abs_threshold", 32))
+        self.balance_rel = float(o.get("balance_rel_threshold", 1.5))
+        self.tree_tokens: dict[str, int] = {}  # tokens each replica was sent (its tree size)
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None:
+        super().set_replicas(replica_ids)
+        self.tree_tokens = {r: self.tree_tokens.get(r, 0) for r in replica_ids}
+
+    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
+        matched, _ = self.trie.longest_match(req.chunk_hashes, (replica_id,))
+        new_tokens = max(0, req.prompt_tokens - self.hit_tokens(req, matched))
+        self.tree_tokens[replica_id] = self.tree_tokens.get(replica_id, 0) + new_tokens
+        super().on_dispatch(req, replica_id, now)
+
+    def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
+        views = available(replicas)
+        if not views:
+            return Decision(None, "none available")
+        loads = [v.in_flight for v in replicas.values() if v.healthy]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            v = min(views, key=lambda x: (x.in_flight, x.replica_id))
+            return decide(v, "imbalance")
+        matched, owners = self.best_prefix(req, views)
+        if owners and req.prompt_tokens and matched / req.prompt_tokens > self.cache_threshold:
+            v = least_loaded(owners)
+            assert v is not None
+            return decide(v, "cache_hit", matched)
+        v = min(views, key=lambda x: (self.tree_tokens.get(x.replica_id, 0), x.in_flight, x.replica_id))
+        return decide(v, "smallest_tree")

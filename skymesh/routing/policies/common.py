@@ -1,0 +1,84 @@
+"""Pieces every policy shares: availability filters, load order, a cache tracker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from skymesh.routing.base import Decision, Migration, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.trie import BoundedPrefixTrie
+
+
+def available(replicas: Mapping[str, ReplicaView]) -> list[ReplicaView]:
+    return [v for v in replicas.values() if v.available and v.healthy]
+
+
+def load_key(v: ReplicaView) -> tuple[int, int, str]:
+    return (v.pending_prefill_tokens, v.in_flight, v.replica_id)
+
+
+def least_loaded(views: Iterable[ReplicaView]) -> ReplicaView | None:
+    return min(views, key=load_key, default=None)
+
+
+class BasePolicy:
+    """No-op lifecycle hooks; policies override what they use."""
+
+    name = "base"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.replica_ids: list[str] = []
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None:
+        self.replica_ids = list(replica_ids)
+
+    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
+        return None
+
+    def on_first_token(self, req: RoutingRequest, replica_id: str, ttft_s: float, now: float) -> None:
+        return None
+
+    def on_complete(self, req: RoutingRequest, replica_id: str, ok: bool, now: float) -> None:
+        return None
+
+    def rebalance(
+        self, queued: Sequence[RoutingRequest], replicas: Mapping[str, ReplicaView], now: float
+    ) -> list[Migration]:
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class CacheTrackingPolicy(BasePolicy):
+    """A policy that remembers which replica was sent which prefix (its view of their KV
+    caches) in a bounded prefix trie."""
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.trie = BoundedPrefixTrie(ctx.trie_max_nodes)
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None:
+        gone = set(self.replica_ids) - set(replica_ids)
+        super().set_replicas(replica_ids)
+        for rid in gone:
+            self.trie.remove_target(rid)
+
+    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
+        self.trie.insert(req.chunk_hashes, replica_id, now)
+
+    def hit_tokens(self, req: RoutingRequest, chunks: int) -> int:
+        return min(req.prompt_tokens, chunks * self.ctx.chunk_tokens)
+
+    def best_prefix(self, req: RoutingRequest, views: list[ReplicaView]) -> tuple[int, list[ReplicaView]]:
+        """Matched tokens of the longest cached prefix among ``views``, and its holders."""
+        chunks, owners = self.trie.longest_match(req.chunk_hashes, (v.replica_id for v in views))
+        return self.hit_tokens(req, chunks), [v for v in views if v.replica_id in owners]
+
+    def stats(self) -> dict[str, Any]:
+        return {"trie": self.trie.stats()}
+
+
+def decide(view: ReplicaView, reason: str, matched: int = 0, est: float | None = None) -> Decision:
+    return Decision(replica_id=view.replica_id, reason=reason, matched_tokens=matched, estimated_ttft_s=est)

@@ -1,0 +1,38 @@
+"""SkyWalker-CH: consistent hashing on the session key (``X-Session-ID`` or OpenAI
+``user``; the prompt's first chunk when neither is given), walking clockwise past
+unavailable replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import xxhash
+
+from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.policies.common import BasePolicy, decide
+from skymesh.routing.ring import DualHashRing
+
+
+class ConsistentHashPolicy(BasePolicy):
+    name = "consistent_hash"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.ring = DualHashRing(virtual_nodes=int(ctx.options.get("virtual_nodes", 160)))
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None:
+        super().set_replicas(replica_ids)
+        self.ring.set_members(replica_ids)
+
+    @staticmethod
+    def key(req: RoutingRequest) -> int:
+        if req.session_key:
+            return xxhash.xxh64_intdigest(req.session_key.encode())
+        return req.chunk_hashes[0] if req.chunk_hashes else 0
+
+    def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
+        for rid in self.ring.walk_from(self.key(req)):
+            v = replicas.get(rid)
+            if v is not None and v.available and v.healthy:
+                return decide(v, "consistent_hash")
+        return Decision(None, "none available")

@@ -1,0 +1,164 @@
+"""DualMap: dual-hash candidates with SLO-aware choice and hotspot-aware migration.
+
+- Candidates: the prompt's ring key (its first ``key_length`` chunks, grown for hot
+  prefixes by the hotness tree) hashed twice onto the dual hash ring → (c1, c2).
+- SLO-aware choice: keep the cache-affine candidate (more cached prefix tokens) while its
+  estimated TTFT meets the SLO; otherwise take the candidate with the lower estimate.
+  Equal hits → the less loaded one (power of two choices).
+- Selective pushing: only available candidates can be returned. When neither is
+  available the request is *held* at the balancer for its preferred candidate, as long as
+  the time it has waited plus its estimated TTFT still leaves room in the SLO
+  (``max_hold_fraction`` of it); after that it spills to the best available replica.
+- Hotspot-aware rebalancing: a held request migrates to its other candidate when the
+  benefit B = TTFT_i − TTFT_j > 0 and TTFT_j < SLO, where TTFT includes the prefill work
+  already held at the balancer for that replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from skymesh.routing.base import Decision, Migration, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.hashing import key_hash
+from skymesh.routing.hotness import HotnessTree
+from skymesh.routing.policies.common import available, decide
+from skymesh.routing.policies.min_ttft import EstimatingPolicy
+from skymesh.routing.ring import DualHashRing
+
+
+class DualMapPolicy(EstimatingPolicy):
+    name = "dualmap"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        o = ctx.options
+        self.ring = DualHashRing(virtual_nodes=int(o.get("virtual_nodes", 160)))
+        self.hotness = HotnessTree(
+            base_chunks=int(o.get("base_key_chunks", 1)), window=int(o.get("hotness_window", 512))
+        )
+        self.max_hold_fraction = float(o.get("max_hold_fraction", 0.5))
+        self.held: dict[str, str] = {}  # request id -> candidate it waits for
+        self.migrations_total = 0
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None:
+        super().set_replicas(replica_ids)
+        self.ring.set_members(replica_ids)
+        members = set(replica_ids)
+        self.held = {k: v for k, v in self.held.items() if v in members}
+
+    def candidates(self, req: RoutingRequest) -> tuple[str, str]:
+        n = len(self.ring)
+        length = self.hotness.key_length(req.chunk_hashes, n)
+        return self.ring.candidates(key_hash(req.chunk_hashes, length))
+
+    def _slo(self, req: RoutingRequest) -> float:
+        return req.slo_ttft_s if req.slo_ttft_s is not None else self.ctx.ttft_slo_s
+
+    def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
+        if len(self.ring) == 0:
+            return Decision(None, "no replicas")
+        c1, c2 = self.candidates(req)
+        per = self.trie.match_per_target(req.chunk_hashes, (c1, c2))
+        cands = []
+        for rid in dict.fromkeys((c1, c2)):
+            v = replicas.get(rid)
+            if v is None:
+                continue
+            hit = self.hit_tokens(req, per.get(rid, 0))
+            est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
+            cands.append((v, hit, est))
+        slo = self._slo(req)
+        pinned = self.held.get(req.request_id)
+        ok = [c for c in cands if c[0].available and c[0].healthy]
+        if pinned is not None:
+            for c in ok:
+                if c[0].replica_id == pinned:
+                    return self._place(req, c, "migrated" if pinned != c1 else "affinity")
+        if ok:
+            if len(cands) == 2 and cands[0][1] != cands[1][1]:
+                affine = max(cands, key=lambda c: c[1])
+                if affine in ok and affine[2] <= slo:
+                    return self._place(req, affine, "affinity")
+            # equal hits, or the affine one would break the SLO / is busy: lower estimate
+            best = min(ok, key=lambda c: (c[2], c[0].in_flight, c[0].replica_id))
+            return self._place(req, best, "slo" if len(ok) == 2 else "available_candidate")
+        # neither candidate can take it now
+        waited = now - req.arrival
+        best_est = min((c[2] for c in cands), default=0.0)
+        if waited + best_est <= self.max_hold_fraction * slo:
+            if pinned is None and cands:
+                self.held[req.request_id] = max(cands, key=lambda c: (c[1], -c[2]))[0].replica_id
+            return Decision(None, "hold")
+        views = available(replicas)
+        if not views:
+            return Decision(None, "none available")
+        matched, owners = self.best_prefix(req, views)
+        pool = owners if owners and matched else views
+        per_all = {v.replica_id: matched if v in owners else 0 for v in pool}
+        scored = [
+            (v, per_all[v.replica_id],
+             self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - per_all[v.replica_id]))
+            for v in pool
+        ]
+        return self._place(req, min(scored, key=lambda c: (c[2], c[0].replica_id)), "spill")
+
+    def _place(self, req: RoutingRequest, cand: tuple[ReplicaView, int, float], reason: str) -> Decision:
+        v, hit, est = cand
+        self.held.pop(req.request_id, None)
+        self.remember(req, v, hit)
+        return decide(v, reason, hit, est)
+
+    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
+        self.hotness.observe(req.chunk_hashes, len(self.ring))
+        super().on_dispatch(req, replica_id, now)
+
+    def on_complete(self, req: RoutingRequest, replica_id: str, ok: bool, now: float) -> None:
+        super().on_complete(req, replica_id, ok, now)
+        self.held.pop(req.request_id, None)
+
+    def rebalance(
+        self, queued: Sequence[RoutingRequest], replicas: Mapping[str, ReplicaView], now: float
+    ) -> list[Migration]:
+        if not self.held or len(self.ring) < 2:
+            return []
+        live = {r.request_id for r in queued}
+        self.held = {k: v for k, v in self.held.items() if k in live}
+        # prefill work already held at the balancer for each replica, in queue order
+        backlog: dict[str, int] = {}
+        moves: list[Migration] = []
+        for req in queued:
+            target = self.held.get(req.request_id)
+            if target is None:
+                continue
+            c1, c2 = self.candidates(req)
+            other = c2 if target == c1 else c1
+            vi, vj = replicas.get(target), replicas.get(other)
+            if vj is None or not vj.healthy or other == target:
+                backlog[target] = backlog.get(target, 0) + req.prompt_tokens
+                continue
+            per = self.trie.match_per_target(req.chunk_hashes, (target, other))
+            hit_i = self.hit_tokens(req, per.get(target, 0))
+            hit_j = self.hit_tokens(req, per.get(other, 0))
+            ahead_i = (vi.pending_prefill_tokens if vi else 0) + backlog.get(target, 0)
+            ahead_j = vj.pending_prefill_tokens + backlog.get(other, 0)
+            ttft_i = self.estimator.estimate(ahead_i, req.prompt_tokens - hit_i)
+            ttft_j = self.estimator.estimate(ahead_j, req.prompt_tokens - hit_j)
+            benefit = ttft_i - ttft_j
+            waited = now - req.arrival
+            if benefit > 0 and waited + ttft_j < self._slo(req):
+                self.held[req.request_id] = other
+                backlog[other] = backlog.get(other, 0) + req.prompt_tokens - hit_j
+                moves.append(Migration(req.request_id, target, other, benefit))
+            else:
+                backlog[target] = backlog.get(target, 0) + req.prompt_tokens - hit_i
+        self.migrations_total += len(moves)
+        return moves
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **super().stats(),
+            "held": len(self.held),
+            "hot_prefixes": len(self.hotness.hot),
+            "migrations": self.migrations_total,
+        }

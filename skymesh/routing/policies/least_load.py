@@ -1,0 +1,17 @@
+"""Least load: the available replica with the fewest pending prefill tokens, then the
+fewest in-flight requests."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
+from skymesh.routing.policies.common import BasePolicy, available, decide, least_loaded
+
+
+class LeastLoadPolicy(BasePolicy):
+    name = "least_load"
+
+    def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
+        v = least_loaded(available(replicas))
+        return Decision(None, "none available") if v is None else decide(v, "least_load")
