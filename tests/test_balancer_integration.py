@@ -18,6 +18,9 @@ from tests.mesh_helpers import Proc, free_port, one_region_config, start_replica
 pytestmark = pytest.mark.timeout(180)
 
 N_REPLICAS = 4
+# requests a replica may get between two probes; raising it to 1000 (no selective
+# pushing) makes test_selective_pushing_keeps_waiting_at_the_balancer fail
+SELECTIVE_PUSH_BUDGET = 2
 
 
 class Cluster:
@@ -161,27 +164,31 @@ async def test_queue_bound_gives_429_with_retry_after(tmp_path: Path) -> None:
         await b.stop()
 
 
-async def _sample_replicas(urls: dict[str, str], stop: asyncio.Event, out: list[dict[str, tuple[int, int]]]) -> None:
+async def _sample_replicas(b: Balancer, urls: dict[str, str], stop: asyncio.Event,
+                           out: list[dict[str, tuple[int, int]]], queue: list[int]) -> None:
     from skymesh.balancer.prober import probe_replica
 
     async with aiohttp.ClientSession() as s:
         while not stop.is_set():
             res = await asyncio.gather(*(probe_replica(s, u, 1.0) for u in urls.values()))
             out.append({rid: (p.num_running, p.num_waiting) for rid, p in zip(urls, res, strict=True) if p.healthy})
+            queue.append(b.core.queue_length)
             await asyncio.sleep(0.05)
 
 
 async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -> None:
     # small KV caches so 4 replicas cannot hold 48 long requests at once
     procs, b, base = await start_cluster(
-        tmp_path, time_scale=1.0, sim_extra=["--num-gpu-blocks", "64"], name="least_load"
+        tmp_path, time_scale=1.0, sim_extra=["--num-gpu-blocks", "64"], name="least_load",
+        options={"dispatch_budget": SELECTIVE_PUSH_BUDGET},
     )
     try:
         await wait_available(b)
         urls = {r: i.url for r, i in b.replicas.items()}
         samples: list[dict[str, tuple[int, int]]] = []
+        queue: list[int] = []
         stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample_replicas(urls, stop, samples))
+        sampler = asyncio.create_task(_sample_replicas(b, urls, stop, samples, queue))
         async with aiohttp.ClientSession() as s:
             results = await asyncio.gather(
                 *(complete(s, base, prompt(k, k, 200, 40), max_tokens=24) for k in range(48))
@@ -192,6 +199,7 @@ async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -
         assert b.core.counters.completed == 48
         # the balancer held requests back: its queue was used...
         assert b.core.counters.dispatched == 48
+        assert max(queue) >= 10
         # ...and no replica built a waiting queue while another sat idle
         for snap in samples:
             if len(snap) < N_REPLICAS:

@@ -118,6 +118,7 @@ class Balancer:
             max_retries=cfg.policy.max_retries,
         )
         self.replicas: dict[str, ReplicaInfo] = {}
+        self.wake = asyncio.Event()
         self.set_replicas(
             [ReplicaInfo(r.id, r.url, region) for r in self.region_cfg.replicas]
         )
@@ -141,7 +142,6 @@ class Balancer:
         }
         self.metrics = BalancerMetrics(self)
         self.waiters: dict[str, asyncio.Future[Placement]] = {}
-        self.wake = asyncio.Event()
         self.offloaded_out = 0
         self.offloaded_in = 0
         self.controller_connected = False
