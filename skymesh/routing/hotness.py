@@ -44,14 +44,19 @@ class HotnessTree:
         self._recent.append(keys)
         for k in keys:
             self._counts[k] = self._counts.get(k, 0) + 1
-        if len(self._recent) > self.window:
+        total = len(self._recent)
+        if total > self.window:
+            total -= 1
             for k in self._recent.popleft():
                 c = self._counts[k] - 1
                 if c:
                     self._counts[k] = c
                 else:
                     del self._counts[k]
-        total = len(self._recent)
+                # a hot key is re-judged whenever its share drops, even if no request
+                # under it arrives any more
+                if k in self.hot and c / total < 1.0 / n_replicas:
+                    self.hot.discard(k)
         if total < max(8, n_replicas):
             return  # too little traffic to call anything hot
         for k in keys:
@@ -61,6 +66,3 @@ class HotnessTree:
                     self.hot.discard(k)
             elif share > 2.0 / n_replicas:
                 self.hot.add(k)
-        # keys that dropped out of the window entirely are cold
-        if len(self.hot) > len(self._counts):
-            self.hot &= self._counts.keys()

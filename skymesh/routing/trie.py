@@ -43,7 +43,8 @@ class BoundedPrefixTrie:
     def insert(self, chunks: Sequence[int], target: str, now: float) -> None:
         nodes = self._nodes
         parent: int | None = None
-        for h in chunks:
+        # a path longer than the whole bound keeps only its first max_nodes chunks
+        for h in chunks[: self.max_nodes]:
             node = nodes.get(h)
             if node is None:
                 node = nodes[h] = _Node(parent)

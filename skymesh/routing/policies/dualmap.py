@@ -6,9 +6,9 @@
   estimated TTFT meets the SLO; otherwise take the candidate with the lower estimate.
   Equal hits → the less loaded one (power of two choices).
 - Selective pushing: only available candidates can be returned. When neither is
-  available the request is *held* at the balancer for its preferred candidate, as long as
-  the time it has waited plus its estimated TTFT still leaves room in the SLO
-  (``max_hold_fraction`` of it); after that it spills to the best available replica.
+  available the request is *held* at the balancer for its preferred candidate while its
+  wait so far is within ``max_hold_fraction`` of the SLO's slack (SLO − estimated TTFT);
+  after that it spills to the best available replica.
 - Hotspot-aware rebalancing: a held request migrates to its other candidate when the
   benefit B = TTFT_i − TTFT_j > 0 and TTFT_j < SLO, where TTFT includes the prefill work
   already held at the balancer for that replica.
@@ -86,7 +86,9 @@ class DualMapPolicy(EstimatingPolicy):
         # neither candidate can take it now
         waited = now - req.arrival
         best_est = min((c[2] for c in cands), default=0.0)
-        if waited + best_est <= self.max_hold_fraction * slo:
+        # hold while the wait has used at most a fraction of the SLO's slack over the
+        # candidate's own estimate; a request that could not meet the SLO anyway spills
+        if waited <= self.max_hold_fraction * (slo - best_est):
             if pinned is None and cands:
                 self.held[req.request_id] = max(cands, key=lambda c: (c[1], -c[2]))[0].replica_id
             return Decision(None, "hold")
