@@ -63,8 +63,8 @@ class Proc:
             return ""
 
 
-async def wait_http_ok(url: str, timeout: float = 30.0, proc: Proc | None = None) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_http_ok(url: str, within_s: float = 30.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + within_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             if proc is not None and proc.p.poll() is not None:
@@ -74,7 +74,7 @@ async def wait_http_ok(url: str, timeout: float = 30.0, proc: Proc | None = None
                     if r.status == 200:
                         return
             await asyncio.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout}s" + (f":\n{proc.tail()}" if proc else ""))
+    raise TimeoutError(f"{url} not healthy after {within_s}s" + (f":\n{proc.tail()}" if proc else ""))
 
 
 def start_replica_sim(tmp: Path, port: int, profile: str = "tiny-test", time_scale: float = 1.0,
