@@ -10,6 +10,7 @@ import signal
 import sys
 
 from skymesh.config import ConfigError, load_config
+from skymesh.gc_tuning import tune_gc
 from skymesh.logging_setup import setup_logging
 
 
@@ -35,6 +36,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await balancer.start()
+    tune_gc()
     try:
         await stop.wait()
     finally:

@@ -9,7 +9,8 @@ budget at 2k-token prompts.
 Each node records the targets (replicas, or peer regions for a snapshot trie) that were
 sent that prefix and when. A hard bound on the node count is enforced by evicting the least
 recently used *leaves* first (SkyWalker evicts oldest entries); interior nodes are never
-orphaned, so memory stays bounded under an endless stream of unique prompts.
+orphaned, so memory stays bounded under an endless stream of unique prompts. Leaves are kept in their
+own LRU list so an eviction is O(1).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+
+def _narrow(alive: set[str] | frozenset[str], targets: dict[str, float]) -> set[str]:
+    """alive ∩ targets in O(min(len)) — deep nodes hold one or two targets."""
+    if len(targets) < len(alive):
+        return {t for t in targets if t in alive}
+    return {t for t in alive if t in targets}
 
 
 class _Node:
@@ -33,8 +41,9 @@ class BoundedPrefixTrie:
         if max_nodes < 1:
             raise ValueError("max_nodes must be >= 1")
         self.max_nodes = max_nodes
-        # node id -> node, in least-recently-used order (the front is evicted first)
-        self._nodes: OrderedDict[int, _Node] = OrderedDict()
+        self._nodes: dict[int, _Node] = {}
+        # the current leaves in least-recently-used order: eviction pops the front, O(1)
+        self._leaves: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -42,6 +51,7 @@ class BoundedPrefixTrie:
 
     def insert(self, chunks: Sequence[int], target: str, now: float) -> None:
         nodes = self._nodes
+        leaves = self._leaves
         parent: int | None = None
         # a path longer than the whole bound keeps only its first max_nodes chunks
         for h in chunks[: self.max_nodes]:
@@ -49,9 +59,13 @@ class BoundedPrefixTrie:
             if node is None:
                 node = nodes[h] = _Node(parent)
                 if parent is not None:
-                    nodes[parent].children += 1
-            else:
-                nodes.move_to_end(h)
+                    pn = nodes[parent]
+                    if pn.children == 0:
+                        leaves.pop(parent, None)
+                    pn.children += 1
+                leaves[h] = None
+            elif node.children == 0:
+                leaves.move_to_end(h)
             node.targets[target] = now
             parent = h
         if len(nodes) > self.max_nodes:
@@ -59,55 +73,75 @@ class BoundedPrefixTrie:
 
     def _evict(self, protect: int | None) -> None:
         nodes = self._nodes
-        while len(nodes) > self.max_nodes:
-            victim = None
-            # the least recently used leaf: a path is refreshed root to leaf on insert, so
-            # a leaf is always behind its ancestors and the scan ends after a few steps
-            for h, node in nodes.items():
-                if node.children == 0 and h != protect:
-                    victim = h
-                    break
-            if victim is None:
-                return
+        leaves = self._leaves
+        while len(nodes) > self.max_nodes and leaves:
+            victim = next(iter(leaves))
+            if victim == protect:
+                if len(leaves) == 1:
+                    return
+                leaves.move_to_end(victim)
+                continue
+            del leaves[victim]
             node = nodes.pop(victim)
             if node.parent is not None:
                 p = nodes.get(node.parent)
                 if p is not None:
                     p.children -= 1
+                    if p.children == 0:
+                        # as old as the child it just lost: first in line
+                        leaves[node.parent] = None
+                        leaves.move_to_end(node.parent, last=False)
             self.evictions += 1
 
     def longest_match(
         self, chunks: Sequence[int], available_targets: Iterable[str]
     ) -> tuple[int, set[str]]:
         """Longest prefix (in chunks) held by any of ``available_targets``, and which of
-        them hold it. Stops as soon as no available target remains on the path."""
-        alive = set(available_targets)
-        best_len, best = 0, set()
+        them hold it.
+
+        A target on a node also holds every ancestor (paths are inserted whole and only
+        leaves are evicted), so: walk down while the path exists (one dict lookup per
+        chunk, stopping where it leaves the trie), then scan back up only until the first
+        node an available target holds. Deep nodes hold one or two targets, so the common
+        case never touches the wide, shared system-prompt nodes at all.
+        """
+        alive = available_targets if isinstance(available_targets, (set, frozenset)) else set(available_targets)
+        if not alive:
+            return 0, set()
         nodes = self._nodes
-        for i, h in enumerate(chunks):
+        path: list[_Node] = []
+        for h in chunks:
             node = nodes.get(h)
             if node is None:
                 break
-            alive &= node.targets.keys()
-            if not alive:
-                break
-            best_len, best = i + 1, alive
-        return best_len, set(best)
+            path.append(node)
+        for depth in range(len(path), 0, -1):
+            owners = _narrow(alive, path[depth - 1].targets)
+            if owners:
+                return depth, owners
+        return 0, set()
 
     def match_per_target(self, chunks: Sequence[int], targets: Iterable[str]) -> dict[str, int]:
         """Matched chunk count for each target (0 when it holds no prefix)."""
         remaining = set(targets)
         out = dict.fromkeys(remaining, 0)
         nodes = self._nodes
-        for i, h in enumerate(chunks):
+        depth = 0
+        for h in chunks:
             node = nodes.get(h)
             if node is None:
                 break
-            remaining &= node.targets.keys()
+            kept = _narrow(remaining, node.targets)
+            # targets dropping out here matched exactly `depth` chunks (O(dropped) work)
+            if len(kept) != len(remaining):
+                for t in remaining - kept:
+                    out[t] = depth
+            remaining = kept
             if not remaining:
                 break
-            for t in remaining:
-                out[t] = i + 1
+            depth += 1
+        for t in remaining:
+            out[t] = depth
         return out
 
     def remove_target(self, target: str) -> None:

@@ -96,14 +96,13 @@ class DualMapPolicy(EstimatingPolicy):
         if not views:
             return Decision(None, "none available")
         matched, owners = self.best_prefix(req, views)
+        # spilling: among the holders of the longest cached prefix (all hit `matched`
+        # tokens), or among everyone (no hits), the lowest estimate = the least pending
         pool = owners if owners and matched else views
-        per_all = {v.replica_id: matched if v in owners else 0 for v in pool}
-        scored = [
-            (v, per_all[v.replica_id],
-             self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - per_all[v.replica_id]))
-            for v in pool
-        ]
-        return self._place(req, min(scored, key=lambda c: (c[2], c[0].replica_id)), "spill")
+        v = min(pool, key=lambda x: (x.pending_prefill_tokens, x.in_flight, x.replica_id))
+        hit = matched if pool is owners else 0
+        est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
+        return self._place(req, (v, hit, est), "spill")
 
     def _place(self, req: RoutingRequest, cand: tuple[ReplicaView, int, float], reason: str) -> Decision:
         v, hit, est = cand
