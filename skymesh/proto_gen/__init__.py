@@ -1,0 +1,1 @@
+"""Generated from proto/ by `python -m skymesh.proto_build`; do not edit."""
