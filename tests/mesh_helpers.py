@@ -102,3 +102,36 @@ def one_region_config(replica_urls: dict[str, str], balancer_port: int, grpc_por
         "policy": {"name": "dualmap", "ttft_slo_s": 2.0, "probe_interval_s": 0.05, **policy},
         "offload": {"enabled": False},
     }
+
+
+def local_config_free_ports(time_scale: float = 1.0) -> dict[str, Any]:
+    """The embedded local.yaml with every port replaced by a free one (and the advertise
+    addresses kept on their per-region loopback IPs)."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    for r in data["regions"]:
+        b = r["balancer"]
+        b["listen"] = f"127.0.0.1:{free_port()}"
+        b["grpc_listen"] = f"127.0.0.1:{free_port()}"
+        adv_host = b["advertise"].rsplit(":", 1)[0]
+        b["advertise"] = f"{adv_host}:{free_port(adv_host)}"
+        gadv_host = b["grpc_advertise"].rsplit(":", 1)[0]
+        b["grpc_advertise"] = f"{gadv_host}:{free_port(gadv_host)}"
+        for rep in r["replicas"]:
+            rep["sim"]["port"] = free_port()
+            rep["sim"]["time_scale"] = time_scale
+    data["controller"]["listen"] = f"127.0.0.1:{free_port()}"
+    data["controller"]["http_listen"] = f"127.0.0.1:{free_port()}"
+    dns_port = free_port()
+    while True:  # the control endpoint is dns port + 1: both must be free
+        try:
+            import socket as _s
+
+            with _s.socket() as t:
+                t.bind(("127.0.0.1", dns_port + 1))
+            break
+        except OSError:
+            dns_port = free_port()
+    data["dns"]["listen"] = f"127.0.0.1:{dns_port}"
+    return data

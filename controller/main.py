@@ -1,0 +1,49 @@
+"""`skymesh controller --config FILE`: run the central controller."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from skymesh.config import ConfigError, load_config
+from skymesh.logging_setup import setup_logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local mesh)")
+    p.add_argument("--state-path", default=None, help="override controller.state_path")
+    p.add_argument("--log-level", default="INFO")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from controller.service import ControllerService
+    from skymesh.dns.factory import make_provider
+
+    cfg = load_config(args.config)
+    if args.state_path:
+        cfg = dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, state_path=args.state_path))
+    svc = ControllerService(cfg, make_provider(cfg))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await svc.start()
+    try:
+        await stop.wait()
+    finally:
+        await svc.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        load_config(args.config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args))

@@ -1,0 +1,301 @@
+"""The central controller: membership, health, failover, DNS — off the data path.
+
+It owns the topology from the YAML, probes every balancer's /health, declares one dead
+after ``failure_threshold`` consecutive misses, lets the nearest live balancer adopt the
+dead one's replicas (and hands them back on recovery), pushes every topology change to
+the balancers' WatchTopology streams, keeps its state in SQLite (recovered on restart) and
+tells the DNS provider which balancers are healthy. Balancers never wait on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+import grpc
+from aiohttp import web
+
+from controller.state import StateStore
+from controller.topology import assign_owners, nearest_alive
+from skymesh.config import MeshConfig
+from skymesh.dns.base import BalancerEndpoint, DnsProvider
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+
+log = logging.getLogger("skymesh.controller")
+
+DNS_RESYNC_S = 10.0
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ControllerService(mesh_pb2_grpc.ControllerServicer):
+    def __init__(self, cfg: MeshConfig, dns: DnsProvider | None = None) -> None:
+        self.cfg = cfg
+        self.dns = dns
+        self.store = StateStore(cfg.controller.state_path)
+        st = self.store.load()
+        self.version: int = st["version"]
+        self.started_ms = _now_ms()
+        self.balancers: dict[str, dict[str, Any]] = {}
+        for r in cfg.regions:
+            saved = st["balancers"].get(r.name, {})
+            self.balancers[r.name] = {
+                "balancer_id": saved.get("balancer_id") or "",
+                "epoch": saved.get("epoch") or 0,
+                # a balancer not known to be dead is presumed alive until probes say so
+                "alive": saved.get("alive", True),
+                "http_url": r.balancer.advertise_url,
+                "grpc_address": str(r.balancer.grpc_advertise),
+                "last_seen_ms": saved.get("last_seen_ms"),
+            }
+        self.failures = {r.name: 0 for r in cfg.regions}
+        self.reports: dict[str, dict[str, Any]] = st["reports"]
+        saved_owners = st["owners"]
+        known = {rep.id for r in cfg.regions for rep in r.replicas}
+        if saved_owners and set(saved_owners) == known:
+            self.owners = saved_owners  # recovered ownership (e.g. an adoption in force)
+        else:
+            self.owners = assign_owners(cfg, self.alive_regions())
+        self._subscribers: set[asyncio.Queue[Any]] = set()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._grpc: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ topology
+
+    def alive_regions(self) -> set[str]:
+        return {r for r, b in self.balancers.items() if b["alive"]}
+
+    def home_of(self) -> dict[str, tuple[str, str]]:
+        return {rep.id: (r.name, rep.url) for r in self.cfg.regions for rep in r.replicas}
+
+    def topology(self) -> Any:
+        homes = self.home_of()
+        out = mesh_pb2.Topology(version=self.version, policy=self.cfg.policy.name)
+        for r in self.cfg.regions:
+            b = self.balancers[r.name]
+            a = out.balancers.add(
+                region=r.name, balancer_id=b["balancer_id"], http_url=b["http_url"],
+                grpc_address=b["grpc_address"], alive=b["alive"],
+            )
+            for rid, owner in sorted(self.owners.items()):
+                if owner == r.name:
+                    home, url = homes[rid]
+                    a.replicas.add(replica_id=rid, url=url, home_region=home)
+        return out
+
+    async def _changed(self, reason: str) -> None:
+        """Recompute ownership after a liveness change; persist, push, update DNS."""
+        async with self._lock:
+            self.owners = assign_owners(self.cfg, self.alive_regions())
+            self.version += 1
+            homes = self.home_of()
+            owners = {rid: (o, homes[rid][0], homes[rid][1]) for rid, o in self.owners.items()}
+            await asyncio.to_thread(self.store.save_topology, self.version, owners, self.balancers)
+            topo = self.topology()
+            for q in list(self._subscribers):
+                q.put_nowait(topo)
+            log.info("topology changed", extra={"version": self.version, "reason": reason,
+                                                 "alive": sorted(self.alive_regions())})
+        await self.sync_dns()
+
+    def endpoints(self) -> list[BalancerEndpoint]:
+        eps = []
+        for r in self.cfg.regions:
+            b = self.balancers[r.name]
+            u = urlparse(b["http_url"])
+            eps.append(BalancerEndpoint(
+                region=r.name, balancer_id=b["balancer_id"] or r.name, ip=u.hostname or "",
+                port=u.port or 80, healthy=b["alive"], aws_region=r.aws_region,
+            ))
+        return eps
+
+    async def sync_dns(self) -> None:
+        if self.dns is None:
+            return
+        try:
+            await self.dns.sync(self.endpoints())
+        except Exception as e:  # DNS trouble must never stop failover handling
+            log.warning("dns sync failed", extra={"provider": self.dns.name, "error": repr(e)})
+
+    # ------------------------------------------------------------------ health
+
+    async def _set_alive(self, region: str, alive: bool, reason: str) -> None:
+        b = self.balancers[region]
+        if alive:
+            self.failures[region] = 0
+            b["last_seen_ms"] = _now_ms()
+        if b["alive"] != alive:
+            b["alive"] = alive
+            await self._changed(f"{region} {'recovered' if alive else 'dead'}: {reason}")
+
+    async def _probe_loop(self) -> None:
+        interval = self.cfg.controller.probe_interval_s
+        timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, interval)))
+        assert self._session is not None
+        last_dns = time.monotonic()
+        while True:
+            started = time.monotonic()
+
+            async def probe(region: str) -> tuple[str, bool, str]:
+                url = self.balancers[region]["http_url"] + "/health"
+                try:
+                    async with self._session.get(url, timeout=timeout) as r:  # type: ignore[union-attr]
+                        return region, r.status == 200, f"HTTP {r.status}"
+                except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                    return region, False, type(e).__name__
+
+            for region, ok, why in await asyncio.gather(*(probe(r) for r in self.balancers)):
+                if ok:
+                    await self._set_alive(region, True, "probe ok")
+                else:
+                    self.failures[region] += 1
+                    if self.failures[region] >= self.cfg.controller.failure_threshold:
+                        await self._set_alive(region, False, why)
+            if time.monotonic() - last_dns >= DNS_RESYNC_S:
+                last_dns = time.monotonic()
+                await self.sync_dns()  # idempotent: repairs drift
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    # ------------------------------------------------------------------ gRPC
+
+    async def Register(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if request.region not in self.balancers:
+            return mesh_pb2.RegisterReply(accepted=False, reason=f"unknown region {request.region!r}")
+        b = self.balancers[request.region]
+        b["balancer_id"] = request.balancer_id
+        b["epoch"] = request.epoch
+        if request.http_url:
+            b["http_url"] = request.http_url
+        if request.grpc_address:
+            b["grpc_address"] = request.grpc_address
+        await self._set_alive(request.region, True, "registered")
+        return mesh_pb2.RegisterReply(accepted=True, topology=self.topology())
+
+    async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if request.region in self.balancers:
+            try:
+                report = json.loads(request.admin_json) if request.admin_json else {}
+            except json.JSONDecodeError:
+                report = {}
+            self.reports[request.region] = report
+            self.balancers[request.region]["last_seen_ms"] = _now_ms()
+            await asyncio.to_thread(self.store.save_report, request.region, report, _now_ms())
+        return mesh_pb2.ReportReply(topology_version=self.version)
+
+    async def WatchTopology(self, request: Any, context: Any) -> Any:  # noqa: N802
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._subscribers.add(q)
+        try:
+            yield self.topology()
+            while True:
+                yield await q.get()
+        finally:
+            self._subscribers.discard(q)
+
+    async def GetStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+        st = mesh_pb2.MeshStatus(
+            topology=self.topology(), controller_started_unix_ms=self.started_ms, state_version=self.version
+        )
+        for r in self.cfg.regions:
+            b = self.balancers[r.name]
+            st.regions.add(region=r.name, balancer_alive=b["alive"], balancer_id=b["balancer_id"],
+                           last_seen_unix_ms=b["last_seen_ms"] or 0)
+        return st
+
+    # ------------------------------------------------------------------ HTTP (status)
+
+    def status_json(self) -> dict[str, Any]:
+        homes = self.home_of()
+        regions = []
+        for r in self.cfg.regions:
+            b = self.balancers[r.name]
+            regions.append({
+                "region": r.name,
+                "balancer_alive": b["alive"],
+                "balancer_id": b["balancer_id"],
+                "balancer_url": b["http_url"],
+                "last_seen_unix_ms": b["last_seen_ms"],
+                "owned_replicas": [
+                    {"replica_id": rid, "url": homes[rid][1], "home_region": homes[rid][0]}
+                    for rid, o in sorted(self.owners.items()) if o == r.name
+                ],
+                "nearest_alive": nearest_alive(self.cfg, r.name, self.alive_regions()),
+                "report": self.reports.get(r.name) if b["alive"] else None,
+            })
+        return {
+            "source": "controller",
+            "controller": {"started_unix_ms": self.started_ms, "topology_version": self.version},
+            "policy": self.cfg.policy.name,
+            "regions": regions,
+        }
+
+    def make_app(self) -> web.Application:
+        app = web.Application()
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status_json())
+
+        async def topology(_: web.Request) -> web.Response:
+            t = self.topology()
+            return web.json_response({
+                "version": t.version, "policy": t.policy,
+                "balancers": [{
+                    "region": a.region, "balancer_id": a.balancer_id, "http_url": a.http_url,
+                    "grpc_address": a.grpc_address, "alive": a.alive,
+                    "replicas": [{"replica_id": x.replica_id, "url": x.url, "home_region": x.home_region}
+                                 for x in a.replicas],
+                } for a in t.balancers],
+            })
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/status", status)
+        app.router.add_get("/v1/topology", topology)
+        return app
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+        self._grpc = grpc.aio.server()
+        mesh_pb2_grpc.add_ControllerServicer_to_server(self, self._grpc)
+        g = self.cfg.controller.listen
+        self._grpc.add_insecure_port(f"{g.host}:{g.port}")
+        await self._grpc.start()
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        h = self.cfg.controller.http_listen
+        await web.TCPSite(self._runner, h.host, h.port, reuse_address=True).start()
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="probe"))
+        # a (re)start is a new topology version: monotonic across restarts, persisted
+        await self._changed("controller started")
+        log.info("controller started", extra={"version": self.version, "grpc": str(g), "http": str(h)})
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._grpc is not None:
+            await self._grpc.stop(grace=0.5)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        if self.dns is not None:
+            await self.dns.close()
+        self.store.close()

@@ -1,0 +1,88 @@
+"""The controller's durable state in SQLite (WAL). Every call is synchronous and short;
+the service runs them in a worker thread so the event loop never blocks on disk."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS balancers (
+    region TEXT PRIMARY KEY, balancer_id TEXT, epoch INTEGER, alive INTEGER NOT NULL,
+    http_url TEXT, grpc_address TEXT, last_seen_ms INTEGER
+);
+CREATE TABLE IF NOT EXISTS ownership (
+    replica_id TEXT PRIMARY KEY, owner_region TEXT NOT NULL, home_region TEXT NOT NULL, url TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS reports (region TEXT PRIMARY KEY, report_json TEXT NOT NULL, at_ms INTEGER);
+"""
+
+
+class StateStore:
+    def __init__(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(p), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def load(self) -> dict[str, Any]:
+        with self._lock:
+            meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+            balancers = {
+                r[0]: {"balancer_id": r[1], "epoch": r[2], "alive": bool(r[3]), "http_url": r[4],
+                       "grpc_address": r[5], "last_seen_ms": r[6]}
+                for r in self._db.execute(
+                    "SELECT region, balancer_id, epoch, alive, http_url, grpc_address, last_seen_ms FROM balancers"
+                )
+            }
+            owners = {r[0]: r[1] for r in self._db.execute("SELECT replica_id, owner_region FROM ownership")}
+            reports = {r[0]: json.loads(r[1]) for r in self._db.execute("SELECT region, report_json FROM reports")}
+        return {
+            "version": int(meta.get("version", "0")),
+            "balancers": balancers,
+            "owners": owners,
+            "reports": reports,
+        }
+
+    def save_topology(self, version: int, owners: dict[str, tuple[str, str, str]],
+                      balancers: dict[str, dict[str, Any]]) -> None:
+        """owners: replica id -> (owner region, home region, url)."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN")
+            try:
+                db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('version', ?)", (str(version),))
+                db.execute("DELETE FROM ownership")
+                db.executemany(
+                    "INSERT INTO ownership(replica_id, owner_region, home_region, url) VALUES (?, ?, ?, ?)",
+                    [(rid, o, h, u) for rid, (o, h, u) in owners.items()],
+                )
+                for region, b in balancers.items():
+                    db.execute(
+                        "INSERT OR REPLACE INTO balancers(region, balancer_id, epoch, alive, http_url, grpc_address,"
+                        " last_seen_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (region, b.get("balancer_id"), b.get("epoch"), int(bool(b.get("alive"))),
+                         b.get("http_url"), b.get("grpc_address"), b.get("last_seen_ms")),
+                    )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def save_report(self, region: str, report: dict[str, Any], at_ms: int) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO reports(region, report_json, at_ms) VALUES (?, ?, ?)",
+                (region, json.dumps(report), at_ms),
+            )

@@ -1,0 +1,285 @@
+"""The embedded authoritative DNS server for the mesh name (dnspython + asyncio).
+
+Answers ``<dns.name> A`` with the nearest *healthy* balancer for the client, located by
+its EDNS Client Subnet option when present (echoed back with the scope used), else by the
+query's source address, matched (longest prefix) against each region's
+``source_networks``. Clients matching no region are treated as being in the first region
+of the config. Also serves ``<region>.<name> A`` for each region, ``_http._tcp.<name>
+SRV`` (with the balancer port), SOA and NS at the apex; NXDOMAIN for other names in the
+zone, REFUSED outside it. UDP and TCP (2-byte length framing).
+
+It runs as its own process so answers keep flowing when the controller is down; the
+controller pushes balancer health to a small HTTP control endpoint on
+``dns.listen`` host, port + 1, authenticated with the mesh's peer token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import struct
+from dataclasses import asdict
+from typing import Any
+
+import aiohttp
+import dns.edns
+import dns.exception
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdata
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+from aiohttp import web
+
+from skymesh.config import MeshConfig
+from skymesh.dns.base import BalancerEndpoint
+
+log = logging.getLogger("skymesh.dns")
+
+
+def control_address(cfg: MeshConfig) -> tuple[str, int]:
+    assert cfg.dns.listen is not None
+    return cfg.dns.listen.host, cfg.dns.listen.port + 1
+
+
+class MeshDnsServer:
+    def __init__(self, cfg: MeshConfig) -> None:
+        self.cfg = cfg
+        self.zone = dns.name.from_text(cfg.dns.name)
+        self.ttl = cfg.dns.ttl_s
+        self.networks = sorted(
+            ((net, r.name) for r in cfg.regions for net in r.source_networks),
+            key=lambda x: -x[0].prefixlen,
+        )
+        self.endpoints: dict[str, BalancerEndpoint] = {}
+        for r in cfg.regions:
+            adv = r.balancer.advertise
+            self.endpoints[r.name] = BalancerEndpoint(
+                region=r.name, balancer_id=r.name, ip=adv.host, port=adv.port, healthy=True,
+                aws_region=r.aws_region,
+            )
+        self.queries = 0
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------------ answering
+
+    def locate(self, ip: str) -> tuple[str, int]:
+        """(region, matched prefix length) of a client address; default: first region."""
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            return self.cfg.regions[0].name, 0
+        for net, region in self.networks:
+            if addr.version == net.version and addr in net:
+                return region, net.prefixlen
+        return self.cfg.regions[0].name, 0
+
+    def nearest_healthy(self, region: str) -> BalancerEndpoint | None:
+        healthy = [e for e in self.endpoints.values() if e.healthy]
+        if not healthy:
+            return None
+        return min(healthy, key=lambda e: (self.cfg.one_way_ms(region, e.region), e.region))
+
+    def answer(self, wire: bytes, source_ip: str) -> bytes | None:
+        try:
+            q = dns.message.from_wire(wire)
+        except (dns.exception.DNSException, ValueError):
+            return None  # malformed: drop (a FORMERR needs a parseable header)
+        self.queries += 1
+        resp = dns.message.make_response(q)
+        resp.flags |= dns.flags.AA
+        if not q.question:
+            resp.set_rcode(dns.rcode.FORMERR)
+            return resp.to_wire()
+        question = q.question[0]
+        qname, qtype = question.name, question.rdtype
+        client_ip, ecs = source_ip, None
+        for opt in q.options:
+            if isinstance(opt, dns.edns.ECSOption):
+                ecs, client_ip = opt, opt.address
+        region, prefixlen = self.locate(client_ip)
+        if ecs is not None:
+            resp.use_edns(0, options=[dns.edns.ECSOption(ecs.address, ecs.srclen, min(prefixlen, ecs.srclen))])
+        if not qname.is_subdomain(self.zone):
+            resp.set_rcode(dns.rcode.REFUSED)
+            resp.flags &= ~dns.flags.AA
+            return resp.to_wire()
+        records = self._records(qname, qtype, region)
+        if records is None:
+            resp.set_rcode(dns.rcode.NXDOMAIN)
+            resp.authority.append(self._soa())
+        elif not records:
+            resp.authority.append(self._soa())  # NODATA
+        else:
+            resp.answer.extend(records)
+        return resp.to_wire()
+
+    def _rr(self, name: dns.name.Name, rdtype: int, text: str, ttl: int | None = None) -> dns.rrset.RRset:
+        return dns.rrset.from_text(name, self.ttl if ttl is None else ttl, dns.rdataclass.IN, rdtype, text)
+
+    def _soa(self) -> dns.rrset.RRset:
+        return self._rr(self.zone, dns.rdatatype.SOA,
+                        f"ns1.{self.zone} hostmaster.{self.zone} 1 60 30 86400 {self.ttl}")
+
+    def _records(self, qname: dns.name.Name, qtype: int, region: str) -> list[dns.rrset.RRset] | None:
+        by_region = {dns.name.from_text(r, self.zone): r for r in self.endpoints}
+        srv_name = dns.name.from_text("_http._tcp", self.zone)
+        ns_name = dns.name.from_text("ns1", self.zone)
+        if qname == self.zone:
+            if qtype in (dns.rdatatype.A, dns.rdatatype.ANY):
+                ep = self.nearest_healthy(region)
+                return [self._rr(qname, dns.rdatatype.A, ep.ip)] if ep and _is_v4(ep.ip) else []
+            if qtype == dns.rdatatype.SOA:
+                return [self._soa()]
+            if qtype == dns.rdatatype.NS:
+                return [self._rr(qname, dns.rdatatype.NS, str(ns_name))]
+            return []
+        if qname == srv_name:
+            if qtype != dns.rdatatype.SRV:
+                return []
+            ep = self.nearest_healthy(region)
+            if ep is None:
+                return []
+            target = dns.name.from_text(ep.region, self.zone)
+            return [self._rr(qname, dns.rdatatype.SRV, f"0 0 {ep.port} {target}")]
+        if qname in by_region:
+            ep = self.endpoints[by_region[qname]]
+            if qtype in (dns.rdatatype.A, dns.rdatatype.ANY) and _is_v4(ep.ip):
+                return [self._rr(qname, dns.rdatatype.A, ep.ip)]
+            return []
+        if qname == ns_name:
+            host = self.cfg.dns.listen.host if self.cfg.dns.listen else "127.0.0.1"
+            return [self._rr(qname, dns.rdatatype.A, host)] if qtype == dns.rdatatype.A and _is_v4(host) else []
+        return None
+
+    # ------------------------------------------------------------------ health updates
+
+    def update(self, endpoints: list[BalancerEndpoint]) -> bool:
+        changed = False
+        for ep in endpoints:
+            if ep.region in self.endpoints and self.endpoints[ep.region] != ep:
+                self.endpoints[ep.region] = ep
+                changed = True
+        if changed:
+            log.info("dns endpoints updated",
+                     extra={"healthy": sorted(r for r, e in self.endpoints.items() if e.healthy)})
+        return changed
+
+    def _control_app(self) -> web.Application:
+        app = web.Application()
+
+        async def get_endpoints(request: web.Request) -> web.Response:
+            return web.json_response([asdict(e) for e in self.endpoints.values()])
+
+        async def put_endpoints(request: web.Request) -> web.Response:
+            if request.headers.get("Authorization") != f"Bearer {self.cfg.peer_token}":
+                return web.json_response({"error": "bad token"}, status=401)
+            try:
+                eps = [BalancerEndpoint(**e) for e in await request.json()]
+            except (json.JSONDecodeError, TypeError) as e:
+                return web.json_response({"error": f"bad endpoint list: {e}"}, status=400)
+            return web.json_response({"changed": self.update(eps)})
+
+        app.router.add_get("/v1/endpoints", get_endpoints)
+        app.router.add_put("/v1/endpoints", put_endpoints)
+        return app
+
+    # ------------------------------------------------------------------ serving
+
+    async def start(self) -> None:
+        assert self.cfg.dns.listen is not None
+        host, port = self.cfg.dns.listen.host, self.cfg.dns.listen.port
+        loop = asyncio.get_running_loop()
+        server = self
+
+        class Udp(asyncio.DatagramProtocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                self.transport = transport  # type: ignore[assignment]
+
+            def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+                out = server.answer(data, addr[0])
+                if out is not None:
+                    if len(out) > 512:  # no EDNS buffer negotiation: truncate, client retries on TCP
+                        msg = dns.message.from_wire(out)
+                        msg.flags |= dns.flags.TC
+                        msg.answer.clear()
+                        out = msg.to_wire()
+                    self.transport.sendto(out, addr)  # type: ignore[attr-defined]
+
+        self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(host, port))
+        self._tcp = await asyncio.start_server(self._serve_tcp, host, port)
+        self._runner = web.AppRunner(self._control_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        chost, cport = control_address(self.cfg)
+        await web.TCPSite(self._runner, chost, cport, reuse_address=True).start()
+        log.info("dns server started", extra={"listen": f"{host}:{port}", "zone": str(self.zone)})
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(2), timeout=10)
+                (n,) = struct.unpack("!H", head)
+                data = await asyncio.wait_for(reader.readexactly(n), timeout=10)
+                out = self.answer(data, peer[0])
+                if out is None:
+                    break
+                writer.write(struct.pack("!H", len(out)) + out)
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def stop(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+        if self._tcp is not None:
+            self._tcp.close()
+            await self._tcp.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def _is_v4(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).version == 4
+    except ValueError:
+        return False
+
+
+class EmbeddedDnsProvider:
+    """DnsProvider for the embedded server: PUTs the health list to its control port."""
+
+    name = "embedded"
+
+    def __init__(self, cfg: MeshConfig) -> None:
+        host, port = control_address(cfg)
+        self.url = f"http://{host}:{port}/v1/endpoints"
+        self.token = cfg.peer_token
+        self._session: aiohttp.ClientSession | None = None
+
+    async def sync(self, endpoints: list[BalancerEndpoint]) -> bool:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        body: list[dict[str, Any]] = [asdict(e) for e in endpoints]
+        async with self._session.put(
+            self.url, json=body, headers={"Authorization": f"Bearer {self.token}"},
+            timeout=aiohttp.ClientTimeout(total=3),
+        ) as r:
+            r.raise_for_status()
+            return bool((await r.json())["changed"])
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

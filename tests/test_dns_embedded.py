@@ -1,0 +1,121 @@
+"""The embedded DNS server answers real UDP/TCP queries by source network and ECS."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import dns.edns
+import dns.message
+import dns.query
+import dns.rcode
+import dns.rdatatype
+import pytest
+
+from skymesh.config import parse_config
+from skymesh.dns.embedded import EmbeddedDnsProvider, MeshDnsServer
+from tests.mesh_helpers import local_config_free_ports
+
+NAME = "llm.skymesh.local"
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[MeshDnsServer]:
+    cfg = parse_config(local_config_free_ports())
+    srv = MeshDnsServer(cfg)
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop()
+
+
+def addr(srv: MeshDnsServer) -> tuple[str, int]:
+    assert srv.cfg.dns.listen is not None
+    return srv.cfg.dns.listen.host, srv.cfg.dns.listen.port
+
+
+def balancer_ip(srv: MeshDnsServer, region: str) -> str:
+    return srv.cfg.region(region).balancer.advertise.host
+
+
+async def query(srv: MeshDnsServer, name: str, rdtype: str = "A", source: str = "127.0.0.1",
+                tcp: bool = False, ecs: str | None = None) -> dns.message.Message:
+    q = dns.message.make_query(name, rdtype)
+    if ecs is not None:
+        q.use_edns(0, options=[dns.edns.ECSOption(ecs, 24)])
+    host, port = addr(srv)
+    fn = dns.query.tcp if tcp else dns.query.udp
+    return await asyncio.to_thread(fn, q, host, port=port, timeout=3, source=source)
+
+
+def a_records(msg: dns.message.Message) -> list[str]:
+    return [rr.address for rrset in msg.answer if rrset.rdtype == dns.rdatatype.A for rr in rrset]
+
+
+@pytest.mark.parametrize(("source", "region"), [
+    ("127.1.0.5", "us-east-1"), ("127.2.0.5", "eu-west-1"), ("127.3.0.5", "ap-northeast-1"),
+])
+async def test_each_source_network_gets_its_region(server: MeshDnsServer, source: str, region: str) -> None:
+    for tcp in (False, True):
+        msg = await query(server, NAME, source=source, tcp=tcp)
+        assert msg.rcode() == dns.rcode.NOERROR
+        assert a_records(msg) == [balancer_ip(server, region)]
+        assert msg.answer[0].ttl == server.cfg.dns.ttl_s
+
+
+async def test_ecs_overrides_the_source_and_is_echoed(server: MeshDnsServer) -> None:
+    msg = await query(server, NAME, source="127.1.0.5", ecs="10.3.7.0")
+    assert a_records(msg) == [balancer_ip(server, "ap-northeast-1")]
+    ecs = [o for o in msg.options if isinstance(o, dns.edns.ECSOption)]
+    assert ecs and ecs[0].address == "10.3.7.0" and ecs[0].scopelen == 16
+
+
+async def test_unhealthy_balancer_answer_moves_to_nearest_healthy(server: MeshDnsServer) -> None:
+    provider = EmbeddedDnsProvider(server.cfg)
+    try:
+        eps = list(server.endpoints.values())
+        down = [dataclasses.replace(e, healthy=e.region != "eu-west-1") for e in eps]
+        assert await provider.sync(down) is True
+        assert await provider.sync(down) is False  # idempotent
+        msg = await query(server, NAME, source="127.2.0.5")
+        # eu-west-1 (down) is 40 ms from us-east-1 and 110 ms from ap-northeast-1
+        assert a_records(msg) == [balancer_ip(server, "us-east-1")]
+        assert await provider.sync(eps) is True
+        assert a_records(await query(server, NAME, source="127.2.0.5")) == [balancer_ip(server, "eu-west-1")]
+    finally:
+        await provider.close()
+
+
+async def test_srv_region_names_nxdomain_refused(server: MeshDnsServer) -> None:
+    srv = await query(server, f"_http._tcp.{NAME}", "SRV", source="127.3.0.9")
+    rr = srv.answer[0][0]
+    assert rr.port == server.cfg.region("ap-northeast-1").balancer.advertise.port
+    assert str(rr.target).startswith("ap-northeast-1.")
+    assert a_records(await query(server, f"eu-west-1.{NAME}")) == [balancer_ip(server, "eu-west-1")]
+    assert (await query(server, f"nope.{NAME}")).rcode() == dns.rcode.NXDOMAIN
+    assert (await query(server, "example.com")).rcode() == dns.rcode.REFUSED
+    soa = await query(server, NAME, "SOA")
+    assert soa.answer and soa.answer[0].rdtype == dns.rdatatype.SOA
+
+
+async def test_malformed_packets_do_not_break_the_server(server: MeshDnsServer) -> None:
+    host, port = addr(server)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for junk in (b"", b"\x00", b"\xff" * 40, b"\x12\x34" + b"\x01" * 10):
+            s.sendto(junk, (host, port))
+    msg = await query(server, NAME, source="127.1.0.5")
+    assert a_records(msg) == [balancer_ip(server, "us-east-1")]
+
+
+async def test_control_endpoint_requires_the_token(server: MeshDnsServer) -> None:
+    import aiohttp
+
+    host, port = addr(server)
+    async with aiohttp.ClientSession() as s, s.put(f"http://{host}:{port + 1}/v1/endpoints", json=[]) as r:
+        assert r.status == 401
+
+
