@@ -42,13 +42,13 @@ async def start_cluster(tmp_path: Path, time_scale: float, sim_extra: list[str] 
         urls[rid] = f"http://127.0.0.1:{port}"
     try:
         await asyncio.gather(*(wait_http_ok(u + "/health", 60, procs[r]) for r, u in urls.items()))
+        cfg = parse_config(one_region_config(urls, free_port(), free_port(), **policy))
+        b = Balancer(cfg, "us-east-1")
+        await b.start()
     except BaseException:
         for p in procs.values():
             p.stop()
         raise
-    cfg = parse_config(one_region_config(urls, free_port(), free_port(), **policy))
-    b = Balancer(cfg, "us-east-1")
-    await b.start()
     return procs, b, f"http://127.0.0.1:{b.region_cfg.balancer.listen.port}"
 
 
