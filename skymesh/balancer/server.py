@@ -510,6 +510,10 @@ class Balancer:
                 if placement.kind == "peer"
                 else placement.target,
                 "X-Skymesh-Offloaded": "1" if placement.kind == "peer" else "0",
+                # the regions this request went through, origin first ("a>b" when offloaded)
+                "X-Skymesh-Path": f"{self.region}>{upstream.headers.get('X-Skymesh-Path', placement.target)}"
+                if placement.kind == "peer"
+                else self.region,
                 "X-Request-Id": req.request_id,
             }
             stream = "text/event-stream" in out_headers["Content-Type"]
