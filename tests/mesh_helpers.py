@@ -20,10 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
 SKYMESH = [sys.executable, "-m", "skymesh.cli"]
 
 
+_issued: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free right now and not handed out before in this test session (the kernel
+    happily returns the same ephemeral port twice in a row)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _issued and port + 1 not in _issued:
+            _issued.add(port)
+            return port
 
 
 class Proc:
@@ -126,10 +135,9 @@ def local_config_free_ports(time_scale: float = 1.0) -> dict[str, Any]:
     dns_port = free_port()
     while True:  # the control endpoint is dns port + 1: both must be free
         try:
-            import socket as _s
-
-            with _s.socket() as t:
+            with socket.socket() as t:
                 t.bind(("127.0.0.1", dns_port + 1))
+            _issued.add(dns_port + 1)
             break
         except OSError:
             dns_port = free_port()
