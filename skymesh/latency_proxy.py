@@ -48,7 +48,7 @@ class DelayProxy:
         self.target = target
         self.delay = delay
         self._server: asyncio.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.listen[0], self.listen[1], reuse_address=True)
@@ -56,19 +56,21 @@ class DelayProxy:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-        for t in list(self._conns):
-            t.cancel()
-        for t in list(self._conns):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
+        # closing the sockets ends every pipe on its own (cancelling stream handler
+        # tasks makes asyncio log spurious errors)
+        for writers in list(self._conns.values()):
+            for w in writers:
+                w.close()
+        tasks = list(self._conns)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=2.0)
+            for t in pending:
+                t.cancel()
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._conns.add(task)
+        writers = self._conns[task] = [cwriter]
         peer = cwriter.get_extra_info("peername")
         d = self.delay(peer[0] if peer else "")
         try:
@@ -76,6 +78,7 @@ class DelayProxy:
                 ureader, uwriter = await asyncio.open_connection(*self.target)
             except OSError:
                 return  # upstream down: the client sees the connection close
+            writers.append(uwriter)
             try:
                 await asyncio.gather(self._pipe(creader, uwriter, d), self._pipe(ureader, cwriter, d))
             finally:
@@ -84,7 +87,7 @@ class DelayProxy:
             pass
         finally:
             cwriter.close()
-            self._conns.discard(task)
+            self._conns.pop(task, None)
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
