@@ -115,7 +115,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             b = self.balancers[r.name]
             u = urlparse(b["http_url"])
             eps.append(BalancerEndpoint(
-                region=r.name, balancer_id=b["balancer_id"] or r.name, ip=u.hostname or "",
+                region=r.name, balancer_id=b["balancer_id"] or r.name,
+                ip=r.balancer.public_ip or u.hostname or "",
                 port=u.port or 80, healthy=b["alive"], aws_region=r.aws_region,
             ))
         return eps

@@ -81,6 +81,8 @@ class BalancerConfig:
     # proxy on these addresses in front of `listen` / `grpc_listen`.
     advertise: HostPort
     grpc_advertise: HostPort
+    # the address DNS publishes for clients (a public IP in the cloud); None: advertise host
+    public_ip: str | None = None
 
     @property
     def advertise_url(self) -> str:
@@ -340,6 +342,13 @@ def _parse_region(v: Any, path: str, profiles: set[str]) -> RegionConfig:
     advertise = listen if adv is None else _hostport(adv, bo.sub("advertise"))
     gadv = bo.get("grpc_advertise", None)
     grpc_advertise = grpc_listen if gadv is None else _hostport(gadv, bo.sub("grpc_advertise"))
+    pip = bo.get("public_ip", None)
+    public_ip = None
+    if pip is not None:
+        try:
+            public_ip = str(ipaddress.ip_address(_str(pip, bo.sub("public_ip"))))
+        except ValueError:
+            raise ConfigError(bo.sub("public_ip"), f"expected an IP address, got {pip!r}") from None
     bo.done()
     replicas = []
     seen: dict[str, int] = {}
@@ -367,7 +376,8 @@ def _parse_region(v: Any, path: str, profiles: set[str]) -> RegionConfig:
         name=name,
         source_networks=tuple(nets),
         balancer=BalancerConfig(
-            listen=listen, grpc_listen=grpc_listen, advertise=advertise, grpc_advertise=grpc_advertise
+            listen=listen, grpc_listen=grpc_listen, advertise=advertise, grpc_advertise=grpc_advertise,
+            public_ip=public_ip,
         ),
         replicas=tuple(replicas),
         aws_region=aws_region,
