@@ -1,0 +1,130 @@
+# Three regions, one controller, Route53 latency records. Provider aliases per region.
+terraform {
+  required_version = ">= 1.6"
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 5.0, < 6.0"
+    }
+  }
+}
+
+provider "aws" {
+  alias  = "use1"
+  region = "us-east-1"
+}
+
+provider "aws" {
+  alias  = "euw1"
+  region = "eu-west-1"
+}
+
+provider "aws" {
+  alias  = "apne1"
+  region = "ap-northeast-1"
+}
+
+locals {
+  regions = {
+    "us-east-1"      = { cidr = "10.10.0.0/16", az = "us-east-1a", ami = var.amis["us-east-1"] }
+    "eu-west-1"      = { cidr = "10.20.0.0/16", az = "eu-west-1a", ami = var.amis["eu-west-1"] }
+    "ap-northeast-1" = { cidr = "10.30.0.0/16", az = "ap-northeast-1a", ami = var.amis["ap-northeast-1"] }
+  }
+  all_cidrs     = [for r in local.regions : r.cidr]
+  controller_ip = cidrhost(cidrsubnet(local.regions["us-east-1"].cidr, 8, 0), 5)
+  balancer_ip   = { for k, r in local.regions : k => cidrhost(cidrsubnet(r.cidr, 8, 0), 10) }
+  replica_ips   = { for k, r in local.regions : k => [for i in range(var.replicas_per_region) : cidrhost(cidrsubnet(r.cidr, 8, 0), 20 + i)] }
+  latencies = [
+    { regions = ["us-east-1", "eu-west-1"], one_way_ms = 38 },
+    { regions = ["us-east-1", "ap-northeast-1"], one_way_ms = 80 },
+    { regions = ["eu-west-1", "ap-northeast-1"], one_way_ms = 110 },
+  ]
+}
+
+# The config is computed from planned addresses (fixed private IPs per region), so every
+# instance gets the same YAML at boot.
+module "config" {
+  source = "../../modules/config"
+  model  = var.model
+  regions = [for k, r in local.regions : {
+    name                = k
+    source_networks     = [r.cidr]
+    balancer_private_ip = local.balancer_ip[k]
+    replica_ips         = local.replica_ips[k]
+  }]
+  latencies     = local.latencies
+  policy        = { name = var.policy }
+  dns_name      = var.dns_name
+  hosted_zone   = var.hosted_zone
+  controller_ip = local.controller_ip
+  peer_token    = var.peer_token
+}
+
+module "use1" {
+  source              = "../../modules/region"
+  providers           = { aws = aws.use1 }
+  name                = "us-east-1"
+  vpc_cidr            = local.regions["us-east-1"].cidr
+  availability_zone   = local.regions["us-east-1"].az
+  ami_id              = local.regions["us-east-1"].ami
+  replica_count       = var.replicas_per_region
+  balancer_private_ip = local.balancer_ip["us-east-1"]
+  replica_private_ips = local.replica_ips["us-east-1"]
+  peer_cidrs          = local.all_cidrs
+  model               = var.model
+  skymesh_config      = module.config.skymesh_config
+}
+
+module "euw1" {
+  source              = "../../modules/region"
+  providers           = { aws = aws.euw1 }
+  name                = "eu-west-1"
+  vpc_cidr            = local.regions["eu-west-1"].cidr
+  availability_zone   = local.regions["eu-west-1"].az
+  ami_id              = local.regions["eu-west-1"].ami
+  replica_count       = var.replicas_per_region
+  balancer_private_ip = local.balancer_ip["eu-west-1"]
+  replica_private_ips = local.replica_ips["eu-west-1"]
+  peer_cidrs          = local.all_cidrs
+  model               = var.model
+  skymesh_config      = module.config.skymesh_config
+}
+
+module "apne1" {
+  source              = "../../modules/region"
+  providers           = { aws = aws.apne1 }
+  name                = "ap-northeast-1"
+  vpc_cidr            = local.regions["ap-northeast-1"].cidr
+  availability_zone   = local.regions["ap-northeast-1"].az
+  ami_id              = local.regions["ap-northeast-1"].ami
+  replica_count       = var.replicas_per_region
+  balancer_private_ip = local.balancer_ip["ap-northeast-1"]
+  replica_private_ips = local.replica_ips["ap-northeast-1"]
+  peer_cidrs          = local.all_cidrs
+  model               = var.model
+  skymesh_config      = module.config.skymesh_config
+}
+
+module "dns" {
+  source      = "../../modules/dns"
+  providers   = { aws = aws.use1 }
+  zone_name   = var.hosted_zone
+  record_name = var.dns_name
+  balancers = {
+    "us-east-1"      = { ip = module.use1.balancer_public_ip }
+    "eu-west-1"      = { ip = module.euw1.balancer_public_ip }
+    "ap-northeast-1" = { ip = module.apne1.balancer_public_ip }
+  }
+}
+
+module "controller" {
+  source         = "../../modules/controller"
+  providers      = { aws = aws.use1 }
+  subnet_id      = var.controller_subnet_id
+  vpc_id         = var.controller_vpc_id
+  ami_id         = local.regions["us-east-1"].ami
+  hosted_zone_id = module.dns.zone_id
+  balancer_cidrs = local.all_cidrs
+  admin_cidrs    = var.admin_cidrs
+  skymesh_config = module.config.skymesh_config
+}

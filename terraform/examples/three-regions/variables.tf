@@ -1,0 +1,54 @@
+variable "amis" {
+  description = "GPU-ready AMI per region (e.g. AWS Deep Learning Base AMI)."
+  type        = map(string)
+}
+
+variable "replicas_per_region" {
+  description = "vLLM replicas per region."
+  type        = number
+  default     = 2
+}
+
+variable "model" {
+  description = "Model all replicas serve."
+  type        = string
+  default     = "meta-llama/Llama-3.1-8B-Instruct"
+}
+
+variable "policy" {
+  description = "Routing policy."
+  type        = string
+  default     = "dualmap"
+}
+
+variable "dns_name" {
+  description = "The mesh name."
+  type        = string
+}
+
+variable "hosted_zone" {
+  description = "Existing public hosted zone holding dns_name."
+  type        = string
+}
+
+variable "peer_token" {
+  description = "Shared secret between balancers."
+  type        = string
+  sensitive   = true
+}
+
+variable "controller_subnet_id" {
+  description = "Subnet for the controller (in us-east-1)."
+  type        = string
+}
+
+variable "controller_vpc_id" {
+  description = "VPC for the controller (in us-east-1)."
+  type        = string
+}
+
+variable "admin_cidrs" {
+  description = "Who may read the controller's status API."
+  type        = list(string)
+  default     = []
+}

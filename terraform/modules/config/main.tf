@@ -1,0 +1,56 @@
+# Provider-free: turns the variables into the skymesh YAML config (skymesh/config.py's
+# format), so `terraform output -raw skymesh_config > mesh.yaml` feeds `skymesh` directly.
+terraform {
+  required_version = ">= 1.6"
+}
+
+locals {
+  config = {
+    model = var.model
+    regions = [for r in var.regions : merge(
+      {
+        name            = r.name
+        source_networks = r.source_networks
+        balancer = merge(
+          {
+            listen         = "0.0.0.0:${r.balancer_port}"
+            grpc_listen    = "0.0.0.0:${r.grpc_port}"
+            advertise      = "${r.balancer_private_ip}:${r.balancer_port}"
+            grpc_advertise = "${r.balancer_private_ip}:${r.grpc_port}"
+          },
+          r.balancer_public_ip == null ? {} : { public_ip = r.balancer_public_ip },
+        )
+        replicas = [for i, ip in r.replica_ips : {
+          id  = "${r.name}-gpu${i}"
+          url = "http://${ip}:${r.replica_port}"
+        }]
+      },
+      { aws_region = coalesce(r.aws_region, r.name) },
+    )]
+    latencies        = var.latencies
+    local_latency_ms = 1
+    emulate_latency  = false
+    controller = {
+      listen           = "${var.controller_ip}:7001"
+      http_listen      = "${var.controller_ip}:7002"
+      state_path       = "/var/lib/skymesh/controller.sqlite"
+      probe_interval_s = 2.0
+    }
+    dns = {
+      name        = var.dns_name
+      provider    = "route53"
+      hosted_zone = var.hosted_zone
+      ttl_s       = 30
+    }
+    policy = {
+      name        = var.policy.name
+      ttft_slo_s  = var.policy.ttft_slo_s
+      queue_bound = var.policy.queue_bound
+    }
+    offload = {
+      enabled = true
+      rules   = var.offload_rules
+    }
+    peer_token = var.peer_token
+  }
+}

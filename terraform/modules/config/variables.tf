@@ -1,0 +1,119 @@
+variable "model" {
+  description = "Model name the replicas serve (the OpenAI `model` field)."
+  type        = string
+  default     = "meta-llama/Llama-3.1-8B-Instruct"
+}
+
+variable "regions" {
+  description = "Regions of the mesh: balancer addresses, replica addresses, client networks."
+  type = list(object({
+    name                = string
+    aws_region          = optional(string)
+    source_networks     = list(string)
+    balancer_private_ip = string
+    balancer_public_ip  = optional(string)
+    replica_ips         = list(string)
+    replica_port        = optional(number, 8000)
+    balancer_port       = optional(number, 8000)
+    grpc_port           = optional(number, 9000)
+  }))
+
+  validation {
+    condition     = length(var.regions) > 0
+    error_message = "regions must list at least one region."
+  }
+  validation {
+    condition     = alltrue([for r in var.regions : can(regex("^[a-z][a-z0-9-]{1,62}$", r.name))])
+    error_message = "Every regions[].name must be a lowercase region name like eu-west-1."
+  }
+  validation {
+    condition     = length(distinct([for r in var.regions : r.name])) == length(var.regions)
+    error_message = "regions[].name values must be unique."
+  }
+  validation {
+    condition     = alltrue([for r in var.regions : length(r.replica_ips) > 0])
+    error_message = "Every region needs at least one replica (regions[].replica_ips is empty)."
+  }
+  validation {
+    condition     = alltrue(flatten([for r in var.regions : [for n in r.source_networks : can(cidrhost(n, 0))]]))
+    error_message = "regions[].source_networks must be CIDR networks like 10.1.0.0/16."
+  }
+}
+
+variable "latencies" {
+  description = "One-way latency in ms between every pair of regions."
+  type = list(object({
+    regions    = list(string)
+    one_way_ms = number
+  }))
+  default = []
+
+  validation {
+    condition     = alltrue([for l in var.latencies : length(l.regions) == 2 && l.one_way_ms >= 0])
+    error_message = "Each latencies[] entry needs two region names and a one_way_ms >= 0."
+  }
+}
+
+variable "policy" {
+  description = "Routing policy and SLO."
+  type = object({
+    name        = optional(string, "dualmap")
+    ttft_slo_s  = optional(number, 2.0)
+    queue_bound = optional(number, 4096)
+  })
+  default = {}
+
+  validation {
+    condition     = contains(["dualmap", "prefix_tree", "consistent_hash", "round_robin", "least_load", "cache_aware", "min_ttft", "preble"], var.policy.name)
+    error_message = "policy.name must be one of dualmap, prefix_tree, consistent_hash, round_robin, least_load, cache_aware, min_ttft, preble."
+  }
+  validation {
+    condition     = var.policy.ttft_slo_s > 0
+    error_message = "policy.ttft_slo_s must be > 0 seconds."
+  }
+}
+
+variable "offload_rules" {
+  description = "GDPR-style offload restrictions: from a region glob to allowed target globs."
+  type = list(object({
+    from = string
+    to   = list(string)
+  }))
+  default = [{ from = "eu-*", to = ["eu-*"] }]
+}
+
+variable "dns_name" {
+  description = "The mesh name clients use, e.g. llm.example.com."
+  type        = string
+
+  validation {
+    condition     = can(regex("^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\\.)+[a-z][a-z0-9-]{0,61}[a-z0-9]$", var.dns_name))
+    error_message = "dns_name must be a DNS name like llm.example.com."
+  }
+}
+
+variable "hosted_zone" {
+  description = "Route53 public hosted zone that holds dns_name."
+  type        = string
+}
+
+variable "controller_ip" {
+  description = "Private IP of the controller instance."
+  type        = string
+
+  validation {
+    condition     = can(cidrhost("${var.controller_ip}/32", 0))
+    error_message = "controller_ip must be an IPv4 address."
+  }
+}
+
+variable "peer_token" {
+  description = "Shared secret balancers present when forwarding to each other."
+  type        = string
+  sensitive   = true
+
+  validation {
+    condition     = length(var.peer_token) >= 16
+    error_message = "peer_token must be at least 16 characters."
+  }
+}

@@ -1,0 +1,139 @@
+# The central controller: one instance, an IAM role limited to the mesh's Route53 zone.
+terraform {
+  required_version = ">= 1.6"
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 5.0, < 6.0"
+    }
+  }
+}
+
+data "aws_iam_policy_document" "assume" {
+  statement {
+    actions = ["sts:AssumeRole"]
+    principals {
+      type        = "Service"
+      identifiers = ["ec2.amazonaws.com"]
+    }
+  }
+}
+
+data "aws_iam_policy_document" "route53" {
+  statement {
+    sid       = "ChangeOnlyTheMeshZone"
+    actions   = ["route53:ChangeResourceRecordSets", "route53:ListResourceRecordSets", "route53:GetHostedZone"]
+    resources = ["arn:aws:route53:::hostedzone/${var.hosted_zone_id}"]
+  }
+  statement {
+    sid       = "WaitForChanges"
+    actions   = ["route53:GetChange"]
+    resources = ["arn:aws:route53:::change/*"]
+  }
+  statement {
+    sid = "HealthChecksOfTheMesh"
+    actions = [
+      "route53:CreateHealthCheck", "route53:DeleteHealthCheck", "route53:GetHealthCheck",
+      "route53:ListHealthChecks", "route53:ChangeTagsForResource",
+    ]
+    resources = ["arn:aws:route53:::healthcheck/*"]
+  }
+  statement {
+    sid       = "FindTheZone"
+    actions   = ["route53:ListHostedZonesByName"]
+    resources = ["*"] # this API has no resource-level permissions
+  }
+}
+
+resource "aws_iam_role" "this" {
+  name               = var.name
+  assume_role_policy = data.aws_iam_policy_document.assume.json
+}
+
+resource "aws_iam_role_policy" "route53" {
+  name   = "${var.name}-route53"
+  role   = aws_iam_role.this.id
+  policy = data.aws_iam_policy_document.route53.json
+}
+
+resource "aws_iam_instance_profile" "this" {
+  name = var.name
+  role = aws_iam_role.this.name
+}
+
+resource "aws_security_group" "this" {
+  name        = var.name
+  description = "skymesh controller: gRPC from balancers, status API from admins"
+  vpc_id      = var.vpc_id
+
+  ingress {
+    description = "register/report/watch from balancers"
+    from_port   = 7001
+    to_port     = 7001
+    protocol    = "tcp"
+    cidr_blocks = var.balancer_cidrs
+  }
+  dynamic "ingress" {
+    for_each = length(var.admin_cidrs) > 0 ? [1] : []
+    content {
+      description = "status API for skymesh status"
+      from_port   = 7002
+      to_port     = 7002
+      protocol    = "tcp"
+      cidr_blocks = var.admin_cidrs
+    }
+  }
+  egress {
+    description = "balancer health probes and the Route53 API"
+    from_port   = 0
+    to_port     = 0
+    protocol    = "-1"
+    cidr_blocks = ["0.0.0.0/0"]
+  }
+  # checkov:skip=CKV_AWS_382:the controller probes balancers in every region and calls the Route53 API
+}
+
+resource "aws_instance" "this" {
+  ami                    = var.ami_id
+  instance_type          = var.instance_type
+  subnet_id              = var.subnet_id
+  vpc_security_group_ids = [aws_security_group.this.id]
+  iam_instance_profile   = aws_iam_instance_profile.this.name
+  monitoring             = true
+  ebs_optimized          = true
+  user_data              = <<-EOT
+    #cloud-config
+    write_files:
+      - path: /etc/skymesh/mesh.yaml
+        permissions: "0600"
+        encoding: b64
+        content: ${base64encode(var.skymesh_config)}
+      - path: /etc/systemd/system/skymesh-controller.service
+        content: |
+          [Unit]
+          Description=skymesh controller
+          After=network-online.target
+          [Service]
+          ExecStart=/opt/skymesh/bin/skymesh controller --config /etc/skymesh/mesh.yaml
+          Restart=always
+          [Install]
+          WantedBy=multi-user.target
+    runcmd:
+      - python3 -m venv /opt/skymesh
+      - /opt/skymesh/bin/pip install '${var.skymesh_package}'
+      - mkdir -p /var/lib/skymesh
+      - systemctl daemon-reload
+      - systemctl enable --now skymesh-controller
+  EOT
+
+  metadata_options {
+    http_tokens   = "required"
+    http_endpoint = "enabled"
+  }
+  root_block_device {
+    encrypted   = true
+    volume_size = 20
+    volume_type = "gp3"
+  }
+  tags = { Name = var.name }
+}

@@ -1,0 +1,59 @@
+variable "name" {
+  description = "Name prefix."
+  type        = string
+  default     = "skymesh-controller"
+}
+
+variable "subnet_id" {
+  description = "Subnet of the controller instance."
+  type        = string
+}
+
+variable "vpc_id" {
+  description = "VPC of the controller instance."
+  type        = string
+}
+
+variable "ami_id" {
+  description = "AMI for the controller."
+  type        = string
+}
+
+variable "instance_type" {
+  description = "Controller instance type."
+  type        = string
+  default     = "t3.small"
+}
+
+variable "hosted_zone_id" {
+  description = "Route53 zone the controller may change (and nothing else)."
+  type        = string
+
+  validation {
+    condition     = can(regex("^Z[A-Z0-9]+$", var.hosted_zone_id))
+    error_message = "hosted_zone_id must be a Route53 zone id like Z0123456789ABC."
+  }
+}
+
+variable "balancer_cidrs" {
+  description = "Networks of the regional balancers (they register and report over gRPC 7001)."
+  type        = list(string)
+}
+
+variable "admin_cidrs" {
+  description = "Networks allowed to read the status API (7002) for `skymesh status`."
+  type        = list(string)
+  default     = []
+}
+
+variable "skymesh_package" {
+  description = "pip requirement for skymesh."
+  type        = string
+  default     = "skymesh==0.1.0"
+}
+
+variable "skymesh_config" {
+  description = "The skymesh YAML (from the config module)."
+  type        = string
+  sensitive   = true
+}
