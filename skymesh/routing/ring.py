@@ -94,4 +94,4 @@ class DualHashRing:
 
 
 def _mix(key: int, seed: int) -> int:
-    return xxhash.xxh64_intdigest(key.to_bytes(8, "little", signed=False), seed=seed)
+    return xxhash.xxh64_intdigest((key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"), seed=seed)
