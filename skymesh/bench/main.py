@@ -11,6 +11,7 @@ import importlib
 
 MODES = {
     "routing": "skymesh.routing.bench",
+    "proxy": "skymesh.bench.proxy_cost",
 
 
 }

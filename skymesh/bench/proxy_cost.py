@@ -1,0 +1,178 @@
+"""`skymesh bench proxy`: balancer CPU per proxied request, on loopback.
+
+In one run, against the same stand-in replicas (time scale tiny, so the replicas answer
+at once): (1) requests straight to the replicas (the direct baseline: client latency),
+(2) through a skymesh balancer (its process CPU per request, from /proc), (3) through
+sglang-router (round_robin) when it is installed (`pip install .[peers]`). The routers
+run as their own processes; CPU is user+system time of that process tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from skymesh.procs import Child, skymesh_cmd, wait_healthy
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU of a process and its children (clock ticks from /proc)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    try:
+        for child in Path(f"/proc/{pid}/task").iterdir():
+            kids = (child / "children").read_text().split()
+            pids.extend(int(k) for k in kids)
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+async def _drive(url: str, n: int, concurrency: int, max_tokens: int) -> list[float]:
+    lat: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def one(i: int) -> None:
+            body = {"model": "skymesh-sim", "prompt": f"request {i % 50} hello world", "max_tokens": max_tokens,
+                    "stream": True}
+            async with sem:
+                t0 = time.perf_counter()
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, r.status
+                    await r.read()
+                lat.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return lat
+
+
+async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="skymesh-proxy-"))
+    children: list[Child] = []
+    results: dict[str, Any] = {"requests": n, "concurrency": concurrency, "replicas": replicas,
+                               "max_tokens": max_tokens}
+    try:
+        urls = []
+        for i in range(replicas):
+            port = _free_port()
+            c = Child(f"replica{i}", skymesh_cmd("replica-sim", "--port", str(port), "--profile", "tiny-test",
+                                                 "--time-scale", "0.001", "--log-level", "ERROR"), tmp)
+            c.start()
+            children.append(c)
+            urls.append(f"http://127.0.0.1:{port}")
+        await asyncio.gather(*(wait_healthy(u + "/health", c) for u, c in zip(urls, children, strict=True)))
+        # 1) direct: round robin over the replicas from the client itself
+        lat = []
+        per = max(1, n // replicas)
+        for u in urls:
+            lat += await _drive(u, per, concurrency, max_tokens)
+        results["direct"] = {"p50_ms": round(statistics.median(lat) * 1000, 3)}
+        # 2) skymesh balancer
+        bport, gport = _free_port(), _free_port()
+        cfg = {
+            "model": "skymesh-sim",
+            "regions": [{"name": "bench-1", "source_networks": ["127.1.0.0/16"],
+                         "balancer": {"listen": f"127.0.0.1:{bport}", "grpc_listen": f"127.0.0.1:{gport}"},
+                         "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
+            "controller": {"listen": f"127.0.0.1:{_free_port()}", "http_listen": f"127.0.0.1:{_free_port()}"},
+            "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{_free_port()}"},
+            "policy": {"name": "round_robin", "options": {"dispatch_budget": 64}},
+            "offload": {"enabled": False},
+        }
+        (tmp / "mesh.yaml").write_text(yaml.safe_dump(cfg))
+        b = Child("balancer", skymesh_cmd("balancer", "--config", str(tmp / "mesh.yaml"), "--region", "bench-1",
+                                          "--no-controller", "--no-peers", "--log-level", "WARNING"), tmp)
+        b.start()
+        children.append(b)
+        burl = f"http://127.0.0.1:{bport}"
+        await wait_healthy(burl + "/health", b)
+        await _drive(burl, 200, concurrency, max_tokens)  # warm-up
+        assert b.pid is not None
+        c0 = cpu_seconds(b.pid)
+        t0 = time.perf_counter()
+        lat = await _drive(burl, n, concurrency, max_tokens)
+        wall = time.perf_counter() - t0
+        cpu = cpu_seconds(b.pid) - c0
+        # the balancer also probes replicas every 100 ms; subtract that idle cost
+        c1 = cpu_seconds(b.pid)
+        await asyncio.sleep(3)
+        idle = (cpu_seconds(b.pid) - c1) / 3 * wall
+        results["skymesh"] = {"cpu_us_per_request": round((cpu - idle) / n * 1e6, 1),
+                              "cpu_us_per_request_incl_probing": round(cpu / n * 1e6, 1),
+                              "p50_ms": round(statistics.median(lat) * 1000, 3)}
+        await b.stop()
+        # 3) sglang-router, when installed
+        sport = _free_port()
+        sgl = Child("sglang-router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                      "--port", str(sport), "--policy", "round_robin", "--worker-urls", *urls],
+                    tmp, env={"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"})
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError:
+            results["sglang_router"] = "not installed (pip install '.[peers]')"
+        else:
+            sgl.start()
+            children.append(sgl)
+            surl = f"http://127.0.0.1:{sport}"
+            await wait_healthy(surl + "/health", sgl, within_s=60)
+            await _drive(surl, 200, concurrency, max_tokens)
+            assert sgl.pid is not None
+            c0 = cpu_seconds(sgl.pid)
+            t0 = time.perf_counter()
+            lat = await _drive(surl, n, concurrency, max_tokens)
+            wall = time.perf_counter() - t0
+            cpu = cpu_seconds(sgl.pid) - c0
+            c1 = cpu_seconds(sgl.pid)
+            await asyncio.sleep(3)
+            idle = (cpu_seconds(sgl.pid) - c1) / 3 * wall
+            results["sglang_router"] = {"cpu_us_per_request": round((cpu - idle) / n * 1e6, 1),
+                                        "cpu_us_per_request_incl_idle": round(cpu / n * 1e6, 1),
+                                        "p50_ms": round(statistics.median(lat) * 1000, 3)}
+        return results
+    finally:
+        for c in reversed(children):
+            await c.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--json", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    res = asyncio.run(measure(args.requests, args.replicas, args.concurrency, args.max_tokens))
+    print(json.dumps(res, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
