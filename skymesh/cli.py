@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="skymesh", description="geo-distributed LLM load-balancer mesh")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    args_list = sys.argv[1:] if argv is None else argv
+    args_list = list(sys.argv[1:] if argv is None else argv)
     wanted = args_list[0] if args_list else None
+    if wanted == "bench" and (len(args_list) == 1 or args_list[1].startswith("--")) and "-h" not in args_list[1:2]:
+        args_list.insert(1, "trace")  # `skymesh bench --trace FILE ...` is the live replay
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         # only the chosen subcommand's module is imported

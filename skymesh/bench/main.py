@@ -1,7 +1,9 @@
 """`skymesh bench MODE ...`: the benchmark entry point.
 
-Modes: `routing` (decision-time micro-benchmark) and `proxy` (balancer CPU per proxied
-request vs a direct hit and vs sglang-router).
+Modes: `routing` (decision-time micro-benchmark), `proxy` (balancer CPU per proxied
+request vs a direct hit and vs sglang-router) and `trace` (live trace replay through
+real routers and stand-in replicas; the default, so `skymesh bench --trace FILE ...`
+works).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 MODES = {
     "routing": "skymesh.routing.bench",
     "proxy": "skymesh.bench.proxy_cost",
+    "trace": "skymesh.bench.live",
 
 
 }
