@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 
 from skymesh.config import ConfigError, load_config
 from skymesh.logging_setup import setup_logging
+from skymesh.procs import serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,16 +27,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.state_path:
         cfg = dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, state_path=args.state_path))
     svc = ControllerService(cfg, make_provider(cfg))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await svc.start()
-    try:
-        await stop.wait()
-    finally:
-        await svc.stop()
-    return 0
+    return await serve_until_signal(svc.start, svc.stop)
 
 
 def run(args: argparse.Namespace) -> int:

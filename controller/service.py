@@ -10,7 +10,6 @@ tells the DNS provider which balancers are healthy. Balancers never wait on it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
+from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger("skymesh.controller")
@@ -286,11 +286,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         log.info("controller started", extra={"version": self.version, "grpc": str(g), "http": str(h)})
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_tasks(self._tasks)
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)
         if self._runner is not None:

@@ -87,3 +87,54 @@ async def wait_healthy(url: str, child: Child | None = None, within_s: float = 6
             await asyncio.sleep(0.1)
     what = child.name if child else url
     raise TimeoutError(f"{what} not healthy at {url} after {within_s}s" + (f":\n{child.tail()}" if child else ""))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+async def start_sim_replicas(n: int, profile: str, time_scale: float, log_dir: Path,
+                             name: str = "replica") -> tuple[list[Child], list[str]]:
+    """n stand-in replica processes on free loopback ports, healthy on return."""
+    children, urls = [], []
+    for i in range(n):
+        port = free_port()
+        c = Child(f"{name}{i}", skymesh_cmd("replica-sim", "--port", str(port), "--profile", profile,
+                                            "--time-scale", str(time_scale), "--log-level", "ERROR"), log_dir)
+        c.start()
+        children.append(c)
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        await asyncio.gather(*(wait_healthy(u + "/health", c) for u, c in zip(urls, children, strict=True)))
+    except BaseException:
+        for c in children:
+            await c.stop()
+        raise
+    return children, urls
+
+
+async def cancel_tasks(tasks: list[asyncio.Task[object]]) -> None:
+    """Cancel background tasks and wait for them to finish, swallowing their endings."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
+
+
+async def serve_until_signal(start: object, stop: object) -> int:
+    """Run a service: await ``start()``, wait for SIGINT/SIGTERM, then await ``stop()``."""
+    ev = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, ev.set)
+    await start()  # type: ignore[operator]
+    try:
+        await ev.wait()
+    finally:
+        await stop()  # type: ignore[operator]
+    return 0

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 
 from skymesh.config import ConfigError, load_config
 from skymesh.gc_tuning import tune_gc
 from skymesh.logging_setup import setup_logging
+from skymesh.procs import serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,18 +30,12 @@ async def serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     balancer = Balancer(cfg, args.region, balancer_id=args.balancer_id, policy_name=args.policy)
     attach_services(balancer, peers=not args.no_peers, controller=not args.no_controller)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await balancer.start()
-    tune_gc()
-    try:
-        await stop.wait()
-    finally:
-        with contextlib.suppress(Exception):
-            await balancer.stop()
-    return 0
+
+    async def start() -> None:
+        await balancer.start()
+        tune_gc()
+
+    return await serve_until_signal(start, balancer.stop)
 
 
 def run(args: argparse.Namespace) -> int:

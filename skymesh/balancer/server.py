@@ -31,6 +31,7 @@ from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.requests import parse_body
 from skymesh.config import MeshConfig, ReplicaConfig
+from skymesh.procs import cancel_tasks
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore, QueueFull
 from skymesh.routing.hashing import prompt_chunk_hashes
@@ -223,11 +224,7 @@ class Balancer:
         for svc in reversed(self.extra_services):
             with contextlib.suppress(Exception):
                 await svc.stop()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_tasks(self._tasks)
         if self._runner is not None:
             await self._runner.cleanup()
         for s in (self._session, self._egress):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 
 if TYPE_CHECKING:
@@ -170,11 +171,7 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
             await asyncio.sleep(step)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_tasks(self._tasks)
         if self._server is not None:
             await self._server.stop(grace=0.2)
 

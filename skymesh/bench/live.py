@@ -29,7 +29,7 @@ from skymesh.bench.metrics import summarize
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.sim_main import DEFAULT_TRACE
 from skymesh.bench.traces import load_mooncake, oracle_hit_rate, scale_rate
-from skymesh.procs import Child, skymesh_cmd, wait_healthy
+from skymesh.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
 from skymesh.prom import parse_samples
 from skymesh.tokens import trace_prompt
 
@@ -45,14 +45,6 @@ class LiveResult:
     rejected: bool = False
     offloaded: bool = False
     replica: str = ""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _one(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, res: LiveResult,
@@ -113,20 +105,20 @@ def _router_child(system: str, urls: list[str], tmp: Path, port: int) -> Child |
             return None
         return Child(system, [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                               "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls], tmp,
-                     env={"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"})
+                     env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
     if system == "vllm-router":
         exe = shutil.which("vllm-router")
         if exe is None:
             return None
         return Child(system, [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-                              "--worker-urls", *urls], tmp, env={"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"})
+                              "--worker-urls", *urls], tmp, env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
     cfg = {
         "model": "skymesh-sim",
         "regions": [{"name": "bench-1", "source_networks": ["127.1.0.0/16"],
-                     "balancer": {"listen": f"127.0.0.1:{port}", "grpc_listen": f"127.0.0.1:{_free_port()}"},
+                     "balancer": {"listen": f"127.0.0.1:{port}", "grpc_listen": f"127.0.0.1:{free_port()}"},
                      "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
-        "controller": {"listen": f"127.0.0.1:{_free_port()}", "http_listen": f"127.0.0.1:{_free_port()}"},
-        "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{_free_port()}"},
+        "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
+        "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port()}"},
         "policy": {"name": system, "ttft_slo_s": 2.0, "queue_bound": 100000, "chunk_tokens": 512},
         "offload": {"enabled": False},
     }
@@ -139,16 +131,9 @@ def _router_child(system: str, urls: list[str], tmp: Path, port: int) -> Child |
 async def run_system(system: str, trace: list[Any], args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
     children: list[Child] = []
     try:
-        urls = []
-        for i in range(args.replicas):
-            port = _free_port()
-            c = Child(f"{system}-replica{i}", skymesh_cmd("replica-sim", "--port", str(port), "--profile", args.profile,
-                                                          "--time-scale", str(args.time_scale), "--log-level", "ERROR"), tmp)
-            c.start()
-            children.append(c)
-            urls.append(f"http://127.0.0.1:{port}")
-        await asyncio.gather(*(wait_healthy(u + "/health", c) for u, c in zip(urls, children, strict=True)))
-        rport = _free_port()
+        reps, urls = await start_sim_replicas(args.replicas, args.profile, args.time_scale, tmp, f"{system}-replica")
+        children.extend(reps)
+        rport = free_port()
         router = _router_child(system, urls, tmp, rport)
         if router is None:
             print(f"skipping {system}: not installed (pip install '.[peers]')", file=sys.stderr)

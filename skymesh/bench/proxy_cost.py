@@ -24,15 +24,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from skymesh.procs import Child, skymesh_cmd, wait_healthy
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from skymesh.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
 
 
 def cpu_seconds(pid: int) -> float:
@@ -73,21 +65,32 @@ async def _drive(url: str, n: int, concurrency: int, max_tokens: int) -> list[fl
     return lat
 
 
+async def _router_cost(router: Child, url: str, n: int, concurrency: int, max_tokens: int) -> dict[str, float]:
+    """CPU per request of a router process: warm up, drive n requests, subtract the
+    router's idle CPU (probing, timers) over the same wall time."""
+    await _drive(url, 200, concurrency, max_tokens)
+    assert router.pid is not None
+    c0 = cpu_seconds(router.pid)
+    t0 = time.perf_counter()
+    lat = await _drive(url, n, concurrency, max_tokens)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(router.pid) - c0
+    c1 = cpu_seconds(router.pid)
+    await asyncio.sleep(3)
+    idle = (cpu_seconds(router.pid) - c1) / 3 * wall
+    return {"cpu_us_per_request": round((cpu - idle) / n * 1e6, 1),
+            "cpu_us_per_request_incl_idle": round(cpu / n * 1e6, 1),
+            "p50_ms": round(statistics.median(lat) * 1000, 3)}
+
+
 async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-proxy-"))
     children: list[Child] = []
     results: dict[str, Any] = {"requests": n, "concurrency": concurrency, "replicas": replicas,
                                "max_tokens": max_tokens}
     try:
-        urls = []
-        for i in range(replicas):
-            port = _free_port()
-            c = Child(f"replica{i}", skymesh_cmd("replica-sim", "--port", str(port), "--profile", "tiny-test",
-                                                 "--time-scale", "0.001", "--log-level", "ERROR"), tmp)
-            c.start()
-            children.append(c)
-            urls.append(f"http://127.0.0.1:{port}")
-        await asyncio.gather(*(wait_healthy(u + "/health", c) for u, c in zip(urls, children, strict=True)))
+        reps, urls = await start_sim_replicas(replicas, "tiny-test", 0.001, tmp)
+        children.extend(reps)
         # 1) direct: round robin over the replicas from the client itself
         lat = []
         per = max(1, n // replicas)
@@ -95,14 +98,14 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
             lat += await _drive(u, per, concurrency, max_tokens)
         results["direct"] = {"p50_ms": round(statistics.median(lat) * 1000, 3)}
         # 2) skymesh balancer
-        bport, gport = _free_port(), _free_port()
+        bport, gport = free_port(), free_port()
         cfg = {
             "model": "skymesh-sim",
             "regions": [{"name": "bench-1", "source_networks": ["127.1.0.0/16"],
                          "balancer": {"listen": f"127.0.0.1:{bport}", "grpc_listen": f"127.0.0.1:{gport}"},
                          "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
-            "controller": {"listen": f"127.0.0.1:{_free_port()}", "http_listen": f"127.0.0.1:{_free_port()}"},
-            "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{_free_port()}"},
+            "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
+            "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port()}"},
             "policy": {"name": "round_robin", "options": {"dispatch_budget": 64}},
             "offload": {"enabled": False},
         }
@@ -113,26 +116,13 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
         children.append(b)
         burl = f"http://127.0.0.1:{bport}"
         await wait_healthy(burl + "/health", b)
-        await _drive(burl, 200, concurrency, max_tokens)  # warm-up
-        assert b.pid is not None
-        c0 = cpu_seconds(b.pid)
-        t0 = time.perf_counter()
-        lat = await _drive(burl, n, concurrency, max_tokens)
-        wall = time.perf_counter() - t0
-        cpu = cpu_seconds(b.pid) - c0
-        # the balancer also probes replicas every 100 ms; subtract that idle cost
-        c1 = cpu_seconds(b.pid)
-        await asyncio.sleep(3)
-        idle = (cpu_seconds(b.pid) - c1) / 3 * wall
-        results["skymesh"] = {"cpu_us_per_request": round((cpu - idle) / n * 1e6, 1),
-                              "cpu_us_per_request_incl_probing": round(cpu / n * 1e6, 1),
-                              "p50_ms": round(statistics.median(lat) * 1000, 3)}
+        results["skymesh"] = await _router_cost(b, burl, n, concurrency, max_tokens)
         await b.stop()
         # 3) sglang-router, when installed
-        sport = _free_port()
+        sport = free_port()
         sgl = Child("sglang-router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                       "--port", str(sport), "--policy", "round_robin", "--worker-urls", *urls],
-                    tmp, env={"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"})
+                    tmp, env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
         try:
             import sglang_router  # noqa: F401
         except ImportError:
@@ -142,19 +132,7 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
             children.append(sgl)
             surl = f"http://127.0.0.1:{sport}"
             await wait_healthy(surl + "/health", sgl, within_s=60)
-            await _drive(surl, 200, concurrency, max_tokens)
-            assert sgl.pid is not None
-            c0 = cpu_seconds(sgl.pid)
-            t0 = time.perf_counter()
-            lat = await _drive(surl, n, concurrency, max_tokens)
-            wall = time.perf_counter() - t0
-            cpu = cpu_seconds(sgl.pid) - c0
-            c1 = cpu_seconds(sgl.pid)
-            await asyncio.sleep(3)
-            idle = (cpu_seconds(sgl.pid) - c1) / 3 * wall
-            results["sglang_router"] = {"cpu_us_per_request": round((cpu - idle) / n * 1e6, 1),
-                                        "cpu_us_per_request_incl_idle": round(cpu / n * 1e6, 1),
-                                        "p50_ms": round(statistics.median(lat) * 1000, 3)}
+            results["sglang_router"] = await _router_cost(sgl, surl, n, concurrency, max_tokens)
         return results
     finally:
         for c in reversed(children):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 
 from skymesh.config import ConfigError, load_config
 from skymesh.logging_setup import setup_logging
+from skymesh.procs import serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,16 +20,7 @@ async def serve(args: argparse.Namespace) -> int:
     from skymesh.dns.embedded import MeshDnsServer
 
     srv = MeshDnsServer(load_config(args.config))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await srv.start()
-    try:
-        await stop.wait()
-    finally:
-        await srv.stop()
-    return 0
+    return await serve_until_signal(srv.start, srv.stop)
 
 
 def run(args: argparse.Namespace) -> int:

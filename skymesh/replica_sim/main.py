@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 
 from skymesh.logging_setup import setup_logging
+from skymesh.procs import serve_until_signal
 from skymesh.replica_sim.profiles import PROFILES
 
 
@@ -33,15 +33,11 @@ async def _serve(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
     }.items() if v is not None}
     srv = await start_replica(args.host, args.port, args.profile, args.time_scale, args.model, **overrides)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await srv.close()
-    return 0
+
+    async def started() -> None:
+        return None
+
+    return await serve_until_signal(started, srv.close)
 
 
 def run(args: argparse.Namespace) -> int:
