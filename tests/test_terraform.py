@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,8 +126,11 @@ def moto_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    url = f"http://127.0.0.1:{port}"
+    # moto keeps its backends per process: start from an empty Route53 every time
+    urllib.request.urlopen(urllib.request.Request(url + "/moto-api/reset", method="POST"), timeout=10).read()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         server.stop()
 
