@@ -5,38 +5,20 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
 import yaml
 from aiohttp import web
-from moto.server import ThreadedMotoServer
 
 from skymesh.procs import Child, skymesh_cmd, wait_healthy
-from tests.mesh_helpers import free_port, local_config_free_ports
+from tests.mesh_helpers import local_config_free_ports
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 PUBLIC = {"us-east-1": "3.80.0.10", "eu-west-1": "52.16.0.10", "ap-northeast-1": "13.112.0.10"}
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-@pytest.fixture
-def moto_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    for k, v in CREDS.items():
-        monkeypatch.setenv(k, v)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    # moto keeps its backends per process: start from an empty Route53 every time
-    urllib.request.urlopen(urllib.request.Request(url + "/moto-api/reset", method="POST"), timeout=10).read()
-    try:
-        yield url
-    finally:
-        server.stop()
 
 
 async def fake_balancer(host: str, port: int) -> web.AppRunner:

@@ -8,16 +8,13 @@ import json
 import os
 import shutil
 import subprocess
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from skymesh.config import parse_config
-from tests.mesh_helpers import ROOT, free_port
+from tests.mesh_helpers import ROOT
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -118,21 +115,6 @@ def test_example_validates(tf_env: dict[str, str], tmp_path: Path) -> None:
     tf(["validate"], ex, tf_env, tmp_path)
 
 
-@pytest.fixture
-def moto_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    # moto keeps its backends per process: start from an empty Route53 every time
-    urllib.request.urlopen(urllib.request.Request(url + "/moto-api/reset", method="POST"), timeout=10).read()
-    try:
-        yield url
-    finally:
-        server.stop()
 
 
 @needs_tf
