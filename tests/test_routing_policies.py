@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -104,7 +106,8 @@ def test_preble_hit_rule_then_load_cost() -> None:
 
 
 def dualmap() -> DualMapPolicy:
-    p = DualMapPolicy(CTX)
+    # holding is off by default; these tests exercise the hold/spill/migrate rules
+    p = DualMapPolicy(dataclasses.replace(CTX, options={"max_hold_fraction": 0.5}))
     p.set_replicas(IDS)
     return p
 
@@ -168,6 +171,15 @@ def test_dualmap_migrates_held_requests_only_with_benefit_and_slo() -> None:
     vs = views(**{h2: {"available": False, "pending_prefill_tokens": 5000},
                   o2: {"available": False, "pending_prefill_tokens": 2000}})
     assert p2.rebalance([r], vs, 0.0) == []
+
+
+def test_dualmap_default_spills_instead_of_holding() -> None:
+    p = DualMapPolicy(CTX)
+    p.set_replicas(IDS)
+    r = req(12, arrival=0.0)
+    c1, c2 = p.candidates(r)
+    busy = views(**{c1: {"available": False}, c2: {"available": False}})
+    assert p.choose(r, busy, 0.01).reason == "spill"
 
 
 def test_dualmap_spreads_a_hot_prefix_beyond_one_pair() -> None:
