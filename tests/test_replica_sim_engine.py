@@ -151,3 +151,12 @@ def test_fast_forward_matches_single_steps(reqs: list[tuple[int, int]]) -> None:
     assert slow_done.keys() == fast_done.keys()
     for k in slow_done:
         assert fast_done[k] == pytest.approx(slow_done[k], rel=1e-9, abs=1e-9)
+
+
+def test_l4_profile_takes_about_300_ms_for_512_tokens() -> None:
+    # SkyWalker's measured TTFT for a 512-token prompt on an L4 with Llama-3.1-8B
+    e = Engine(PROFILES["l4-llama3.1-8b"])
+    e.add_request("a", 512, [], 1, 0.0)
+    out = e.step(0.0)
+    assert out.first_token == ["a"]
+    assert out.duration_s == pytest.approx(0.300, abs=0.005)

@@ -33,7 +33,10 @@ class Profile:
         return self.num_gpu_blocks * self.block_size
 
     def prefill_time_s(self, tokens: int) -> float:
-        """One prefill-only request of ``tokens`` tokens, chunked by the token budget."""
+        """TTFT-model seed for one prefill of ``tokens`` tokens, chunked by the token
+        budget. It charges full quadratic attention over the prompt, which the engine's
+        step cost does not (the engine charges c + n/2 context tokens per chunk), so it
+        is an upper estimate; the balancers refit the model from observed TTFTs."""
         steps = max(1, -(-tokens // self.max_num_batched_tokens))
         # attention over the prompt itself: on average half the prompt is context
         return (
@@ -56,10 +59,10 @@ PROFILES: dict[str, Profile] = {
             max_num_seqs=128,
             max_num_batched_tokens=2048,
             # 16.1 GB of weights at the L4's 300 GB/s ≈ 54 ms per step when memory bound;
-            # a 512-token prefill measured ≈ 300 ms (SkyWalker) → 0.39 ms/token on top
+            # a 512-token prefill measured ≈ 300 ms (SkyWalker) → 0.498 ms/token on top
             # of the fixed cost and the attention term
             step_fixed_s=0.045,
-            prefill_s_per_token=0.00039,
+            prefill_s_per_token=0.000498,
             decode_s_per_seq=0.0004,
             # 128 KiB/token of KV read at 300 GB/s ≈ 0.44 µs per context token per step
             attn_s_per_context_token=4.4e-7,
