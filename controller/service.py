@@ -5,11 +5,18 @@ after ``failure_threshold`` consecutive misses, lets the nearest live balancer a
 dead one's replicas (and hands them back on recovery), pushes every topology change to
 the balancers' WatchTopology streams, keeps its state in SQLite (recovered on restart) and
 tells the DNS provider which balancers are healthy. Balancers never wait on it.
+
+Liveness: a balancer is alive while its HTTP ``/health`` answers the controller's probe
+or it keeps calling Register/Report (either resets its failure count); it is dead after
+``failure_threshold`` consecutive failed probes with no Register/Report in between.
+DNS is synced by its own task (on every change and every ``DNS_RESYNC_S``), so a slow or
+dead DNS endpoint never delays failover or the topology push.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -29,7 +36,7 @@ from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger("skymesh.controller")
 
-DNS_RESYNC_S = 10.0
+DNS_RESYNC_S = 5.0
 
 
 def _now_ms() -> int:
@@ -58,13 +65,18 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             }
         self.failures = {r.name: 0 for r in cfg.regions}
         self.reports: dict[str, dict[str, Any]] = st["reports"]
+        self.last_reports: dict[str, Any] = {}
+        for region, blob in st["report_protos"].items():
+            self.last_reports[region] = mesh_pb2.BalancerReport.FromString(blob)
         saved_owners = st["owners"]
         known = {rep.id for r in cfg.regions for rep in r.replicas}
         if saved_owners and set(saved_owners) == known:
             self.owners = saved_owners  # recovered ownership (e.g. an adoption in force)
         else:
             self.owners = assign_owners(cfg, self.alive_regions())
+        # one slot per watcher: only the newest topology matters (balancers skip older)
         self._subscribers: set[asyncio.Queue[Any]] = set()
+        self._dns_dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._grpc: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -104,10 +116,12 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             await asyncio.to_thread(self.store.save_topology, self.version, owners, self.balancers)
             topo = self.topology()
             for q in list(self._subscribers):
+                while not q.empty():
+                    q.get_nowait()
                 q.put_nowait(topo)
             log.info("topology changed", extra={"version": self.version, "reason": reason,
                                                  "alive": sorted(self.alive_regions())})
-        await self.sync_dns()
+        self._dns_dirty.set()
 
     def endpoints(self) -> list[BalancerEndpoint]:
         eps = []
@@ -121,13 +135,30 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             ))
         return eps
 
-    async def sync_dns(self) -> None:
+    async def sync_dns(self) -> bool:
+        """Push the current endpoint health to the DNS provider; False when that failed."""
         if self.dns is None:
-            return
+            return True
         try:
-            await self.dns.sync(self.endpoints())
+            changed = await self.dns.sync(self.endpoints())
         except Exception as e:  # DNS trouble must never stop failover handling
             log.warning("dns sync failed", extra={"provider": self.dns.name, "error": repr(e)})
+            return False
+        if changed:
+            log.info("dns updated", extra={"provider": self.dns.name,
+                                           "healthy": sorted(self.alive_regions())})
+        return True
+
+    async def _dns_loop(self) -> None:
+        """Sync on every change (coalesced) and every DNS_RESYNC_S (repairs drift, e.g.
+        a restarted DNS server that came back with every balancer marked healthy)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dns_dirty.wait(), timeout=DNS_RESYNC_S)
+            self._dns_dirty.clear()
+            if not await self.sync_dns():
+                await asyncio.sleep(min(1.0, DNS_RESYNC_S))
+                self._dns_dirty.set()  # retry soon: a failover must reach DNS
 
     # ------------------------------------------------------------------ health
 
@@ -144,7 +175,6 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         interval = self.cfg.controller.probe_interval_s
         timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, interval)))
         assert self._session is not None
-        last_dns = time.monotonic()
         while True:
             started = time.monotonic()
 
@@ -156,16 +186,16 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 except (TimeoutError, aiohttp.ClientError, OSError) as e:
                     return region, False, type(e).__name__
 
-            for region, ok, why in await asyncio.gather(*(probe(r) for r in self.balancers)):
-                if ok:
-                    await self._set_alive(region, True, "probe ok")
-                else:
-                    self.failures[region] += 1
-                    if self.failures[region] >= self.cfg.controller.failure_threshold:
-                        await self._set_alive(region, False, why)
-            if time.monotonic() - last_dns >= DNS_RESYNC_S:
-                last_dns = time.monotonic()
-                await self.sync_dns()  # idempotent: repairs drift
+            try:
+                for region, ok, why in await asyncio.gather(*(probe(r) for r in self.balancers)):
+                    if ok:
+                        await self._set_alive(region, True, "probe ok")
+                    else:
+                        self.failures[region] += 1
+                        if self.failures[region] >= self.cfg.controller.failure_threshold:
+                            await self._set_alive(region, False, why)
+            except Exception:  # e.g. the state disk is full: log, keep probing
+                log.exception("probe round failed")
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     # ------------------------------------------------------------------ gRPC
@@ -174,33 +204,59 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         if request.region not in self.balancers:
             return mesh_pb2.RegisterReply(accepted=False, reason=f"unknown region {request.region!r}")
         b = self.balancers[request.region]
+        changed = (b["balancer_id"], b["epoch"]) != (request.balancer_id, request.epoch)
         b["balancer_id"] = request.balancer_id
         b["epoch"] = request.epoch
-        if request.http_url:
-            b["http_url"] = request.http_url
-        if request.grpc_address:
-            b["grpc_address"] = request.grpc_address
-        await self._set_alive(request.region, True, "registered")
+        if request.http_url and request.http_url != b["http_url"]:
+            b["http_url"], changed = request.http_url, True
+        if request.grpc_address and request.grpc_address != b["grpc_address"]:
+            b["grpc_address"], changed = request.grpc_address, True
+        was_alive = b["alive"]
+        await self._set_alive(request.region, True, f"registered (epoch {request.epoch})")
+        if changed and was_alive:
+            # a restarted balancer (new epoch) or a moved address: persist and push
+            await self._changed(f"{request.region} registered epoch {request.epoch}")
+        log.info("balancer registered", extra={"region": request.region, "balancer_id": request.balancer_id,
+                                               "epoch": request.epoch, "version_reported": request.version})
         return mesh_pb2.RegisterReply(accepted=True, topology=self.topology())
 
     async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if request.region in self.balancers:
-            try:
-                report = json.loads(request.admin_json) if request.admin_json else {}
-            except json.JSONDecodeError:
-                report = {}
-            self.reports[request.region] = report
-            self.balancers[request.region]["last_seen_ms"] = _now_ms()
-            await asyncio.to_thread(self.store.save_report, request.region, report, _now_ms())
+        b = self.balancers.get(request.region)
+        if b is None or request.epoch < (b["epoch"] or 0):
+            # unknown region, or a report from an older incarnation of the balancer
+            return mesh_pb2.ReportReply(topology_version=self.version)
+        try:
+            report = json.loads(request.admin_json) if request.admin_json else {}
+        except json.JSONDecodeError:
+            report = {}
+        if not isinstance(report, dict):
+            report = {}
+        self.reports[request.region] = report
+        self.last_reports[request.region] = request
+        if request.epoch > (b["epoch"] or 0):
+            b["epoch"] = request.epoch
+        if request.balancer_id:
+            b["balancer_id"] = request.balancer_id
+        await self._set_alive(request.region, True, "report")
+        now = _now_ms()
+        await asyncio.to_thread(self.store.save_report, request.region, report, now,
+                                request.SerializeToString())
         return mesh_pb2.ReportReply(topology_version=self.version)
 
     async def WatchTopology(self, request: Any, context: Any) -> Any:  # noqa: N802
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._subscribers.add(q)
         try:
-            yield self.topology()
+            topo = self.topology()
+            last = topo.version
+            yield topo
             while True:
-                yield await q.get()
+                topo = await q.get()
+                # a change in flight while this stream opened may already be in the first
+                # topology: every stream sees strictly increasing versions
+                if topo.version > last:
+                    last = topo.version
+                    yield topo
         finally:
             self._subscribers.discard(q)
 
@@ -210,8 +266,10 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         )
         for r in self.cfg.regions:
             b = self.balancers[r.name]
-            st.regions.add(region=r.name, balancer_alive=b["alive"], balancer_id=b["balancer_id"],
-                           last_seen_unix_ms=b["last_seen_ms"] or 0)
+            rs = st.regions.add(region=r.name, balancer_alive=b["alive"], balancer_id=b["balancer_id"],
+                                last_seen_unix_ms=b["last_seen_ms"] or 0)
+            if r.name in self.last_reports:
+                rs.last_report.CopyFrom(self.last_reports[r.name])
         return st
 
     # ------------------------------------------------------------------ HTTP (status)
@@ -225,7 +283,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 "region": r.name,
                 "balancer_alive": b["alive"],
                 "balancer_id": b["balancer_id"],
+                "balancer_epoch": b["epoch"],
                 "balancer_url": b["http_url"],
+                "balancer_grpc": b["grpc_address"],
                 "last_seen_unix_ms": b["last_seen_ms"],
                 "owned_replicas": [
                     {"replica_id": rid, "url": homes[rid][1], "home_region": homes[rid][0]}
@@ -281,6 +341,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         h = self.cfg.controller.http_listen
         await web.TCPSite(self._runner, h.host, h.port, reuse_address=True).start()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="probe"))
+        self._tasks.append(asyncio.create_task(self._dns_loop(), name="dns-sync"))
         # a (re)start is a new topology version: monotonic across restarts, persisted
         await self._changed("controller started")
         log.info("controller started", extra={"version": self.version, "grpc": str(g), "http": str(h)})

@@ -19,6 +19,7 @@ CREATE TABLE IF NOT EXISTS ownership (
     replica_id TEXT PRIMARY KEY, owner_region TEXT NOT NULL, home_region TEXT NOT NULL, url TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS reports (region TEXT PRIMARY KEY, report_json TEXT NOT NULL, at_ms INTEGER);
+CREATE TABLE IF NOT EXISTS report_protos (region TEXT PRIMARY KEY, report BLOB NOT NULL);
 """
 
 
@@ -48,11 +49,13 @@ class StateStore:
             }
             owners = {r[0]: r[1] for r in self._db.execute("SELECT replica_id, owner_region FROM ownership")}
             reports = {r[0]: json.loads(r[1]) for r in self._db.execute("SELECT region, report_json FROM reports")}
+            protos = {r[0]: bytes(r[1]) for r in self._db.execute("SELECT region, report FROM report_protos")}
         return {
             "version": int(meta.get("version", "0")),
             "balancers": balancers,
             "owners": owners,
             "reports": reports,
+            "report_protos": protos,  # region -> serialized BalancerReport
         }
 
     def save_topology(self, version: int, owners: dict[str, tuple[str, str, str]],
@@ -80,9 +83,21 @@ class StateStore:
                 db.execute("ROLLBACK")
                 raise
 
-    def save_report(self, region: str, report: dict[str, Any], at_ms: int) -> None:
+    def save_report(self, region: str, report: dict[str, Any], at_ms: int, proto: bytes = b"") -> None:
+        """The latest report of a region: its admin JSON and (when given) the raw
+        serialized BalancerReport, so GetStatus can answer after a restart."""
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO reports(region, report_json, at_ms) VALUES (?, ?, ?)",
-                (region, json.dumps(report), at_ms),
-            )
+            db = self._db
+            db.execute("BEGIN")
+            try:
+                db.execute(
+                    "INSERT OR REPLACE INTO reports(region, report_json, at_ms) VALUES (?, ?, ?)",
+                    (region, json.dumps(report), at_ms),
+                )
+                if proto:
+                    db.execute("INSERT OR REPLACE INTO report_protos(region, report) VALUES (?, ?)",
+                               (region, proto))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise

@@ -164,6 +164,9 @@ class DnsConfig:
     hosted_zone: str | None = None  # route53
     # route53 API endpoint override (an emulator on loopback in tests); None: AWS
     endpoint_url: str | None = None
+    # route53 routing: "latency" (every region, nearest healthy answers) or "failover"
+    # (exactly two regions: PRIMARY = first alive in config order, SECONDARY the other)
+    routing: str = "latency"
 
 
 @dataclass(frozen=True)
@@ -501,6 +504,13 @@ def parse_config(data: Any, profiles: set[str] | None = None) -> MeshConfig:
         raise ConfigError("dns.hosted_zone", "is required for provider route53")
     ep_v = do.get("endpoint_url", None)
     endpoint_url = None if ep_v is None else _url(ep_v, "dns.endpoint_url")
+    routing = _str(do.get("routing", "latency"), "dns.routing")
+    if routing not in ("latency", "failover"):
+        raise ConfigError("dns.routing", f"expected 'latency' or 'failover', got {routing!r}")
+    if routing == "failover" and provider != "route53":
+        raise ConfigError("dns.routing", "failover routing is a Route53 record type; use provider route53")
+    if routing == "failover" and len(regions) != 2:
+        raise ConfigError("dns.routing", f"failover routing needs exactly 2 regions, the config has {len(regions)}")
     dns = DnsConfig(
         name=dname.rstrip("."),
         provider=provider,
@@ -508,6 +518,7 @@ def parse_config(data: Any, profiles: set[str] | None = None) -> MeshConfig:
         ttl_s=_int(do.get("ttl_s", 5), "dns.ttl_s", 1, 86400),
         hosted_zone=zone,
         endpoint_url=endpoint_url,
+        routing=routing,
     )
     do.done()
 

@@ -7,8 +7,10 @@ comes from: the client's source IP is matched against the regions' ``source_netw
 eu-west-1), and the delay is ``one_way_ms(source region, this region)``. Unknown sources
 get ``local_latency_ms``. Byte-level, so it carries HTTP (incl. SSE streaming) and gRPC.
 
-Chunks are released in order at (arrival + delay): a per-direction queue with release
-times, not a sleep per chunk, so delays never add up along a stream.
+Each direction is a queue of (release time, bytes): chunks leave in order at arrival +
+delay, so delays never add up along a stream (no sleep-per-chunk serialisation). The
+bytes held in a direction are bounded (``max_buffered`` plus one read): a slow receiver
+stops the proxy from reading the sender, so TCP backpressure reaches the other end.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+from collections import deque
 from collections.abc import Callable
 
 from skymesh.config import MeshConfig
 
 log = logging.getLogger("skymesh.latency_proxy")
 _CHUNK = 64 * 1024
+# per direction; at 110 ms one way this still carries ~38 MB/s (bandwidth-delay product)
+DEFAULT_MAX_BUFFERED = 4 * 1024 * 1024
 
 
 def delay_for(cfg: MeshConfig, region: str) -> Callable[[str], float]:
-    """Source IP -> one-way delay (seconds) into ``region``."""
+    """Source IP -> one-way delay (seconds) into ``region``; most specific network wins."""
     nets = sorted(((n, r.name) for r in cfg.regions for n in r.source_networks), key=lambda x: -x[0].prefixlen)
 
     def delay(ip: str) -> float:
@@ -42,16 +47,114 @@ def delay_for(cfg: MeshConfig, region: str) -> Callable[[str], float]:
     return delay
 
 
+class _DelayLine:
+    """One direction of one connection: read, hold until due, write, in order."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float,
+                 max_buffered: int) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.delay = delay
+        self.max_buffered = max_buffered
+        self.buffered = 0
+        self.queue: deque[tuple[float, bytes]] = deque()
+        self.ready = asyncio.Event()  # something was queued
+        self.room = asyncio.Event()  # buffered dropped below the bound
+        self.room.set()
+
+    async def run(self) -> None:
+        """Both halves; returns once EOF was passed on, raises when a side breaks."""
+        sender = asyncio.create_task(self._send())
+        receiver = asyncio.create_task(self._receive())
+        try:
+            # all done (EOF passed on), or the first failure on either side
+            await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_EXCEPTION)
+            for t in (receiver, sender):
+                exc = t.exception() if t.done() and not t.cancelled() else None
+                if exc is not None:
+                    raise exc
+        finally:
+            for t in (sender, receiver):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
+
+    async def _receive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while self.buffered >= self.max_buffered:
+                self.room.clear()
+                await self.room.wait()  # backpressure: stop reading until the writer drains
+            data = await self.reader.read(_CHUNK)
+            self.queue.append((loop.time() + self.delay, data))
+            self.buffered += len(data)
+            self.ready.set()
+            if not data:
+                return
+
+    async def _send(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.queue:
+                self.ready.clear()
+                await self.ready.wait()
+            due, data = self.queue.popleft()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                with contextlib.suppress(OSError, RuntimeError):
+                    if self.writer.can_write_eof():
+                        self.writer.write_eof()  # half-close: the other direction goes on
+                return
+            self.writer.write(data)
+            await self.writer.drain()
+            self.buffered -= len(data)
+            if self.buffered < self.max_buffered:
+                self.room.set()
+
+
 class DelayProxy:
-    def __init__(self, listen: tuple[str, int], target: tuple[str, int], delay: Callable[[str], float]) -> None:
+    """Listen on ``listen``, forward to ``target``, delay by ``delay(client ip)`` seconds;
+    with ``upstream_source`` the upstream connection is bound to that source address."""
+
+    def __init__(self, listen: tuple[str, int], target: tuple[str, int], delay: Callable[[str], float],
+                 name: str = "", max_buffered: int = DEFAULT_MAX_BUFFERED,
+                 upstream_source: str | None = None) -> None:
         self.listen = listen
         self.target = target
+        # bind the upstream side to this source address (an egress forwarder, below)
+        self.upstream_source = upstream_source
         self.delay = delay
+        self.name = name or f"{listen[0]}:{listen[1]}"
+        self.max_buffered = max_buffered
+        self.connections_total = 0
         self._server: asyncio.Server | None = None
         self._conns: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
+        self._lines: dict[asyncio.Task[None], list[_DelayLine]] = {}
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with listen port 0)."""
+        if self._server is None or not self._server.sockets:
+            return self.listen[1]
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def active_connections(self) -> int:
+        return len(self._conns)
+
+    def buffered_bytes(self) -> list[int]:
+        """Bytes held right now by each direction of each open connection."""
+        return [line.buffered for lines in self._lines.values() for line in lines]
+
+    def lines(self) -> list[_DelayLine]:
+        return [line for lines in self._lines.values() for line in lines]
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.listen[0], self.listen[1], reuse_address=True)
+        log.debug("delay proxy listening", extra={"proxy": self.name, "target": f"{self.target[0]}:{self.target[1]}"})
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -66,62 +169,50 @@ class DelayProxy:
             _, pending = await asyncio.wait(tasks, timeout=2.0)
             for t in pending:
                 t.cancel()
+        if self._server is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), timeout=2.0)
+            self._server = None
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        self.connections_total += 1
         writers = self._conns[task] = [cwriter]
         peer = cwriter.get_extra_info("peername")
         d = self.delay(peer[0] if peer else "")
         try:
             try:
-                ureader, uwriter = await asyncio.open_connection(*self.target)
-            except OSError:
-                return  # upstream down: the client sees the connection close
+                ureader, uwriter = await asyncio.open_connection(
+                    *self.target, local_addr=(self.upstream_source, 0) if self.upstream_source else None)
+            except OSError as e:
+                # upstream down: the client sees the connection close, as with a dead host
+                log.debug("delay proxy upstream unreachable", extra={"proxy": self.name, "error": str(e)})
+                return
             writers.append(uwriter)
+            dl = self._lines[task] = [
+                _DelayLine(creader, uwriter, d, self.max_buffered),
+                _DelayLine(ureader, cwriter, d, self.max_buffered),
+            ]
+            lines = [asyncio.create_task(x.run()) for x in dl]
             try:
-                await asyncio.gather(self._pipe(creader, uwriter, d), self._pipe(ureader, cwriter, d))
+                # both directions end on EOF; a reset on either side ends both
+                done, pending = await asyncio.wait(lines, return_when=asyncio.FIRST_EXCEPTION)
+                if pending:
+                    for w in writers:
+                        w.close()
+                    await asyncio.wait(pending)
+                for t in lines:
+                    if not t.cancelled():
+                        t.exception()  # retrieved: a reset is an ordinary end here
             finally:
+                for t in lines:
+                    t.cancel()
                 uwriter.close()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
         finally:
             cwriter.close()
             self._conns.pop(task, None)
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def release() -> None:
-            while True:
-                due, data = await queue.get()
-                wait = due - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if not data:
-                    with contextlib.suppress(OSError, RuntimeError):
-                        if writer.can_write_eof():
-                            writer.write_eof()
-                    return
-                writer.write(data)
-                await writer.drain()  # backpressure: a slow reader slows the whole pipe
-
-        sender = asyncio.create_task(release())
-        try:
-            while True:
-                data = await reader.read(_CHUNK)
-                queue.put_nowait((loop.time() + delay, data))
-                if not data:
-                    break
-            await sender
-        except (ConnectionError, OSError):
-            sender.cancel()
-        finally:
-            if not sender.done():
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await sender
+            self._lines.pop(task, None)
 
 
 def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
@@ -132,8 +223,29 @@ def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
         b = r.balancer
         d = delay_for(cfg, r.name)
         if b.advertise != b.listen:
-            out.append(DelayProxy((b.advertise.host, b.advertise.port), (b.listen.host, b.listen.port), d))
+            out.append(DelayProxy((b.advertise.host, b.advertise.port), (b.listen.host, b.listen.port), d,
+                                  name=f"{r.name} http {b.advertise}"))
         if b.grpc_advertise != b.grpc_listen:
             out.append(DelayProxy((b.grpc_advertise.host, b.grpc_advertise.port),
-                                  (b.grpc_listen.host, b.grpc_listen.port), d))
+                                  (b.grpc_listen.host, b.grpc_listen.port), d, name=f"{r.name} grpc {b.grpc_advertise}"))
     return out
+
+
+def _split_hostport(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def start_egress_forwarder(target: str, source: str, listen_host: str = "127.0.0.1") -> DelayProxy:
+    """A started zero-delay forwarder on ``listen_host``:<free port> whose connections to
+    ``target`` ("host:port") leave from ``source``.
+
+    For clients that cannot bind their source address themselves: gRPC's Python channels
+    have no such option, so a balancer dials ``f"{listen_host}:{fwd.port}"`` instead of the
+    peer, and the peer's delay proxy sees the balancer's ``egress_source`` (its region).
+    ``await fwd.stop()`` when done.
+    """
+    fwd = DelayProxy((listen_host, 0), _split_hostport(target), lambda ip: 0.0,
+                     name=f"egress {source} -> {target}", upstream_source=source)
+    await fwd.start()
+    return fwd

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -25,6 +29,9 @@ class Child:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it; closed below
+        # restarts append to the same log: mark where each run begins
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.name}: {' '.join(self.args)}\n".encode())
+        log.flush()
         try:
             self.proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -39,6 +46,11 @@ class Child:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """None while running (or never started)."""
+        return self.proc.poll() if self.proc is not None else None
 
     def signal_group(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -64,10 +76,15 @@ class Child:
             await asyncio.to_thread(self.proc.wait)
 
     def tail(self, n_bytes: int = 1500) -> str:
+        """The end of this run's log (not a previous run's, for a restarted child)."""
         try:
-            return self.log_path.read_bytes()[-n_bytes:].decode(errors="replace")
+            data = self.log_path.read_bytes()
         except OSError:
             return ""
+        start = data.rfind(b"=== ")
+        if start > 0 and data[start - 1 : start] == b"\n":
+            data = data[start:]
+        return data[-n_bytes:].decode(errors="replace")
 
 
 def skymesh_cmd(*args: str) -> list[str]:
@@ -89,12 +106,42 @@ async def wait_healthy(url: str, child: Child | None = None, within_s: float = 6
     raise TimeoutError(f"{what} not healthy at {url} after {within_s}s" + (f":\n{child.tail()}" if child else ""))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
+async def wait_all_healthy(checks: list[tuple[str, Child | None]], within_s: float = 60.0) -> None:
+    """``wait_healthy`` for every (url, child) at once; the first failure cancels the rest
+    and is raised (naming the part, with its log tail)."""
+    tasks = [asyncio.create_task(wait_healthy(url, child, within_s)) for url, child in checks]
+    if not tasks:
+        return
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            exc = t.exception() if t in done else None
+            if exc is not None:
+                raise exc
+    finally:
+        await cancel_tasks(tasks)
 
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def bind_problem(host: str, port: int, udp: bool = False) -> str | None:
+    """Why a server could not listen on host:port right now, or None when it could
+    (connections in TIME_WAIT don't count: servers set SO_REUSEADDR too)."""
+    kind = socket.SOCK_DGRAM if udp else socket.SOCK_STREAM
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, kind) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "already in use"
+            return e.strerror or str(e)
+    return None
 
 
 async def start_sim_replicas(n: int, profile: str, time_scale: float, log_dir: Path,
@@ -117,8 +164,9 @@ async def start_sim_replicas(n: int, profile: str, time_scale: float, log_dir: P
     return children, urls
 
 
-async def cancel_tasks(tasks: list[asyncio.Task[object]]) -> None:
+async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
     """Cancel background tasks and wait for them to finish, swallowing their endings."""
+    tasks = list(tasks)
     for t in tasks:
         t.cancel()
     for t in tasks:

@@ -1,7 +1,9 @@
 """`skymesh status [--config FILE] [--json] [--watch [S]]`: the mesh at a glance.
 
-Asks the controller first (GET /v1/status); when it is down, asks each balancer's
-/admin/status directly and says so.
+Asks the controller first (GET /v1/status); a region whose balancer is alive but has no
+report there yet is asked directly. When the controller is down, every balancer's
+/admin/status is asked directly and the output says so. Nothing answering at all is a
+clear message and exit code 1.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.config import ConfigError, MeshConfig, load_config
+from skymesh.config import ConfigError, HostPort, MeshConfig, RegionConfig, load_config
+
+_WILDCARDS = ("0.0.0.0", "::", "")
 
 
 async def _get_json(s: aiohttp.ClientSession, url: str) -> Any | None:
@@ -23,88 +27,197 @@ async def _get_json(s: aiohttp.ClientSession, url: str) -> Any | None:
         async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
             if r.status == 200:
                 return await r.json()
-    except (TimeoutError, aiohttp.ClientError, OSError, json.JSONDecodeError):
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
         pass
     return None
 
 
+def _reachable(hp: HostPort) -> HostPort:
+    return HostPort("127.0.0.1", hp.port) if hp.host in _WILDCARDS else hp
+
+
+def balancer_admin_url(r: RegionConfig) -> str:
+    """Where to ask a balancer directly: its own listen address (no delay proxy in the
+    way), unless that is a wildcard; then the advertised one."""
+    b = r.balancer
+    hp = b.advertise if b.listen.host in _WILDCARDS and b.advertise != b.listen else _reachable(b.listen)
+    return hp.http_url + "/admin/status"
+
+
+def controller_url(cfg: MeshConfig) -> str:
+    return _reachable(cfg.controller.http_listen).http_url
+
+
+def _from_balancer(r: RegionConfig, rep: dict[str, Any] | None) -> dict[str, Any]:
+    """A region entry shaped like the controller's, from a balancer's own /admin/status."""
+    return {
+        "region": r.name,
+        "balancer_alive": rep is not None,
+        "balancer_id": rep.get("balancer_id", "") if rep else "",
+        "balancer_url": r.balancer.advertise_url,
+        "owned_replicas": [
+            {"replica_id": rid, "url": x.get("url", ""), "home_region": x.get("home_region", r.name)}
+            for rid, x in sorted((rep or {}).get("replicas", {}).items())
+        ],
+        "report": rep,
+    }
+
+
 async def collect(cfg: MeshConfig) -> dict[str, Any]:
+    """The mesh status: the controller's view (source "controller"), or each balancer's
+    (source "balancers") when the controller does not answer."""
     async with aiohttp.ClientSession() as s:
-        status = await _get_json(s, cfg.controller.http_listen.http_url + "/v1/status")
-        if status is not None:
-            # fill in fresh balancer detail where the controller's last report is missing
+        status = await _get_json(s, controller_url(cfg) + "/v1/status")
+        if isinstance(status, dict) and isinstance(status.get("regions"), list):
+            # an alive balancer whose report has not reached the controller yet: ask it
+            by_name = {r.name: r for r in cfg.regions}
+            missing = [x for x in status["regions"]
+                       if x.get("balancer_alive") and not x.get("report") and x.get("region") in by_name]
+            fresh = await asyncio.gather(*(_get_json(s, balancer_admin_url(by_name[x["region"]])) for x in missing))
+            for x, rep in zip(missing, fresh, strict=True):
+                if isinstance(rep, dict):
+                    x["report"] = rep
+                    x["report_source"] = "balancer"
+            status.setdefault("source", "controller")
             return status
-        reports = await asyncio.gather(
-            *(_get_json(s, r.balancer.listen.http_url + "/admin/status") for r in cfg.regions)
-        )
-    regions = []
-    for r, rep in zip(cfg.regions, reports, strict=True):
-        regions.append({
-            "region": r.name,
-            "balancer_alive": rep is not None,
-            "balancer_id": rep.get("balancer_id", "") if rep else "",
-            "balancer_url": r.balancer.advertise_url,
-            "owned_replicas": [
-                {"replica_id": rid, "url": x.get("url", ""), "home_region": x.get("home_region", r.name)}
-                for rid, x in (rep or {}).get("replicas", {}).items()
-            ],
-            "report": rep,
-        })
-    return {"source": "balancers", "controller": None, "policy": cfg.policy.name, "regions": regions}
+        reports = await asyncio.gather(*(_get_json(s, balancer_admin_url(r)) for r in cfg.regions))
+    regions = [_from_balancer(r, rep if isinstance(rep, dict) else None)
+               for r, rep in zip(cfg.regions, reports, strict=True)]
+    return {"source": "balancers", "controller": None, "controller_url": controller_url(cfg),
+            "policy": cfg.policy.name, "regions": regions}
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
+def nothing_running(status: dict[str, Any]) -> bool:
+    return status.get("source") != "controller" and not any(r.get("balancer_alive") for r in status["regions"])
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _pct(x: Any) -> str:
+    try:
+        return f"{100 * float(x):.0f}%"
+    except (TypeError, ValueError):
+        return "-"
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+def _replica_table(region: str, rep: dict[str, Any], owned: list[dict[str, Any]]) -> list[str]:
+    homes = {o.get("replica_id"): o.get("home_region") for o in owned}
+    rows = []
+    for rid, x in sorted(rep.get("replicas", {}).items()):
+        home = homes.get(rid) or x.get("home_region") or region
+        if home != region:
+            home = f"{home} (adopted)"
+        if not x.get("healthy", False):
+            state = "down"
+        else:
+            state = "avail" if x.get("available") else "busy"
+        rows.append((str(rid), str(home), state, _num(x.get("num_running")), _num(x.get("num_waiting")),
+                     _pct(x.get("kv_cache_usage"))))
+    w_id = max([len("replica"), *(len(r[0]) for r in rows)]) + 2
+    w_home = max([len("home"), *(len(r[1]) for r in rows)]) + 2
+    lines = [f"   {'replica':<{w_id}}{'home':<{w_home}}{'state':<7}{'running':>8}{'waiting':>8}{'KV':>6}"]
+    for rid, home, state, running, waiting, kv in rows:
+        lines.append(f"   {rid:<{w_id}}{home:<{w_home}}{state:<7}{running:>8}{waiting:>8}{kv:>6}")
+    return lines
+
+
+def _peers_line(peers: dict[str, Any]) -> str:
+    parts = []
+    for name, p in sorted(peers.items()):
+        state = "avail" if p.get("available") else "unavail"
+        if p.get("allowed") is False:
+            state = "not allowed"
+        rtt = p.get("rtt_ms")
+        parts.append(f"{name} {state} ({_num(p.get('replicas_available'))}/{_num(p.get('replicas_total'))}, "
+                     f"q {_num(p.get('queue_length'))}" + (f", rtt {rtt:g} ms" if isinstance(rtt, (int, float)) and rtt
+                                                            else "") + ")")
+    return "   peers: " + "; ".join(parts)
 
 
 def render(status: dict[str, Any]) -> str:
+    """A table per region, from the shape :func:`collect` returns."""
     lines: list[str] = []
-    if status["source"] == "controller":
-        c = status["controller"]
-        lines.append(f"controller: up (topology v{c['topology_version']}), policy {status.get('policy', '?')}")
+    if status.get("source") == "controller":
+        c = status.get("controller") or {}
+        lines.append(f"controller: up (topology v{c.get('topology_version', '?')}), "
+                     f"policy {status.get('policy', '?')}")
     else:
-        lines.append("controller: DOWN — showing what each balancer reports directly")
-    healthy = sum(1 for r in status["regions"] if r["balancer_alive"])
-    lines.append(f"regions: {healthy}/{len(status['regions'])} healthy")
-    for r in status["regions"]:
+        where = status.get("controller_url", "")
+        lines.append(f"controller: DOWN{f' (no answer at {where})' if where else ''} — showing what each balancer "
+                     "reports directly")
+    regions = status.get("regions", [])
+    healthy = sum(1 for r in regions if r.get("balancer_alive"))
+    lines.append(f"regions: {healthy}/{len(regions)} healthy")
+    for r in regions:
         rep = r.get("report") or {}
-        up = "up" if r["balancer_alive"] else "DOWN"
+        name = r.get("region", "?")
+        up = "up" if r.get("balancer_alive") else "DOWN"
         lines.append("")
-        lines.append(f"== {r['region']}  balancer {up}  {r.get('balancer_url', '')}  {r.get('balancer_id', '')}")
-        if not r["balancer_alive"]:
+        lines.append(f"== {name}  balancer {up}  {r.get('balancer_url', '')}  {r.get('balancer_id', '')}".rstrip())
+        if not r.get("balancer_alive"):
             owner = r.get("nearest_alive")
-            if owner and owner != r["region"]:
-                lines.append(f"   replicas adopted by {owner}")
-        owned = r.get("owned_replicas", [])
+            if owner and owner != name:
+                lines.append(f"   its replicas are adopted by {owner}")
+            elif status.get("source") == "controller":
+                lines.append("   no live balancer to adopt its replicas")
+        owned = r.get("owned_replicas") or []
         if rep:
             reps = rep.get("replicas", {})
-            avail = sum(1 for x in reps.values() if x.get("available"))
+            avail = sum(1 for x in reps.values() if x.get("healthy", False) and x.get("available"))
             lines.append(
-                f"   replicas {avail}/{len(reps)} available   queue {rep.get('queue_length', 0)}   "
-                f"offloaded out {rep.get('offloaded_out', 0)} / in {rep.get('offloaded_in', 0)}   "
-                f"prefix hits {_pct(rep.get('prefix_hit_ratio', 0.0))}"
+                f"   replicas {avail}/{len(reps)} available   queue {_num(rep.get('queue_length'))}   "
+                f"offloaded out {_num(rep.get('offloaded_out'))} / in {_num(rep.get('offloaded_in'))}   "
+                f"prefix hits {_pct(rep.get('prefix_hit_ratio'))}"
+                + ("   (controller unreachable from it)" if rep.get("controller_connected") is False else "")
             )
-            lines.append(f"   {'replica':<16}{'home':<16}{'health':<9}{'running':>8}{'waiting':>8}{'KV':>6}")
-            homes = {o["replica_id"]: o["home_region"] for o in owned}
-            for rid, x in sorted(reps.items()):
-                home = homes.get(rid, x.get("home_region", r["region"]))
-                health = ("avail" if x.get("available") else "busy") if x.get("healthy") else "down"
-                lines.append(
-                    f"   {rid:<16}{home:<16}{health:<9}{x.get('num_running', 0):>8}{x.get('num_waiting', 0):>8}"
-                    f"{_pct(x.get('kv_cache_usage', 0.0)):>6}"
-                )
+            lines += _replica_table(name, rep, owned)
+            if rep.get("peers"):
+                lines.append(_peers_line(rep["peers"]))
         elif owned:
             lines.append("   owns: " + ", ".join(
-                o["replica_id"] + ("" if o["home_region"] == r["region"] else f" (from {o['home_region']})")
+                str(o.get("replica_id")) + ("" if o.get("home_region", name) == name
+                                            else f" (adopted from {o.get('home_region')})")
                 for o in owned))
+        elif r.get("balancer_alive"):
+            lines.append("   no report yet")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local mesh)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
-                   help="refresh every SECONDS (default 2)")
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+
+
+def _nothing_message(cfg: MeshConfig) -> str:
+    return ("nothing is running: no controller at "
+            f"{controller_url(cfg)} and no balancer answered at "
+            + ", ".join(balancer_admin_url(r).removesuffix("/admin/status") for r in cfg.regions)
+            + " (start the mesh with `make run` or `skymesh up`)")
+
+
+def _once(cfg: MeshConfig, args: argparse.Namespace) -> int:
+    status = asyncio.run(collect(cfg))
+    clear = "\x1b[2J\x1b[H" if args.watch is not None and not args.json and sys.stdout.isatty() else ""
+    if nothing_running(status):
+        if clear:
+            print(clear, end="")
+        print(_nothing_message(cfg), file=sys.stderr, flush=True)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True), flush=True)
+    else:
+        print(clear + render(status), flush=True)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,24 +226,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    while True:
-        status = asyncio.run(collect(cfg))
-        nothing = status["source"] == "balancers" and not any(r["balancer_alive"] for r in status["regions"])
-        if nothing:
-            print("nothing is running: no controller at "
-                  f"{cfg.controller.http_listen.http_url} and no balancer answered "
-                  "(start the mesh with `make run` or `skymesh up`)", file=sys.stderr)
-            if args.watch is None:
-                return 1
-        elif args.json:
-            print(json.dumps(status, indent=2))
-        else:
-            if args.watch is not None:
-                print("\x1b[2J\x1b[H", end="")
-            print(render(status))
-        if args.watch is None:
-            return 0
-        try:
-            time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return 0
+    if args.watch is None:
+        return _once(cfg, args)
+    interval = max(0.2, args.watch)
+    try:
+        while True:
+            _once(cfg, args)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0

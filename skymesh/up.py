@@ -5,7 +5,8 @@ stand-in replicas of every region (real `url` replicas are only health-checked),
 server, the controller and one balancer per region; plus, in this process, the delay
 proxies that give the advertised addresses their inter-region latency. Waits until all
 are healthy, prints how to use the mesh, and stops everything (reverse order, by PID) on
-Ctrl-C / SIGTERM. :class:`Mesh` is also what the integration tests drive.
+Ctrl-C / SIGTERM. :class:`Mesh` is also what the integration tests drive: they kill and
+restart single parts (a balancer, the controller, the DNS server, a replica).
 """
 
 from __future__ import annotations
@@ -13,36 +14,97 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
+import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from skymesh.config import ConfigError, MeshConfig, load_config
+from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.latency_proxy import DelayProxy, proxies_for
-from skymesh.procs import Child, skymesh_cmd, wait_healthy
+from skymesh.procs import Child, bind_problem, skymesh_cmd, wait_all_healthy, wait_healthy
+
+log = logging.getLogger("skymesh.up")
+
+
+class MeshStartError(RuntimeError):
+    """A part of the mesh did not come up; the message names it (with its log tail)."""
 
 
 class Mesh:
-    def __init__(self, config_path: Path, state_dir: Path, time_scale: float | None = None) -> None:
-        self.config_path = config_path
+    """The processes (and in-process delay proxies) of one mesh config."""
+
+    def __init__(self, config_path: Path, state_dir: Path, time_scale: float | None = None,
+                 health_timeout_s: float = 60.0, external_timeout_s: float = 15.0) -> None:
+        self.config_path = Path(config_path)
         self.cfg: MeshConfig = load_config(config_path)
-        self.state_dir = state_dir
-        self.log_dir = state_dir / "logs"
+        self.state_dir = Path(state_dir)
+        self.log_dir = self.state_dir / "logs"
         self.time_scale = time_scale
-        self.replicas: dict[str, Child] = {}
-        self.balancers: dict[str, Child] = {}
+        self.health_timeout_s = health_timeout_s
+        self.external_timeout_s = external_timeout_s
+        self.replicas: dict[str, Child] = {}  # sim replicas by replica id
+        self.balancers: dict[str, Child] = {}  # by region
         self.controller: Child | None = None
         self.dns: Child | None = None
         self.proxies: list[DelayProxy] = []
+        # real (url) replicas that did not answer /health at start: the mesh still runs,
+        # the balancers keep probing them
+        self.unhealthy_external: list[str] = []
 
     @classmethod
-    def from_dict(cls, data: dict, state_dir: Path, time_scale: float | None = None) -> Mesh:
+    def from_dict(cls, data: dict[str, Any], state_dir: Path, time_scale: float | None = None,
+                  **kw: Any) -> Mesh:
+        """A mesh from a config mapping (written to ``state_dir/mesh.yaml`` for the children)."""
         state_dir.mkdir(parents=True, exist_ok=True)
         path = state_dir / "mesh.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
-        return cls(path, state_dir, time_scale)
+        return cls(path, state_dir, time_scale, **kw)
+
+    # ------------------------------------------------------------------ checks
+
+    def listen_addresses(self) -> list[tuple[str, str, int, bool]]:
+        """(what, host, port, udp) of every address this mesh will listen on."""
+        cfg = self.cfg
+        out: list[tuple[str, str, int, bool]] = []
+        for r in cfg.regions:
+            for rep in r.replicas:
+                if rep.sim is not None:
+                    out.append((f"replica {rep.id}", rep.sim.host, rep.sim.port, False))
+        if cfg.dns.provider == "embedded" and cfg.dns.listen is not None:
+            from skymesh.dns.embedded import control_address
+
+            out.append(("DNS server (udp)", cfg.dns.listen.host, cfg.dns.listen.port, True))
+            out.append(("DNS server (tcp)", cfg.dns.listen.host, cfg.dns.listen.port, False))
+            chost, cport = control_address(cfg)
+            out.append(("DNS control endpoint", chost, cport, False))
+        out.append(("controller gRPC", cfg.controller.listen.host, cfg.controller.listen.port, False))
+        out.append(("controller HTTP", cfg.controller.http_listen.host, cfg.controller.http_listen.port, False))
+        for r in cfg.regions:
+            b = r.balancer
+            out.append((f"balancer {r.name} HTTP", b.listen.host, b.listen.port, False))
+            out.append((f"balancer {r.name} gRPC", b.grpc_listen.host, b.grpc_listen.port, False))
+            if cfg.emulate_latency:
+                if b.advertise != b.listen:
+                    out.append((f"delay proxy {r.name} HTTP", b.advertise.host, b.advertise.port, False))
+                if b.grpc_advertise != b.grpc_listen:
+                    out.append((f"delay proxy {r.name} gRPC", b.grpc_advertise.host, b.grpc_advertise.port, False))
+        return out
+
+    def preflight(self) -> None:
+        """Fail before starting anything when an address is taken (another `skymesh up`?)."""
+        problems = [
+            f"  {what}: {host}:{port} {why}"
+            for what, host, port, udp in self.listen_addresses()
+            if (why := bind_problem(host, port, udp)) is not None
+        ]
+        if problems:
+            raise MeshStartError(
+                "cannot listen on these addresses (is another `skymesh up` running?):\n" + "\n".join(problems)
+            )
 
     # ------------------------------------------------------------------ parts
 
@@ -55,103 +117,230 @@ class Mesh:
             "replica-sim", "--host", rep.sim.host, "--port", str(rep.sim.port), "--profile", rep.sim.profile,
             "--time-scale", str(ts), "--model", self.cfg.model), self.log_dir)
 
+    def _region_of_replica(self, rid: str) -> RegionConfig:
+        for r in self.cfg.regions:
+            if any(x.id == rid for x in r.replicas):
+                return r
+        raise KeyError(rid)
+
+    async def start_proxies(self) -> None:
+        if not self.cfg.emulate_latency:
+            return
+        for p in proxies_for(self.cfg):
+            try:
+                await p.start()
+            except OSError as e:
+                raise MeshStartError(f"delay proxy {p.name} cannot listen: {e.strerror or e}") from None
+            self.proxies.append(p)
+
     async def start_replicas(self) -> None:
-        waits = []
+        """Every sim replica (healthy on return) and a /health check of every real one."""
+        sims: list[tuple[str, Child | None]] = []
+        external: list[tuple[str, str]] = []
         for r in self.cfg.regions:
             for rep in r.replicas:
                 child = self._replica_child(r.name, rep.id)
-                if child is not None:
-                    child.start()
-                    self.replicas[rep.id] = child
-                waits.append(wait_healthy(rep.url + "/health", child, within_s=60))
-        await asyncio.gather(*waits)
+                if child is None:
+                    external.append((rep.id, rep.url))
+                    continue
+                child.start()
+                self.replicas[rep.id] = child
+                sims.append((rep.url + "/health", child))
+
+        async def check(rid: str, url: str) -> str | None:
+            try:
+                await wait_healthy(url + "/health", None, within_s=self.external_timeout_s)
+            except TimeoutError:
+                return rid
+            return None
+
+        ext = asyncio.gather(*(check(rid, url) for rid, url in external))
+        try:
+            await wait_all_healthy(sims, within_s=self.health_timeout_s)
+        except BaseException:
+            ext.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ext
+            raise
+        self.unhealthy_external = [rid for rid in await ext if rid is not None]
+        for rid in self.unhealthy_external:
+            log.warning("replica not healthy at start; the balancers keep probing it",
+                        extra={"replica": rid, "url": next(u for i, u in external if i == rid)})
+
+    async def start_replica(self, rid: str) -> None:
+        """(Re)start one sim replica and wait until it is healthy."""
+        region = self._region_of_replica(rid)
+        old = self.replicas.get(rid)
+        if old is not None and old.running():
+            raise MeshStartError(f"replica {rid} is already running (pid {old.pid})")
+        child = self._replica_child(region.name, rid)
+        if child is None:
+            raise MeshStartError(f"replica {rid} is a real server (url), not started by skymesh")
+        child.start()
+        self.replicas[rid] = child
+        url = next(x.url for x in region.replicas if x.id == rid)
+        await wait_all_healthy([(url + "/health", child)], within_s=self.health_timeout_s)
+
+    async def stop_replica(self, rid: str, kill: bool = False) -> None:
+        child = self.replicas.get(rid)
+        if child is not None:
+            await (child.kill() if kill else child.stop())
 
     async def start_dns(self) -> None:
         if self.cfg.dns.provider != "embedded":
             return
-        self.dns = Child("dns", skymesh_cmd("dns", "--config", str(self.config_path)), self.log_dir)
-        self.dns.start()
+        if self.dns is not None and self.dns.running():
+            raise MeshStartError(f"the DNS server is already running (pid {self.dns.pid})")
         from skymesh.dns.embedded import control_address
 
+        self.dns = Child("dns", skymesh_cmd("dns", "--config", str(self.config_path)), self.log_dir)
+        self.dns.start()
         host, port = control_address(self.cfg)
-        await wait_healthy(f"http://{host}:{port}/v1/endpoints", self.dns, within_s=30)
+        await wait_all_healthy([(f"http://{host}:{port}/v1/endpoints", self.dns)], within_s=self.health_timeout_s)
+
+    async def stop_dns(self, kill: bool = False) -> None:
+        if self.dns is not None:
+            await (self.dns.kill() if kill else self.dns.stop())
 
     async def start_controller(self) -> None:
+        if self.controller is not None and self.controller.running():
+            raise MeshStartError(f"the controller is already running (pid {self.controller.pid})")
         self.controller = Child("controller", skymesh_cmd("controller", "--config", str(self.config_path)),
                                 self.log_dir)
         self.controller.start()
-        await wait_healthy(self.cfg.controller.http_listen.http_url + "/health", self.controller, within_s=30)
+        await wait_all_healthy([(self.cfg.controller.http_listen.http_url + "/health", self.controller)],
+                               within_s=self.health_timeout_s)
 
     async def stop_controller(self, kill: bool = False) -> None:
         if self.controller is not None:
             await (self.controller.kill() if kill else self.controller.stop())
 
     async def start_balancer(self, region: str) -> None:
+        old = self.balancers.get(region)
+        if old is not None and old.running():
+            raise MeshStartError(f"the {region} balancer is already running (pid {old.pid})")
         child = Child(f"balancer-{region}", skymesh_cmd(
             "balancer", "--config", str(self.config_path), "--region", region), self.log_dir)
         child.start()
         self.balancers[region] = child
-        await wait_healthy(self.cfg.region(region).balancer.listen.http_url + "/health", child, within_s=30)
+        await wait_all_healthy([(self.cfg.region(region).balancer.listen.http_url + "/health", child)],
+                               within_s=self.health_timeout_s)
 
     async def stop_balancer(self, region: str, kill: bool = False) -> None:
         child = self.balancers.get(region)
         if child is not None:
             await (child.kill() if kill else child.stop())
 
+    # ------------------------------------------------------------------ whole mesh
+
     async def start(self) -> None:
+        """Everything, healthy on return; on any failure what was started is stopped."""
+        self.preflight()
         try:
-            if self.cfg.emulate_latency:
-                self.proxies = proxies_for(self.cfg)
-                for p in self.proxies:
-                    await p.start()
+            await self.start_proxies()
             await self.start_replicas()
             await self.start_dns()
             await self.start_controller()
-            await asyncio.gather(*(self.start_balancer(r.name) for r in self.cfg.regions))
+            tasks = [asyncio.create_task(self.start_balancer(r.name)) for r in self.cfg.regions]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for t in tasks:
+                    exc = t.exception() if t in done else None
+                    if exc is not None:
+                        raise exc
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         except BaseException:
             await self.stop()
             raise
 
+    def children(self) -> list[Child]:
+        """Every child process, in start order."""
+        out: list[Child] = list(self.replicas.values())
+        out += [c for c in (self.dns, self.controller) if c is not None]
+        return out + list(self.balancers.values())
+
     async def stop(self) -> None:
-        for child in list(self.balancers.values()):
-            await child.stop()
+        """Reverse start order, by PID: balancers, controller, DNS, replicas, proxies."""
+        await asyncio.gather(*(c.stop() for c in self.balancers.values()))
         for child in (self.controller, self.dns):
             if child is not None:
                 await child.stop()
-        for child in list(self.replicas.values()):
-            await child.stop()
-        for p in self.proxies:
+        await asyncio.gather(*(c.stop() for c in self.replicas.values()))
+        for p in reversed(self.proxies):
             await p.stop()
+        self.proxies = []
 
-    def describe(self) -> str:
+    # ------------------------------------------------------------------ the banner
+
+    def describe(self, config_arg: str | None = None) -> str:
+        """What is running and how to query it."""
         cfg = self.cfg
-        lines = ["skymesh is up.", ""]
-        if cfg.dns.provider == "embedded" and cfg.dns.listen:
-            lines.append(f"  DNS name     {cfg.dns.name}  (embedded DNS at {cfg.dns.listen}, UDP/TCP)")
-        lines.append(f"  controller   {cfg.controller.http_listen.http_url}/v1/status")
+        n_rep = sum(len(r.replicas) for r in cfg.regions)
+        lines = [f"skymesh is up: {len(cfg.regions)} regions, {n_rep} replicas, policy {cfg.policy.name}.", ""]
+        example = cfg.regions[1] if len(cfg.regions) > 1 else cfg.regions[0]
+        ports = {r.balancer.advertise.port for r in cfg.regions}
+        # one port everywhere (the local default: 8100): the DNS name alone is the endpoint
+        port = example.balancer.advertise.port
+        where = f"http://{cfg.dns.name}:{port}" if len(ports) == 1 else f"{cfg.dns.name} (A record; ports per region below)"
+        if cfg.dns.provider == "embedded" and cfg.dns.listen is not None:
+            lines.append(f"  endpoint       {where}")
+            lines.append(f"  DNS server     {cfg.dns.listen} (UDP/TCP, embedded), answers {cfg.dns.name} with the "
+                         "nearest healthy balancer for the client's source network")
+        else:
+            lines.append(f"  endpoint       {where}  (Route53 zone {cfg.dns.hosted_zone})")
         for r in cfg.regions:
-            lines.append(f"  {r.name:<14} balancer {r.balancer.advertise_url}  ({len(r.replicas)} replicas)")
-        first = cfg.regions[0]
-        host = first.balancer.advertise.host
-        port = first.balancer.advertise.port
-        lines += [
-            "",
-            "Try:",
-            f"  dig @{cfg.dns.listen.host if cfg.dns.listen else '127.0.0.1'} -p "
-            f"{cfg.dns.listen.port if cfg.dns.listen else 53} {cfg.dns.name} +subnet=10.2.0.0/16",
-            f"  curl -s http://{host}:{port}/v1/completions -H 'Content-Type: application/json' \\",
-            f"       -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"hello mesh\", \"max_tokens\": 8}}'",
-            "  .venv/bin/skymesh status",
-            "",
-            f"Logs: {self.log_dir}/   Ctrl-C stops everything.",
-        ]
+            b = r.balancer
+            nets = ", ".join(str(n) for n in r.source_networks)
+            lines.append(f"  {r.name:<14} {b.advertise_url}  gRPC {b.grpc_advertise}  "
+                         f"{len(r.replicas)} replicas  clients from {nets}")
+        lines.append(f"  controller     {cfg.controller.http_listen.http_url}/v1/status")
+        if cfg.emulate_latency and self.proxies:
+            pairs = ", ".join(f"{a}<->{b} {ms:g}" for (a, b), ms in sorted(cfg.latency_ms.items()))
+            lines.append(f"  latency        emulated by delay proxies on the advertised addresses "
+                         f"(one-way ms: {pairs}; local {cfg.local_latency_ms:g})")
+        if self.unhealthy_external:
+            lines.append(f"  WARNING        not healthy yet: {', '.join(self.unhealthy_external)}")
+        client = _example_client_ip(example)
+        lines += ["", f"Query it (as a client in {example.name}" + (f", source {client}):" if client else "):")]
+        if cfg.dns.provider == "embedded" and cfg.dns.listen is not None:
+            dig = f"dig{f' -b {client}' if client else ''} @{cfg.dns.listen.host} -p {cfg.dns.listen.port} " \
+                  f"+short {cfg.dns.name}"
+            lines += [
+                f"  {dig}",
+                f"  curl{f' --interface {client}' if client else ''} --resolve "
+                f"{cfg.dns.name}:{port}:$({dig}) \\",
+                f"       http://{cfg.dns.name}:{port}/v1/completions -H 'Content-Type: application/json' \\",
+            ]
+        else:
+            lines.append(f"  curl {example.balancer.advertise_url}/v1/completions -H 'Content-Type: application/json' \\")
+        lines.append(f"       -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"hello mesh\", \"max_tokens\": 8}}'")
+        status = "skymesh status" + (f" --config {config_arg}" if config_arg else "")
+        lines += [f"  {status}            (add --watch to refresh, --json for machines)", "",
+                  f"Logs: {self.log_dir}/   Ctrl-C stops everything."]
         return "\n".join(lines)
+
+
+def _example_client_ip(region: RegionConfig) -> str | None:
+    """An address in the region's loopback source network a local client can bind."""
+    for net in region.source_networks:
+        if isinstance(net, ipaddress.IPv4Network) and net.subnet_of(ipaddress.IPv4Network("127.0.0.0/8")) \
+                and net.num_addresses > 8:
+            return str(net.network_address + 5)
+    return None
+
+
+# ----------------------------------------------------------------------------- CLI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local 3-region mesh)")
-    p.add_argument("--time-scale", type=float, default=None, help="override every sim replica's time scale")
-    p.add_argument("--state-dir", default=".skymesh/run", help="logs and generated files")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="override every sim replica's time scale (0.1: ten times faster)")
+    p.add_argument("--state-dir", default=".skymesh/run", help="logs and generated files (default .skymesh/run)")
+    p.add_argument("--wait-s", type=float, default=60.0, help="how long each part may take to become healthy")
 
 
 def _config_path(args: argparse.Namespace) -> Path:
@@ -166,33 +355,55 @@ def _config_path(args: argparse.Namespace) -> Path:
     return path
 
 
+async def _watch_children(mesh: Mesh) -> None:
+    """Say once when a part dies while the mesh is up (the controller fails over; the
+    operator should still know)."""
+    reported: set[int] = set()
+    while True:
+        await asyncio.sleep(1.0)
+        for child in mesh.children():
+            code = child.returncode
+            if code is not None and child.pid is not None and child.pid not in reported:
+                reported.add(child.pid)
+                print(f"warning: {child.name} (pid {child.pid}) exited with {code}; log: {child.log_path}",
+                      file=sys.stderr, flush=True)
+
+
 async def _up(args: argparse.Namespace, path: Path) -> int:
     state_dir = Path(args.state_dir)
-    mesh = Mesh(path, state_dir, args.time_scale)
+    mesh = Mesh(path, state_dir, args.time_scale, health_timeout_s=args.wait_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"starting the mesh from {path} ...", flush=True)
+    print(f"starting the mesh from {path} (logs in {mesh.log_dir}/) ...", flush=True)
     start = asyncio.create_task(mesh.start())
-    done, _ = await asyncio.wait({start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    if start not in done:
-        start.cancel()
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():
+        start.cancel()  # Mesh.start stops what it started when cancelled
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await start
         await mesh.stop()
+        print("stopped before the mesh was up", flush=True)
         return 130
+    stopper.cancel()
     try:
         start.result()
-    except (RuntimeError, TimeoutError) as e:
-        print(f"the mesh did not come up: {e}", file=sys.stderr)
+    except (MeshStartError, RuntimeError, TimeoutError) as e:
+        print(f"the mesh did not come up: {e}", file=sys.stderr, flush=True)
         return 1
-    print(mesh.describe(), flush=True)
+    print(mesh.describe(args.config), flush=True)
+    watcher = asyncio.create_task(_watch_children(mesh))
     try:
         await stop.wait()
     finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         print("stopping ...", flush=True)
         await mesh.stop()
+        print("stopped.", flush=True)
     return 0
 
 
@@ -206,5 +417,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     return asyncio.run(_up(args, _config_path(args)))
-
-

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
-from skymesh.bench.metrics import goodput, load_cv, percentile, slo_attainment, summarize
-from skymesh.bench.traces import TraceRequest, assign_regions, oracle_hit_rate, scale_rate
+from skymesh.bench.metrics import (
+    cv,
+    goodput,
+    load_cv,
+    percentile,
+    slo_attainment,
+    summarize,
+    summarize_arrays,
+)
 
 
 @dataclass
@@ -54,12 +62,30 @@ def test_summarize_known_answers() -> None:
     assert s["ttft_p50"] == 0.5
 
 
-def test_oracle_hit_rate_and_trace_helpers() -> None:
-    reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1536, 1, (1, 2, 3)), TraceRequest(2, 512, 1, (9,), session=9)]
-    assert oracle_hit_rate(reqs) == pytest.approx(2 / 6)
-    assert [r.arrival_s for r in scale_rate(reqs, 2.0)] == [0, 0.5, 1.0]
-    by_region = assign_regions([TraceRequest(i, 10, 1, (i % 3,), session=i % 3) for i in range(30)], ["a", "b"], seed=1)
-    sessions: dict[int, set[str]] = {}
-    for r in by_region:
-        sessions.setdefault(r.session, set()).add(r.region)
-    assert all(len(v) == 1 for v in sessions.values())  # a session stays in its region
+def test_cv() -> None:
+    assert cv([]) is None and cv([0, 0]) is None
+    assert cv([1, 3]) == pytest.approx(0.5)
+
+
+def test_summarize_excludes_warmup_and_reports_e2e_and_itl() -> None:
+    @dataclass
+    class L(R):
+        itl: list[float] | None = None
+
+    rs = [L(0.0, 5.0, 6.0), L(10.0, 1.0, 2.0, itl=[0.1, 0.3]), L(11.0, 3.0, 4.0, itl=[0.2])]
+    s = summarize(rs, slo_s=2.0, warmup_s=5.0)
+    assert s["requests"] == 2 and s["slo_attainment"] == 0.5
+    assert s["e2e_p50"] == 2.0 and s["e2e_p99"] == 4.0
+    assert s["itl_p50"] == pytest.approx(0.2)
+    assert s["throughput"] == pytest.approx(20 / 5.0)  # from t=10 to t=15
+
+
+def test_summarize_arrays_nan_means_missing() -> None:
+    nan = float("nan")
+    s = summarize_arrays(np.array([0.0, 1.0, 2.0, 3.0]), np.array([0.1, 0.2, nan, 0.9]),
+                         np.array([1.0, 1.0, nan, 2.0]), np.array([5.0, 5.0, 5.0, 5.0]),
+                         np.array([False, False, True, False]), np.array([False, True, False, False]), 0.5,
+                         prefix_hit_rate=0.5, load_cv_value=0.25)
+    assert s["slo_attainment"] == 0.5 and s["rejected"] == 1 and s["completed"] == 3
+    assert s["ttft_p90"] == 0.9 and s["offloaded_share"] == 0.25 and s["load_cv"] == 0.25
+    assert s["throughput"] == pytest.approx(15 / 5.0)

@@ -74,6 +74,8 @@ BAD = [
     (["offload", "enabled"], "yes", "offload.enabled", "true or false"),
     (["dns", "name"], "not a name", "dns.name", "DNS name"),
     (["dns", "provider"], "route53", "dns.hosted_zone", "is required"),
+    (["dns", "routing"], "geo", "dns.routing", "'latency' or 'failover'"),
+    (["dns", "routing"], "failover", "dns.routing", "use provider route53"),
     (["controller"], _DELETE, "controller", "is required"),
     (["regions"], [], "regions", "must not be empty"),
     (["peer_tokn"], "x", "peer_tokn", "unknown key"),
@@ -88,6 +90,18 @@ def test_bad_config_names_exact_path(path: list[Any], value: Any, where: str, wh
         parse_config(data, profiles=PROFILES)
     assert ei.value.path == where, str(ei.value)
     assert what in ei.value.message, str(ei.value)
+
+
+def test_failover_routing_needs_two_regions() -> None:
+    data = copy.deepcopy(base())
+    data["dns"].update(provider="route53", hosted_zone="example.com", routing="failover")
+    with pytest.raises(ConfigError) as ei:
+        parse_config(data, profiles=PROFILES)
+    assert ei.value.path == "dns.routing" and "exactly 2 regions" in ei.value.message
+    data["regions"] = data["regions"][:2]
+    names = {r["name"] for r in data["regions"]}
+    data["latencies"] = [e for e in data["latencies"] if set(e["regions"]) <= names]
+    assert parse_config(data, profiles=PROFILES).dns.routing == "failover"
 
 
 def test_not_a_mapping_and_bad_yaml(tmp_path: Path) -> None:

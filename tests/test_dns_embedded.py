@@ -119,3 +119,87 @@ async def test_control_endpoint_requires_the_token(server: MeshDnsServer) -> Non
         assert r.status == 401
 
 
+async def test_ecs_with_source_prefix_zero_falls_back_to_the_source(server: MeshDnsServer) -> None:
+    q = dns.message.make_query(NAME, "A")
+    q.use_edns(0, options=[dns.edns.ECSOption("0.0.0.0", 0)])
+    host, port = addr(server)
+    msg = await asyncio.to_thread(dns.query.udp, q, host, port=port, timeout=3, source="127.3.0.5")
+    assert a_records(msg) == [balancer_ip(server, "ap-northeast-1")]
+    ecs = [o for o in msg.options if isinstance(o, dns.edns.ECSOption)]
+    assert ecs and ecs[0].scopelen == 0
+
+
+async def test_unknown_clients_get_the_first_region_and_none_healthy_fails_open(server: MeshDnsServer) -> None:
+    # 127.9.0.5 is in no region's source_networks: the first region of the config
+    first = server.cfg.regions[0].name
+    assert a_records(await query(server, NAME, source="127.9.0.5")) == [balancer_ip(server, first)]
+    provider = EmbeddedDnsProvider(server.cfg)
+    try:
+        eps = list(server.endpoints.values())
+        assert await provider.sync([dataclasses.replace(e, healthy=False) for e in eps]) is True
+        # nobody healthy: still the client's own (nearest) balancer rather than no answer
+        assert a_records(await query(server, NAME, source="127.2.0.5")) == [balancer_ip(server, "eu-west-1")]
+        only_ap = [dataclasses.replace(e, healthy=e.region == "ap-northeast-1") for e in eps]
+        assert await provider.sync(only_ap) is True
+        for source in ("127.1.0.5", "127.2.0.5", "127.3.0.5"):
+            msg = await query(server, NAME, source=source, tcp=True)
+            assert a_records(msg) == [balancer_ip(server, "ap-northeast-1")]
+    finally:
+        await provider.close()
+
+
+async def test_malformed_tcp_frames_and_bad_control_bodies_are_harmless(server: MeshDnsServer) -> None:
+    import aiohttp
+
+    host, port = addr(server)
+    for junk in (b"\x00\x05\xff\xff\xff\xff\xff", b"\x00\x02\x00", b"\xff\xff" + b"\x00" * 10):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(junk)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+    url = f"http://{host}:{port + 1}/v1/endpoints"
+    auth = {"Authorization": f"Bearer {server.cfg.peer_token}"}
+    async with aiohttp.ClientSession() as s:
+        for body in (b"not json", b'{"a": 1}', b'[{"region": "x"}]', b"[1, 2]"):
+            async with s.put(url, data=body, headers=auth) as r:
+                assert r.status == 400
+        async with s.get(url) as r:
+            assert {e["region"] for e in await r.json()} == {r.name for r in server.cfg.regions}
+    for tcp in (False, True):
+        assert a_records(await query(server, NAME, source="127.1.0.5", tcp=tcp)) == [balancer_ip(server, "us-east-1")]
+
+
+async def test_long_udp_answers_are_truncated_for_a_tcp_retry(
+    server: MeshDnsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dns.flags
+    import dns.rrset
+
+    # the mesh's own answers are small; make the apex answer 100 A records to get past 512
+    many = dns.rrset.from_text_list(NAME + ".", 5, "IN", "A", [f"10.9.0.{i}" for i in range(1, 101)])
+    monkeypatch.setattr(server, "_records", lambda qname, qtype, region: [many])
+    for tcp in (False, True):
+        msg = await query(server, NAME, source="127.1.0.5", tcp=tcp)
+        if tcp:
+            assert not msg.flags & dns.flags.TC and len(a_records(msg)) == 100
+        else:
+            assert msg.flags & dns.flags.TC and not msg.answer
+    q = dns.message.make_query(NAME, "A", use_edns=0, payload=4096)
+    host, port = addr(server)
+    msg = await asyncio.to_thread(dns.query.udp, q, host, port=port, timeout=3, source="127.1.0.5")
+    assert not msg.flags & dns.flags.TC and len(a_records(msg)) == 100  # fits a 4096-byte buffer
+
+
+async def test_a_failing_lookup_answers_servfail_and_the_server_lives_on(
+    server: MeshDnsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(qname: object, qtype: object, region: str) -> None:
+        raise RuntimeError("lookup bug")
+
+    with monkeypatch.context() as m:
+        m.setattr(server, "_records", boom)
+        for tcp in (False, True):
+            assert (await query(server, NAME, source="127.1.0.5", tcp=tcp)).rcode() == dns.rcode.SERVFAIL
+    for tcp in (False, True):
+        assert a_records(await query(server, NAME, source="127.1.0.5", tcp=tcp)) == [balancer_ip(server, "us-east-1")]

@@ -1,25 +1,35 @@
-"""The delay proxy adds each link's one-way latency by source region, intact and in order."""
+"""The delay proxy adds each link's one-way latency by source region, keeps bytes intact
+and in order, passes backpressure on, half-closes and shuts down cleanly."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from skymesh.config import parse_config
-from skymesh.latency_proxy import DelayProxy, delay_for
+from skymesh.latency_proxy import (
+    DelayProxy,
+    _DelayLine,
+    delay_for,
+    proxies_for,
+    start_egress_forwarder,
+)
 from tests.mesh_helpers import free_port, local_config_free_ports
 
 
 @pytest.fixture
 async def echo() -> AsyncIterator[int]:
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while data := await r.read(65536):
-            w.write(data)
-            await w.drain()
+        with contextlib.suppress(ConnectionError):
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
         w.close()
 
     port = free_port()
@@ -28,6 +38,23 @@ async def echo() -> AsyncIterator[int]:
         yield port
     finally:
         srv.close()
+
+
+@contextlib.asynccontextmanager
+async def running(proxy: DelayProxy) -> AsyncIterator[DelayProxy]:
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    """Wait for a condition (the test's own timeout guards against never)."""
+    for _ in itertools.count():
+        if cond():
+            return
+        await asyncio.sleep(0.01)
 
 
 async def round_trip(port: int, source: str, payload: bytes) -> tuple[float, bytes]:
@@ -45,32 +72,182 @@ async def round_trip(port: int, source: str, payload: bytes) -> tuple[float, byt
     return elapsed, got
 
 
-async def test_delay_depends_on_the_source_region(echo: int) -> None:
+def test_delay_is_chosen_by_the_source_network() -> None:
     cfg = parse_config(local_config_free_ports())
-    port = free_port()
+    into_us = delay_for(cfg, "us-east-1")
+    assert into_us("127.2.0.5") == pytest.approx(0.040)  # eu-west-1 -> us-east-1
+    assert into_us("127.2.0.1") == pytest.approx(0.040)  # eu balancer's egress source
+    assert into_us("127.3.9.9") == pytest.approx(0.080)
+    assert into_us("10.3.1.1") == pytest.approx(0.080)
+    assert into_us("127.1.0.5") == pytest.approx(cfg.local_latency_ms / 1000)
+    assert into_us("127.0.0.1") == pytest.approx(cfg.local_latency_ms / 1000)  # unknown: local
+    assert into_us("::1") == pytest.approx(cfg.local_latency_ms / 1000)
+    assert into_us("not-an-ip") == pytest.approx(cfg.local_latency_ms / 1000)
+    assert delay_for(cfg, "ap-northeast-1")("127.2.0.5") == pytest.approx(0.110)
+
+
+def test_one_http_and_one_grpc_proxy_per_advertised_region() -> None:
+    data = local_config_free_ports()
+    data["regions"][2]["balancer"].pop("advertise")  # advertised on listen: nothing to proxy
+    cfg = parse_config(data)
+    proxies = proxies_for(cfg)
+    assert len(proxies) == 5
+    b = cfg.regions[0].balancer
+    assert {(p.listen, p.target) for p in proxies[:2]} == {
+        ((b.advertise.host, b.advertise.port), (b.listen.host, b.listen.port)),
+        ((b.grpc_advertise.host, b.grpc_advertise.port), (b.grpc_listen.host, b.grpc_listen.port)),
+    }
+
+
+async def test_round_trip_from_a_remote_region_takes_twice_the_one_way_delay(echo: int) -> None:
+    cfg = parse_config(local_config_free_ports())
     # the proxy fronts a us-east-1 balancer: eu-west-1 is 40 ms one way, us-east-1 local 1 ms
-    proxy = DelayProxy(("127.0.0.1", port), ("127.0.0.1", echo), delay_for(cfg, "us-east-1"))
-    await proxy.start()
-    try:
-        from_eu, _ = await round_trip(port, "127.2.0.5", b"ping")
-        from_us, _ = await round_trip(port, "127.1.0.5", b"ping")
-        from_ap, _ = await round_trip(port, "127.3.0.5", b"ping")
-    finally:
-        await proxy.stop()
+    async with running(DelayProxy(("127.0.0.1", 0), ("127.0.0.1", echo), delay_for(cfg, "us-east-1"))) as p:
+        from_eu, got = await round_trip(p.port, "127.2.0.5", b"ping")
+        from_ap, _ = await round_trip(p.port, "127.3.0.5", b"ping")
+        from_us, _ = await round_trip(p.port, "127.1.0.5", b"ping")
+        from_unknown, _ = await round_trip(p.port, "127.0.0.1", b"ping")
+    assert got == b"ping"
     assert from_eu >= 0.080  # 40 ms each way
     assert from_ap >= 0.160  # 80 ms each way
     assert from_us < from_eu / 2
+    assert from_unknown < from_eu / 2
 
 
-async def test_large_stream_arrives_intact_and_delays_do_not_add_up(echo: int) -> None:
-    port = free_port()
-    proxy = DelayProxy(("127.0.0.1", port), ("127.0.0.1", echo), lambda ip: 0.05)
+async def test_large_stream_arrives_intact_and_in_order(echo: int) -> None:
+    payload = b"".join(hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(60_000))  # 1.9 MB
+    async with running(DelayProxy(("127.0.0.1", 0), ("127.0.0.1", echo), lambda ip: 0.02)) as p:
+        elapsed, got = await round_trip(p.port, "127.0.0.1", payload)
+    assert got == payload
+    assert elapsed >= 0.04
+
+
+async def test_release_times_are_per_chunk_arrival_so_delays_do_not_add_up() -> None:
+    # chunks that arrive together are all due one delay after their arrival (not one
+    # delay after the previous chunk left): the queue carries absolute release times
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+
+    class NullWriter:
+        def write(self, data: bytes) -> None: ...
+        async def drain(self) -> None: ...
+        def can_write_eof(self) -> bool:
+            return False
+
+    line = _DelayLine(reader, NullWriter(), delay=30.0, max_buffered=1 << 30)  # type: ignore[arg-type]
+    t0 = loop.time()
+    task = asyncio.create_task(line.run())
+    for i in range(10):
+        reader.feed_data(bytes([i]) * 1000)
+        await asyncio.sleep(0)  # one read per chunk
+    reader.feed_eof()
+    await until(lambda: bool(line.queue) and line.queue[-1][1] == b"")
+    t1 = loop.time()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    dues = [due for due, _ in line.queue]
+    # the sender took the first chunk and sleeps until it is due; the rest wait queued,
+    # every one due a single delay after it arrived
+    assert len(dues) >= 2
+    assert all(t0 + 30.0 <= d <= t1 + 30.0 for d in dues)
+    sent = b"".join(bytes([i]) * 1000 for i in range(10))
+    queued = b"".join(data for _, data in line.queue)
+    assert queued and sent.endswith(queued)  # in order, nothing reordered
+
+
+async def test_a_slow_receiver_pushes_back_and_nothing_is_lost() -> None:
+    release = asyncio.Event()
+    received = bytearray()
+    done = asyncio.Event()
+
+    async def slow_sink(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await release.wait()
+        while data := await r.read(1 << 20):
+            received.extend(data)
+        done.set()
+        w.close()
+
+    sink_port = free_port()
+    sink = await asyncio.start_server(slow_sink, "127.0.0.1", sink_port)
+    limit = 256 * 1024
+    payload = hashlib.sha256(b"bp").digest() * (2 * 1024 * 1024)  # 64 MiB: more than all socket buffers
+    try:
+        async with running(DelayProxy(("127.0.0.1", 0), ("127.0.0.1", sink_port), lambda ip: 0.001,
+                                      max_buffered=limit)) as p:
+            _, w = await asyncio.open_connection("127.0.0.1", p.port)
+
+            async def send() -> None:
+                w.write(payload)
+                await w.drain()
+                w.write_eof()
+
+            sender = asyncio.create_task(send())
+            # the client -> upstream direction fills up to its bound and stops reading
+            await until(lambda: bool(p.lines()) and not p.lines()[0].room.is_set())
+            assert not sender.done()  # the client is held back, not buffered without bound
+            assert max(p.buffered_bytes()) <= limit + 64 * 1024
+            release.set()
+            await sender
+            await done.wait()
+            w.close()
+    finally:
+        sink.close()
+    assert bytes(received) == payload
+
+
+async def test_half_close_passes_through(echo: int) -> None:
+    async with running(DelayProxy(("127.0.0.1", 0), ("127.0.0.1", echo), lambda ip: 0.005)) as p:
+        r, w = await asyncio.open_connection("127.0.0.1", p.port)
+        w.write(b"last words")
+        w.write_eof()  # the echo server answers and closes after our EOF
+        assert await r.read() == b"last words"  # read() to EOF: the close came through
+        w.close()
+
+
+async def test_upstream_down_closes_the_client_connection() -> None:
+    dead = free_port()
+    async with running(DelayProxy(("127.0.0.1", 0), ("127.0.0.1", dead), lambda ip: 0.001)) as p:
+        r, w = await asyncio.open_connection("127.0.0.1", p.port)
+        w.write(b"anyone?")
+        with contextlib.suppress(ConnectionError):
+            assert await r.read() == b""
+        w.close()
+        assert p.active_connections == 0
+
+
+async def test_stop_closes_open_connections(echo: int) -> None:
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", echo), lambda ip: 0.001)
     await proxy.start()
     try:
-        payload = hashlib.sha256(b"x").digest() * 40_000  # 1.28 MB, many chunks
-        elapsed, got = await round_trip(port, "127.0.0.1", payload)
+        r, w = await asyncio.open_connection("127.0.0.1", proxy.port)
+        w.write(b"x")
+        assert await r.readexactly(1) == b"x"
+        assert proxy.active_connections == 1
     finally:
         await proxy.stop()
-    assert got == payload
-    # ~20 chunks each way: serialised sleeps would take > 2 s; pipelined release ~0.1 s
-    assert elapsed < 1.5
+    with contextlib.suppress(ConnectionError):
+        assert await r.read() == b""
+    assert proxy.active_connections == 0
+    w.close()
+
+
+async def test_egress_forwarder_makes_a_client_that_cannot_bind_look_like_its_region(echo: int) -> None:
+    # what a balancer's gRPC channel (no source-address option) goes through: the peer's
+    # delay proxy sees the egress source (eu-west-1) and applies the eu -> us delay
+    cfg = parse_config(local_config_free_ports())
+    seen: list[str] = []
+
+    def into_us(ip: str) -> float:
+        seen.append(ip)
+        return delay_for(cfg, "us-east-1")(ip)
+
+    async with running(DelayProxy(("127.0.0.1", 0), ("127.0.0.1", echo), into_us)) as us_proxy:
+        fwd = await start_egress_forwarder(f"127.0.0.1:{us_proxy.port}", "127.2.0.1")
+        try:
+            elapsed, got = await round_trip(fwd.port, "127.0.0.1", b"heartbeat")
+        finally:
+            await fwd.stop()
+    assert got == b"heartbeat"
+    assert seen == ["127.2.0.1"]
+    assert elapsed >= 0.080

@@ -1,30 +1,56 @@
-"""The stand-in over real HTTP: vLLM's API shapes and metric names, caching, overload."""
+"""The stand-in over real HTTP: vLLM's API shapes and metric names, caching, overload,
+and the `skymesh replica-sim` command as a real process."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
+from skymesh.replica_sim.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from skymesh.replica_sim.server import ReplicaServer, start_replica
-from tests.mesh_helpers import free_port, start_replica_sim, wait_http_ok
 
 MODEL = "skymesh-sim"
-LABELS = '{engine="0",model_name="skymesh-sim"}'
+L = '{engine="0",model_name="skymesh-sim"}'
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
+def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Prometheus text format → ({'name{labels}': value}, {family: type})."""
+    samples: dict[str, float] = {}
+    types: dict[str, str] = {}
     for line in text.splitlines():
-        if line and not line.startswith("#"):
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+        elif line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+            samples[key] = float(value)
+    return samples, types
+
+
+async def scrape(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with s.get(url + "/metrics") as r:
+        assert r.status == 200
+        return parse_metrics(await r.text())[0]
+
+
+async def complete(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
+    async with s.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
 
 
 @pytest.fixture
@@ -36,139 +62,259 @@ async def replica() -> AsyncIterator[ReplicaServer]:
         await srv.close()
 
 
-async def stream_ttft(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 4) -> float:
-    t0 = time.perf_counter()
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    async with s.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                return time.perf_counter() - t0
-    raise AssertionError("no token")
-
-
-async def metrics(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with s.get(url + "/metrics") as r:
-        return parse_metrics(await r.text())
-
-
 async def test_same_long_prompt_twice_hits_the_prefix_cache(replica: ReplicaServer) -> None:
     prompt = " ".join(f"w{i}" for i in range(2000))
+    ttft_sum = f"vllm:time_to_first_token_seconds_sum{L}"
+    hits = f"vllm:prefix_cache_hits_total{L}"
     async with aiohttp.ClientSession() as s:
-        first = await stream_ttft(s, replica.url, prompt)
-        before = (await metrics(s, replica.url))[f"vllm:prefix_cache_hits_total{LABELS}"]
-        second = await stream_ttft(s, replica.url, prompt)
-        after = (await metrics(s, replica.url))[f"vllm:prefix_cache_hits_total{LABELS}"]
+        m0 = await scrape(s, replica.url)
+        await complete(s, replica.url, prompt, 4)
+        m1 = await scrape(s, replica.url)
+        await complete(s, replica.url, prompt, 4)
+        m2 = await scrape(s, replica.url)
+    first, second = m1[ttft_sum] - m0[ttft_sum], m2[ttft_sum] - m1[ttft_sum]
     assert second < 0.5 * first
-    # 2000 tokens = 125 full blocks of 16; the last token is recomputed → 124 blocks hit
-    assert after - before == 124 * 16
+    assert m1[hits] == m0[hits]  # a cold cache: nothing to hit the first time
+    # 2000 tokens = 125 full blocks of 16; the last prompt token is always recomputed, so
+    # the 124 blocks before it are the shared full blocks that hit
+    assert m2[hits] - m1[hits] == 124 * 16
+    assert m2[f"vllm:prefix_cache_queries_total{L}"] - m1[f"vllm:prefix_cache_queries_total{L}"] == 2000
 
 
 async def test_overload_waits_evicts_and_completes_everything() -> None:
+    # 80 blocks: each 300-token request holds 19-21 blocks, so about 3 run at once
     srv = await start_replica(profile="tiny-test", time_scale=2.0, num_gpu_blocks=80)
     try:
         async with aiohttp.ClientSession() as s:
-            async def one(i: int) -> dict:
-                body = {"model": MODEL, "prompt": " ".join(f"u{i}w{k}" for k in range(300)), "max_tokens": 20}
-                async with s.post(srv.url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
-                    return await r.json()
-
-            tasks = [asyncio.create_task(one(i)) for i in range(12)]
+            probe = " ".join(f"probe{k}" for k in range(300))
+            await complete(s, srv.url, probe, 2)
+            tasks = [
+                asyncio.create_task(complete(s, srv.url, " ".join(f"u{i}w{k}" for k in range(300)), 20))
+                for i in range(12)
+            ]
             saw_waiting = 0.0
             while not all(t.done() for t in tasks):
-                m = await metrics(s, srv.url)
-                saw_waiting = max(saw_waiting, m[f"vllm:num_requests_waiting{LABELS}"])
+                m = await scrape(s, srv.url)
+                saw_waiting = max(saw_waiting, m[f"vllm:num_requests_waiting{L}"])
                 await asyncio.sleep(0.01)
             results = await asyncio.gather(*tasks)
+            hits_before = (await scrape(s, srv.url))[f"vllm:prefix_cache_hits_total{L}"]
+            await complete(s, srv.url, probe, 2)
+            m = await scrape(s, srv.url)
         assert saw_waiting > 0
         assert all(r["usage"]["completion_tokens"] == 20 for r in results)
-        assert all(len(r["choices"][0]["text"].split()) == 20 for r in results)
+        assert all(r["choices"][0]["text"].split() == [f"tok{i}" for i in range(20)] for r in results)
+        # the probe's cached prefix was evicted by the overload: it no longer hits
         assert srv.engine.evictions > 0
-        assert srv.engine.kv_cache_usage == 0.0
+        assert m[f"vllm:prefix_cache_hits_total{L}"] == hits_before
+        assert m[f"vllm:kv_cache_usage_perc{L}"] == 0.0
+        assert m[f"vllm:num_requests_running{L}"] == 0.0
+        assert m[f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL}"}}'] == 14
     finally:
         await srv.close()
 
 
-async def test_streaming_format_usage_and_done(replica: ReplicaServer) -> None:
+async def sse_events(r: aiohttp.ClientResponse) -> list[str]:
+    assert r.status == 200
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    raw = await r.text()
+    assert raw.endswith("\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[len("data: "):] for e in events]
+
+
+async def test_chat_streaming_format_usage_and_done(replica: ReplicaServer) -> None:
     body = {"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
                                          {"role": "user", "content": "hi there"}],
             "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/chat/completions", json=body) as r:
-        assert r.headers["Content-Type"].startswith("text/event-stream")
-        raw = await r.text()
-    events = [e for e in raw.split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert chunks[0]["object"] == "chat.completion.chunk"
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    assert text.split() == ["tok0", "tok1", "tok2"]
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert all(c["model"] == MODEL and isinstance(c["created"], int) for c in chunks)
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]
+    content = chunks[1:-1]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == " tok0 tok1 tok2"
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None, None, "length"]
     # <|system|> be brief <|user|> hi there = 6 tokens under the tokenizer contract
+    assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": 6, "total_tokens": 9, "completion_tokens": 3,
                                    "prompt_tokens_details": None}
 
 
-async def test_errors_are_vllm_shaped(replica: ReplicaServer) -> None:
-    async with aiohttp.ClientSession() as s:
-        for body, status, param in [
-            ({"model": MODEL}, 400, "prompt"),
-            ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-            ({"model": "nope", "prompt": "x"}, 404, "model"),
-            ({"model": MODEL, "prompt": "x " * 5000}, 400, None),
-        ]:
-            async with s.post(replica.url + "/v1/completions", json=body) as r:
-                assert r.status == status
-                err = (await r.json())["error"]
-                assert err["code"] == status and err["param"] == param and err["message"]
-        async with s.post(replica.url + "/v1/completions", data=b"{oops") as r:
-            assert r.status == 400
+async def test_completion_streaming_without_usage(replica: ReplicaServer) -> None:
+    body = {"model": MODEL, "prompt": "a b c d", "max_tokens": 4, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions", json=body) as r:
+        events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert [c["choices"][0]["text"] for c in chunks] == [" tok0", " tok1", " tok2", " tok3"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-async def test_metrics_names_types_and_labels(replica: ReplicaServer) -> None:
+async def test_non_streaming_shapes(replica: ReplicaServer) -> None:
     async with aiohttp.ClientSession() as s:
-        async with s.post(replica.url + "/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 2}) as r:
-            assert r.status == 200
-        async with s.get(replica.url + "/metrics") as r:
-            text = await r.text()
+        out = await complete(s, replica.url, "x y z", 5, ignore_eos=True, min_tokens=5)
+        async with s.post(replica.url + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hello"}]}) as r:
+            chat = await r.json()  # no model given: vLLM serves its only model
         async with s.get(replica.url + "/v1/models") as r:
-            assert (await r.json())["data"][0]["id"] == MODEL
-    m = parse_metrics(text)
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
-        assert f"{name}{LABELS}" in m, name
-    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
-    assert "# TYPE vllm:prefix_cache_hits_total counter" in text
-    assert m['vllm:time_to_first_token_seconds_count{engine="0",model_name="skymesh-sim"}'] == 1
-    assert m['vllm:e2e_request_latency_seconds_bucket{engine="0",model_name="skymesh-sim",le="+Inf"}'] == 1
-    assert m['vllm:request_success_total{engine="0",model_name="skymesh-sim",finished_reason="length"}'] == 1
-    assert m[f"vllm:prefix_cache_queries_total{LABELS}"] == 3
+            models = await r.json()
+        async with s.get(replica.url + "/health") as r:
+            assert r.status == 200 and await r.read() == b""
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert out["choices"][0]["text"] == " tok0 tok1 tok2 tok3 tok4"
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 3, "total_tokens": 8, "completion_tokens": 5,
+                            "prompt_tokens_details": None}
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] == 16  # vLLM's default max_tokens here
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "kind", "param"),
+    [
+        ("/v1/completions", {"model": MODEL}, 400, "BadRequestError", "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "BadRequestError", "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "9"}, 400, "BadRequestError", "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400,
+         "BadRequestError", "min_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+         "BadRequestError", "stream_options"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "BadRequestError", "stream"),
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "NotFoundError", "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x " * 4000, "max_tokens": 100}, 400,
+         "BadRequestError", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "BadRequestError", "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400,
+         "BadRequestError", "messages"),
+    ],
+)
+async def test_errors_are_vllm_shaped(replica: ReplicaServer, path: str, body: dict[str, Any], status: int,
+                                      kind: str, param: str | None) -> None:
+    async with aiohttp.ClientSession() as s, s.post(replica.url + path, json=body) as r:
+        assert r.status == status
+        err = await r.json()
+    assert set(err) == {"error"}
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert (err["error"]["type"], err["error"]["param"], err["error"]["code"]) == (kind, param, status)
+    assert err["error"]["message"]
+    assert not replica.engine.has_work()
+
+
+async def test_bad_json_is_a_400(replica: ReplicaServer) -> None:
+    async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions", data=b"{oops") as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["type"] == "BadRequestError"
+
+
+async def test_context_length_message(replica: ReplicaServer) -> None:
+    body = {"model": MODEL, "prompt": "x " * 4000, "max_tokens": 100}
+    async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions", json=body) as r:
+        msg = (await r.json())["error"]["message"]
+    assert msg.startswith("This model's maximum context length is 4096 tokens. However, you requested 4100 tokens")
+
+
+async def test_metrics_names_types_labels_and_buckets(replica: ReplicaServer) -> None:
+    async with aiohttp.ClientSession() as s:
+        await complete(s, replica.url, "a b c", 3)
+        async with s.get(replica.url + "/metrics") as r:
+            assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            text = await r.text()
+    m, types = parse_metrics(text)
+    for name, kind in [
+        ("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:prefix_cache_queries_total", "counter"),
+        ("vllm:prefix_cache_hits_total", "counter"), ("vllm:num_preemptions_total", "counter"),
+        ("vllm:prompt_tokens_total", "counter"), ("vllm:generation_tokens_total", "counter"),
+    ]:
+        assert types[name] == kind, name
+        assert f"{name}{L}" in m, name
+        assert f"# HELP {name} " in text
+    assert m[f"vllm:prompt_tokens_total{L}"] == 3 and m[f"vllm:generation_tokens_total{L}"] == 3
+    assert m[f"vllm:prefix_cache_queries_total{L}"] == 3
+    # prometheus_client sorts label names, so vLLM's scrape puts engine first and the
+    # extra label in between
+    for reason, value in [("stop", 0), ("length", 1), ("abort", 0)]:
+        assert m[f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{MODEL}"}}'] == value
+    for name, bounds in [("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
+                         ("vllm:inter_token_latency_seconds", ITL_BUCKETS),
+                         ("vllm:e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS)]:
+        assert types[name] == "histogram"
+        les = [k.split('le="')[1].split('"')[0] for k in m if k.startswith(name + "_bucket")]
+        assert les == [repr(float(b)) for b in bounds] + ["+Inf"]
+        counts = [m[f'{name}_bucket{{engine="0",le="{le}",model_name="{MODEL}"}}'] for le in les]
+        assert counts == sorted(counts)  # cumulative
+        assert counts[-1] == m[f"{name}_count{L}"]
+        assert f"{name}_sum{L}" in m
+        assert types[f"{name}_created"] == "gauge"
+    # vLLM v1's bucket lists themselves (vllm/v1/metrics/loggers.py)
+    assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and TTFT_BUCKETS[-1] == 2560.0 and len(TTFT_BUCKETS) == 22
+    assert ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80.0 and len(ITL_BUCKETS) == 19
+    assert REQUEST_LATENCY_BUCKETS[0] == 0.3 and REQUEST_LATENCY_BUCKETS[-1] == 7680.0
+    assert m[f"vllm:time_to_first_token_seconds_count{L}"] == 1
+    assert m[f"vllm:inter_token_latency_seconds_count{L}"] == 2  # 3 tokens, 2 gaps
+    assert m[f"vllm:e2e_request_latency_seconds_count{L}"] == 1
 
 
 async def test_client_disconnect_aborts_and_frees_kv(replica: ReplicaServer) -> None:
-    body = {"model": MODEL, "prompt": "x " * 500, "max_tokens": 2000, "stream": True}
+    body = {"model": MODEL, "prompt": "x " * 500, "max_tokens": 3000, "stream": True}
     async with aiohttp.ClientSession() as s:
         async with s.post(replica.url + "/v1/completions", json=body) as r:
             await r.content.readline()
-        for _ in range(100):
+            assert replica.engine.num_running == 1
+        for _ in range(200):  # the server notices the closed connection asynchronously
             if not replica.engine.has_work():
                 break
             await asyncio.sleep(0.02)
+        m = await scrape(s, replica.url)
     assert not replica.engine.has_work()
     assert replica.engine.kv_cache_usage == 0.0
+    assert replica.engine.num_free_blocks == replica.engine.num_blocks
+    assert m[f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}}'] == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 async def test_cli_subprocess(tmp_path: Path) -> None:
-    port = free_port()
-    proc = start_replica_sim(tmp_path, port, "tiny-test", 0.01)
+    exe = Path(sys.executable).with_name("skymesh")  # the venv's console script
+    assert exe.exists(), f"{exe} missing: run make setup"
+    port = _free_port()
+    log = (tmp_path / "replica.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        str(exe), "replica-sim", "--port", str(port), "--profile", "tiny-test", "--time-scale", "0.01",
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
-        await wait_http_ok(url + "/health", 60, proc)
-        async with aiohttp.ClientSession() as s, s.post(
-            url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5}
-        ) as r:
-            assert (await r.json())["usage"]["completion_tokens"] == 5
+        async with aiohttp.ClientSession() as s:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.returncode is None, (tmp_path / "replica.log").read_text()
+                assert time.monotonic() < deadline, "replica-sim never became healthy"
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.1)
+            out = await complete(s, url, "hello world", 5)
+        assert out["usage"]["completion_tokens"] == 5
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0  # a clean exit on SIGTERM
     finally:
-        proc.stop()
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        log.close()

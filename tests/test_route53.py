@@ -135,3 +135,137 @@ async def test_failover_mode_primary_secondary(r53) -> None:  # noqa: ANN001
 def test_record_outside_zone_is_rejected() -> None:
     with pytest.raises(Route53ValidationError, match="not inside zone"):
         Route53Provider(ZONE, "llm.other.org", client=object())
+
+
+def test_record_in_a_lookalike_zone_is_rejected() -> None:
+    with pytest.raises(Route53ValidationError, match="not inside zone"):
+        Route53Provider(ZONE, "llm.notexample.com", client=object())
+
+
+async def test_missing_zone_is_a_clear_error(r53) -> None:  # noqa: ANN001
+    with pytest.raises(LookupError, match="no public hosted zone named other.org."):
+        await Route53Provider("other.org", "llm.other.org", client=r53).sync(EPS)
+
+
+async def test_caller_references_fit_aws_limits_and_are_never_reused(r53) -> None:  # noqa: ANN001
+    long_zone = "a-rather-long-subdomain-name-for-a-mesh.example.com"
+    r53.create_hosted_zone(Name=long_zone, CallerReference="zone-2")
+    p = Route53Provider(long_zone, f"inference-endpoint.{long_zone}", client=r53)
+    await p.sync(EPS)
+    refs = {hc["CallerReference"] for hc in p.all_health_checks()}
+    assert len(refs) == 3 and all(len(r) <= 64 for r in refs)
+    assert set(p.health_checks()) == {e.region for e in EPS}  # found again by the stable prefix
+    # a balancer that leaves and comes back gets a new reference (AWS refuses a deleted one's)
+    await p.sync(EPS[1:])
+    await p.sync(EPS)
+    assert p.health_checks()["us-east-1"]["CallerReference"] not in refs
+
+
+async def test_long_region_names_are_hashed_into_the_reference(r53) -> None:  # noqa: ANN001
+    ep = dataclasses.replace(EPS[0], region="us-east-1-" + "x" * 50, aws_region="us-east-1")
+    p = provider(r53)
+    await p.sync([ep, *EPS[1:]])
+    ref = next(hc["CallerReference"] for hc in p.all_health_checks() if hc["HealthCheckConfig"]["IPAddress"] == ep.ip)
+    assert len(ref) <= 64
+    assert await p.sync([ep, *EPS[1:]]) is False
+
+
+async def test_adopts_health_checks_and_records_made_by_terraform(r53) -> None:  # noqa: ANN001
+    """The dns module creates checks with its own CallerReference and the same record
+    scheme: the controller binds to them and sends nothing, so the two never fight."""
+    zone_id = provider(r53).zone_id()
+    changes = []
+    for i, ep in enumerate(EPS):
+        hc = r53.create_health_check(CallerReference=f"terraform-{i}", HealthCheckConfig={
+            "IPAddress": ep.ip, "Port": ep.port, "Type": "HTTP", "ResourcePath": "/health",
+            "RequestInterval": 10, "FailureThreshold": 3})["HealthCheck"]
+        changes.append({"Action": "CREATE", "ResourceRecordSet": {
+            "Name": NAME + ".", "Type": "A", "SetIdentifier": f"skymesh-{ep.region}", "Region": ep.region,
+            "TTL": 5, "ResourceRecords": [{"Value": ep.ip}], "HealthCheckId": hc["Id"]}})
+    r53.change_resource_record_sets(HostedZoneId=zone_id, ChangeBatch={"Changes": changes})
+    p = provider(r53)
+    assert await p.sync(EPS) is False
+    assert p.changes_sent == 0 and p.health_checks() == {}  # nothing created, nothing owned
+    # a dead region loses its record; the terraform check is neither deleted nor replaced
+    down = [dataclasses.replace(e, healthy=e.region != "eu-west-1") for e in EPS]
+    assert await p.sync(down) is True
+    assert len(p.all_health_checks()) == 3
+    assert await p.sync(EPS) is True
+    assert p.health_checks() == {}  # the recovered record binds the terraform check again
+
+
+async def test_controller_seeing_every_balancer_dead_leaves_it_to_route53(r53) -> None:  # noqa: ANN001
+    p = provider(r53)
+    await p.sync(EPS)
+    assert await p.sync([dataclasses.replace(e, healthy=False) for e in EPS]) is False
+    assert len(records(r53, p)) == 3
+
+
+async def test_switching_to_failover_mode_replaces_latency_records(r53) -> None:  # noqa: ANN001
+    await provider(r53).sync(EPS[:2])
+    p = provider(r53, failover=True)
+    assert await p.sync(EPS[:2]) is True
+    recs = records(r53, p)
+    assert {r.get("Failover") for r in recs.values()} == {"PRIMARY", "SECONDARY"}
+    assert all("Region" not in r for r in recs.values())
+    assert await p.sync(EPS[:2]) is False
+
+
+async def test_only_the_mesh_name_is_touched(r53) -> None:  # noqa: ANN001
+    zone_id = provider(r53).zone_id()
+    others = [{"Action": "CREATE", "ResourceRecordSet": {"Name": n, "Type": t, "TTL": 60,
+                                                          "ResourceRecords": [{"Value": v}]}}
+              for n, t, v in [("a.example.com", "A", "3.3.3.3"), ("zz.example.com", "A", "4.4.4.4"),
+                              ("llm.example.com", "TXT", '"owner=ops"'), ("x.llm.example.com", "A", "5.5.5.5")]]
+    r53.change_resource_record_sets(HostedZoneId=zone_id, ChangeBatch={"Changes": others})
+    p = provider(r53)
+    await p.sync(EPS)
+    await p.sync(EPS[:1])
+    sets = r53.list_resource_record_sets(HostedZoneId=zone_id)["ResourceRecordSets"]
+    names = {(r["Name"], r["Type"]) for r in sets if "SetIdentifier" not in r}
+    assert {("a.example.com.", "A"), ("zz.example.com.", "A"), ("llm.example.com.", "TXT"),
+            ("x.llm.example.com.", "A")} <= names
+    assert set(records(r53, p)) == {"skymesh-us-east-1"}
+
+
+async def test_concurrent_syncs_are_serialised(r53) -> None:  # noqa: ANN001
+    import asyncio
+
+    p = provider(r53)
+    results = await asyncio.gather(p.sync(EPS), p.sync(EPS), p.sync(EPS))
+    assert sorted(results) == [False, False, True]
+    assert len(p.all_health_checks()) == 3
+
+
+def rr(sid: str, **kw: object) -> dict:
+    base = {"Name": "llm.example.com.", "Type": "A", "SetIdentifier": sid, "Region": "us-east-1", "TTL": 5,
+            "ResourceRecords": [{"Value": "3.80.0.10"}], "HealthCheckId": "abc"}
+    base.update(kw)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    ([rr("a"), rr("b", Region=None, Failover="PRIMARY")], "must not be mixed"),
+    ([rr("a"), rr("a", Region="eu-west-1")], "SetIdentifier used twice"),
+    ([rr("x" * 129)], "SetIdentifier must be 1-128"),
+    ([rr("a", TTL=-1)], "TTL -1"),
+    ([rr("a", TTL=2**31)], "TTL 2147483648"),
+    ([rr("a", ResourceRecords=[{"Value": "3.80.0"}])], "not an IPv4"),
+    ([rr("a", ResourceRecords=[{"Value": "::1"}])], "not an IPv4"),
+    ([rr("a", Region="moon-1")], "not a Route53 latency region"),
+    ([rr("a", Type="AAAA")], "A record"),
+    ([rr("a", Region=None, Failover="PRIMARY"), rr("b", Region=None, Failover="PRIMARY")], "one PRIMARY"),
+    ([rr("a", Region=None, Failover="TERTIARY")], "PRIMARY or SECONDARY"),
+])
+def test_record_set_validation(sets: list[dict], message: str) -> None:
+    from skymesh.dns.route53_validate import validate_record_sets
+
+    with pytest.raises(Route53ValidationError, match=message):
+        validate_record_sets("llm.example.com.", sets)
+
+
+def test_latency_regions_come_from_the_service_model() -> None:
+    from skymesh.dns.route53_validate import latency_regions
+
+    assert {"us-east-1", "eu-west-1", "ap-northeast-1", "sa-east-1"} <= latency_regions()
+    assert "mars-1" not in latency_regions() and "local" not in latency_regions()

@@ -1,15 +1,17 @@
-"""Each policy's defining rule on hand-made views; DualMap's choice and migration rules."""
+"""Each baseline policy's defining rule on hand-made views, and the registry.
+(DualMap's rules: test_routing_dualmap.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh.routing.base import PolicyContext, ReplicaView, RoutingRequest
+from skymesh.config import KNOWN_POLICIES
+from skymesh.routing.base import Policy, PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
-from skymesh.routing.policies.dualmap import DualMapPolicy
 from skymesh.routing.registry import POLICIES, make_policy
 
 IDS = [f"r{i}" for i in range(6)]
@@ -102,93 +104,94 @@ def test_preble_hit_rule_then_load_cost() -> None:
     assert p.choose(req(60), vs, 0.0).replica_id == "r2"
 
 
-# ----------------------------------------------------------------------------- DualMap
+def test_registry_names_match_the_config_and_the_protocol() -> None:
+    assert tuple(POLICIES) == KNOWN_POLICIES
+    for name in POLICIES:
+        p = make_policy(name, CTX)
+        assert isinstance(p, Policy) and p.name == name
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fastest", CTX)
 
 
-def dualmap() -> DualMapPolicy:
-    # holding is off by default; these tests exercise the hold/spill/migrate rules
-    p = DualMapPolicy(dataclasses.replace(CTX, options={"max_hold_fraction": 0.5}))
-    p.set_replicas(IDS)
-    return p
-
-
-def test_dualmap_equal_hits_pick_the_less_loaded_candidate() -> None:
-    p = dualmap()
-    r = req(7)
-    c1, c2 = p.candidates(r)
-    assert p.choose(r, views(**{c1: {"pending_prefill_tokens": 300}}), 0.0).replica_id == c2
-    assert p.choose(r, views(**{c2: {"pending_prefill_tokens": 300}}), 0.0).replica_id == c1
-
-
-def test_dualmap_keeps_cache_affinity_while_slo_holds_then_switches() -> None:
-    p = dualmap()
-    r0 = req(8, 0)
-    c1, c2 = p.candidates(r0)
-    p.on_dispatch(r0, c2, 0.0)  # c2 now holds the prefix
-    r1 = req(8, 1)
-    # affine c2 is more loaded but its estimate (0.01 + 1e-3 * (400 + 16)) = 0.43 s <= SLO 1 s
-    d = p.choose(r1, views(**{c2: {"pending_prefill_tokens": 400}}), 0.0)
-    assert (d.replica_id, d.reason) == (c2, "affinity")
-    # once its estimate breaks the SLO (1e-3 * 1500 > 1 s), the lower estimate wins
-    d = p.choose(r1, views(**{c2: {"pending_prefill_tokens": 1500}}), 0.0)
-    assert d.replica_id == c1
-
-
-def test_dualmap_holds_for_its_candidates_then_spills() -> None:
-    p = dualmap()
-    r = req(9, arrival=0.0)
-    c1, c2 = p.candidates(r)
-    busy = views(**{c1: {"available": False}, c2: {"available": False}})
-    d = p.choose(r, busy, 0.0)
-    assert d.replica_id is None and d.reason == "hold"
-    d = p.choose(r, busy, 0.9)  # waited 0.9 s of a 1 s SLO: spill
-    assert d.reason == "spill" and d.replica_id not in (c1, c2)
-
-
-def test_dualmap_migrates_held_requests_only_with_benefit_and_slo() -> None:
-    p = dualmap()
-    r = req(10, arrival=0.0)
-    c1, c2 = p.candidates(r)
-    busy = views(**{c1: {"available": False}, c2: {"available": False}})
-    assert p.choose(r, busy, 0.0).replica_id is None
-    held_for = p.held[r.request_id]
-    other = c2 if held_for == c1 else c1
-    # no benefit: the other candidate is more loaded → stays
-    vs = views(**{held_for: {"available": False, "pending_prefill_tokens": 100},
-                  other: {"available": False, "pending_prefill_tokens": 300}})
-    assert p.rebalance([r], vs, 0.0) == []
-    # benefit and the other meets the SLO → migrates
-    vs = views(**{held_for: {"available": False, "pending_prefill_tokens": 900},
-                  other: {"available": False, "pending_prefill_tokens": 0}})
-    moves = p.rebalance([r], vs, 0.0)
-    assert len(moves) == 1 and moves[0].to_replica == other and moves[0].benefit_s > 0
-    assert p.held[r.request_id] == other
-    # benefit but the target would break the SLO → no migration
-    p2 = dualmap()
-    assert p2.choose(r, busy, 0.0).replica_id is None
-    h2 = p2.held[r.request_id]
-    o2 = c2 if h2 == c1 else c1
-    vs = views(**{h2: {"available": False, "pending_prefill_tokens": 5000},
-                  o2: {"available": False, "pending_prefill_tokens": 2000}})
-    assert p2.rebalance([r], vs, 0.0) == []
-
-
-def test_dualmap_default_spills_instead_of_holding() -> None:
-    p = DualMapPolicy(CTX)
-    p.set_replicas(IDS)
-    r = req(12, arrival=0.0)
-    c1, c2 = p.candidates(r)
-    busy = views(**{c1: {"available": False}, c2: {"available": False}})
-    assert p.choose(r, busy, 0.01).reason == "spill"
-
-
-def test_dualmap_spreads_a_hot_prefix_beyond_one_pair() -> None:
-    p = dualmap()
-    used = set()
-    for i in range(300):
-        r = req(11, i)  # one very popular system prompt, distinct user turns
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_full_request_lifecycle_and_json_stats(name: str) -> None:
+    p = policy(name)
+    for i in range(20):
+        r = req(i % 3, i)
         d = p.choose(r, views(), float(i))
-        assert d.replica_id is not None
+        assert d.replica_id in IDS
         p.on_dispatch(r, d.replica_id, float(i))
-        used.add(d.replica_id)
-    assert len(used) > 2
+        p.on_first_token(r, d.replica_id, 0.1, float(i) + 0.1)
+        p.on_complete(r, d.replica_id, i % 5 != 0, float(i) + 0.5)
+    assert p.rebalance([], views(), 30.0) == []
+    json.dumps(p.stats())
+
+
+@pytest.mark.parametrize("name", ["prefix_tree", "cache_aware", "min_ttft", "preble", "dualmap"])
+def test_cache_tracking_policies_forget_removed_replicas(name: str) -> None:
+    p = policy(name)
+    p.on_dispatch(req(30, 0), "r4", 0.0)
+    assert p.trie.match_per_target(req(30, 1).chunk_hashes, ["r4"])["r4"] > 0
+    p.set_replicas([x for x in IDS if x != "r4"])
+    assert p.trie.match_per_target(req(30, 1).chunk_hashes, ["r4"]) == {"r4": 0}
+
+
+def test_round_robin_skips_busy_replicas_without_losing_its_place() -> None:
+    p = policy("round_robin")
+    assert p.choose(req(0), views(), 0.0).replica_id == "r0"
+    assert p.choose(req(0), views(r1={"available": False}, r2={"healthy": False}), 0.0).replica_id == "r3"
+    assert p.choose(req(0), views(), 0.0).replica_id == "r4"
+
+
+def test_least_load_breaks_ties_by_in_flight() -> None:
+    p = policy("least_load")
+    vs = views(**{rid: {"in_flight": 3} for rid in IDS if rid != "r2"})
+    assert p.choose(req(0), vs, 0.0).replica_id == "r2"
+
+
+def test_cache_aware_needs_both_imbalance_thresholds() -> None:
+    p = policy("cache_aware")
+    p.on_dispatch(req(31, 0), "r1", 0.0)
+    # abs gap 50 > 32 but 200 < 1.5 x 150: balanced enough → the cache hit wins
+    vs = views(**{rid: {"in_flight": 150} for rid in IDS})
+    vs["r1"].in_flight = 200
+    assert p.choose(req(31, 1), vs, 0.0).replica_id == "r1"
+    # rel 20 > 1.5 x 1 but abs gap 19 <= 32 → still the cache hit
+    vs = views(**{rid: {"in_flight": 1} for rid in IDS})
+    vs["r1"].in_flight = 20
+    assert p.choose(req(31, 2), vs, 0.0).replica_id == "r1"
+    # both → least loaded
+    vs["r1"].in_flight = 40
+    vs["r5"].in_flight = 0
+    assert p.choose(req(31, 3), vs, 0.0).replica_id == "r5"
+
+
+def test_cache_aware_sends_new_prefixes_to_the_smallest_tree() -> None:
+    p = policy("cache_aware")
+    for k, rid in enumerate(IDS):
+        if rid != "r3":
+            p.on_dispatch(req(40 + k, 0), rid, 0.0)
+    assert p.choose(req(99), views(), 0.0).replica_id == "r3"
+
+
+def test_min_ttft_estimate_is_queue_plus_uncached_prefill() -> None:
+    p = policy("min_ttft")
+    p.on_dispatch(req(32, 0), "r2", 0.0)
+    vs = views(**{rid: {"pending_prefill_tokens": 1000} for rid in IDS})
+    vs["r2"].pending_prefill_tokens = 1300  # 300 more queued, but 448 tokens cached
+    d = p.choose(req(32, 1), vs, 0.0)
+    assert d.replica_id == "r2" and d.matched_tokens == 448
+    assert abs(d.estimated_ttft_s - (0.01 + 1e-3 * (1300 + 64))) < 1e-9
+
+
+def test_preble_below_the_hit_threshold_uses_load_cost() -> None:
+    p = policy("preble")
+    p.on_dispatch(req(33, 0, n=512), "r0", 0.0)
+    # a 1024-token prompt sharing only the first 256 tokens (25% < 50%)
+    text = " ".join([f"p33w{k}" for k in range(256)] + [f"z{k}" for k in range(768)])
+    half = RoutingRequest("half", prompt_chunk_hashes(text, 64), 1024, 0.0)
+    vs = views(**{rid: {"pending_prefill_tokens": 200} for rid in IDS})
+    vs["r0"].pending_prefill_tokens = 300  # +100 queued, -256 to prefill: cheapest
+    assert p.choose(half, vs, 0.0).replica_id == "r0"
+    vs["r0"].pending_prefill_tokens = 500  # now the cache no longer pays for the queue
+    assert p.choose(half, vs, 0.0).replica_id != "r0"

@@ -49,8 +49,8 @@ def test_render_controller_view_and_fallback() -> None:
     text = render(status)
     assert "topology v7" in text and "regions: 1/2 healthy" in text
     assert "replicas 1/2 available   queue 3   offloaded out 5 / in 1   prefix hits 50%" in text
-    assert "b-r0            b" in text  # adopted replica shows its home region
-    assert "balancer DOWN" in text and "replicas adopted by a" in text
+    assert "b (adopted)" in text  # adopted replica shows its home region
+    assert "balancer DOWN" in text and "replicas are adopted by a" in text
     status["source"] = "balancers"
     assert "controller: DOWN" in render(status)
 

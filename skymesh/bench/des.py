@@ -1,25 +1,38 @@
 """Discrete-event mode: the routing core and the stand-in's engine on a simulated clock.
 
 Every region runs the real :class:`BalancerCore` (selective pushing, probes every
-``probe_interval_s``) with a policy from the registry, and — with offload on — the real
+``probe_interval_s`` reading the engine's ``num_waiting`` / ``num_running`` /
+``kv_cache_usage``) with a policy from the registry and, with offload on, the real
 :class:`OffloadRouter` fed by heartbeats that take the configured one-way latency to
-arrive. Replicas are the real :class:`Engine`. Nothing here reimplements routing: the
-simulator only moves time and messages.
+arrive. Replicas are the real :class:`Engine`. Nothing here reimplements routing or the
+engine's scheduling: the simulator only moves time and messages.
 
-Accuracy knob: a replica in pure decode advances in fused chunks of at most
-``max_fuse_s`` (default 20 ms); a request dispatched meanwhile joins at the chunk end.
+Speed without approximation: while a replica's engine can only decode (nothing in prefill,
+no waiting request admissible), the simulator does not step it; it schedules one wake-up
+at the end of the step in which the first running request finishes (the engine's own
+fused-decode cost). A request dispatched to that replica earlier cuts the stretch: the
+engine is advanced (``Engine.run_until``) to the end of the step in progress at that
+moment, which is exactly where a real engine would admit it. So the result equals
+stepping the engine one iteration at a time, with one event per request phase instead of
+one per decode step. Arrivals are pulled lazily from an iterator and per-request results
+live in flat arrays, so 1M requests fit in memory.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+import math
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from skymesh.bench.metrics import cv, summarize_arrays
 from skymesh.bench.traces import TraceRequest
-from skymesh.replica_sim.engine import Engine
+from skymesh.replica_sim.engine import Engine, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore, QueueFull
@@ -28,25 +41,31 @@ from skymesh.routing.registry import make_policy
 from skymesh.tokens import TRACE_BLOCK_TOKENS
 
 
+def _allow_all(source: str, target: str) -> bool:
+    return True
+
+
 @dataclass
 class SimConfig:
     policy: str = "dualmap"
-    regions: dict[str, int] = field(default_factory=lambda: {"r0": 16})  # region -> replicas
+    regions: dict[str, int] = field(default_factory=lambda: {"central": 16})  # region -> replicas
     one_way_ms: dict[tuple[str, str], float] = field(default_factory=dict)
     profile: str = "h100-qwen2.5-7b"
     ttft_slo_s: float = 2.0
     offload: bool = True
-    allowed: Callable[[str, str], bool] = lambda s, d: True
+    allowed: Callable[[str, str], bool] = _allow_all
     probe_interval_s: float = 0.1
     heartbeat_interval_s: float = 0.1
     max_remote_queue: int = 4
-    chunk_tokens: int = TRACE_BLOCK_TOKENS
-    block_size: int = 16
-    queue_bound: int = 100_000
+    chunk_tokens: int = TRACE_BLOCK_TOKENS  # routing chunk = one trace block
+    block_size: int = 16  # engine KV block; the KV capacity in tokens stays the profile's
+    queue_bound: int = 1_000_000
     dispatch_budget: int = 2
+    lookahead: int = 64
     trie_max_nodes: int = 200_000
-    max_fuse_s: float = 0.02
     sample_load_every_s: float = 1.0
+    plot_replicas: int = 32  # per-replica load series kept for the plot
+    fuse_decode: bool = True  # False: one event per engine step (the reference for tests)
     policy_options: dict[str, Any] = field(default_factory=dict)
 
     def latency_s(self, a: str, b: str) -> float:
@@ -55,33 +74,69 @@ class SimConfig:
         return self.one_way_ms.get((a, b), self.one_way_ms.get((b, a), 0.0)) / 1000.0
 
 
-@dataclass(slots=True)
-class RequestResult:
-    arrival_s: float
-    input_len: int
-    output_len: int
-    origin: str
-    served_region: str = ""
-    replica: str = ""
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    rejected: bool = False
-    offloaded: bool = False
+_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finish_s is None else self.finish_s - self.arrival_s
+def block_chains(hash_ids: Iterable[int], input_len: int, block_size: int,
+                 chunk_tokens: int) -> tuple[list[int], tuple[int, ...]]:
+    """Engine block hashes (full blocks only) and routing chunk hashes from trace block ids:
+    each 512-token trace block is ``512 / size`` sub-blocks, hashed deterministically and
+    chained, so equal hash-id prefixes give equal chains and nothing else does."""
+    ids = list(hash_ids)
+    blocks: list[int] = []
+    per_block = max(1, TRACE_BLOCK_TOKENS // block_size)
+    full = input_len // block_size
+    prev = 0
+    for h in ids:
+        for j in range(per_block):
+            if len(blocks) >= full:
+                break
+            prev = hash((prev, h, j)) & _MASK
+            blocks.append(prev)
+    chunks: list[int] = []
+    per_chunk = max(1, TRACE_BLOCK_TOKENS // chunk_tokens)
+    n_chunks = -(-input_len // chunk_tokens)
+    prev = 0
+    for h in ids:
+        for j in range(per_chunk):
+            if len(chunks) >= n_chunks:
+                break
+            prev = hash((prev, h, j, 1)) & _MASK
+            chunks.append(prev)
+    return blocks, tuple(chunks)
+
+
+def decode_horizon(e: Engine) -> float | None:
+    """Seconds until the end of the step in which the engine's first running request
+    finishes, if every step until then is pure decode and needs no preemption (what
+    ``Engine.run_until`` would fuse); None otherwise. Does not change the engine."""
+    if not e._pure_decode():
+        return None
+    running = e.running
+    n = len(running)
+    k = min(r.max_tokens - r.output_tokens for r in running)
+    if k < 2:
+        return None
+    bs = e.block_size
+    extra = sum(max(0, (r.num_computed + k - 1) // bs + 1 - len(r.blocks)) for r in running)
+    if extra > e.num_free_blocks:
+        return None
+    p = e.profile
+    per_step = p.step_fixed_s + p.decode_s_per_seq * n
+    ctx0 = sum(r.num_computed for r in running)
+    a = p.attn_s_per_context_token
+    return (k * (per_step + a * ctx0) + a * n * k * (k - 1) / 2) * e.time_scale
 
 
 class _Replica:
-    __slots__ = ("rid", "region", "engine", "busy")
+    __slots__ = ("idx", "rid", "region", "engine", "state", "t_sync", "version")
+    IDLE, STEP, LAZY = 0, 1, 2
 
-    def __init__(self, rid: str, region: str, engine: Engine) -> None:
-        self.rid, self.region, self.engine, self.busy = rid, region, engine, False
+    def __init__(self, idx: int, rid: str, region: str, engine: Engine) -> None:
+        self.idx, self.rid, self.region, self.engine = idx, rid, region, engine
+        self.state = self.IDLE
+        self.t_sync = 0.0  # LAZY: the time the engine's state is at
+        self.version = 0  # invalidates a superseded wake-up
 
 
 class _Region:
@@ -96,9 +151,9 @@ class _Region:
             options=cfg.policy_options,
         )
         self.core = BalancerCore(make_policy(cfg.policy, ctx), queue_bound=cfg.queue_bound,
-                                 dispatch_budget=cfg.dispatch_budget)
-        self.replicas = [f"{name}/r{i}" for i in range(cfg.regions[name])]
-        self.core.set_replicas(self.replicas)
+                                 dispatch_budget=cfg.dispatch_budget, lookahead=cfg.lookahead)
+        self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
+        self.core.set_replicas(self.replica_ids)
         rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
         self.offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
                                      heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
@@ -106,93 +161,148 @@ class _Region:
         self.seq = 0
 
 
-_MASK = 0xFFFF_FFFF_FFFF_FFFF
+@dataclass
+class SimResult:
+    """Per-request flat arrays (index = order of arrival) and replica counters."""
 
+    arrival: np.ndarray
+    ttft: np.ndarray  # NaN: no first token (rejected)
+    e2e: np.ndarray
+    input_len: np.ndarray
+    output_len: np.ndarray
+    rejected: np.ndarray
+    offloaded: np.ndarray
+    prefix_hit_rate: float
+    load_cv: float | None
+    load_series: list[tuple[float, list[int]]]  # (t, pending prefill tokens of the plotted replicas)
+    plotted_replicas: list[str]
+    events: int
+    sim_time_s: float
+    lazy_mismatches: int
 
-def _chains(hash_ids: Sequence[int], input_len: int, block_size: int, chunk_tokens: int) -> tuple[list[int], tuple[int, ...]]:
-    """Engine block hashes (full blocks) and routing chunk hashes, from trace block ids,
-    chained so that equal hash-id prefixes give equal chains."""
-    per_block = TRACE_BLOCK_TOKENS // block_size
-    blocks: list[int] = []
-    prev = 0
-    full_blocks = input_len // block_size
-    for h in hash_ids:
-        for j in range(per_block):
-            if len(blocks) >= full_blocks:
-                break
-            prev = hash((prev, h, j)) & _MASK
-            blocks.append(prev)
-    chunks: list[int] = []
-    prev = 0
-    per_chunk = max(1, TRACE_BLOCK_TOKENS // chunk_tokens)
-    n_chunks = -(-input_len // chunk_tokens)
-    for h in hash_ids:
-        for j in range(per_chunk):
-            if len(chunks) >= n_chunks:
-                break
-            prev = hash((prev, h, j, 1)) & _MASK
-            chunks.append(prev)
-    return blocks, tuple(chunks)
+    def summary(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, Any]:
+        return summarize_arrays(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
+                                self.offloaded, slo_s, prefix_hit_rate=self.prefix_hit_rate,
+                                load_cv_value=self.load_cv, warmup_s=warmup_s)
 
 
 class Simulator:
-    ARRIVE, STEP_DONE, PROBE, HEARTBEAT, BEAT_ARRIVE, FORWARD_ARRIVE, SAMPLE = range(7)
+    ARRIVE, STEP_DONE, WAKE, PROBE, HEARTBEAT, BEAT_ARRIVE, FORWARD_ARRIVE, SAMPLE = range(8)
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.profile: Profile = PROFILES[cfg.profile]
+        if TRACE_BLOCK_TOKENS % cfg.block_size:
+            raise ValueError(f"block_size must divide {TRACE_BLOCK_TOKENS}")
+        # keep the profile's KV capacity in tokens whatever the simulated block size
+        self.num_blocks = max(1, self.profile.kv_capacity_tokens // cfg.block_size)
         self.regions = {name: _Region(name, self) for name in cfg.regions}
         self.replicas: dict[str, _Replica] = {}
         for reg in self.regions.values():
-            for rid in reg.replicas:
-                self.replicas[rid] = _Replica(rid, reg.name, Engine(self.profile, block_size=cfg.block_size))
+            for rid in reg.replica_ids:
+                eng = Engine(self.profile, block_size=cfg.block_size, num_gpu_blocks=self.num_blocks)
+                self.replicas[rid] = _Replica(len(self.replicas), rid, reg.name, eng)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
-        self.results: dict[str, RequestResult] = {}
         self._engine_args: dict[str, tuple[int, list[int], int]] = {}
-        self._served_by: dict[str, str] = {}  # request id -> region whose core placed it
-        self.load_samples: list[tuple[float, dict[str, int]]] = []
+        self._origin: dict[str, str] = {}
+        self._served_by: dict[str, str] = {}
         self.now = 0.0
+        self.events = 0
+        self.lazy_mismatches = 0
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     # ------------------------------------------------------------------ run
 
-    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> dict[str, RequestResult]:
+    def run(self, trace: Iterable[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``trace`` (in arrival order) until every request finished or was rejected."""
         cfg = self.cfg
         max_len = self.profile.max_model_len
+        cap = self.num_blocks * cfg.block_size
         default_region = next(iter(self.regions))
-        for i, r in enumerate(trace):
+        self._arrival = array("d")
+        self._first = array("d")
+        self._finish = array("d")
+        self._in = array("l")
+        self._out = array("l")
+        self._flags = bytearray()  # 1: rejected, 2: offloaded
+        it: Iterator[TraceRequest] = iter(trace)
+        self._next_index = 0
+        outstanding = 0
+        plotted = [rid for reg in self.regions.values() for rid in reg.replica_ids][: cfg.plot_replicas]
+        all_ids = list(self.replicas)
+        load_series: list[tuple[float, list[int]]] = []
+        cvs: list[float] = []
+
+        def pull() -> bool:
+            r = next(it, None)
+            if r is None:
+                return False
+            i = self._next_index
+            self._next_index += 1
             out_len = max(1, r.output_len)
-            in_len = max(1, min(r.input_len, max_len - out_len, self.profile.num_gpu_blocks * cfg.block_size // 2))
-            rid = f"q{i}"
+            in_len = max(1, min(r.input_len, max_len - out_len, cap // 2))
+            self._arrival.append(r.arrival_s)
+            self._first.append(math.nan)
+            self._finish.append(math.nan)
+            self._in.append(in_len)
+            self._out.append(out_len)
+            self._flags.append(0)
             region = r.region if r.region in self.regions else default_region
-            self.results[rid] = RequestResult(r.arrival_s, in_len, out_len, region)
-            blocks, chunks = _chains(r.hash_ids, in_len, cfg.block_size, cfg.chunk_tokens)
-            self._engine_args[rid] = (in_len, blocks, out_len)
-            rreq = RoutingRequest(rid, chunks, in_len, r.arrival_s, max_tokens=out_len,
-                                  session_key=str(r.session))
-            self._push(r.arrival_s, self.ARRIVE, (region, rreq))
+            self._push(r.arrival_s, self.ARRIVE, (i, region, r, in_len, out_len))
+            return True
+
         for name in self.regions:
             self._push(0.0, self.PROBE, name)
             if len(self.regions) > 1 and cfg.offload:
                 self._push(0.0, self.HEARTBEAT, name)
         self._push(0.0, self.SAMPLE, None)
-        outstanding = len(trace)
-        done = 0
-        while self._events and outstanding > 0:
-            t, _, kind, payload = heapq.heappop(self._events)
+        more = pull()
+        events = self._events
+        pop = heapq.heappop
+        while events and (more or outstanding > 0):
+            t, _, kind, payload = pop(events)
             self.now = t
-            if kind == self.ARRIVE:
-                region, rreq = payload
-                self._admit(self.regions[region], rreq, t)
-            elif kind == self.STEP_DONE:
-                finished = self._step_done(payload, t)
-                outstanding -= finished
-                done += finished
-                if progress and finished:
-                    progress(finished)
+            self.events += 1
+            if kind == self.STEP_DONE:
+                rep, out = payload
+                rep.state = _Replica.IDLE
+                done = self._apply(rep, out, t)
+                outstanding -= done
+                if rep.state == _Replica.IDLE:
+                    self._kick(rep, t)
+                if progress and done:
+                    progress(done)
+            elif kind == self.WAKE:
+                rep, version, t_end = payload
+                if version != rep.version or rep.state != _Replica.LAZY:
+                    continue
+                reached, out = rep.engine.run_until(rep.t_sync, t_end + 1e-9 * max(1.0, t_end))
+                if not out.finished or abs(reached - t_end) > 1e-6 * max(1.0, t_end):
+                    self.lazy_mismatches += 1
+                rep.state = _Replica.IDLE
+                done = self._apply(rep, out, t)
+                outstanding -= done
+                if rep.state == _Replica.IDLE:
+                    self._kick(rep, t)
+                if progress and done:
+                    progress(done)
+            elif kind == self.ARRIVE:
+                i, region, r, in_len, out_len = payload
+                outstanding += 1
+                more = pull()
+                rid = str(i)
+                blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.chunk_tokens)
+                self._engine_args[rid] = (in_len, blocks, out_len)
+                self._origin[rid] = region
+                rreq = RoutingRequest(rid, chunks, in_len, r.arrival_s, max_tokens=out_len,
+                                      session_key=str(r.session))
+                if not self._admit(self.regions[region], rreq, t):
+                    outstanding -= 1
+                    if progress:
+                        progress(1)
             elif kind == self.PROBE:
                 self._probe(self.regions[payload], t)
                 self._push(t + cfg.probe_interval_s, self.PROBE, payload)
@@ -206,48 +316,61 @@ class Simulator:
                 self._dispatch(reg, t)
             elif kind == self.FORWARD_ARRIVE:
                 dst, rreq = payload
-                self._admit(self.regions[dst], rreq, t)
+                if not self._admit(self.regions[dst], rreq, t):
+                    outstanding -= 1
+                    if progress:
+                        progress(1)
             elif kind == self.SAMPLE:
-                self.load_samples.append((t, {rid: v.pending_prefill_tokens
-                                              for reg in self.regions.values()
-                                              for rid, v in reg.core.replicas.items()}))
+                views = {rid: v for reg in self.regions.values() for rid, v in reg.core.replicas.items()}
+                c = cv([views[rid].pending_prefill_tokens for rid in all_ids])
+                if c is not None:
+                    cvs.append(c)
+                load_series.append((t, [views[rid].pending_prefill_tokens for rid in plotted]))
                 self._push(t + cfg.sample_load_every_s, self.SAMPLE, None)
-            outstanding_rejects = self._drain_rejects()
-            outstanding -= outstanding_rejects
-            if progress and outstanding_rejects:
-                progress(outstanding_rejects)
-        return self.results
-
-    _rejects = 0
-
-    def _drain_rejects(self) -> int:
-        n, self._rejects = self._rejects, 0
-        return n
+        n = self._next_index
+        arrival = np.frombuffer(self._arrival, dtype=float)[:n].copy()
+        flags = np.frombuffer(bytes(self._flags), dtype=np.uint8)[:n]
+        return SimResult(
+            arrival=arrival,
+            ttft=np.frombuffer(self._first, dtype=float)[:n] - arrival,
+            e2e=np.frombuffer(self._finish, dtype=float)[:n] - arrival,
+            input_len=np.frombuffer(self._in, dtype=np.int64 if self._in.itemsize == 8 else np.int32)[:n].copy(),
+            output_len=np.frombuffer(self._out, dtype=np.int64 if self._out.itemsize == 8 else np.int32)[:n].astype(float),
+            rejected=(flags & 1).astype(bool),
+            offloaded=(flags & 2).astype(bool),
+            prefix_hit_rate=self.prefix_hit_rate(),
+            load_cv=sum(cvs) / len(cvs) if cvs else None,
+            load_series=load_series,
+            plotted_replicas=plotted,
+            events=self.events,
+            sim_time_s=self.now,
+            lazy_mismatches=self.lazy_mismatches,
+        )
 
     # ------------------------------------------------------------------ balancer side
 
-    def _admit(self, reg: _Region, rreq: RoutingRequest, t: float) -> None:
+    def _admit(self, reg: _Region, rreq: RoutingRequest, t: float) -> bool:
         try:
             reg.core.submit(rreq)
         except QueueFull:
-            self.results[rreq.request_id].rejected = True
-            self._rejects += 1
-            return
+            i = int(rreq.request_id)
+            self._flags[i] |= 1
+            self._engine_args.pop(rreq.request_id, None)
+            self._origin.pop(rreq.request_id, None)
+            return False
         self._dispatch(reg, t)
+        return True
 
     def _dispatch(self, reg: _Region, t: float) -> None:
         for rreq, decision in reg.core.dispatch(t):
             rid = rreq.request_id
             rep = self.replicas[decision.replica_id]  # type: ignore[index]
-            in_len, blocks, out_len = self._engine_args[rid]
-            rep.engine.add_request(rid, in_len, blocks, out_len, t)
+            in_len, blocks, out_len = self._engine_args.pop(rid)
             self._served_by[rid] = reg.name
-            res = self.results[rid]
-            res.replica = rep.rid
-            res.served_region = reg.name
-            if not rep.busy:
-                self._start_step(rep, t)
-        if reg.core.queue_length and not reg.core.any_available() and reg.offload.enabled:
+            if reg.name != self._origin[rid]:
+                self._flags[int(rid)] |= 2
+            self._deliver(rep, rid, in_len, blocks, out_len, t)
+        if reg.offload.enabled and reg.core.queue_length and not reg.core.any_available():
             chosen = []
             for rreq in reg.core.queued_requests():
                 if rreq.forwarded:
@@ -262,19 +385,19 @@ class Simulator:
             reg.core.take_for_offload(r.request_id for r, _ in chosen)
             for rreq, target in chosen:
                 rreq.forwarded = True
-                self.results[rreq.request_id].offloaded = True
                 self._push(t + self.cfg.latency_s(reg.name, target), self.FORWARD_ARRIVE, (target, rreq))
 
     def _probe(self, reg: _Region, t: float) -> None:
-        for rid in reg.replicas:
-            e = self.replicas[rid].engine
-            reg.core.update_replica(rid, healthy=True, num_running=e.num_running, num_waiting=e.num_waiting,
-                                    kv_usage=e.kv_cache_usage)
+        core, reps = reg.core, self.replicas
+        for rid in reg.replica_ids:
+            e = reps[rid].engine
+            core.update_replica(rid, healthy=True, num_running=len(e.running), num_waiting=len(e.waiting),
+                                kv_usage=e.kv_cache_usage)
         self._dispatch(reg, t)
 
     def _heartbeat(self, reg: _Region, t: float) -> None:
         reg.seq += 1
-        fields = {"epoch": 1, "seq": reg.seq, "replicas_total": len(reg.replicas),
+        fields = {"epoch": 1, "seq": reg.seq, "replicas_total": len(reg.replica_ids),
                   "replicas_available": reg.core.available_count(), "queue_length": reg.core.queue_length,
                   "pending_prefill_tokens": reg.core.pending_prefill_tokens()}
         for other in self.regions:
@@ -283,36 +406,73 @@ class Simulator:
 
     # ------------------------------------------------------------------ replica side
 
-    def _start_step(self, rep: _Replica, t: float) -> None:
-        if not rep.engine.has_work():
-            rep.busy = False
+    def _deliver(self, rep: _Replica, rid: str, in_len: int, blocks: list[int], out_len: int, t: float) -> None:
+        """A request reaches a replica at ``t`` (it joins the engine's next step)."""
+        e = rep.engine
+        if rep.state == _Replica.LAZY:
+            # cut the decode stretch at the step in progress at t; while syncing, nested
+            # deliveries (from finishes reported on the way) only queue in the engine
+            rep.version += 1
+            rep.state = _Replica.STEP
+            reached = rep.t_sync
+            in_progress: tuple[float, StepOutput] | None = None
+            while reached < t:
+                nxt, out = e.run_until(reached, t)
+                if out.steps == 0:
+                    break
+                if nxt > t:
+                    in_progress = (nxt, out)
+                    break
+                self._apply(rep, out, nxt)  # a step boundary at or before t
+                reached = nxt
+            e.add_request(rid, in_len, blocks, out_len, t)
+            if in_progress is not None:
+                self._push(in_progress[0], self.STEP_DONE, (rep, in_progress[1]))
+                return
+            rep.state = _Replica.IDLE
+            self._kick(rep, t)
             return
-        t_end, out = rep.engine.run_until(t, t + self.cfg.max_fuse_s)
-        if out.steps == 0:
-            rep.busy = False
-            return
-        rep.busy = True
-        self._push(t_end, self.STEP_DONE, (rep, out))
+        e.add_request(rid, in_len, blocks, out_len, t)
+        if rep.state == _Replica.IDLE:
+            self._kick(rep, t)
 
-    def _step_done(self, payload: tuple[_Replica, Any], t: float) -> int:
-        rep, out = payload
+    def _kick(self, rep: _Replica, t: float) -> None:
+        """Schedule the replica's next step (or decode stretch) starting at ``t``."""
+        e = rep.engine
+        if not e.running and not e.waiting:
+            return
+        if self.cfg.fuse_decode:
+            h = decode_horizon(e)
+            if h is not None:
+                rep.state = _Replica.LAZY
+                rep.t_sync = t
+                rep.version += 1
+                self._push(t + h, self.WAKE, (rep, rep.version, t + h))
+                return
+        out = e.step(t)
+        if out.steps == 0:
+            return
+        rep.state = _Replica.STEP
+        self._push(t + out.duration_s, self.STEP_DONE, (rep, out))
+
+    def _apply(self, rep: _Replica, out: StepOutput, t: float) -> int:
+        """Report a step's first tokens and finishes to the balancers; returns finishes."""
         touched: set[str] = set()
+        cfg = self.cfg
         for rid in out.first_token:
-            res = self.results[rid]
             region = self._served_by[rid]
-            back = self.cfg.latency_s(region, res.origin)
-            res.first_token_s = t + back
+            i = int(rid)
+            self._first[i] = t + cfg.latency_s(region, self._origin[rid])
             self.regions[region].core.on_first_token(rid, t)
             touched.add(region)
         finished = 0
         for rid in out.finished:
-            res = self.results[rid]
-            region = self._served_by[rid]
-            res.finish_s = t + self.cfg.latency_s(region, res.origin)
+            region = self._served_by.pop(rid)
+            origin = self._origin.pop(rid)
+            self._finish[int(rid)] = t + cfg.latency_s(region, origin)
             self.regions[region].core.on_complete(rid, True, t)
             touched.add(region)
             finished += 1
-        self._start_step(rep, t)
         for region in touched:
             self._dispatch(self.regions[region], t)
         return finished

@@ -1,12 +1,16 @@
-"""`skymesh bench trace --trace FILE --systems a,b,c --out DIR`: live trace replay.
+"""`skymesh bench --trace FILE --systems a,b,c --out DIR`: live trace replay.
 
-For every system, fresh stand-in replica processes (same profile, same count) are started,
-then the router under test: a skymesh balancer with policy NAME (any registry name), or
-the real peers `sglang-router` / `vllm-router` (optional extra `[peers]`) in front of the
-same replicas. The trace's first requests are replayed open-loop on their (rate-scaled)
-arrival times — the generator never waits for responses — each prompt built from its
-hash ids (skymesh.tokens.trace_prompt), every response streamed; TTFT, E2E and the
-serving replica are recorded. Load loops are bounded by --requests and --timeout-s.
+For every system, fresh stand-in replica processes (same profile, same count, same time
+scale) are started, then the router under test (:mod:`skymesh.bench.peers`): a skymesh
+balancer with policy NAME (any registry name; one central balancer owning every replica)
+or a real peer router (``sglang-router``, ``vllm-router``; skipped with a message when not
+installed). The trace's first ``--requests`` requests are replayed open loop by
+:mod:`skymesh.bench.loadgen` (on time, never waiting for answers, every response
+streamed), then the replicas' prefix-cache counters are read from their /metrics.
+
+Time scale: the replicas run ``--time-scale`` times their profile's step times and the
+trace is replayed ``1 / time-scale`` times faster, so the load ratio is the trace's and the
+TTFT SLO is scaled by the same factor.
 """
 
 from __future__ import annotations
@@ -18,136 +22,70 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
-from skymesh.bench.metrics import summarize
+from skymesh.bench.loadgen import LiveResult, replay
+from skymesh.bench.metrics import goodput, summarize
+from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
-from skymesh.bench.sim_main import DEFAULT_TRACE
-from skymesh.bench.traces import load_mooncake, oracle_hit_rate, scale_rate
-from skymesh.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
+from skymesh.bench.traces import (
+    DEFAULT_TRACE,
+    TraceRequest,
+    load_mooncake,
+    oracle_hit_rate,
+    scale_rate,
+)
+from skymesh.procs import Child, free_port, start_sim_replicas, wait_healthy
 from skymesh.prom import parse_samples
-from skymesh.tokens import trace_prompt
-
-PEERS = {"sglang-router", "vllm-router"}
 
 
-@dataclass(slots=True)
-class LiveResult:
-    arrival_s: float
-    output_len: int
-    ttft: float | None = None
-    e2e: float | None = None
-    rejected: bool = False
-    offloaded: bool = False
-    replica: str = ""
-
-
-async def _one(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, res: LiveResult,
-               t_start: float) -> None:
-    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}
-    sent = time.perf_counter()
-    try:
-        async with s.post(url + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                res.rejected = True
-                await r.read()
-                return
-            res.replica = r.headers.get("X-Skymesh-Replica", "")
-            async for chunk in r.content.iter_any():
-                if res.ttft is None and b"data: {" in chunk:
-                    res.ttft = time.perf_counter() - sent
-            res.e2e = time.perf_counter() - sent
-    except (TimeoutError, aiohttp.ClientError):
-        res.rejected = True
-
-
-async def replay(url: str, trace: list[Any], timeout_s: float) -> list[LiveResult]:
-    results = [LiveResult(r.arrival_s, r.output_len) for r in trace]
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
-        t0 = time.perf_counter()
-        tasks = []
-        for r, res in zip(trace, results, strict=True):
-            delay = r.arrival_s - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)  # open loop: on time, never waiting for answers
-            tasks.append(asyncio.create_task(_one(s, url, trace_prompt(r.hash_ids, r.input_len), r.output_len,
-                                                  res, t0)))
-        await asyncio.wait(tasks, timeout=timeout_s)
-        for t in tasks:
-            t.cancel()
-    return results
-
-
-async def _prefix_hits(urls: list[str]) -> float | None:
+async def prefix_hit_rate(urls: list[str]) -> float | None:
+    """Token hit rate from the replicas' vLLM prefix-cache counters."""
     q = h = 0.0
     async with aiohttp.ClientSession() as s:
         for u in urls:
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with s.get(u + "/metrics") as r:
-                    m = parse_samples(await r.text(), ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
+                    m = parse_samples(await r.text(),
+                                      ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
                     q += m.get("vllm:prefix_cache_queries_total", 0.0)
                     h += m.get("vllm:prefix_cache_hits_total", 0.0)
     return h / q if q else None
 
 
-def _router_child(system: str, urls: list[str], tmp: Path, port: int) -> Child | None:
-    if system == "sglang-router":
-        try:
-            import sglang_router  # noqa: F401
-        except ImportError:
-            return None
-        return Child(system, [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                              "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls], tmp,
-                     env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
-    if system == "vllm-router":
-        exe = shutil.which("vllm-router")
-        if exe is None:
-            return None
-        return Child(system, [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-                              "--worker-urls", *urls], tmp, env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
-    cfg = {
-        "model": "skymesh-sim",
-        "regions": [{"name": "bench-1", "source_networks": ["127.1.0.0/16"],
-                     "balancer": {"listen": f"127.0.0.1:{port}", "grpc_listen": f"127.0.0.1:{free_port()}"},
-                     "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
-        "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
-        "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port()}"},
-        "policy": {"name": system, "ttft_slo_s": 2.0, "queue_bound": 100000, "chunk_tokens": 512},
-        "offload": {"enabled": False},
-    }
-    path = tmp / f"{system}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return Child(system, skymesh_cmd("balancer", "--config", str(path), "--region", "bench-1", "--no-controller",
-                                     "--no-peers", "--log-level", "WARNING"), tmp)
+async def run_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,
+                     tmp: Path) -> tuple[dict[str, Any], list[LiveResult]] | None:
+    from tqdm import tqdm
 
-
-async def run_system(system: str, trace: list[Any], args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
+    if system in PEERS and not peer_available(system):
+        print(f"skipping {system}: not installed ({INSTALL_HINT})", file=sys.stderr)
+        return None
     children: list[Child] = []
+    slo = args.slo * args.time_scale
     try:
-        reps, urls = await start_sim_replicas(args.replicas, args.profile, args.time_scale, tmp, f"{system}-replica")
+        reps, urls = await start_sim_replicas(args.replicas, args.profile, args.time_scale, tmp,
+                                              f"{system}-replica")
         children.extend(reps)
-        rport = free_port()
-        router = _router_child(system, urls, tmp, rport)
+        port = free_port()
+        router = router_child(system, urls, port, tmp, slo)
         if router is None:
-            print(f"skipping {system}: not installed (pip install '.[peers]')", file=sys.stderr)
+            print(f"skipping {system}: not installed ({INSTALL_HINT})", file=sys.stderr)
             return None
         router.start()
         children.append(router)
-        rurl = f"http://127.0.0.1:{rport}"
-        await wait_healthy(rurl + "/health", router, within_s=60)
-        results = await replay(rurl, trace, args.timeout_s)
-        hit = await _prefix_hits(urls)
-        slo = args.slo * args.time_scale
-        m = summarize(results, slo, hit)
+        url = f"http://127.0.0.1:{port}"
+        await wait_healthy(url + "/health", router, within_s=60)
+        with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
+            results = await replay(trace, lambda _r: url, args.timeout_s, on_done=lambda: bar.update(1))
+        hit = await prefix_hit_rate(urls)
+        m = summarize(results, slo, hit, warmup_s=args.warmup_s * args.time_scale)
         m["slo_s_scaled"] = slo
-        return m | {"_ttfts": [r.ttft for r in results if r.ttft is not None]}
+        m["max_send_lateness_s"] = round(max((r.late_s for r in results), default=0.0), 4)
+        m["replicas_used"] = len({r.replica for r in results if r.replica})
+        return m, results
     finally:
         for c in reversed(children):
             await c.stop()
@@ -157,35 +95,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=DEFAULT_TRACE)
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,round_robin,sglang-router,vllm-router")
     p.add_argument("--out", default="bench-out/live")
-    p.add_argument("--requests", type=int, default=300, help="first N trace requests")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="arrival-rate multiplier")
+    p.add_argument("--requests", type=int, default=300, help="first N trace requests (the load bound)")
+    p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
     p.add_argument("--time-scale", type=float, default=0.05, help="replica speed-up (the SLO scales with it)")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--profile", default="h100-qwen2.5-7b")
-    p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO at time scale 1")
-    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds at time scale 1")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="exclude the first S trace seconds")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="wall-clock bound per run")
 
 
 def run(args: argparse.Namespace) -> int:
-    trace = load_mooncake(args.trace, args.requests)
-    # compress time together with the replicas so the load ratio is the trace's
-    trace = scale_rate(trace, args.rate_scale / args.time_scale)
+    base = load_mooncake(args.trace, args.requests)
+    rates = [float(x) for x in args.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-live-"))
     systems: dict[str, dict[str, Any]] = {}
+    sweeps: dict[str, list[dict[str, Any]]] = {}
     ttfts: dict[str, list[float]] = {}
+    t_start = time.perf_counter()
     try:
         for system in [s for s in args.systems.split(",") if s]:
-            m = asyncio.run(run_system(system, trace, args, tmp))
-            if m is None:
-                continue
-            ttfts[system] = m.pop("_ttfts")
-            systems[system] = m
-            print(f"{system}: slo_attainment={m['slo_attainment']} ttft_p50={m['ttft_p50']}", flush=True)
+            pts = []
+            for rate in rates:
+                # compress time together with the replicas so the load ratio is the trace's
+                trace = scale_rate(base, rate / args.time_scale)
+                got = asyncio.run(run_system(system, trace, args, tmp))
+                if got is None:
+                    break
+                m, results = got
+                span = max(1e-9, trace[-1].arrival_s - trace[0].arrival_s) / args.time_scale
+                m["rate"] = round(len(trace) / span, 4)  # in trace-time req/s
+                m["rate_multiplier"] = rate
+                pts.append(m)
+                if rate == rates[0]:
+                    ttfts[system] = [r.ttft / args.time_scale for r in results if r.ttft is not None]
+                print(f"{system} x{rate:g}: slo_attainment={m['slo_attainment']} ttft_p50={m['ttft_p50']}",
+                      flush=True)
+            if pts:
+                sweeps[system] = pts
+                systems[system] = {**pts[0], "goodput": round(goodput([(p["rate"], p["slo_attainment"])
+                                                                       for p in pts]), 4)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    config = {"trace": args.trace, "requests": len(trace), "replicas": args.replicas, "profile": args.profile,
-              "time_scale": args.time_scale, "rate_scale": args.rate_scale, "slo_s": args.slo * args.time_scale,
-              "oracle_prefix_hit_rate": round(oracle_hit_rate(trace), 4), "mode": "live"}
-    write_report(Path(args.out), systems, config, {}, ttfts)
+    config = {"mode": "live", "trace": args.trace, "requests": len(base), "replicas": args.replicas,
+              "profile": args.profile, "time_scale": args.time_scale, "rates": rates, "slo_s": args.slo,
+              "slo_s_scaled": args.slo * args.time_scale, "oracle_prefix_hit_rate": round(oracle_hit_rate(base), 4),
+              "wall_s_total": round(time.perf_counter() - t_start, 1),
+              "note": "ttft_* and e2e_* are wall-clock seconds at the time scale; the CDF plot is in trace time"}
+    write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts)
     print(markdown_table(systems))
     return 0

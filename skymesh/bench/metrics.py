@@ -1,4 +1,16 @@
-"""Benchmark metrics, defined once for the live and the simulated modes."""
+"""Benchmark metrics, defined once for the live and the discrete-event modes.
+
+- *SLO attainment* (DualMap's effective request capacity at a given load): the share of
+  requests whose TTFT met the SLO; failed and rejected requests count as misses.
+- *Goodput*: the highest request rate at which at least 90% of requests meet the TTFT SLO,
+  from a rate sweep (linear interpolation between the two sweep points around 90%).
+- TTFT / E2E percentiles: nearest rank, over requests that got a first token / finished.
+- Output-token throughput: output tokens of finished requests over the span from the
+  first arrival to the last finish.
+- Load CV (DualMap): coefficient of variation across replicas of the pending prefill
+  tokens, sampled over time, averaged over the samples in which anything is pending.
+- Offloaded share: requests served by a region other than the client's.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +18,19 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
+    if len(values) == 0:
         return None
     s = sorted(values)
     k = max(1, math.ceil(q / 100 * len(s)))
-    return s[k - 1]
+    return float(s[k - 1])
 
 
 def slo_attainment(ttfts: Iterable[float | None], slo_s: float) -> float:
-    """Share of requests whose TTFT met the SLO; failed/rejected (None) count as misses.
-    This is DualMap's *effective request capacity* at a given load."""
     vals = list(ttfts)
     if not vals:
         return 0.0
@@ -39,45 +51,86 @@ def goodput(sweep: Sequence[tuple[float, float]], target: float = 0.9) -> float:
     return best
 
 
+def cv(values: Sequence[float]) -> float | None:
+    """Coefficient of variation (population std / mean); None when the mean is 0."""
+    if len(values) == 0:
+        return None
+    mean = sum(values) / len(values)
+    if mean <= 0:
+        return None
+    var = sum((v - mean) ** 2 for v in values) / len(values)
+    return math.sqrt(var) / mean
+
+
 def load_cv(samples: Iterable[dict[str, int]]) -> float:
-    """DualMap's load imbalance: coefficient of variation of pending prefill tokens across
-    replicas, averaged over the samples in which anything is pending."""
-    cvs = []
-    for snap in samples:
-        vals = list(snap.values())
-        if not vals:
-            continue
-        mean = sum(vals) / len(vals)
-        if mean <= 0:
-            continue
-        var = sum((v - mean) ** 2 for v in vals) / len(vals)
-        cvs.append(math.sqrt(var) / mean)
+    """Mean over samples (replica -> pending prefill tokens) of the CV across replicas;
+    samples in which nothing is pending are skipped."""
+    cvs = [c for c in (cv(list(s.values())) for s in samples) if c is not None]
     return sum(cvs) / len(cvs) if cvs else 0.0
 
 
-def summarize(results: Sequence[Any], slo_s: float, prefix_hit_rate: float | None = None,
-              load_samples: Iterable[dict[str, int]] = ()) -> dict[str, Any]:
-    """results: objects with arrival_s, ttft, e2e, output_len, rejected, offloaded."""
-    ttfts = [r.ttft for r in results]
-    ok = [t for t in ttfts if t is not None]
-    e2es = [r.e2e for r in results if r.e2e is not None]
-    finished = [r for r in results if r.e2e is not None]
-    start = min((r.arrival_s for r in results), default=0.0)
-    end = max((r.arrival_s + r.e2e for r in finished), default=start)
-    span = max(1e-9, end - start)
-    return {
-        "requests": len(results),
-        "completed": len(finished),
-        "rejected": sum(1 for r in results if r.rejected),
-        "slo_attainment": round(slo_attainment(ttfts, slo_s), 4),
-        "ttft_p50": percentile(ok, 50),
-        "ttft_p90": percentile(ok, 90),
-        "ttft_p99": percentile(ok, 99),
-        "e2e_p50": percentile(e2es, 50),
-        "e2e_p90": percentile(e2es, 90),
-        "e2e_p99": percentile(e2es, 99),
-        "throughput": round(sum(r.output_len for r in finished) / span, 2),
+def _p(arr: np.ndarray, q: float) -> float | None:
+    if arr.size == 0:
+        return None
+    s = np.sort(arr)
+    return round(float(s[max(1, math.ceil(q / 100 * s.size)) - 1]), 4)
+
+
+def summarize_arrays(arrival: np.ndarray, ttft: np.ndarray, e2e: np.ndarray, output_len: np.ndarray,
+                     rejected: np.ndarray, offloaded: np.ndarray, slo_s: float, *,
+                     prefix_hit_rate: float | None = None, load_cv_value: float | None = None,
+                     warmup_s: float = 0.0, itl: np.ndarray | None = None) -> dict[str, Any]:
+    """The metric set over per-request arrays (``ttft``/``e2e`` NaN when missing).
+    Requests arriving before ``warmup_s`` (after the first arrival) are excluded."""
+    if arrival.size:
+        keep = arrival >= arrival.min() + warmup_s
+        arrival, ttft, e2e = arrival[keep], ttft[keep], e2e[keep]
+        output_len, rejected, offloaded = output_len[keep], rejected[keep], offloaded[keep]
+    n = int(arrival.size)
+    got = ~np.isnan(ttft)
+    fin = ~np.isnan(e2e)
+    met = int(np.count_nonzero(ttft[got] <= slo_s))
+    if fin.any():
+        span = max(1e-9, float((arrival[fin] + e2e[fin]).max() - arrival.min()))
+        throughput = float(output_len[fin].sum()) / span
+    else:
+        throughput = 0.0
+    out: dict[str, Any] = {
+        "requests": n,
+        "completed": int(fin.sum()),
+        "rejected": int(np.count_nonzero(rejected)),
+        "slo_attainment": round(met / n, 4) if n else 0.0,
+        "ttft_p50": _p(ttft[got], 50),
+        "ttft_p90": _p(ttft[got], 90),
+        "ttft_p99": _p(ttft[got], 99),
+        "e2e_p50": _p(e2e[fin], 50),
+        "e2e_p90": _p(e2e[fin], 90),
+        "e2e_p99": _p(e2e[fin], 99),
+        "throughput": round(throughput, 2),
         "prefix_hit_rate": None if prefix_hit_rate is None else round(prefix_hit_rate, 4),
-        "load_cv": round(load_cv(load_samples), 4),
-        "offloaded_share": round(sum(1 for r in results if r.offloaded) / len(results), 4) if results else 0.0,
+        "load_cv": None if load_cv_value is None else round(load_cv_value, 4),
+        "offloaded_share": round(float(np.count_nonzero(offloaded)) / n, 4) if n else 0.0,
     }
+    if itl is not None:
+        out["itl_p50"] = _p(itl, 50)
+        out["itl_p99"] = _p(itl, 99)
+    return out
+
+
+def summarize(results: Sequence[Any], slo_s: float, prefix_hit_rate: float | None = None,
+              load_samples: Iterable[dict[str, int]] = (), warmup_s: float = 0.0) -> dict[str, Any]:
+    """``results``: objects with arrival_s, ttft, e2e, output_len, rejected, offloaded (and
+    optionally ``itl``, a list of inter-token gaps)."""
+
+    def arr(vals: Iterable[float | None]) -> np.ndarray:
+        return np.array([math.nan if v is None else v for v in vals], dtype=float)
+
+    itls = [g for r in results for g in (getattr(r, "itl", None) or ())]
+    samples = list(load_samples)
+    return summarize_arrays(
+        arr(r.arrival_s for r in results), arr(r.ttft for r in results), arr(r.e2e for r in results),
+        np.array([r.output_len for r in results], dtype=float), np.array([bool(r.rejected) for r in results]),
+        np.array([bool(r.offloaded) for r in results]), slo_s, prefix_hit_rate=prefix_hit_rate,
+        load_cv_value=load_cv(samples) if samples else None, warmup_s=warmup_s,
+        itl=np.array(itls, dtype=float) if itls else None,
+    )

@@ -1,35 +1,47 @@
 """`skymesh sim --trace FILE --systems a,b,c --out DIR`: the discrete-event benchmark.
 
-Every system runs on the same replicas, the same trace and the same seed. A system name
-is a policy from the registry (`dualmap`, `prefix_tree`, ...); with several regions,
-`NAME@local` is the same policy without cross-region offload (region-local).
+Every system runs on the same replicas, the same trace and the same seed, at every rate
+multiplier of ``--rates`` (the goodput sweep). A system name is a policy from the registry
+(``dualmap``, ``prefix_tree``, ...). With one region that is a single central balancer in
+front of all replicas; with several regions every region has its own balancer and
+``NAME`` offloads across regions (skymesh) while ``NAME@local`` never does (region-local).
+
+``--trace`` is a Mooncake JSONL file or a synthetic workload: ``hot-prefix`` (tool/agent
+traffic on a few popular system prompts), ``tot2`` / ``tot4`` (Tree-of-Thoughts with
+branching 2 / 4), ``synthetic`` (a lazy stream of multi-turn conversations, ``--requests``
+of them at ``--rate`` req/s over all regions: the large-scale run).
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import time
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from skymesh.bench.des import SimConfig, Simulator
-from skymesh.bench.metrics import goodput, summarize
+from skymesh.bench.metrics import goodput
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.traces import (
+    DEFAULT_TRACE,
+    TraceRequest,
     assign_regions,
     diurnal,
-    hot_prefix_workload,
     load_mooncake,
     oracle_hit_rate,
     scale_rate,
     window,
 )
+from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
 
-DEFAULT_TRACE = str(Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl")
-GEO_REGIONS = {"us-east-1": 0, "eu-west-1": 0, "ap-northeast-1": 0}
-GEO_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"): 80.0,
-               ("eu-west-1", "ap-northeast-1"): 110.0}
+GEO3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
+GEO3_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"): 80.0,
+                ("eu-west-1", "ap-northeast-1"): 110.0}
+SYNTHETIC = ("hot-prefix", "tot2", "tot4", "synthetic")
 
 
 def eu_stays_in_eu(source: str, target: str) -> bool:
@@ -37,88 +49,158 @@ def eu_stays_in_eu(source: str, target: str) -> bool:
     return not fnmatch.fnmatchcase(source, "eu-*") or fnmatch.fnmatchcase(target, "eu-*")
 
 
+def region_layout(n: int) -> tuple[list[str], dict[tuple[str, str], float]]:
+    """Region names and one-way latencies (ms): the local default's three AWS regions, or
+    ``r0..r{n-1}`` on a line, 10 ms + 10 ms per hop apart."""
+    if n == 1:
+        return ["central"], {}
+    if n == 3:
+        return list(GEO3), dict(GEO3_LATENCY)
+    names = [f"r{i}" for i in range(n)]
+    lat = {(a, b): 10.0 + 10.0 * abs(i - j) for i, a in enumerate(names) for j, b in enumerate(names) if i < j}
+    return names, lat
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace, or 'hot-prefix' (synthetic)")
-    p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,min_ttft,preble,least_load,round_robin,consistent_hash")
+    p.add_argument("--trace", default=DEFAULT_TRACE,
+                   help="Mooncake JSONL trace, or a synthetic workload: " + ", ".join(SYNTHETIC))
+    p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,min_ttft,preble,least_load,"
+                                        "consistent_hash,round_robin")
     p.add_argument("--out", default="bench-out/sim")
     p.add_argument("--replicas", type=int, default=16, help="replicas per region")
-    p.add_argument("--regions", type=int, default=1, choices=(1, 3), help="1 (central) or 3 (geo mesh)")
-    p.add_argument("--skew", type=float, default=0.0, help="extra share of sessions in the first region")
-    p.add_argument("--diurnal-period-s", type=float, default=0.0, help="per-region diurnal curve (0: off)")
+    p.add_argument("--regions", type=int, default=1, help="1: one central balancer; 3: us/eu/ap; n: r0..r(n-1)")
+    p.add_argument("--skew", type=float, default=0.0, help="extra share of sessions in the first region [0, 1)")
+    p.add_argument("--diurnal-period-s", type=float, default=0.0, help="per-region diurnal curve period (0: off)")
+    p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
+    p.add_argument("--no-eu-rule", action="store_true", help="let eu-* regions offload anywhere")
     p.add_argument("--profile", default="h100-qwen2.5-7b")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds")
-    p.add_argument("--rates", default="1", help="comma-separated rate multipliers for the goodput sweep")
+    p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
     p.add_argument("--start-s", type=float, default=0.0, help="trace window start")
     p.add_argument("--duration-s", type=float, default=0.0, help="trace window length (0: whole trace)")
-    p.add_argument("--first-n", type=int, default=None)
-    p.add_argument("--max-fuse-s", type=float, default=0.02)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--first-n", type=int, default=None, help="first N requests of the trace")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="exclude requests arriving in the first S seconds")
+    p.add_argument("--requests", type=int, default=4000, help="synthetic workloads: number of requests")
+    p.add_argument("--rate", type=float, default=20.0, help="synthetic workloads: base arrival rate (req/s)")
+    p.add_argument("--hot-prompts", type=int, default=4, help="hot-prefix: number of popular system prompts")
+    p.add_argument("--hot-prompt-blocks", type=int, default=4, help="hot-prefix: system prompt length (512-token blocks)")
+    p.add_argument("--hot-share", type=float, default=0.8, help="hot-prefix: share of requests on the popular prompts")
+    p.add_argument("--block-size", type=int, default=64,
+                   help="simulated KV block (tokens; the profile's KV capacity is kept); 16 = vLLM's")
+    p.add_argument("--probe-interval-s", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
 
 
-def _trace(args: argparse.Namespace) -> list[Any]:
+def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRequest]:
+    """The workload at rate multiplier ``rate`` (a list, or a lazy stream for synthetic)."""
+    names, _ = region_layout(args.regions)
+    if args.trace == "synthetic":
+        return synthetic_conversations(args.requests, names, args.rate * rate, skew=args.skew,
+                                       diurnal_period_s=args.diurnal_period_s, amplitude=args.amplitude,
+                                       seed=args.seed)
     if args.trace == "hot-prefix":
-        return hot_prefix_workload(n=args.first_n or 4000, rate_per_s=20.0, seed=args.seed)
-    reqs = load_mooncake(args.trace, args.first_n)
-    if args.duration_s > 0:
-        reqs = window(reqs, args.start_s, args.duration_s)
-    return reqs
+        reqs = hot_prefix_workload(args.requests, args.rate, n_prompts=args.hot_prompts,
+                                   prompt_blocks=args.hot_prompt_blocks, hot_share=args.hot_share, seed=args.seed)
+    elif args.trace in ("tot2", "tot4"):
+        b = int(args.trace[-1])
+        depth = 4 if b == 2 else 3
+        per_tree = sum(b ** (d + 1) for d in range(depth))
+        reqs = tree_of_thoughts(max(1, args.requests // per_tree), b, depth, args.rate / per_tree, seed=args.seed)
+    else:
+        reqs = load_mooncake(args.trace, args.first_n)
+        if args.duration_s > 0:
+            reqs = window(reqs, args.start_s, args.duration_s)
+    if args.regions > 1:
+        reqs = assign_regions(reqs, names, args.skew, args.seed)
+        if args.diurnal_period_s > 0:
+            reqs = diurnal(reqs, names, args.diurnal_period_s, args.amplitude, seed=args.seed)
+    return scale_rate(reqs, rate) if rate != 1.0 else reqs
+
+
+def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
+    policy, _, variant = system.partition("@")
+    names, lat = region_layout(args.regions)
+    return SimConfig(policy=policy, regions={n: args.replicas for n in names}, one_way_ms=lat,
+                     profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
+                     allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
+                     block_size=args.block_size, probe_interval_s=args.probe_interval_s)
+
+
+def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: bool) -> dict[str, Any]:
+    """One simulation (picklable: runs in a worker process)."""
+    from tqdm import tqdm
+
+    trace = build_trace(args, rate)
+    total = len(trace) if isinstance(trace, list) else args.requests
+    sim = Simulator(sim_config(args, system))
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    with tqdm(total=total, desc=f"{system} x{rate:g}", unit="req", leave=False, mininterval=2.0,
+              disable=not show_progress) as bar:
+        res = sim.run(trace, progress=bar.update)
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    m = res.summary(args.slo, args.warmup_s)
+    span = float(res.arrival.max() - res.arrival.min()) if res.arrival.size > 1 else 1.0
+    m["rate"] = round(res.arrival.size / max(1e-9, span), 4)
+    m["rate_multiplier"] = rate
+    m["wall_s"] = round(wall, 2)
+    m["cpu_s"] = round(cpu, 2)
+    m["events"] = res.events
+    m["simulated_s"] = round(res.sim_time_s, 1)
+    ttfts = res.ttft[~(res.ttft != res.ttft)]
+    if ttfts.size > 50_000:
+        ttfts = ttfts[:: ttfts.size // 50_000 + 1]
+    return {"system": system, "rate": rate, "metrics": m, "ttfts": ttfts.tolist(),
+            "load": res.load_series, "load_replicas": res.plotted_replicas}
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    base = _trace(args)
     systems = [s for s in args.systems.split(",") if s]
     rates = [float(x) for x in args.rates.split(",")]
-    if args.regions == 3:
-        names = list(GEO_REGIONS)
-        base = assign_regions(base, names, args.skew, args.seed)
-        if args.diurnal_period_s > 0:
-            base = diurnal(base, names, args.diurnal_period_s, seed=args.seed)
-    span = max(1e-9, max(r.arrival_s for r in base) - min(r.arrival_s for r in base))
+    jobs = [(s, r) for s in systems for r in rates]
     out = Path(args.out)
+    results: dict[tuple[str, float], dict[str, Any]] = {}
+    t_start = time.perf_counter()
+    if args.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            futs = {pool.submit(run_one, args, s, r, False): (s, r) for s, r in jobs}
+            with tqdm(total=len(jobs), desc="simulations", unit="run") as bar:
+                from concurrent.futures import as_completed
+
+                for f in as_completed(futs):
+                    results[futs[f]] = f.result()
+                    bar.update(1)
+    else:
+        for s, r in jobs:
+            results[(s, r)] = run_one(args, s, r, True)
     summaries: dict[str, dict[str, Any]] = {}
     sweeps: dict[str, list[dict[str, Any]]] = {}
     ttfts: dict[str, list[float]] = {}
-    load_first: list[tuple[float, dict[str, int]]] = []
-    wall: dict[str, float] = {}
-    for system in systems:
-        policy, _, variant = system.partition("@")
-        sweeps[system] = []
-        for rate in rates:
-            trace = scale_rate(base, rate)
-            if args.regions == 3:
-                regions = {n: args.replicas for n in GEO_REGIONS}
-                cfg = SimConfig(policy=policy, regions=regions, one_way_ms=GEO_LATENCY, profile=args.profile,
-                                ttft_slo_s=args.slo, offload=variant != "local", allowed=eu_stays_in_eu,
-                                max_fuse_s=args.max_fuse_s, block_size=args.block_size)
-            else:
-                cfg = SimConfig(policy=policy, regions={"central": args.replicas}, profile=args.profile,
-                                ttft_slo_s=args.slo, max_fuse_s=args.max_fuse_s, block_size=args.block_size)
-            sim = Simulator(cfg)
-            t0 = time.perf_counter()
-            with tqdm(total=len(trace), desc=f"{system} x{rate:g}", unit="req", leave=False, mininterval=2.0) as bar:
-                results = list(sim.run(trace, progress=bar.update).values())
-            wall[f"{system}@x{rate:g}"] = round(time.perf_counter() - t0, 2)
-            m = summarize(results, args.slo, sim.prefix_hit_rate(), (s for _, s in sim.load_samples))
-            m["rate"] = round(len(trace) / (span / rate), 4)
-            m["rate_multiplier"] = rate
-            sweeps[system].append(m)
-            if rate == rates[0]:
-                ttfts[system] = [r.ttft for r in results if r.ttft is not None]
-                if not load_first:
-                    load_first = sim.load_samples
-        first = sweeps[system][0]
-        summaries[system] = {**first, "goodput": round(goodput([(p["rate"], p["slo_attainment"])
-                                                                for p in sweeps[system]]), 4)}
-    config = {"trace": args.trace, "requests": len(base), "replicas_per_region": args.replicas,
-              "regions": args.regions, "profile": args.profile, "slo_s": args.slo, "rates": rates,
-              "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
-              "oracle_prefix_hit_rate": round(oracle_hit_rate(base), 4), "wall_s": wall, "mode": "discrete-event"}
-    write_report(out, summaries, config, sweeps, ttfts, load_first, systems[0])
+    for s in systems:
+        sweeps[s] = [results[(s, r)]["metrics"] for r in rates]
+        first = sweeps[s][0]
+        summaries[s] = {**first, "goodput": round(goodput([(p["rate"], p["slo_attainment"]) for p in sweeps[s]]), 4)}
+        ttfts[s] = results[(s, rates[0])]["ttfts"]
+    base = build_trace(args)
+    oracle = oracle_hit_rate(base) if isinstance(base, list) else None
+    first_run = results[(systems[0], rates[0])]
+    names, _ = region_layout(args.regions)
+    config = {"mode": "discrete-event", "trace": args.trace, "requests": first_run["metrics"]["requests"],
+              "regions": names, "replicas_per_region": args.replicas, "profile": args.profile,
+              "slo_s": args.slo, "rates": rates, "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
+              "block_size": args.block_size, "warmup_s": args.warmup_s, "seed": args.seed,
+              "oracle_prefix_hit_rate": None if oracle is None else round(oracle, 4),
+              "wall_s_total": round(time.perf_counter() - t_start, 1)}
+    write_report(out, summaries, config, sweeps, ttfts, first_run["load"], systems[0],
+                 first_run["load_replicas"])
     print(markdown_table(summaries))
-    print(f"\noracle (infinite shared cache) prefix hit rate: {config['oracle_prefix_hit_rate']}")
-    print(f"wall time per run (s): {wall}")
+    if oracle is not None:
+        print(f"\noracle (infinite shared cache) prefix hit rate: {oracle:.4f}")
+    print("wall time per run (s): " + ", ".join(f"{s}@x{r:g}={results[(s, r)]['metrics']['wall_s']} (cpu {results[(s, r)]['metrics']['cpu_s']})"
+                                                for s, r in jobs))
     print(f"wrote {out}/results.json, results.md, ttft_cdf.png, goodput_vs_rate.png, replica_load.png")
     return 0

@@ -1,8 +1,15 @@
-"""Workload traces: the Mooncake JSONL format and synthetic generators.
+"""Workload traces: the Mooncake JSONL format, scaling, sessions and regions.
 
 A trace request has an arrival time (s), input/output lengths (tokens) and ``hash_ids``:
-ids of 512-token prefix blocks (equal ids = shareable KV). A *session* is a prefix chain:
-requests whose first block id is equal belong to the same conversation.
+ids of 512-token prefix blocks (equal ids = shareable KV). For live replay every id
+becomes a deterministic 512-token text block (:func:`skymesh.tokens.trace_prompt`); the
+discrete-event mode hashes the ids directly.
+
+A *session* is a prefix chain: a request continues the conversation that introduced the
+deepest block it shares with earlier requests, provided it shares at least
+``min_shared_blocks`` leading blocks. (In the Mooncake conversation trace every request
+starts with block 0, a shared system prompt, so "same first block" would make the whole
+trace one session; the deepest shared block is what identifies the conversation.)
 """
 
 from __future__ import annotations
@@ -16,6 +23,10 @@ from pathlib import Path
 
 from skymesh.tokens import TRACE_BLOCK_TOKENS
 
+DEFAULT_TRACE_REL = "../shared/traces/mooncake_conversation.jsonl"
+# the repository root's sibling `shared/`: skymesh/bench/traces.py -> parents[2] = repo root
+DEFAULT_TRACE = str((Path(__file__).resolve().parents[2] / DEFAULT_TRACE_REL).resolve())
+
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
@@ -26,136 +37,125 @@ class TraceRequest:
     region: str = ""
     session: int = 0
 
-    @property
-    def prefix_key(self) -> int:
-        return self.hash_ids[0] if self.hash_ids else -1
+
+def assign_sessions(reqs: Sequence[TraceRequest], min_shared_blocks: int = 2) -> list[TraceRequest]:
+    """Label prefix chains (see the module docstring); ``reqs`` in arrival order."""
+    owner: dict[int, int] = {}
+    out = []
+    n = 0
+    for r in reqs:
+        ids = r.hash_ids
+        d = 0
+        while d < len(ids) and ids[d] in owner:
+            d += 1
+        if d >= min_shared_blocks:
+            s = owner[ids[d - 1]]
+        else:
+            s = n
+            n += 1
+        for h in ids[d:]:
+            owner[h] = s
+        out.append(replace(r, session=s))
+    return out
 
 
 def load_mooncake(path: str | Path, first_n: int | None = None) -> list[TraceRequest]:
-    out: list[TraceRequest] = []
+    """Read a Mooncake JSONL trace (``timestamp`` ms); arrivals start at 0 s."""
+    rows: list[TraceRequest] = []
     t0: float | None = None
     with open(path) as f:
         for i, line in enumerate(f):
             if first_n is not None and i >= first_n:
                 break
+            if not line.strip():
+                continue
             row = json.loads(line)
             ts = float(row["timestamp"]) / 1000.0
             t0 = ts if t0 is None else t0
             ids = tuple(int(h) for h in row.get("hash_ids", ()))
-            out.append(TraceRequest(ts - t0, int(row["input_length"]), int(row["output_length"]), ids,
-                                    session=ids[0] if ids else i))
-    return out
+            rows.append(TraceRequest(ts - t0, int(row["input_length"]), int(row["output_length"]), ids))
+    rows.sort(key=lambda r: r.arrival_s)
+    return assign_sessions(rows)
 
 
 def scale_rate(reqs: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
-    """Multiply the arrival rate (divide inter-arrival times) by ``factor``."""
+    """Multiply the arrival rate by ``factor`` (inter-arrival times divided by it)."""
+    if factor <= 0:
+        raise ValueError("rate factor must be > 0")
     return [replace(r, arrival_s=r.arrival_s / factor) for r in reqs]
 
 
+def scale_time(reqs: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
+    """Stretch the time axis by ``factor`` (0.1 = replay ten times faster)."""
+    return scale_rate(reqs, 1.0 / factor)
+
+
 def window(reqs: Sequence[TraceRequest], start_s: float, duration_s: float) -> list[TraceRequest]:
+    """Requests arriving in [start, start + duration), re-based to start at 0."""
     sel = [r for r in reqs if start_s <= r.arrival_s < start_s + duration_s]
     return [replace(r, arrival_s=r.arrival_s - start_s) for r in sel]
 
 
+def region_weights(n: int, skew: float) -> list[float]:
+    """Session shares per region: ``skew`` in [0, 1) moves that fraction of the non-first
+    regions' uniform share onto the first region (0 = uniform)."""
+    if n <= 1:
+        return [1.0]
+    if not 0.0 <= skew < 1.0:
+        raise ValueError("skew must be in [0, 1)")
+    first = 1.0 / n + skew * (1.0 - 1.0 / n)
+    return [first] + [(1.0 - first) / (n - 1)] * (n - 1)
+
+
 def assign_regions(reqs: Sequence[TraceRequest], regions: Sequence[str], skew: float = 0.0,
                    seed: int = 0) -> list[TraceRequest]:
-    """Sessions (prefix chains) are assigned to regions; ``skew`` in [0, 1) puts that extra
-    share of sessions on the first region (0 = uniform)."""
+    """Each session (prefix chain) is assigned to one region, with :func:`region_weights`."""
     rng = random.Random(seed)
-    weights = [1.0 / len(regions)] * len(regions)
-    if len(regions) > 1 and skew > 0:
-        weights = [1.0 / len(regions) + skew * (1 - 1.0 / len(regions))] + [
-            (1 - (1.0 / len(regions) + skew * (1 - 1.0 / len(regions)))) / (len(regions) - 1)
-        ] * (len(regions) - 1)
+    weights = region_weights(len(regions), skew)
     by_session: dict[int, str] = {}
     out = []
     for r in reqs:
         reg = by_session.get(r.session)
         if reg is None:
-            reg = by_session[r.session] = rng.choices(regions, weights)[0]
+            reg = by_session[r.session] = rng.choices(list(regions), weights)[0]
         out.append(replace(r, region=reg))
     return out
 
 
+def diurnal_factor(t_s: float, period_s: float, phase: float, amplitude: float) -> float:
+    """The relative rate (peak 1.0, trough 1 - amplitude) at ``t_s`` of a region whose peak
+    is shifted by ``phase`` (fraction of a period: its time zone)."""
+    return (1.0 - amplitude) + amplitude * (0.5 + 0.5 * math.cos(2 * math.pi * (t_s / period_s - phase)))
+
+
 def diurnal(reqs: Sequence[TraceRequest], regions: Sequence[str], period_s: float, amplitude: float = 0.8,
-            seed: int = 0) -> list[TraceRequest]:
-    """Per-region diurnal load: sessions keep their region, and each region's traffic is
-    thinned by a sinusoid whose peak is shifted by its time zone (1/len(regions) of a
-    period apart), so regions peak at different times."""
+            seed: int = 0, phases: Sequence[float] | None = None) -> list[TraceRequest]:
+    """Per-region diurnal load: sessions keep their region and each region's arrivals are
+    thinned by its own rate curve. ``phases`` (fractions of a period) default to time zones
+    spread evenly: region k peaks ``k / len(regions)`` of a period after region 0."""
     rng = random.Random(seed)
+    ph = list(phases) if phases is not None else [k / len(regions) for k in range(len(regions))]
+    index = {name: k for k, name in enumerate(regions)}
     out = []
     for r in reqs:
-        k = regions.index(r.region) if r.region in regions else 0
-        phase = 2 * math.pi * (r.arrival_s / period_s - k / len(regions))
-        keep = (1 - amplitude) + amplitude * (0.5 + 0.5 * math.cos(phase))
-        if rng.random() < keep:
+        k = index.get(r.region, 0)
+        if rng.random() < diurnal_factor(r.arrival_s, period_s, ph[k], amplitude):
             out.append(r)
     return out
 
 
-def hot_prefix_workload(n: int, rate_per_s: float, n_prompts: int = 4, prompt_blocks: int = 4,
-                        hot_share: float = 0.8, user_blocks: int = 2, output_len: int = 128,
-                        seed: int = 0) -> list[TraceRequest]:
-    """Tool/agent traffic: a few very popular system prompts (``hot_share`` of requests on
-    ``n_prompts`` prompts, Zipf-like), each request with its own user part."""
-    rng = random.Random(seed)
-    weights = [1.0 / (i + 1) for i in range(n_prompts)]
-    t = 0.0
-    out = []
-    next_id = 10_000_000
-    for _ in range(n):
-        t += rng.expovariate(rate_per_s)
-        if rng.random() < hot_share:
-            p = rng.choices(range(n_prompts), weights)[0]
-            sys_ids = tuple(1_000_000 + p * 1000 + b for b in range(prompt_blocks))
-        else:
-            sys_ids = tuple(range(next_id, next_id + prompt_blocks))
-            next_id += prompt_blocks
-        user = tuple(range(next_id, next_id + user_blocks))
-        next_id += user_blocks
-        ids = sys_ids + user
-        out.append(TraceRequest(t, len(ids) * TRACE_BLOCK_TOKENS, output_len, ids, session=ids[0]))
-    return out
-
-
-def tree_of_thoughts(n_trees: int, branching: int, depth: int, rate_per_s: float, root_blocks: int = 4,
-                     step_blocks: int = 1, output_len: int = 64, seed: int = 0) -> list[TraceRequest]:
-    """Tree-of-Thoughts: each node's prompt = its parent's prompt + one step; all nodes of a
-    tree share the root prefix, siblings share their parent's."""
-    rng = random.Random(seed)
-    out: list[TraceRequest] = []
-    next_id = 50_000_000
-    t = 0.0
-    for _ in range(n_trees):
-        t += rng.expovariate(rate_per_s)
-        root = tuple(range(next_id, next_id + root_blocks))
-        next_id += root_blocks
-        frontier = [root]
-        level_t = t
-        for _level in range(depth):
-            nxt = []
-            for node in frontier:
-                for _b in range(branching):
-                    ids = node + tuple(range(next_id, next_id + step_blocks))
-                    next_id += step_blocks
-                    out.append(TraceRequest(level_t, len(ids) * TRACE_BLOCK_TOKENS, output_len, ids,
-                                            session=root[0]))
-                    nxt.append(ids)
-            frontier = nxt
-            level_t += 2.0  # the next level waits for the previous level's answers
-    out.sort(key=lambda r: r.arrival_s)
-    return out
-
-
 def oracle_hit_rate(reqs: Iterable[TraceRequest]) -> float:
-    """Share of prompt blocks an infinite cache shared by everyone would hit."""
+    """Token-weighted share of prompt tokens an infinite cache shared by all replicas would
+    hit: whole 512-token blocks seen before (a request's last, partial block counted with
+    its real length), as vLLM counts prefix-cache hits in tokens."""
     seen: set[int] = set()
     hits = total = 0
     for r in reqs:
-        for h in r.hash_ids:
-            total += 1
+        for i, h in enumerate(r.hash_ids):
+            n = min(TRACE_BLOCK_TOKENS, max(0, r.input_len - i * TRACE_BLOCK_TOKENS))
+            total += n
             if h in seen:
-                hits += 1
+                hits += n
             else:
                 seen.add(h)
     return hits / total if total else 0.0

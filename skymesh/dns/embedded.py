@@ -4,9 +4,14 @@ Answers ``<dns.name> A`` with the nearest *healthy* balancer for the client, loc
 its EDNS Client Subnet option when present (echoed back with the scope used), else by the
 query's source address, matched (longest prefix) against each region's
 ``source_networks``. Clients matching no region are treated as being in the first region
-of the config. Also serves ``<region>.<name> A`` for each region, ``_http._tcp.<name>
-SRV`` (with the balancer port), SOA and NS at the apex; NXDOMAIN for other names in the
-zone, REFUSED outside it. UDP and TCP (2-byte length framing).
+of the config; an ECS option with source prefix 0 means "do not use my subnet", so the
+query's source address decides. With no healthy balancer at all it fails open (answers
+the nearest one anyway, as Route53 does) rather than leaving clients with nothing.
+
+Also serves ``<region>.<name> A`` for each region, ``_http._tcp.<name> SRV`` (with the
+balancer port), SOA and NS at the apex; NXDOMAIN for other names in the zone, REFUSED
+outside it. UDP and TCP (2-byte length framing); over UDP an answer longer than the
+client's EDNS buffer (512 bytes without EDNS) is truncated (TC) for a TCP retry.
 
 It runs as its own process so answers keep flowing when the controller is down; the
 controller pushes balancer health to a small HTTP control endpoint on
@@ -18,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
 import struct
 from dataclasses import asdict
@@ -83,17 +87,42 @@ class MeshDnsServer:
         return self.cfg.regions[0].name, 0
 
     def nearest_healthy(self, region: str) -> BalancerEndpoint | None:
-        healthy = [e for e in self.endpoints.values() if e.healthy]
-        if not healthy:
+        """The client region's balancer if healthy, else the nearest healthy one. With
+        none healthy it fails open (like Route53): the nearest balancer regardless."""
+        candidates = [e for e in self.endpoints.values() if e.healthy] or list(self.endpoints.values())
+        if not candidates:
             return None
-        return min(healthy, key=lambda e: (self.cfg.one_way_ms(region, e.region), e.region))
+        return min(candidates, key=lambda e: (self.cfg.one_way_ms(region, e.region), e.region))
 
-    def answer(self, wire: bytes, source_ip: str) -> bytes | None:
+    def answer(self, wire: bytes, source_ip: str, udp: bool = False) -> bytes | None:
+        """The response to one query in wire format; None drops it (unparseable).
+
+        Over UDP an answer longer than the client's EDNS buffer size (512 bytes without
+        EDNS, at most 4096) goes back truncated (TC) so the client retries over TCP.
+        """
         try:
             q = dns.message.from_wire(wire)
-        except (dns.exception.DNSException, ValueError):
+        except Exception:  # noqa: BLE001 - any unparseable packet is dropped, never fatal
             return None  # malformed: drop (a FORMERR needs a parseable header)
         self.queries += 1
+        try:
+            out = self._respond(q, source_ip)
+        except Exception as e:  # noqa: BLE001 - one bad query never takes the server down
+            log.warning("dns query failed", extra={"error": repr(e)})
+            resp = dns.message.make_response(q)
+            resp.set_rcode(dns.rcode.SERVFAIL)
+            return resp.to_wire()
+        limit = min(4096, max(512, q.payload)) if q.edns >= 0 else 512
+        if udp and len(out) > limit:
+            tc = dns.message.from_wire(out)
+            tc.flags |= dns.flags.TC
+            tc.answer.clear()
+            tc.authority.clear()
+            tc.additional.clear()
+            out = tc.to_wire()
+        return out
+
+    def _respond(self, q: dns.message.Message, source_ip: str) -> bytes:
         resp = dns.message.make_response(q)
         resp.flags |= dns.flags.AA
         if not q.question:
@@ -104,8 +133,12 @@ class MeshDnsServer:
         client_ip, ecs = source_ip, None
         for opt in q.options:
             if isinstance(opt, dns.edns.ECSOption):
-                ecs, client_ip = opt, opt.address
+                ecs = opt
+                if opt.srclen > 0:
+                    client_ip = opt.address
         region, prefixlen = self.locate(client_ip)
+        if ecs is not None and ecs.srclen == 0:
+            prefixlen = 0
         if ecs is not None:
             resp.use_edns(0, options=[dns.edns.ECSOption(ecs.address, ecs.srclen, min(prefixlen, ecs.srclen))])
         if not qname.is_subdomain(self.zone):
@@ -184,7 +217,7 @@ class MeshDnsServer:
                 return web.json_response({"error": "bad token"}, status=401)
             try:
                 eps = [BalancerEndpoint(**e) for e in await request.json()]
-            except (json.JSONDecodeError, TypeError) as e:
+            except (ValueError, TypeError) as e:
                 return web.json_response({"error": f"bad endpoint list: {e}"}, status=400)
             return web.json_response({"changed": self.update(eps)})
 
@@ -205,13 +238,8 @@ class MeshDnsServer:
                 self.transport = transport  # type: ignore[assignment]
 
             def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-                out = server.answer(data, addr[0])
+                out = server.answer(data, addr[0], udp=True)
                 if out is not None:
-                    if len(out) > 512:  # no EDNS buffer negotiation: truncate, client retries on TCP
-                        msg = dns.message.from_wire(out)
-                        msg.flags |= dns.flags.TC
-                        msg.answer.clear()
-                        out = msg.to_wire()
                     self.transport.sendto(out, addr)  # type: ignore[attr-defined]
 
         self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(host, port))

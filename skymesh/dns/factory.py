@@ -20,5 +20,6 @@ def make_provider(cfg: MeshConfig) -> DnsProvider:
             record_name=cfg.dns.name,
             ttl=cfg.dns.ttl_s,
             endpoint_url=cfg.dns.endpoint_url,
+            failover=cfg.dns.routing == "failover",
         )
     raise ValueError(f"unknown DNS provider {cfg.dns.provider!r}")

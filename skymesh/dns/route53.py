@@ -1,51 +1,76 @@
 """Route53 DNS provider (boto3): latency records bound to HTTP health checks.
 
-For every regional balancer the provider keeps one HTTP health check (identified by a
-stable CallerReference prefix, so it is found again after a controller restart) and one
-latency record for the mesh name: ``A``, ``SetIdentifier = skymesh-<region>``,
-``Region = <AWS region>``, ``HealthCheckId`` bound. Route53 then answers each client with
-the lowest-latency region whose check passes.
+For every regional balancer the provider keeps one HTTP health check on
+``http://<public ip>:<port><health_path>`` and one latency record for the mesh name:
+``A``, ``SetIdentifier = skymesh-<region>``, ``Region = <AWS region>``, ``HealthCheckId``
+bound. Route53 answers each client with the lowest-latency region whose check passes.
 
-The controller's own view is applied on top: a balancer the controller has declared dead
-loses its record at once (its health check stays, ready for the recovery), so traffic
-shifts before Route53's checkers notice. ``failover=True`` (exactly two regions) writes
-PRIMARY/SECONDARY failover records instead.
+Health checks are identified by what they probe (IP, port, path), not by who made them:
+a check created by terraform's ``dns`` module for the same balancer is adopted, so the
+controller and ``terraform apply`` never fight. Checks the provider creates itself carry
+a ``CallerReference`` of the form ``skymesh-<name hash>-<nonce>-<region>`` (at most 64
+characters; the stable prefix finds them again after a controller restart, the nonce keeps
+it unique, as AWS refuses to reuse the reference of a deleted check) and ``Name`` /
+``skymesh:region`` tags. Only such owned checks are ever deleted.
 
-``sync`` is idempotent: it reads what exists and sends one change batch only when the
-desired state differs, then waits for ``INSYNC``. Every record set is validated locally
-first, because an emulator accepts nonsense that AWS rejects.
+Health semantics, two layers:
+
+* Route53's own checkers evaluate every bound health check, so a balancer that stops
+  answering loses its traffic even while the controller is down.
+* The controller's view is applied on top: a balancer the controller has declared dead
+  loses its latency record at once (its health check stays, ready for the recovery), so
+  traffic shifts before Route53's checkers notice. When the controller believes *every*
+  balancer is dead (more likely its own network is cut off than the whole mesh), it
+  publishes all records and leaves the decision to Route53's checks, so the name never
+  disappears.
+
+``failover=True`` (exactly two regions) writes failover records instead: both stay
+published, bound to their checks; PRIMARY is the first region in config order that the
+controller considers alive.
+
+``sync`` is idempotent: it reads the record sets of the name and the health checks, sends
+one change batch only when the desired state differs, waits for ``INSYNC`` (bounded) and
+then deletes owned checks no longer used. Every record set is validated locally first
+(:mod:`skymesh.dns.route53_validate`), because an emulator accepts nonsense AWS rejects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
+import logging
 import time
+import uuid
 from typing import Any
 
 import boto3
+from botocore.config import Config
 
 from skymesh.dns.base import BalancerEndpoint
+from skymesh.dns.route53_validate import (
+    Route53ValidationError,
+    caller_reference_max,
+    routing_policy,
+    validate_endpoints,
+    validate_record_sets,
+)
 
-# Regions Route53 accepts in latency records
-AWS_LATENCY_REGIONS = frozenset({
-    "us-east-1", "us-east-2", "us-west-1", "us-west-2", "ca-central-1", "ca-west-1",
-    "eu-west-1", "eu-west-2", "eu-west-3", "eu-central-1", "eu-central-2", "eu-north-1",
-    "eu-south-1", "eu-south-2", "ap-south-1", "ap-south-2", "ap-northeast-1", "ap-northeast-2",
-    "ap-northeast-3", "ap-southeast-1", "ap-southeast-2", "ap-southeast-3", "ap-southeast-4",
-    "ap-southeast-5", "ap-east-1", "sa-east-1", "me-south-1", "me-central-1", "af-south-1",
-    "il-central-1", "mx-central-1", "cn-north-1", "cn-northwest-1",
-})
+__all__ = ["SET_ID_PREFIX", "Route53Provider", "Route53ValidationError"]
+
+log = logging.getLogger(__name__)
+
 SET_ID_PREFIX = "skymesh-"
-
-
-class Route53ValidationError(ValueError):
-    """A record set or health check AWS would reject; raised before anything is sent."""
+CHECK_REQUEST_INTERVAL_S = 10
+CHECK_FAILURE_THRESHOLD = 3
 
 
 def _fqdn(name: str) -> str:
+    name = name.lower()
     return name if name.endswith(".") else name + "."
+
+
+def _short_hash(text: str, n: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
 class Route53Provider:
@@ -61,27 +86,36 @@ class Route53Provider:
         failover: bool = False,
         wait_insync: bool = True,
         client: Any = None,
-        insync_timeout_s: float = 120.0,
+        insync_timeout_s: float = 300.0,
     ) -> None:
         self.zone_name = _fqdn(zone_name)
         self.record_name = _fqdn(record_name)
-        if not self.record_name.endswith(self.zone_name):
+        if not ("." + self.record_name).endswith("." + self.zone_name):
             raise Route53ValidationError(f"record {self.record_name} is not inside zone {self.zone_name}")
         self.ttl = ttl
         self.failover = failover
         self.wait_insync = wait_insync
         self.insync_timeout_s = insync_timeout_s
-        self.client = client or boto3.client("route53", endpoint_url=endpoint_url, region_name=region_name)
+        self._own_client = client is None
+        self.client = client or boto3.client(
+            "route53", endpoint_url=endpoint_url, region_name=region_name,
+            # Route53 allows 5 requests/s per account: back off on throttling
+            config=Config(retries={"mode": "standard", "max_attempts": 8}),
+        )
         self._zone_id: str | None = None
+        self._lock = asyncio.Lock()
+        self._owner = f"{SET_ID_PREFIX}{_short_hash(self.record_name, 8)}-"
         self.changes_sent = 0
 
     # ------------------------------------------------------------------ public API
 
     async def sync(self, endpoints: list[BalancerEndpoint]) -> bool:
-        return await asyncio.to_thread(self.sync_blocking, endpoints)
+        async with self._lock:  # the controller may call from the probe loop and on events
+            return await asyncio.to_thread(self.sync_blocking, endpoints)
 
     async def close(self) -> None:
-        return None
+        if self._own_client:
+            await asyncio.to_thread(self.client.close)
 
     # ------------------------------------------------------------------ reading
 
@@ -89,166 +123,171 @@ class Route53Provider:
         if self._zone_id is None:
             resp = self.client.list_hosted_zones_by_name(DNSName=self.zone_name)
             for z in resp.get("HostedZones", []):
-                if z["Name"] == self.zone_name and not z.get("Config", {}).get("PrivateZone", False):
+                if z["Name"].lower() == self.zone_name and not z.get("Config", {}).get("PrivateZone", False):
                     self._zone_id = z["Id"].split("/")[-1]
                     break
             else:
                 raise LookupError(f"no public hosted zone named {self.zone_name}")
         return self._zone_id
 
-    def _caller_prefix(self, region: str) -> str:
-        return f"skymesh:{self.record_name}:{region}:"
-
-    def health_checks(self) -> dict[str, dict[str, Any]]:
-        """region -> health check, for the checks this provider created."""
-        out: dict[str, dict[str, Any]] = {}
-        paginator = self.client.get_paginator("list_health_checks")
-        for page in paginator.paginate():
-            for hc in page.get("HealthChecks", []):
-                ref = hc.get("CallerReference", "")
-                prefix = f"skymesh:{self.record_name}:"
-                if ref.startswith(prefix):
-                    region = ref[len(prefix):].split(":", 1)[0]
-                    out[region] = hc
-        return out
+    def name_record_sets(self) -> list[dict[str, Any]]:
+        """Every record set of the mesh name (ours and anyone else's)."""
+        out: list[dict[str, Any]] = []
+        kwargs: dict[str, Any] = {"HostedZoneId": self.zone_id(), "StartRecordName": self.record_name}
+        while True:
+            resp = self.client.list_resource_record_sets(**kwargs)
+            page = resp.get("ResourceRecordSets", [])
+            out.extend(rr for rr in page if rr["Name"].lower() == self.record_name)
+            past_name = any(rr["Name"].lower() != self.record_name for rr in page) and any(
+                rr["Name"].lower() == self.record_name for rr in out
+            )
+            if not resp.get("IsTruncated") or past_name:
+                return out
+            kwargs["StartRecordName"] = resp["NextRecordName"]
+            kwargs["StartRecordType"] = resp["NextRecordType"]
+            if "NextRecordIdentifier" in resp:
+                kwargs["StartRecordIdentifier"] = resp["NextRecordIdentifier"]
+            else:
+                kwargs.pop("StartRecordIdentifier", None)
 
     def record_sets(self) -> dict[str, dict[str, Any]]:
         """SetIdentifier -> record set, for this provider's records of the mesh name."""
+        return {rr["SetIdentifier"]: rr for rr in self.name_record_sets() if self._ours(rr)}
+
+    def all_health_checks(self) -> list[dict[str, Any]]:
+        paginator = self.client.get_paginator("list_health_checks")
+        return [hc for page in paginator.paginate() for hc in page.get("HealthChecks", [])]
+
+    def health_checks(self) -> dict[str, dict[str, Any]]:
+        """region key -> health check, for the checks this provider created."""
         out: dict[str, dict[str, Any]] = {}
-        paginator = self.client.get_paginator("list_resource_record_sets")
-        for page in paginator.paginate(HostedZoneId=self.zone_id()):
-            for rr in page.get("ResourceRecordSets", []):
-                if rr["Name"] == self.record_name and rr.get("SetIdentifier", "").startswith(SET_ID_PREFIX):
-                    out[rr["SetIdentifier"]] = rr
+        for hc in self.all_health_checks():
+            key = self._owned_region_key(hc)
+            if key is not None:
+                out[key] = hc
         return out
 
-    # ------------------------------------------------------------------ desired state
+    # ------------------------------------------------------------------ identities
 
-    def _check_config(self, ep: BalancerEndpoint) -> dict[str, Any]:
+    def _ours(self, rr: dict[str, Any]) -> bool:
+        return rr.get("Type") == "A" and str(rr.get("SetIdentifier", "")).startswith(SET_ID_PREFIX)
+
+    def _region_key(self, region: str) -> str:
+        room = caller_reference_max() - len(self._owner) - 13  # 12-char nonce and a dash
+        return region if len(region) <= room else "h" + _short_hash(region, 16)
+
+    def _owned_region_key(self, hc: dict[str, Any]) -> str | None:
+        ref = str(hc.get("CallerReference", ""))
+        if not ref.startswith(self._owner):
+            return None
+        return ref[len(self._owner) + 13:]
+
+    def _new_caller_reference(self, ep: BalancerEndpoint) -> str:
+        return f"{self._owner}{uuid.uuid4().hex[:12]}-{self._region_key(ep.region)}"
+
+    @staticmethod
+    def _check_config(ep: BalancerEndpoint) -> dict[str, Any]:
         return {
             "IPAddress": ep.ip,
             "Port": ep.port,
             "Type": "HTTP",
             "ResourcePath": ep.health_path,
-            "RequestInterval": 10,
-            "FailureThreshold": 3,
+            "RequestInterval": CHECK_REQUEST_INTERVAL_S,
+            "FailureThreshold": CHECK_FAILURE_THRESHOLD,
         }
 
-    def _caller_reference(self, ep: BalancerEndpoint) -> str:
-        digest = hashlib.sha256(f"{ep.ip}|{ep.port}|{ep.health_path}".encode()).hexdigest()[:12]
-        return self._caller_prefix(ep.region) + digest
+    @staticmethod
+    def _probes(hc: dict[str, Any], ep: BalancerEndpoint) -> bool:
+        """Does this health check probe this balancer the way we need?"""
+        c = hc.get("HealthCheckConfig", {})
+        return (
+            c.get("Type") == "HTTP" and c.get("IPAddress") == ep.ip and c.get("Port") == ep.port
+            and c.get("ResourcePath", "/") == ep.health_path and not c.get("Inverted", False)
+            and not c.get("Disabled", False)
+        )
+
+    # ------------------------------------------------------------------ desired state
+
+    def _set_id(self, ep: BalancerEndpoint) -> str:
+        return f"{SET_ID_PREFIX}{ep.region}"
 
     def desired_records(self, endpoints: list[BalancerEndpoint], checks: dict[str, str]) -> dict[str, dict[str, Any]]:
         recs: dict[str, dict[str, Any]] = {}
         if self.failover:
-            ordered = sorted(endpoints, key=lambda e: not e.healthy)  # a live one is PRIMARY
+            ordered = sorted(endpoints, key=lambda e: not e.healthy)  # stable: config order among equals
             for role, ep in zip(("PRIMARY", "SECONDARY"), ordered, strict=False):
-                sid = f"{SET_ID_PREFIX}{ep.region}"
-                recs[sid] = {
-                    "Name": self.record_name, "Type": "A", "SetIdentifier": sid, "Failover": role,
+                recs[self._set_id(ep)] = {
+                    "Name": self.record_name, "Type": "A", "SetIdentifier": self._set_id(ep), "Failover": role,
                     "TTL": self.ttl, "ResourceRecords": [{"Value": ep.ip}], "HealthCheckId": checks[ep.region],
                 }
             return recs
-        for ep in endpoints:
-            if not ep.healthy:
-                continue  # declared dead by the controller: out of DNS now
-            sid = f"{SET_ID_PREFIX}{ep.region}"
-            recs[sid] = {
-                "Name": self.record_name, "Type": "A", "SetIdentifier": sid,
+        published = [e for e in endpoints if e.healthy]
+        if endpoints and not published:
+            log.warning("controller sees no live balancer; publishing all and leaving it to Route53 health checks")
+            published = endpoints
+        for ep in published:
+            recs[self._set_id(ep)] = {
+                "Name": self.record_name, "Type": "A", "SetIdentifier": self._set_id(ep),
                 "Region": ep.aws_region or ep.region, "TTL": self.ttl,
                 "ResourceRecords": [{"Value": ep.ip}], "HealthCheckId": checks[ep.region],
             }
         return recs
 
-    # ------------------------------------------------------------------ validation
-
-    def validate(self, endpoints: list[BalancerEndpoint]) -> None:
-        regions = [e.region for e in endpoints]
-        if len(set(regions)) != len(regions):
-            raise Route53ValidationError(f"duplicate regions in {regions}")
-        if self.failover and len(endpoints) != 2:
-            raise Route53ValidationError(f"failover mode needs exactly 2 regions, got {len(endpoints)}")
-        if not 0 <= self.ttl <= 2_147_483_647:
-            raise Route53ValidationError(f"TTL {self.ttl} is outside 0..2147483647")
-        for ep in endpoints:
-            where = f"balancer {ep.region}"
-            try:
-                addr = ipaddress.ip_address(ep.ip)
-            except ValueError:
-                raise Route53ValidationError(f"{where}: {ep.ip!r} is not an IP address") from None
-            if addr.version != 4:
-                raise Route53ValidationError(f"{where}: {ep.ip} is not IPv4 (A records)")
-            if not addr.is_global:
-                raise Route53ValidationError(
-                    f"{where}: {ep.ip} is not a public address; Route53 health checks and public "
-                    "records need one (set regions[].balancer.public_ip)"
-                )
-            if not 1 <= ep.port <= 65535:
-                raise Route53ValidationError(f"{where}: port {ep.port} is invalid")
-            if not ep.health_path.startswith("/") or len(ep.health_path) > 255:
-                raise Route53ValidationError(f"{where}: health path {ep.health_path!r} must start with / (≤255)")
-            if not self.failover:
-                region = ep.aws_region or ep.region
-                if region not in AWS_LATENCY_REGIONS:
-                    raise Route53ValidationError(
-                        f"{where}: {region!r} is not a Route53 latency region (set regions[].aws_region)"
-                    )
-            sid = f"{SET_ID_PREFIX}{ep.region}"
-            if len(sid) > 128:
-                raise Route53ValidationError(f"{where}: SetIdentifier {sid!r} longer than 128")
-
-    def _check_existing_policy(self, existing_all: list[dict[str, Any]]) -> None:
-        """AWS rejects mixing routing policies on one name; refuse to add ours to a
-        name that already carries simple or other-policy records we do not own."""
+    def _check_foreign(self, foreign: list[dict[str, Any]]) -> None:
+        """AWS rejects mixing routing policies on one name and type, and a CNAME beside
+        anything; refuse before sending rather than fail half-way on AWS."""
         want = "Failover" if self.failover else "Region"
-        for rr in existing_all:
-            if rr["Name"] != self.record_name or rr["Type"] not in ("A", "CNAME"):
-                continue
-            sid = rr.get("SetIdentifier", "")
-            if not sid:
-                raise Route53ValidationError(f"{self.record_name} already has a simple {rr['Type']} record")
-            if not sid.startswith(SET_ID_PREFIX) and want not in rr:
+        for rr in foreign:
+            if rr["Type"] == "CNAME":
                 raise Route53ValidationError(
-                    f"{self.record_name} has record {sid!r} with another routing policy"
+                    f"{self.record_name} already has a CNAME record, which cannot coexist with the mesh's A records"
+                )
+            if rr["Type"] != "A":
+                continue
+            policy = routing_policy(rr)
+            if policy != want:
+                what = "simple" if policy == "simple" else f"{policy}-policy"
+                sid = f" {rr['SetIdentifier']!r}" if "SetIdentifier" in rr else ""
+                raise Route53ValidationError(
+                    f"{self.record_name} already has a {what} A record{sid} that skymesh does not manage; "
+                    f"AWS rejects mixing routing policies on one name (remove it or pick another dns.name)"
                 )
 
     # ------------------------------------------------------------------ sync
 
     def sync_blocking(self, endpoints: list[BalancerEndpoint]) -> bool:
-        self.validate(endpoints)
+        validate_endpoints(endpoints, self.failover)
         zone = self.zone_id()
-        all_sets = self.client.list_resource_record_sets(
-            HostedZoneId=zone, StartRecordName=self.record_name, StartRecordType="A"
-        ).get("ResourceRecordSets", [])
-        self._check_existing_policy(all_sets)
+        name_sets = self.name_record_sets()
+        existing = {rr["SetIdentifier"]: rr for rr in name_sets if self._ours(rr)}
+        foreign = [rr for rr in name_sets if not self._ours(rr)]
+        self._check_foreign(foreign)
+
         changed = False
-        checks = self.health_checks()
-        wanted_regions = {e.region for e in endpoints}
+        all_checks = self.all_health_checks()
+        by_id = {hc["Id"]: hc for hc in all_checks}
         check_ids: dict[str, str] = {}
         for ep in endpoints:
-            hc = checks.get(ep.region)
-            ref = self._caller_reference(ep)
-            if hc is not None and hc["CallerReference"] != ref:
-                hc = None  # address or port changed: a new check replaces the old one
+            hc = self._pick_check(ep, existing.get(self._set_id(ep)), by_id, all_checks)
             if hc is None:
-                resp = self.client.create_health_check(CallerReference=ref, HealthCheckConfig=self._check_config(ep))
-                hc = resp["HealthCheck"]
-                self.client.change_tags_for_resource(
-                    ResourceType="healthcheck", ResourceId=hc["Id"],
-                    AddTags=[{"Key": "skymesh:region", "Value": ep.region},
-                             {"Key": "Name", "Value": f"skymesh {ep.region}"}],
-                )
+                hc = self._create_check(ep)
+                all_checks.append(hc)
+                by_id[hc["Id"]] = hc
                 changed = True
             check_ids[ep.region] = hc["Id"]
-        existing = self.record_sets()
+
         desired = self.desired_records(endpoints, check_ids)
+        validate_record_sets(self.record_name, [*[rr for rr in foreign if rr["Type"] == "A"], *desired.values()])
         changes: list[dict[str, Any]] = []
-        for sid, rec in desired.items():
-            if not _same_record(existing.get(sid), rec):
-                changes.append({"Action": "UPSERT", "ResourceRecordSet": rec})
-        for sid, rec in existing.items():
-            if sid not in desired:
-                changes.append({"Action": "DELETE", "ResourceRecordSet": rec})
+        for sid, rr in existing.items():
+            want = desired.get(sid)
+            if want is None or routing_policy(want) != routing_policy(rr):
+                changes.append({"Action": "DELETE", "ResourceRecordSet": rr})
+        for sid, rr in desired.items():
+            have = existing.get(sid)
+            # UPSERT also for new ones: the emulator's CREATE ignores SetIdentifier
+            if have is None or routing_policy(have) != routing_policy(rr) or not _same_record(have, rr):
+                changes.append({"Action": "UPSERT", "ResourceRecordSet": rr})
         if changes:
             resp = self.client.change_resource_record_sets(
                 HostedZoneId=zone,
@@ -256,15 +295,52 @@ class Route53Provider:
             )
             self.changes_sent += 1
             changed = True
+            log.info("route53 change sent", extra={"changes": [
+                f"{c['Action']} {c['ResourceRecordSet']['SetIdentifier']}" for c in changes]})
             if self.wait_insync:
                 self._wait_insync(resp["ChangeInfo"]["Id"])
-        # health checks of balancers that left the mesh (after their records are gone)
-        live_check_ids = set(check_ids.values())
-        for region, hc in self.health_checks().items():
-            if region not in wanted_regions or hc["Id"] not in live_check_ids:
+
+        # owned checks no longer bound to a balancer (it left, or moved), after the records
+        in_use = set(check_ids.values())
+        for hc in all_checks:
+            if self._owned_region_key(hc) is not None and hc["Id"] not in in_use:
                 self.client.delete_health_check(HealthCheckId=hc["Id"])
                 changed = True
         return changed
+
+    def _pick_check(
+        self, ep: BalancerEndpoint, record: dict[str, Any] | None, by_id: dict[str, dict[str, Any]],
+        all_checks: list[dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        """The existing check to bind: the one the record already uses, else one we own
+        for this region, else any (e.g. terraform's) that probes this balancer."""
+        if record is not None:
+            bound = by_id.get(record.get("HealthCheckId", ""))
+            if bound is not None and self._probes(bound, ep):
+                return bound
+        matching = [hc for hc in all_checks if self._probes(hc, ep)]
+        key = self._region_key(ep.region)
+        for hc in matching:
+            if self._owned_region_key(hc) == key:
+                return hc
+        for hc in matching:  # not another mesh's check: that one may be deleted under us
+            if not str(hc.get("CallerReference", "")).startswith(SET_ID_PREFIX):
+                return hc
+        return None
+
+    def _create_check(self, ep: BalancerEndpoint) -> dict[str, Any]:
+        resp = self.client.create_health_check(
+            CallerReference=self._new_caller_reference(ep), HealthCheckConfig=self._check_config(ep)
+        )
+        hc: dict[str, Any] = resp["HealthCheck"]
+        self.client.change_tags_for_resource(
+            ResourceType="healthcheck", ResourceId=hc["Id"],
+            AddTags=[{"Key": "Name", "Value": f"skymesh {ep.region} {self.record_name}"},
+                     {"Key": "skymesh:region", "Value": ep.region},
+                     {"Key": "skymesh:record", "Value": self.record_name}],
+        )
+        log.info("route53 health check created", extra={"region": ep.region, "id": hc["Id"]})
+        return hc
 
     def _wait_insync(self, change_id: str) -> None:
         deadline = time.monotonic() + self.insync_timeout_s
@@ -279,9 +355,7 @@ class Route53Provider:
             delay = min(5.0, delay * 2)
 
 
-def _same_record(have: dict[str, Any] | None, want: dict[str, Any]) -> bool:
-    if have is None:
-        return False
+def _same_record(have: dict[str, Any], want: dict[str, Any]) -> bool:
     keys = ("Type", "TTL", "Region", "Failover", "HealthCheckId")
     if any(have.get(k) != want.get(k) for k in keys):
         return False

@@ -4,7 +4,7 @@ Per step (``Engine.step(now)``):
 1. running requests in decode get one token each; a decode that crosses into a new KV
    block allocates one (free blocks first, then LRU eviction of unreferenced cached blocks);
    when none is left the most recently admitted running request is preempted (recompute:
-   blocks released, back to the FRONT of the waiting queue — vLLM's policy).
+   blocks released, back to the FRONT of the waiting queue — vLLM v1's policy).
 2. running requests still in prefill continue their chunk within the token budget
    (``max_num_batched_tokens``, chunked prefill).
 3. waiting requests are admitted FCFS while ``max_num_seqs`` and the KV cache allow: the
@@ -13,46 +13,62 @@ Per step (``Engine.step(now)``):
 The step's duration follows the profile's cost model; its tokens appear at ``now +
 duration``. The discrete-event simulator drives this same class with a simulated clock and
 ``run_until`` fuses stretches of pure decode into one call.
+
+Every step is O(batch + newly admitted prompt blocks): requests carry their own state so
+no list membership test or removal scans the batch per request.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
 from skymesh.replica_sim.profiles import Profile
 
+WAITING, RUNNING, DONE = 0, 1, 2
+
 
 def chained_block_hashes(tokens: Sequence[str], block_size: int, parent: int = 0) -> list[int]:
-    """vLLM-style prefix-caching keys: one hash per FULL block, chained to the previous."""
+    """vLLM-style prefix-caching keys: one hash per FULL block, each seeded with the hash
+    of the previous block, so equal hashes mean equal whole prefixes, not just equal blocks.
+    A trailing partial block gets no hash (vLLM never caches it)."""
     out: list[int] = []
     h = parent
     for start in range(0, len(tokens) - block_size + 1, block_size):
+        # \x1f cannot occur inside a whitespace-split token, so the join is unambiguous
         h = xxhash.xxh64_intdigest("\x1f".join(tokens[start : start + block_size]).encode(), seed=h)
         out.append(h)
     return out
 
 
-@dataclass(slots=True)
+# eq=False: requests are compared by identity; a generated field-by-field __eq__ would make
+# every deque/list lookup cost a tuple build per element
+@dataclass(slots=True, eq=False)
 class EngineRequest:
     request_id: str
     prompt_len: int
     block_hashes: list[int]
     max_tokens: int
     arrival: float
+    state: int = WAITING
     admitted_seq: int = -1
     num_computed: int = 0  # tokens whose KV is in the cache (prompt + regenerated output)
     output_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     blocks: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     preemptions: int = 0
+    first_scheduled_at: float | None = None  # step start of its first admission
     # tokens to compute before the next token can be sampled, set at admission: the
     # prompt, plus the output generated so far when a preempted request is recomputed
     target_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prompt_len
 
     @property
     def in_prefill(self) -> bool:
@@ -62,20 +78,12 @@ class EngineRequest:
 @dataclass(slots=True)
 class StepOutput:
     duration_s: float = 0.0
-    steps: int = 0
+    steps: int = 0  # engine iterations this output covers (0: nothing could run)
     prefill_tokens: int = 0
     first_token: list[str] = field(default_factory=list)
     tokens: list[tuple[str, int]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-
-
-class _Block:
-    __slots__ = ("ref", "hash")
-
-    def __init__(self) -> None:
-        self.ref = 0
-        self.hash: int | None = None
 
 
 class Engine:
@@ -88,18 +96,26 @@ class Engine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
     ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
         self.profile = profile
         self.time_scale = time_scale
         self.block_size = block_size or profile.block_size
         self.num_blocks = num_gpu_blocks or profile.num_gpu_blocks
         self.max_num_seqs = max_num_seqs or profile.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or profile.max_num_batched_tokens
-        self._blocks = [_Block() for _ in range(self.num_blocks)]
-        self._free: deque[int] = deque(range(self.num_blocks))  # no hash, ref 0
+        if min(self.block_size, self.num_blocks, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ValueError("block_size, num_gpu_blocks, max_num_seqs, max_num_batched_tokens must be >= 1")
+        # per block: reference count and the prefix hash it holds (None: not cached)
+        self._ref = [0] * self.num_blocks
+        self._hash: list[int | None] = [None] * self.num_blocks
+        # no hash, ref 0; a stack: which free block is used first does not matter
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU order
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._used = 0  # blocks with ref > 0
         self.waiting: deque[EngineRequest] = deque()
+        # in admission order, so the most recently admitted request is always the last
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
         self._admit_seq = 0
@@ -123,10 +139,23 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> float:
+        """Fraction of blocks referenced by requests (vLLM: cached-but-idle blocks count as
+        free, since they can be evicted at any time)."""
         return self._used / self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
+        return -(-(prompt_len + max_tokens) // self.block_size)
 
     def add_request(
         self,
@@ -140,278 +169,358 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError("prompt_len and max_tokens must be >= 1")
-        need = -(-(prompt_len + max_tokens) // self.block_size)
+        need = self.blocks_needed(prompt_len, max_tokens)
         if need > self.num_blocks:
-            raise ValueError(
-                f"request needs {need} KV blocks, the cache has {self.num_blocks}"
-            )
+            # it could never run, even alone: vLLM rejects it up front as well
+            raise ValueError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
         r = EngineRequest(request_id, prompt_len, list(block_hashes), max_tokens, now)
         self.requests[request_id] = r
         self.waiting.append(r)
 
     def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (client went away); its blocks are released.
+        Returns False when the request is unknown or already finished."""
         r = self.requests.pop(request_id, None)
         if r is None:
             return False
-        if r in self.running:
+        if r.state == RUNNING:
             self.running.remove(r)
             self._release(r)
         else:
-            try:
-                self.waiting.remove(r)
-            except ValueError:
-                pass
+            self.waiting.remove(r)
+        r.state = DONE
         return True
 
     # ------------------------------------------------------------------ KV blocks
 
     def _alloc(self) -> int | None:
         if self._free:
-            b = self._free.popleft()
+            b = self._free.pop()
         elif self._evictable:
             b, _ = self._evictable.popitem(last=False)
-            blk = self._blocks[b]
-            if blk.hash is not None and self._cached.get(blk.hash) == b:
-                del self._cached[blk.hash]
-            blk.hash = None
+            h = self._hash[b]
+            if h is not None and self._cached.get(h) == b:
+                del self._cached[h]
+            self._hash[b] = None
             self.evictions += 1
         else:
             return None
-        self._blocks[b].ref = 1
+        self._ref[b] = 1
         self._used += 1
         return b
 
-    def _free_capacity(self) -> int:
-        return len(self._free) + len(self._evictable)
+    def _alloc_many(self, n: int, into: list[int]) -> None:
+        """Append ``n`` blocks to ``into``; the caller has checked there are enough.
+        Free blocks are taken with one slice (long prompts need hundreds of blocks)."""
+        free = self._free
+        take = min(n, len(free))
+        if take:
+            got = free[len(free) - take :]
+            del free[len(free) - take :]
+            ref = self._ref
+            for b in got:
+                ref[b] = 1
+            self._used += take
+            into += got
+        for _ in range(n - take):
+            b = self._alloc()
+            assert b is not None
+            into.append(b)
 
     def _release(self, r: EngineRequest) -> None:
-        for b in r.blocks:
-            blk = self._blocks[b]
-            blk.ref -= 1
-            if blk.ref == 0:
+        ref, hashes, cached = self._ref, self._hash, self._cached
+        # reversed: a request's last blocks are the least likely to be shared, so they
+        # are put first in LRU order and evicted before its prefix (vLLM does the same)
+        for b in reversed(r.blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
                 self._used -= 1
-                if blk.hash is not None and self._cached.get(blk.hash) == b:
+                h = hashes[b]
+                if h is not None and cached.get(h) == b:
                     self._evictable[b] = None  # stays cached until evicted (LRU)
                 else:
-                    blk.hash = None
+                    hashes[b] = None
                     self._free.append(b)
         r.blocks = []
 
     def _register_computed(self, r: EngineRequest, before: int) -> None:
-        """Publish hashes of prompt blocks that became fully computed."""
+        """Publish the hashes of prompt blocks that became fully computed."""
         bs = self.block_size
-        first = before // bs
         last = min(r.num_computed, r.prompt_len) // bs
-        for i in range(first, min(last, len(r.block_hashes), len(r.blocks))):
+        for i in range(before // bs, min(last, len(r.block_hashes), len(r.blocks))):
             h = r.block_hashes[i]
             if h not in self._cached:
                 b = r.blocks[i]
-                self._blocks[b].hash = h
+                self._hash[b] = h
                 self._cached[h] = b
 
-    def _try_admit(self, r: EngineRequest) -> bool:
-        bs = self.block_size
-        # at least one prompt token is always recomputed (vLLM needs logits for it)
-        max_hit_blocks = min(len(r.block_hashes), (r.prompt_len - 1) // bs)
+    def _lookup(self, r: EngineRequest) -> list[int]:
+        """Blocks of the longest cached prefix of ``r`` (full blocks only)."""
+        # at least one prompt token is always recomputed: vLLM needs its logits
+        max_hit_blocks = min(len(r.block_hashes), (r.prompt_len - 1) // self.block_size)
         hits: list[int] = []
+        cached = self._cached
         for h in r.block_hashes[:max_hit_blocks]:
-            b = self._cached.get(h)
+            b = cached.get(h)
             if b is None:
                 break
             hits.append(b)
-        target = r.target_tokens = r.prompt_len + r.output_tokens
-        total_blocks = -(-(target + 1) // bs)
-        fresh_needed = total_blocks - len(hits)
-        reusable_evictable = sum(1 for b in hits if self._blocks[b].ref == 0)
-        if self._free_capacity() - reusable_evictable < fresh_needed:
+        return hits
+
+    def _admission_shortfall(self, r: EngineRequest, hits: list[int]) -> int:
+        """How many blocks admitting ``r`` lacks right now (<= 0: it fits)."""
+        target = r.prompt_len + r.output_tokens
+        fresh_needed = -(-(target + 1) // self.block_size) - len(hits)
+        # cached hits that are idle are counted as evictable capacity but will be reused
+        reusable_idle = sum(1 for b in hits if self._ref[b] == 0)
+        return fresh_needed - (self.num_free_blocks - reusable_idle)
+
+    def _surely_blocked(self, r: EngineRequest) -> bool:
+        """Cheap test (no prefix lookup): even if every full prompt block were a cache
+        hit, ``r`` would not fit. Lets a blocked queue head cost O(1) per step."""
+        bs = self.block_size
+        max_hits = min(len(r.block_hashes), (r.prompt_len - 1) // bs)
+        total = -(-(r.prompt_len + r.output_tokens + 1) // bs)
+        return total - max_hits > self.num_free_blocks
+
+    def _try_admit(self, r: EngineRequest) -> bool:
+        if self._surely_blocked(r):
             return False
+        hits = self._lookup(r)
+        if self._admission_shortfall(r, hits) > 0:
+            return False
+        bs = self.block_size
+        ref = self._ref
         for b in hits:
-            blk = self._blocks[b]
-            if blk.ref == 0:
-                self._evictable.pop(b, None)
+            if ref[b] == 0:
+                del self._evictable[b]
                 self._used += 1
-            blk.ref += 1
-        r.blocks = list(hits)
-        for _ in range(fresh_needed):
-            b = self._alloc()
-            assert b is not None
-            r.blocks.append(b)
-        r.num_computed = len(hits) * bs
+            ref[b] += 1
+        n_hits = len(hits)
+        r.target_tokens = r.prompt_len + r.output_tokens
+        # extended in place with the fresh blocks; enough exist (shortfall checked)
+        self._alloc_many(-(-(r.target_tokens + 1) // bs) - n_hits, hits)
+        r.blocks = hits
+        r.num_computed = n_hits * bs
         if r.preemptions == 0:
+            # vLLM counts a request's prefix-cache query once, and keeps preempted
+            # requests' re-queries out of these counters
             r.cached_tokens = r.num_computed
             self.prefix_cache_queries += r.prompt_len
             self.prefix_cache_hits += r.num_computed
             self.prompt_tokens_total += r.prompt_len
         r.admitted_seq = self._admit_seq
         self._admit_seq += 1
+        r.state = RUNNING
         return True
 
-    def _preempt_one(self, out: StepOutput, protect: EngineRequest | None) -> bool:
-        victims = [x for x in self.running if x is not protect] or list(self.running)
-        if not victims:
-            return False
-        v = max(victims, key=lambda x: x.admitted_seq)
-        self.running.remove(v)
+    def _preempt_last(self, out: StepOutput) -> EngineRequest:
+        v = self.running.pop()
         self._release(v)
         v.num_computed = 0
+        v.target_tokens = 0
         v.preemptions += 1
+        v.state = WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(v)
         out.preempted.append(v.request_id)
-        return v is not protect
+        return v
 
     # ------------------------------------------------------------------ stepping
 
+    def _step_cost(self, prefill_tokens: int, decodes: int, context: int) -> float:
+        return self.profile.step_time_s(prefill_tokens, decodes, context) * self.time_scale
+
     def step(self, now: float) -> StepOutput:
+        """One scheduler iteration starting at ``now``; its tokens exist at ``now +
+        out.duration_s``. ``out.steps == 0`` when nothing can run."""
         out = StepOutput(steps=1)
-        p = self.profile
         bs = self.block_size
         budget = self.max_num_batched_tokens
+        running = self.running
         decode: list[EngineRequest] = []
         prefill: list[tuple[EngineRequest, int]] = []
-        context = 0
         # 1. decodes (one token each), allocating a block when crossing a boundary
-        for r in list(self.running):
-            if r not in self.running or r.in_prefill:
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            if r.num_computed < r.target_tokens:  # still in prefill: step 2
+                i += 1
                 continue
-            needed_blocks = -(-(r.num_computed + 1) // bs)
-            while len(r.blocks) < needed_blocks:
+            needed = r.num_computed // bs + 1  # blocks to hold num_computed + 1 tokens
+            while len(r.blocks) < needed:
                 b = self._alloc()
-                if b is not None:
-                    r.blocks.append(b)
+                if b is None:
+                    # vLLM v1: preempt the most recently admitted request (the list's
+                    # tail, which is never before position i) until this one fits or is
+                    # itself the one preempted
+                    if self._preempt_last(out) is r:
+                        break
                     continue
-                if not self._preempt_one(out, protect=r):
-                    break
-            if r not in self.running or len(r.blocks) < needed_blocks:
-                continue
-            if budget <= 0:
-                break
+                r.blocks.append(b)
+            if r.state != RUNNING:
+                break  # r was the tail: nothing after it is left
             decode.append(r)
             budget -= 1
-        decode = [r for r in decode if r in self.running]
-        # 2. running prefills continue
-        for r in self.running:
+            i += 1
+        # 2. running prefills continue (their blocks were allocated at admission)
+        for r in running:
             if budget <= 0:
                 break
-            if r.in_prefill:
+            if r.num_computed < r.target_tokens:
                 n = min(budget, r.target_tokens - r.num_computed)
                 prefill.append((r, n))
                 budget -= n
-        # 3. admit waiting requests FCFS
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # 3. admit waiting requests FCFS; a blocked head blocks everyone behind it
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             r = self.waiting[0]
             if not self._try_admit(r):
                 break
             self.waiting.popleft()
-            self.running.append(r)
+            running.append(r)
+            if r.first_scheduled_at is None:
+                r.first_scheduled_at = now
             n = min(budget, r.target_tokens - r.num_computed)
             prefill.append((r, n))
             budget -= n
         if not decode and not prefill:
-            out.duration_s = 0.0
             out.steps = 0
             return out
-        prefill_tokens = sum(n for _, n in prefill)
+        prefill_tokens = 0
+        context = 0
         for r in decode:
             context += r.num_computed
         for r, n in prefill:
+            prefill_tokens += n
+            # a chunk attends to the cached context and, on average, half of itself
             context += r.num_computed + n // 2
-        dur = (
-            p.step_fixed_s
-            + p.prefill_s_per_token * prefill_tokens
-            + p.decode_s_per_seq * len(decode)
-            + p.attn_s_per_context_token * context
-        ) * self.time_scale
-        out.duration_s = dur
+        out.duration_s = dur = self._step_cost(prefill_tokens, len(decode), context)
         out.prefill_tokens = prefill_tokens
         end = now + dur
-        finished: list[EngineRequest] = []
+        tokens = out.tokens
+        any_finished = False
         for r in decode:
             r.num_computed += 1
             r.output_tokens += 1
-            out.tokens.append((r.request_id, 1))
+            tokens.append((r.request_id, 1))
             if r.output_tokens >= r.max_tokens:
-                finished.append(r)
+                self._finish(r, out)
+                any_finished = True
         for r, n in prefill:
             before = r.num_computed
             r.num_computed += n
             self._register_computed(r, before)
-            if not r.in_prefill:
+            if r.num_computed >= r.target_tokens:
                 if r.output_tokens == 0:
                     r.first_token_at = end
                     out.first_token.append(r.request_id)
                 # a recomputed (preempted) request resumes sampling where it stopped
                 r.output_tokens += 1
-                out.tokens.append((r.request_id, 1))
+                tokens.append((r.request_id, 1))
                 if r.output_tokens >= r.max_tokens:
-                    finished.append(r)
-        for r in finished:
-            self._finish(r)
-            out.finished.append(r.request_id)
-        self.generation_tokens_total += len(out.tokens)
+                    self._finish(r, out)
+                    any_finished = True
+        if any_finished:
+            self.running = [r for r in running if r.state == RUNNING]
+        self.generation_tokens_total += len(tokens)
         return out
 
-    def _finish(self, r: EngineRequest) -> None:
-        self.running.remove(r)
+    def _finish(self, r: EngineRequest, out: StepOutput) -> None:
+        """Release a finished request; the caller drops it from ``running`` in one pass."""
         self._release(r)
+        r.state = DONE
         self.requests.pop(r.request_id, None)
+        out.finished.append(r.request_id)
+
+    # ------------------------------------------------------------------ fast-forward
+
+    def _pure_decode(self) -> bool:
+        """True when the next steps are decode-only until a finish or a block shortage:
+        nothing in prefill, and no waiting request can be admitted. A blocked head stays
+        blocked without a finish, because decode only ever shrinks free capacity."""
+        running = self.running
+        # more decodes than the token budget: only some decode each step
+        if not running or len(running) > self.max_num_batched_tokens:
+            return False
+        for r in running:
+            if r.num_computed < r.target_tokens:
+                return False
+        if (
+            not self.waiting
+            or len(running) >= self.max_num_seqs
+            or len(running) == self.max_num_batched_tokens  # no budget left to admit
+        ):
+            return True
+        head = self.waiting[0]
+        return self._surely_blocked(head) or self._admission_shortfall(head, self._lookup(head)) > 0
 
     def run_until(self, now: float, deadline: float) -> tuple[float, StepOutput]:
-        """Advance from ``now`` by one step, or — when only decodes run and nothing can be
-        admitted — by as many fused decode steps as fit before ``deadline`` and before the
-        first request finishes or the cache runs out of blocks. Returns (time reached,
-        aggregated output)."""
+        """Advance from ``now`` by one step, or — when only decodes can run — by as many
+        fused decode steps as fit before ``deadline`` (at least one), ending no later than
+        the step in which the first request finishes and never needing a preemption.
+        Returns (time reached, aggregated output); the result equals repeated ``step``
+        calls up to float rounding of the summed durations."""
         if not self._pure_decode():
             out = self.step(now)
             return now + out.duration_s, out
         p = self.profile
         bs = self.block_size
-        n = len(self.running)
-        k_max = min(r.max_tokens - r.output_tokens for r in self.running)
+        running = self.running
+        n = len(running)
+        k_max = min(r.max_tokens - r.output_tokens for r in running)
         per_step = p.step_fixed_s + p.decode_s_per_seq * n
-        ctx0 = sum(r.num_computed for r in self.running)
+        ctx0 = sum(r.num_computed for r in running)
         a = p.attn_s_per_context_token
+        ts = self.time_scale
 
         def duration(k: int) -> float:
-            return (k * (per_step + a * ctx0) + a * n * k * (k - 1) / 2) * self.time_scale
+            # step j (0-based) attends ctx0 + n*j tokens
+            return (k * (per_step + a * ctx0) + a * n * k * (k - 1) / 2) * ts
 
-        lo, hi = 1, max(1, k_max)
-        if duration(hi) > deadline - now:
-            while lo < hi:  # largest k >= 1 with duration(k) <= deadline - now
+        def extra_blocks(k: int) -> int:
+            # the last of k steps starts with num_computed + k - 1 tokens and needs room
+            # for one more
+            return sum(max(0, (r.num_computed + k - 1) // bs + 1 - len(r.blocks)) for r in running)
+
+        def largest(ok: Callable[[int], bool], hi: int) -> int:
+            """Largest k in [1, hi] with ok(k) (ok monotone, ok(1) assumed)."""
+            lo = 1
+            while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if duration(mid) <= deadline - now:
+                if ok(mid):
                     lo = mid
                 else:
                     hi = mid - 1
-            k = lo
-        else:
-            k = hi
-        # blocks the k steps need; fall back to single steps if the cache is short
-        extra = sum(-(-(r.num_computed + k) // bs) - len(r.blocks) for r in self.running)
-        if k <= 1 or extra > self._free_capacity():
+            return lo
+
+        span = deadline - now
+        k = k_max if duration(k_max) <= span else largest(lambda m: duration(m) <= span, k_max)
+        free = self.num_free_blocks
+        if extra_blocks(1) > free:
+            out = self.step(now)  # the very next step must preempt
+            return now + out.duration_s, out
+        if extra_blocks(k) > free:
+            k = largest(lambda m: extra_blocks(m) <= free, k)
+        if k == 1:
             out = self.step(now)
             return now + out.duration_s, out
-        for r in self.running:
-            while len(r.blocks) < -(-(r.num_computed + k) // bs):
-                b = self._alloc()
-                assert b is not None
-                r.blocks.append(b)
         out = StepOutput(steps=k, duration_s=duration(k))
-        finished = []
-        for r in self.running:
+        tokens = out.tokens
+        any_finished = False
+        # every block of the k steps is taken before any finisher releases its own, as
+        # in single steps, so eviction order and counts match
+        for r in running:
+            missing = (r.num_computed + k - 1) // bs + 1 - len(r.blocks)
+            if missing > 0:
+                self._alloc_many(missing, r.blocks)  # bounded by extra_blocks(k) <= free
+        for r in running:
             r.num_computed += k
             r.output_tokens += k
-            out.tokens.append((r.request_id, k))
+            tokens.append((r.request_id, k))
             if r.output_tokens >= r.max_tokens:
-                finished.append(r)
-        for r in finished:
-            self._finish(r)
-            out.finished.append(r.request_id)
+                self._finish(r, out)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in running if r.state == RUNNING]
         self.generation_tokens_total += k * n
         return now + out.duration_s, out
-
-    def _pure_decode(self) -> bool:
-        if not self.running or any(r.in_prefill for r in self.running):
-            return False
-        # a waiting request that could be admitted must get its chance every step
-        return not self.waiting or len(self.running) >= self.max_num_seqs

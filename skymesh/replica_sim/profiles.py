@@ -1,7 +1,7 @@
 """Hardware/model profiles of the vLLM stand-in. See docs/replica-sim.md for the public
 figures each number comes from.
 
-Step time (seconds) of one engine iteration =
+Step time (seconds) of one engine iteration (``Profile.step_time_s``) =
     step_fixed_s                                   (weights streamed once per step)
   + prefill_s_per_token   * prefill tokens in the step
   + decode_s_per_seq      * decoding sequences in the step
@@ -32,18 +32,27 @@ class Profile:
     def kv_capacity_tokens(self) -> int:
         return self.num_gpu_blocks * self.block_size
 
-    def prefill_time_s(self, tokens: int) -> float:
-        """TTFT-model seed for one prefill of ``tokens`` tokens, chunked by the token
-        budget. It charges full quadratic attention over the prompt, which the engine's
-        step cost does not (the engine charges c + n/2 context tokens per chunk), so it
-        is an upper estimate; the balancers refit the model from observed TTFTs."""
-        steps = max(1, -(-tokens // self.max_num_batched_tokens))
-        # attention over the prompt itself: on average half the prompt is context
+    def step_time_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        """The cost model of one engine step (before ``--time-scale``)."""
         return (
-            steps * self.step_fixed_s
-            + self.prefill_s_per_token * tokens
-            + self.attn_s_per_context_token * tokens * tokens / (2 * steps)
+            self.step_fixed_s
+            + self.prefill_s_per_token * prefill_tokens
+            + self.decode_s_per_seq * decode_seqs
+            + self.attn_s_per_context_token * context_tokens
         )
+
+    def prefill_time_s(self, tokens: int) -> float:
+        """Time to first token of a lone request of ``tokens`` uncached prompt tokens: its
+        prefill-only steps, chunked by the token budget, costed exactly as the engine
+        costs them (a chunk attends its cached context plus half of itself)."""
+        total = 0.0
+        done = 0
+        while True:
+            n = min(self.max_num_batched_tokens, tokens - done)
+            total += self.step_time_s(n, 0, done + n // 2)
+            done += n
+            if done >= tokens:
+                return total
 
 
 PROFILES: dict[str, Profile] = {
@@ -52,17 +61,18 @@ PROFILES: dict[str, Profile] = {
         Profile(
             name="l4-llama3.1-8b",
             description="NVIDIA L4 24 GB, Llama-3.1-8B fp16 (SkyWalker's replica setup)",
-            # 24 GB x 0.9 utilisation - 16.1 GB weights - ~1.5 GB activations ≈ 4.0 GB KV;
-            # Llama-3.1-8B KV = 32 layers x 8 KV heads x 128 dim x 2 (K,V) x 2 B = 128 KiB/token
-            # → ~32k tokens = 2000 blocks of 16
-            num_gpu_blocks=2000,
+            # usable 22.5 GiB x 0.95 (--gpu-memory-utilization) - 15.0 GiB of weights
+            # - ~0.9 GiB activations/CUDA graphs ≈ 5.5 GiB of KV; Llama-3.1-8B's KV =
+            # 32 layers x 8 KV heads x 128 dim x 2 (K,V) x 2 B = 128 KiB/token
+            # → ~45k tokens = 2816 blocks of 16 (room for one 32k-token request)
+            num_gpu_blocks=2816,
             max_num_seqs=128,
             max_num_batched_tokens=2048,
-            # 16.1 GB of weights at the L4's 300 GB/s ≈ 54 ms per step when memory bound;
-            # a 512-token prefill measured ≈ 300 ms (SkyWalker) → 0.498 ms/token on top
-            # of the fixed cost and the attention term
-            step_fixed_s=0.045,
-            prefill_s_per_token=0.000498,
+            # 16.1 GB of weights streamed once per step at ~290 GB/s effective of the
+            # L4's 300 GB/s ≈ 55 ms; a 512-token prefill measured ≈ 300 ms (SkyWalker) →
+            # (300 - 55) ms / 512 ≈ 0.48 ms per prefill token
+            step_fixed_s=0.055,
+            prefill_s_per_token=0.00048,
             decode_s_per_seq=0.0004,
             # 128 KiB/token of KV read at 300 GB/s ≈ 0.44 µs per context token per step
             attn_s_per_context_token=4.4e-7,

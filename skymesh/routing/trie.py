@@ -7,10 +7,18 @@ re-walks the path from the root at each level, O(n^2), which broke the decision-
 budget at 2k-token prompts.
 
 Each node records the targets (replicas, or peer regions for a snapshot trie) that were
-sent that prefix and when. A hard bound on the node count is enforced by evicting the least
-recently used *leaves* first (SkyWalker evicts oldest entries); interior nodes are never
-orphaned, so memory stays bounded under an endless stream of unique prompts. Leaves are kept in their
-own LRU list so an eviction is O(1).
+sent that prefix and when they last were. A hard bound on the node count is enforced by
+evicting the least recently used *leaves* first (SkyWalker evicts oldest entries); interior
+nodes are never orphaned, so memory stays bounded under an endless stream of unique
+prompts. Leaves are kept in their own LRU list so an eviction is O(1).
+
+Invariant the lookups rely on: a target recorded on a node is recorded on every ancestor
+(paths are inserted whole, only leaves are evicted, ``remove_target`` clears every node).
+
+Storage is three flat dicts keyed by node id instead of one object per node: a node then
+costs no garbage-collector-tracked allocation (a dict of str -> float is untracked), so a
+stream of inserts never triggers cyclic-GC passes over the trie, and creating a node is
+cheaper than instantiating a class.
 """
 
 from __future__ import annotations
@@ -20,78 +28,106 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 
-def _narrow(alive: set[str] | frozenset[str], targets: dict[str, float]) -> set[str]:
-    """alive ∩ targets in O(min(len)) — deep nodes hold one or two targets."""
-    if len(targets) < len(alive):
-        return {t for t in targets if t in alive}
-    return {t for t in alive if t in targets}
-
-
-class _Node:
-    __slots__ = ("targets", "children", "parent")
-
-    def __init__(self, parent: int | None) -> None:
-        self.targets: dict[str, float] = {}  # target -> last use
-        self.children = 0
-        self.parent = parent
-
-
 class BoundedPrefixTrie:
     def __init__(self, max_nodes: int) -> None:
         if max_nodes < 1:
             raise ValueError("max_nodes must be >= 1")
         self.max_nodes = max_nodes
-        self._nodes: dict[int, _Node] = {}
+        # node id -> {target: last time it was sent this prefix}; a key exists iff the node does
+        self._targets: dict[int, dict[str, float]] = {}
+        self._parent: dict[int, int | None] = {}  # None for first-chunk nodes
+        self._children: dict[int, int] = {}  # child count; absent for leaves
         # the current leaves in least-recently-used order: eviction pops the front, O(1)
         self._leaves: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._targets)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._targets
 
     def insert(self, chunks: Sequence[int], target: str, now: float) -> None:
-        nodes = self._nodes
-        leaves = self._leaves
-        parent: int | None = None
+        """Record that ``target`` was sent the prompt whose chunk hashes are ``chunks``."""
+        nodes = self._targets
+        children = self._children
         # a path longer than the whole bound keeps only its first max_nodes chunks
-        for h in chunks[: self.max_nodes]:
-            node = nodes.get(h)
-            if node is None:
-                node = nodes[h] = _Node(parent)
-                if parent is not None:
-                    pn = nodes[parent]
-                    if pn.children == 0:
-                        leaves.pop(parent, None)
-                    pn.children += 1
-                leaves[h] = None
-            elif node.children == 0:
-                leaves.move_to_end(h)
-            node.targets[target] = now
+        path = chunks if len(chunks) <= self.max_nodes else chunks[: self.max_nodes]
+        parent: int | None = None
+        depth = 0
+        # the part of the prompt already in the trie: refresh its targets
+        for h in path:
+            held = nodes.get(h)
+            if held is None:
+                break
+            held[target] = now
             parent = h
-        if len(nodes) > self.max_nodes:
-            self._evict(protect=parent)
-
-    def _evict(self, protect: int | None) -> None:
-        nodes = self._nodes
+            depth += 1
         leaves = self._leaves
-        while len(nodes) > self.max_nodes and leaves:
-            victim = next(iter(leaves))
-            if victim == protect:
+        if depth == len(path):
+            if parent is not None and parent not in children:
+                leaves.move_to_end(parent)
+            return
+        # the new tail: a chain where every node but the last has exactly one child.
+        # (A node present in the trie cannot follow a missing one: its id is the whole
+        # prefix, so its parent would be present too.)
+        tail = path[depth:]
+        if parent is not None:
+            count = children.get(parent, 0)
+            if count == 0:
+                del leaves[parent]  # it has a child now
+            children[parent] = count + 1
+        nodes.update(zip(tail, [{target: now} for _ in tail], strict=True))
+        self._parent.update(zip(tail, (parent, *tail[:-1]), strict=True))
+        children.update(dict.fromkeys(tail[:-1], 1))
+        last = tail[-1]
+        leaves[last] = None
+        if len(nodes) > self.max_nodes:
+            self._evict(protect=last)
+
+    def _evict(self, protect: int) -> None:
+        nodes = self._targets
+        children = self._children
+        parents = self._parent
+        leaves = self._leaves
+        limit = self.max_nodes
+        while len(nodes) > limit and leaves:
+            victim, _ = leaves.popitem(last=False)
+            if victim == protect:  # never drop the prompt just inserted
+                leaves[victim] = None
                 if len(leaves) == 1:
                     return
-                leaves.move_to_end(victim)
                 continue
-            del leaves[victim]
-            node = nodes.pop(victim)
-            if node.parent is not None:
-                p = nodes.get(node.parent)
-                if p is not None:
-                    p.children -= 1
-                    if p.children == 0:
-                        # as old as the child it just lost: first in line
-                        leaves[node.parent] = None
-                        leaves.move_to_end(node.parent, last=False)
-            self.evictions += 1
+            while True:
+                del nodes[victim]
+                self.evictions += 1
+                parent = parents.pop(victim)
+                if parent is None:
+                    break
+                count = children[parent] - 1
+                if count:
+                    children[parent] = count
+                    break
+                del children[parent]
+                if len(nodes) > limit:
+                    # it just became the oldest leaf: it is next in line anyway
+                    victim = parent
+                    continue
+                # as old as the child it just lost: first in line
+                leaves[parent] = None
+                leaves.move_to_end(parent, last=False)
+                break
+
+    def _path(self, chunks: Sequence[int]) -> list[dict[str, float]]:
+        """The target sets of the prompt's nodes present in the trie, root first."""
+        nodes = self._targets
+        path: list[dict[str, float]] = []
+        for h in chunks:
+            held = nodes.get(h)
+            if held is None:
+                break
+            path.append(held)
+        return path
 
     def longest_match(
         self, chunks: Sequence[int], available_targets: Iterable[str]
@@ -99,54 +135,63 @@ class BoundedPrefixTrie:
         """Longest prefix (in chunks) held by any of ``available_targets``, and which of
         them hold it.
 
-        A target on a node also holds every ancestor (paths are inserted whole and only
-        leaves are evicted), so: walk down while the path exists (one dict lookup per
-        chunk, stopping where it leaves the trie), then scan back up only until the first
-        node an available target holds. Deep nodes hold one or two targets, so the common
-        case never touches the wide, shared system-prompt nodes at all.
+        By the ancestor invariant, the answer is the deepest node on the prompt's path that
+        an available target holds: walk down while the path exists (one dict lookup per
+        chunk), then scan back up and stop at the first such node. Nodes below it, held
+        only by unavailable targets, are never intersected with the available set, and deep
+        nodes hold one or two targets, so the common case never touches the wide, shared
+        system-prompt nodes at all.
         """
-        alive = available_targets if isinstance(available_targets, (set, frozenset)) else set(available_targets)
+        alive = (
+            available_targets
+            if isinstance(available_targets, (set, frozenset))
+            else set(available_targets)
+        )
         if not alive:
             return 0, set()
-        nodes = self._nodes
-        path: list[_Node] = []
-        for h in chunks:
-            node = nodes.get(h)
-            if node is None:
-                break
-            path.append(node)
+        path = self._path(chunks)
         for depth in range(len(path), 0, -1):
-            owners = _narrow(alive, path[depth - 1].targets)
+            held = path[depth - 1]
+            if len(held) < len(alive):
+                owners = {t for t in held if t in alive}
+            else:
+                owners = {t for t in alive if t in held}
             if owners:
                 return depth, owners
         return 0, set()
 
     def match_per_target(self, chunks: Sequence[int], targets: Iterable[str]) -> dict[str, int]:
-        """Matched chunk count for each target (0 when it holds no prefix)."""
-        remaining = set(targets)
-        out = dict.fromkeys(remaining, 0)
-        nodes = self._nodes
-        depth = 0
-        for h in chunks:
-            node = nodes.get(h)
-            if node is None:
+        """Matched chunk count for each target (0 when it holds no prefix).
+
+        Scanned bottom-up: by the ancestor invariant, the deepest node where a target
+        appears is its match. A target is settled the first time it is seen, and the scan
+        stops once every target is settled, so the cost is the path length plus the sizes
+        of the nodes visited, never path length x targets.
+        """
+        out = dict.fromkeys(targets, 0)
+        left = set(out)
+        path = self._path(chunks)
+        for depth in range(len(path), 0, -1):
+            if not left:
                 break
-            kept = _narrow(remaining, node.targets)
-            # targets dropping out here matched exactly `depth` chunks (O(dropped) work)
-            if len(kept) != len(remaining):
-                for t in remaining - kept:
-                    out[t] = depth
-            remaining = kept
-            if not remaining:
-                break
-            depth += 1
-        for t in remaining:
-            out[t] = depth
+            held = path[depth - 1]
+            if len(held) < len(left):
+                found = [t for t in held if t in left]
+            else:
+                found = [t for t in left if t in held]
+            for t in found:
+                out[t] = depth
+            left.difference_update(found)
         return out
 
+    def targets_at(self, node_id: int) -> dict[str, float]:
+        """A copy of ``{target: last use}`` for one node (empty if absent)."""
+        return dict(self._targets.get(node_id, {}))
+
     def remove_target(self, target: str) -> None:
-        for node in self._nodes.values():
-            node.targets.pop(target, None)
+        """Forget ``target`` everywhere (a replica left). O(nodes): membership changes are rare."""
+        for held in self._targets.values():
+            held.pop(target, None)
 
     def stats(self) -> dict[str, Any]:
-        return {"nodes": len(self._nodes), "max_nodes": self.max_nodes, "evictions": self.evictions}
+        return {"nodes": len(self._targets), "max_nodes": self.max_nodes, "evictions": self.evictions}

@@ -40,8 +40,14 @@ class CacheAwarePolicy(CacheTrackingPolicy):
         views = available(replicas)
         if not views:
             return Decision(None, "none available")
-        loads = [v.in_flight for v in replicas.values() if v.healthy]
-        hi, lo = max(loads), min(loads)
+        lo = hi = views[0].in_flight
+        for v in replicas.values():
+            if v.healthy:
+                load = v.in_flight
+                if load > hi:
+                    hi = load
+                elif load < lo:
+                    lo = load
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             v = min(views, key=lambda x: (x.in_flight, x.replica_id))
             return decide(v, "imbalance")
@@ -50,5 +56,15 @@ class CacheAwarePolicy(CacheTrackingPolicy):
             v = least_loaded(owners)
             assert v is not None
             return decide(v, "cache_hit", matched)
-        v = min(views, key=lambda x: (self.tree_tokens.get(x.replica_id, 0), x.in_flight, x.replica_id))
-        return decide(v, "smallest_tree")
+        # the smallest tree (fewest tokens sent), then fewest in flight: int comparisons,
+        # tie tuples only on ties (this loop runs over every replica)
+        tree = self.tree_tokens
+        best = views[0]
+        best_size = tree.get(best.replica_id, 0)
+        for v in views:
+            size = tree.get(v.replica_id, 0)
+            if size < best_size or (
+                size == best_size and (v.in_flight, v.replica_id) < (best.in_flight, best.replica_id)
+            ):
+                best, best_size = v, size
+        return decide(best, "smallest_tree")

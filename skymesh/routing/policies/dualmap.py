@@ -22,7 +22,7 @@ from typing import Any
 from skymesh.routing.base import Decision, Migration, PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.hashing import key_hash
 from skymesh.routing.hotness import HotnessTree
-from skymesh.routing.policies.common import available, decide
+from skymesh.routing.policies.common import available, decide, least_loaded
 from skymesh.routing.policies.min_ttft import EstimatingPolicy
 from skymesh.routing.ring import DualHashRing
 
@@ -34,8 +34,11 @@ class DualMapPolicy(EstimatingPolicy):
         super().__init__(ctx)
         o = ctx.options
         self.ring = DualHashRing(virtual_nodes=int(o.get("virtual_nodes", 160)))
+        window_s = o.get("hotness_window_s")
         self.hotness = HotnessTree(
-            base_chunks=int(o.get("base_key_chunks", 1)), window=int(o.get("hotness_window", 512))
+            base_chunks=int(o.get("base_key_chunks", 1)),
+            window=int(o.get("hotness_window", 512)),
+            window_s=None if window_s is None else float(window_s),
         )
         # 0 by default: in the discrete-event runs (docs/benchmarks.md) holding a request
         # for a busy candidate cost more TTFT than the cache hit it saved, on both the
@@ -61,6 +64,7 @@ class DualMapPolicy(EstimatingPolicy):
     def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
         if len(self.ring) == 0:
             return Decision(None, "no replicas")
+        self.hotness.expire(now, len(self.ring))
         c1, c2 = self.candidates(req)
         per = self.trie.match_per_target(req.chunk_hashes, (c1, c2))
         cands = []
@@ -91,19 +95,23 @@ class DualMapPolicy(EstimatingPolicy):
         best_est = min((c[2] for c in cands), default=0.0)
         # hold while the wait has used at most a fraction of the SLO's slack over the
         # candidate's own estimate; a request that could not meet the SLO anyway spills
-        if waited <= self.max_hold_fraction * (slo - best_est):
+        if self.max_hold_fraction > 0 and waited <= self.max_hold_fraction * (slo - best_est):
             if pinned is None and cands:
                 self.held[req.request_id] = max(cands, key=lambda c: (c[1], -c[2]))[0].replica_id
             return Decision(None, "hold")
         views = available(replicas)
         if not views:
             return Decision(None, "none available")
-        matched, owners = self.best_prefix(req, views)
-        # spilling: among the holders of the longest cached prefix (all hit `matched`
+        # spilling: among the holders of the longest cached prefix (all hit the same
         # tokens), or among everyone (no hits), the lowest estimate = the least pending
-        pool = owners if owners and matched else views
-        v = min(pool, key=lambda x: (x.pending_prefill_tokens, x.in_flight, x.replica_id))
-        hit = matched if pool is owners else 0
+        chunks, owner_ids = self.trie.longest_match(req.chunk_hashes, {v.replica_id for v in views})
+        if chunks:
+            pick = least_loaded(replicas[rid] for rid in owner_ids)
+        else:
+            pick = least_loaded(views)
+        assert pick is not None
+        v = pick
+        hit = self.hit_tokens(req, chunks)
         est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
         return self._place(req, (v, hit, est), "spill")
 
@@ -114,7 +122,7 @@ class DualMapPolicy(EstimatingPolicy):
         return decide(v, reason, hit, est)
 
     def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
-        self.hotness.observe(req.chunk_hashes, len(self.ring))
+        self.hotness.observe(req.chunk_hashes, len(self.ring), now)
         super().on_dispatch(req, replica_id, now)
 
     def on_complete(self, req: RoutingRequest, replica_id: str, ok: bool, now: float) -> None:
@@ -163,6 +171,6 @@ class DualMapPolicy(EstimatingPolicy):
         return {
             **super().stats(),
             "held": len(self.held),
-            "hot_prefixes": len(self.hotness.hot),
+            **self.hotness.stats(),
             "migrations": self.migrations_total,
         }

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
-from skymesh.routing.policies.common import BasePolicy, available, decide, least_loaded
+from skymesh.routing.policies.common import BasePolicy, decide, least_loaded
 
 
 class LeastLoadPolicy(BasePolicy):
     name = "least_load"
 
     def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
-        v = least_loaded(available(replicas))
+        v = least_loaded(replicas.values(), only_available=True)
         return Decision(None, "none available") if v is None else decide(v, "least_load")

@@ -25,6 +25,34 @@ class EstimatingPolicy(CacheTrackingPolicy):
         if len(self._placed) > 100_000:  # requests that never completed: drop the oldest
             self._placed.pop(next(iter(self._placed)))
 
+    def least_prefill_work(
+        self, req: RoutingRequest, views: list[ReplicaView]
+    ) -> tuple[ReplicaView, int]:
+        """The view with the smallest estimated TTFT, and its cached prefix tokens.
+
+        Every replica shares one linear model (fixed + slope x tokens, slope > 0), so the
+        smallest estimate is the smallest prefill work ahead + uncached: compared as
+        integers, without evaluating the model per replica (this runs over all replicas).
+        Ties: fewer in flight, then replica id.
+        """
+        per = self.trie.match_per_target(req.chunk_hashes, [v.replica_id for v in views])
+        prompt = req.prompt_tokens
+        chunk = self.ctx.chunk_tokens
+        best = views[0]
+        best_work: float = float("inf")
+        best_hit = 0
+        # integer comparisons only in the common case: this loop runs over every replica
+        for v in views:
+            hit = per[v.replica_id] * chunk
+            if hit > prompt:
+                hit = prompt
+            work = v.pending_prefill_tokens - hit  # + prompt, the same for all
+            if work < best_work or (
+                work == best_work and (v.in_flight, v.replica_id) < (best.in_flight, best.replica_id)
+            ):
+                best, best_work, best_hit = v, work, hit
+        return best, best_hit
+
     def on_first_token(self, req: RoutingRequest, replica_id: str, ttft_s: float, now: float) -> None:
         placed = self._placed.pop(req.request_id, None)
         if placed is not None:
@@ -51,17 +79,7 @@ class MinTTFTPolicy(EstimatingPolicy):
         views = available(replicas)
         if not views:
             return Decision(None, "none available")
-        per = self.trie.match_per_target(req.chunk_hashes, (v.replica_id for v in views))
-        best = None
-        for v in views:
-            matched = self.hit_tokens(req, per[v.replica_id])
-            est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - matched)
-            key = (est, v.in_flight, v.replica_id)
-            if best is None or key < best[0]:
-                best = (key, v, matched, est)
-        assert best is not None
-        _, v, matched, est = best
-        self.remember(req, v, matched)
-        return decide(v, "min_ttft", matched, est)
-
-
+        v, hit = self.least_prefill_work(req, views)
+        self.remember(req, v, hit)
+        est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
+        return decide(v, "min_ttft", hit, est)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
+from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.policies.common import available, decide, least_loaded
 from skymesh.routing.policies.min_ttft import EstimatingPolicy
 
@@ -14,24 +14,24 @@ from skymesh.routing.policies.min_ttft import EstimatingPolicy
 class PreblePolicy(EstimatingPolicy):
     name = "preble"
 
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.hit_threshold = float(ctx.options.get("hit_threshold", 0.5))
+
     def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
         views = available(replicas)
         if not views:
             return Decision(None, "none available")
-        threshold = float(self.ctx.options.get("hit_threshold", 0.5))
+        threshold = self.hit_threshold
         matched, owners = self.best_prefix(req, views)
         if owners and req.prompt_tokens and matched / req.prompt_tokens > threshold:
             v = least_loaded(owners)
             assert v is not None
             self.remember(req, v, matched)
             return decide(v, "cache_hit", matched)
-        per = self.trie.match_per_target(req.chunk_hashes, (v.replica_id for v in views))
-
-        def cost(v: ReplicaView) -> tuple[float, int, str]:
-            uncached = req.prompt_tokens - self.hit_tokens(req, per[v.replica_id])
-            return (self.estimator.estimate(v.pending_prefill_tokens, uncached), v.in_flight, v.replica_id)
-
-        v = min(views, key=cost)
-        m = self.hit_tokens(req, per[v.replica_id])
-        self.remember(req, v, m)
-        return decide(v, "load_cost", m, cost(v)[0])
+        # load cost = pending prefill work + this request's uncached prefill: the same
+        # quantity the TTFT model is linear in, so the cheapest is the minimum-TTFT replica
+        v, hit = self.least_prefill_work(req, views)
+        self.remember(req, v, hit)
+        est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
+        return decide(v, "load_cost", hit, est)

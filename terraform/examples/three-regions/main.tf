@@ -34,6 +34,11 @@ locals {
   controller_ip = cidrhost(cidrsubnet(local.regions["us-east-1"].cidr, 8, 0), 5)
   balancer_ip   = { for k, r in local.regions : k => cidrhost(cidrsubnet(r.cidr, 8, 0), 10) }
   replica_ips   = { for k, r in local.regions : k => [for i in range(var.replicas_per_region) : cidrhost(cidrsubnet(r.cidr, 8, 0), 20 + i)] }
+  balancer_public_ip = {
+    "us-east-1"      = module.use1.balancer_public_ip
+    "eu-west-1"      = module.euw1.balancer_public_ip
+    "ap-northeast-1" = module.apne1.balancer_public_ip
+  }
   latencies = [
     { regions = ["us-east-1", "eu-west-1"], one_way_ms = 38 },
     { regions = ["us-east-1", "ap-northeast-1"], one_way_ms = 80 },
@@ -41,8 +46,9 @@ locals {
   ]
 }
 
-# The config is computed from planned addresses (fixed private IPs per region), so every
-# instance gets the same YAML at boot.
+# The config is computed from planned addresses (fixed private IPs per region, and the
+# balancers' Elastic IPs, which are allocated before any instance), so every instance gets
+# the same YAML at boot.
 module "config" {
   source = "../../modules/config"
   model  = var.model
@@ -50,6 +56,7 @@ module "config" {
     name                = k
     source_networks     = [r.cidr]
     balancer_private_ip = local.balancer_ip[k]
+    balancer_public_ip  = local.balancer_public_ip[k]
     replica_ips         = local.replica_ips[k]
   }]
   latencies     = local.latencies
@@ -110,21 +117,48 @@ module "dns" {
   providers   = { aws = aws.use1 }
   zone_name   = var.hosted_zone
   record_name = var.dns_name
-  balancers = {
-    "us-east-1"      = { ip = module.use1.balancer_public_ip }
-    "eu-west-1"      = { ip = module.euw1.balancer_public_ip }
-    "ap-northeast-1" = { ip = module.apne1.balancer_public_ip }
-  }
+  balancers   = { for k, ip in local.balancer_public_ip : k => { ip = ip } }
 }
 
+# The controller shares us-east-1's subnet at the address the config names; peering
+# lets it probe every balancer and lets balancers reach each other (and adopted replicas)
+# over private addresses.
 module "controller" {
   source         = "../../modules/controller"
   providers      = { aws = aws.use1 }
-  subnet_id      = var.controller_subnet_id
-  vpc_id         = var.controller_vpc_id
+  subnet_id      = module.use1.subnet_id
+  vpc_id         = module.use1.vpc_id
+  private_ip     = local.controller_ip
   ami_id         = local.regions["us-east-1"].ami
   hosted_zone_id = module.dns.zone_id
   balancer_cidrs = local.all_cidrs
   admin_cidrs    = var.admin_cidrs
   skymesh_config = module.config.skymesh_config
+}
+
+module "peer_use1_euw1" {
+  source          = "../../modules/peering"
+  providers       = { aws.requester = aws.use1, aws.accepter = aws.euw1 }
+  name            = "us-east-1<->eu-west-1"
+  requester       = { vpc_id = module.use1.vpc_id, cidr = local.regions["us-east-1"].cidr, route_table_id = module.use1.route_table_id }
+  accepter        = { vpc_id = module.euw1.vpc_id, cidr = local.regions["eu-west-1"].cidr, route_table_id = module.euw1.route_table_id }
+  accepter_region = "eu-west-1"
+}
+
+module "peer_use1_apne1" {
+  source          = "../../modules/peering"
+  providers       = { aws.requester = aws.use1, aws.accepter = aws.apne1 }
+  name            = "us-east-1<->ap-northeast-1"
+  requester       = { vpc_id = module.use1.vpc_id, cidr = local.regions["us-east-1"].cidr, route_table_id = module.use1.route_table_id }
+  accepter        = { vpc_id = module.apne1.vpc_id, cidr = local.regions["ap-northeast-1"].cidr, route_table_id = module.apne1.route_table_id }
+  accepter_region = "ap-northeast-1"
+}
+
+module "peer_euw1_apne1" {
+  source          = "../../modules/peering"
+  providers       = { aws.requester = aws.euw1, aws.accepter = aws.apne1 }
+  name            = "eu-west-1<->ap-northeast-1"
+  requester       = { vpc_id = module.euw1.vpc_id, cidr = local.regions["eu-west-1"].cidr, route_table_id = module.euw1.route_table_id }
+  accepter        = { vpc_id = module.apne1.vpc_id, cidr = local.regions["ap-northeast-1"].cidr, route_table_id = module.apne1.route_table_id }
+  accepter_region = "ap-northeast-1"
 }

@@ -6,9 +6,15 @@ output "skymesh_config" {
 
 output "balancer_public_ips" {
   description = "Public IPs of the regional balancers."
-  value = {
-    "us-east-1"      = module.use1.balancer_public_ip
-    "eu-west-1"      = module.euw1.balancer_public_ip
-    "ap-northeast-1" = module.apne1.balancer_public_ip
-  }
+  value       = local.balancer_public_ip
+}
+
+output "controller_private_ip" {
+  description = "The controller (gRPC 7001, status API 7002)."
+  value       = module.controller.private_ip
+}
+
+output "zone_id" {
+  description = "The hosted zone holding the mesh name."
+  value       = module.dns.zone_id
 }

@@ -37,16 +37,6 @@ variable "peer_token" {
   sensitive   = true
 }
 
-variable "controller_subnet_id" {
-  description = "Subnet for the controller (in us-east-1)."
-  type        = string
-}
-
-variable "controller_vpc_id" {
-  description = "VPC for the controller (in us-east-1)."
-  type        = string
-}
-
 variable "admin_cidrs" {
   description = "Who may read the controller's status API."
   type        = list(string)

@@ -31,17 +31,15 @@ data "aws_iam_policy_document" "route53" {
     resources = ["arn:aws:route53:::change/*"]
   }
   statement {
-    sid = "HealthChecksOfTheMesh"
-    actions = [
-      "route53:CreateHealthCheck", "route53:DeleteHealthCheck", "route53:GetHealthCheck",
-      "route53:ListHealthChecks", "route53:ChangeTagsForResource",
-    ]
+    sid       = "HealthChecksOfTheMesh"
+    actions   = ["route53:DeleteHealthCheck", "route53:GetHealthCheck", "route53:ChangeTagsForResource"]
     resources = ["arn:aws:route53:::healthcheck/*"]
   }
   statement {
-    sid       = "FindTheZone"
-    actions   = ["route53:ListHostedZonesByName"]
-    resources = ["*"] # this API has no resource-level permissions
+    # these APIs have no resource-level permissions: AWS only accepts "*" here
+    sid       = "ApisWithoutResourceLevelPermissions"
+    actions   = ["route53:ListHostedZonesByName", "route53:ListHealthChecks", "route53:CreateHealthCheck"]
+    resources = ["*"]
   }
 }
 
@@ -94,14 +92,17 @@ resource "aws_security_group" "this" {
 }
 
 resource "aws_instance" "this" {
-  ami                    = var.ami_id
-  instance_type          = var.instance_type
-  subnet_id              = var.subnet_id
-  vpc_security_group_ids = [aws_security_group.this.id]
-  iam_instance_profile   = aws_iam_instance_profile.this.name
-  monitoring             = true
-  ebs_optimized          = true
-  user_data              = <<-EOT
+  ami                         = var.ami_id
+  instance_type               = var.instance_type
+  subnet_id                   = var.subnet_id
+  private_ip                  = var.private_ip
+  associate_public_ip_address = var.associate_public_ip
+  vpc_security_group_ids      = [aws_security_group.this.id]
+  iam_instance_profile        = aws_iam_instance_profile.this.name
+  monitoring                  = true
+  ebs_optimized               = true
+  user_data_replace_on_change = true
+  user_data                   = <<-EOT
     #cloud-config
     write_files:
       - path: /etc/skymesh/mesh.yaml
@@ -136,4 +137,5 @@ resource "aws_instance" "this" {
     volume_type = "gp3"
   }
   tags = { Name = var.name }
+  # checkov:skip=CKV_AWS_88:outbound access to the Route53 API and the package index without a NAT gateway; the security group admits only balancers (7001) and admin_cidrs (7002)
 }

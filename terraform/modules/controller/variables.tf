@@ -14,6 +14,23 @@ variable "vpc_id" {
   type        = string
 }
 
+variable "private_ip" {
+  description = "Fixed private IP (the config module names the controller's address before apply); null: any."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.private_ip == null || can(cidrhost("${coalesce(var.private_ip, "0.0.0.0")}/32", 0))
+    error_message = "private_ip must be an IPv4 address."
+  }
+}
+
+variable "associate_public_ip" {
+  description = "Give the instance a public IP for outbound calls (Route53 API, package index) when the subnet has no NAT gateway."
+  type        = bool
+  default     = true
+}
+
 variable "ami_id" {
   description = "AMI for the controller."
   type        = string

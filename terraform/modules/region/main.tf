@@ -202,3 +202,16 @@ resource "aws_instance" "balancer" {
   # checkov:skip=CKV2_AWS_41:the balancer needs no AWS API access, so no IAM role is attached
   # checkov:skip=CKV_AWS_88:the balancer is the public endpoint that Route53 latency records point at
 }
+
+# A fixed public address, allocated before the instances: the config (which every
+# instance receives at boot) and the Route53 records name it, so it must not depend on
+# the instance. The association attaches it once the balancer exists.
+resource "aws_eip" "balancer" {
+  domain = "vpc"
+  tags   = { Name = "skymesh-${var.name}-balancer" }
+}
+
+resource "aws_eip_association" "balancer" {
+  allocation_id = aws_eip.balancer.id
+  instance_id   = aws_instance.balancer.id
+}

@@ -4,8 +4,8 @@ output "balancer_private_ip" {
 }
 
 output "balancer_public_ip" {
-  description = "Public IP of the balancer (Route53 records point here)."
-  value       = aws_instance.balancer.public_ip
+  description = "Elastic IP of the balancer (Route53 records and health checks point here); known before the instances exist."
+  value       = aws_eip.balancer.public_ip
 }
 
 output "replica_private_ips" {
@@ -16,4 +16,19 @@ output "replica_private_ips" {
 output "vpc_cidr" {
   description = "This region's VPC CIDR."
   value       = aws_vpc.this.cidr_block
+}
+
+output "vpc_id" {
+  description = "This region's VPC (for peering and the controller)."
+  value       = aws_vpc.this.id
+}
+
+output "subnet_id" {
+  description = "This region's subnet (the controller may share it)."
+  value       = aws_subnet.this.id
+}
+
+output "route_table_id" {
+  description = "Route table of the subnet (peering routes go here)."
+  value       = aws_route_table.this.id
 }

@@ -38,3 +38,23 @@ run "rejects_bad_zone_id" {
   }
   expect_failures = [var.hosted_zone_id]
 }
+
+run "fixed_private_ip" {
+  command = plan
+  variables {
+    private_ip = "10.10.0.5"
+  }
+
+  assert {
+    condition     = aws_instance.this.private_ip == "10.10.0.5"
+    error_message = "the controller must sit at the address the config names"
+  }
+}
+
+run "rejects_bad_private_ip" {
+  command = plan
+  variables {
+    private_ip = "10.10.0"
+  }
+  expect_failures = [var.private_ip]
+}

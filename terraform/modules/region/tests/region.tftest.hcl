@@ -50,3 +50,12 @@ run "rejects_zero_replicas" {
   }
   expect_failures = [var.replica_count]
 }
+
+run "balancer_has_a_fixed_public_address" {
+  command = plan
+
+  assert {
+    condition     = aws_eip.balancer.domain == "vpc"
+    error_message = "the balancer's public address is an Elastic IP allocated before the instance"
+  }
+}

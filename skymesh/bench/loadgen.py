@@ -1,0 +1,129 @@
+"""The open-loop load generator of the live benchmark.
+
+Arrivals are replayed on their (already rate-scaled) times and never wait for responses:
+each request is its own task, started when its time comes. Every response is streamed
+(OpenAI SSE) and the client records TTFT (first content chunk), the gaps between content
+chunks (inter-token times), end-to-end latency, the HTTP status, and the serving
+region/replica/offload marker from the headers the skymesh balancer adds
+(``X-Skymesh-Region``, ``X-Skymesh-Replica``, ``X-Skymesh-Offloaded``). Bounded: at most
+``len(trace)`` requests, and everything still open after ``timeout_s`` is cancelled.
+
+A request whose trace region names a specific entry point goes to that URL (clients per
+region reach their own balancer); the client-side latency to it is the entry point's
+business (the local mesh puts a delay proxy in front of each balancer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from skymesh.bench.traces import TraceRequest
+from skymesh.tokens import trace_prompt
+
+
+@dataclass(slots=True)
+class LiveResult:
+    arrival_s: float
+    input_len: int
+    output_len: int
+    origin: str = ""
+    status: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    rejected: bool = False
+    error: str = ""
+    region: str = ""
+    replica: str = ""
+    offloaded: bool = False
+    late_s: float = 0.0  # how late the generator sent it (a sign of an overloaded client)
+
+
+def _content_events(buf: bytearray) -> tuple[int, bool]:
+    """Count complete SSE ``data:`` events with content in ``buf`` and drop them from it;
+    returns (events, saw [DONE])."""
+    n = 0
+    done = False
+    while True:
+        i = buf.find(b"\n\n")
+        if i < 0:
+            return n, done
+        ev = bytes(buf[:i])
+        del buf[: i + 2]
+        if ev.startswith(b"data: [DONE]"):
+            done = True
+        elif ev.startswith(b"data: {"):
+            n += 1
+
+
+async def send_one(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, res: LiveResult,
+                   model: str = "skymesh-sim", headers: Mapping[str, str] | None = None) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    sent = time.perf_counter()
+    try:
+        async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+            res.status = r.status
+            res.region = r.headers.get("X-Skymesh-Region", "")
+            res.replica = r.headers.get("X-Skymesh-Replica", "")
+            res.offloaded = r.headers.get("X-Skymesh-Offloaded", "0") == "1"
+            if r.status != 200:
+                res.rejected = True
+                res.error = (await r.text())[:200]
+                return
+            buf = bytearray()
+            last = sent
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                n, _ = _content_events(buf)
+                if n == 0:
+                    continue
+                now = time.perf_counter()
+                if res.ttft is None:
+                    res.ttft = now - sent
+                else:
+                    res.itl.append(now - last)
+                last = now
+                res.tokens += n
+            res.e2e = time.perf_counter() - sent
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        res.rejected = res.ttft is None
+        res.error = f"{type(e).__name__}: {e}"[:200]
+
+
+async def replay(trace: Sequence[TraceRequest], url_for: Callable[[TraceRequest], str], timeout_s: float,
+                 on_done: Callable[[], None] | None = None) -> list[LiveResult]:
+    """Open loop: send every request of ``trace`` at its arrival time (relative to now)."""
+    results = [LiveResult(r.arrival_s, r.input_len, r.output_len, origin=r.region) for r in trace]
+    conn = aiohttp.TCPConnector(limit=0)
+    tasks: list[asyncio.Task[None]] = []
+    deadline = time.perf_counter() + timeout_s
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        t0 = time.perf_counter()
+        for r, res in zip(trace, results, strict=True):
+            if time.perf_counter() >= deadline:
+                break
+            delay = r.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            res.late_s = max(0.0, (time.perf_counter() - t0) - r.arrival_s)
+            prompt = trace_prompt(r.hash_ids, r.input_len)
+            task = asyncio.create_task(send_one(s, url_for(r), prompt, r.output_len, res,
+                                                headers={"X-Session-ID": str(r.session)}))
+            if on_done is not None:
+                task.add_done_callback(lambda _t: on_done())
+            tasks.append(task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for res in results[len(tasks):]:
+        res.rejected = True
+        res.error = "not sent: time limit"
+    return results

@@ -1,0 +1,79 @@
+"""The routers under test in the live benchmark, as child processes on loopback.
+
+- a skymesh balancer (``skymesh balancer --config ... --region ...``) with policy NAME
+  (any registry name): the central single-balancer setup, one region owning every replica;
+- the real peer routers ``sglang-router`` and ``vllm-router`` (optional extra
+  ``[peers]``: ``.venv/bin/pip install '.[peers]'``) with their cache-aware policy, bound to
+  127.0.0.1 with ``HF_ENDPOINT`` pointed at an unused loopback port so nothing leaves the
+  machine. Not installed → ``None`` and the caller skips that system with a message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from skymesh.procs import Child, free_port, skymesh_cmd
+
+PEERS = ("sglang-router", "vllm-router")
+INSTALL_HINT = "pip install '.[peers]' into .venv"
+
+
+def _offline_env() -> dict[str, str]:
+    port = free_port()
+    return {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
+
+
+def peer_available(system: str) -> bool:
+    if system == "sglang-router":
+        return importlib.util.find_spec("sglang_router") is not None
+    if system == "vllm-router":
+        return shutil.which("vllm-router") is not None or (Path(sys.executable).parent / "vllm-router").exists()
+    return False
+
+
+def peer_child(system: str, urls: Sequence[str], port: int, log_dir: Path, policy: str = "cache_aware") -> Child | None:
+    """A peer router in front of ``urls``, or None when it is not installed."""
+    if not peer_available(system):
+        return None
+    if system == "sglang-router":
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--policy", policy, "--worker-urls", *urls]
+    else:
+        exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *urls]
+    return Child(system, cmd, log_dir, env=_offline_env())
+
+
+def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, region: str = "bench-1",
+                    chunk_tokens: int = 512) -> dict[str, object]:
+    """A one-region mesh config: one balancer owning every replica, no offload."""
+    return {
+        "model": "skymesh-sim",
+        "regions": [{"name": region, "source_networks": ["127.1.0.0/16"],
+                     "balancer": {"listen": f"127.0.0.1:{port}", "grpc_listen": f"127.0.0.1:{free_port()}"},
+                     "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
+        "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
+        "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port()}"},
+        "policy": {"name": policy, "ttft_slo_s": slo_s, "queue_bound": 100000, "chunk_tokens": chunk_tokens},
+        "offload": {"enabled": False},
+    }
+
+
+def balancer_child(policy: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float) -> Child:
+    path = log_dir / f"{policy}-balancer.yaml"
+    path.write_text(yaml.safe_dump(balancer_config(policy, urls, port, slo_s)))
+    return Child(f"balancer-{policy}", skymesh_cmd("balancer", "--config", str(path), "--region", "bench-1",
+                                                   "--no-controller", "--no-peers", "--log-level", "WARNING"),
+                 log_dir)
+
+
+def router_child(system: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float) -> Child | None:
+    if system in PEERS:
+        return peer_child(system, urls, port, log_dir)
+    return balancer_child(system, urls, port, log_dir, slo_s)

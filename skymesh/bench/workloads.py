@@ -1,0 +1,128 @@
+"""Synthetic workloads in the trace format (512-token blocks of hash ids).
+
+- :func:`hot_prefix_workload`: tool/agent traffic, a few very popular system prompts.
+- :func:`tree_of_thoughts`: Tree-of-Thoughts trees (every node extends its parent).
+- :func:`synthetic_conversations`: a lazy, arbitrarily long multi-region stream of
+  multi-turn conversations for the large-scale discrete-event run (1M requests).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterator, Sequence
+
+from skymesh.bench.traces import TraceRequest, diurnal_factor, region_weights
+from skymesh.tokens import TRACE_BLOCK_TOKENS
+
+HOT_BASE = 1_000_000
+UNIQUE_BASE = 10_000_000
+TOT_BASE = 50_000_000
+CONV_BASE = 100_000_000
+
+
+def hot_prefix_workload(n: int, rate_per_s: float, n_prompts: int = 4, prompt_blocks: int = 4,
+                        hot_share: float = 0.8, user_blocks: int = 2, output_len: int = 128,
+                        zipf_s: float = 1.0, seed: int = 0) -> list[TraceRequest]:
+    """``n`` Poisson arrivals at ``rate_per_s``: ``hot_share`` of them start with one of
+    ``n_prompts`` popular system prompts (Zipf(``zipf_s``) popularity) of ``prompt_blocks``
+    blocks; the rest have their own unique prompt; every request adds ``user_blocks`` of its
+    own. Sessions: one per request (tool calls are independent)."""
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) ** zipf_s for i in range(n_prompts)]
+    t = 0.0
+    out = []
+    next_id = UNIQUE_BASE
+    for i in range(n):
+        t += rng.expovariate(rate_per_s)
+        if rng.random() < hot_share:
+            p = rng.choices(range(n_prompts), weights)[0]
+            sys_ids = tuple(HOT_BASE + p * 1000 + b for b in range(prompt_blocks))
+        else:
+            sys_ids = tuple(range(next_id, next_id + prompt_blocks))
+            next_id += prompt_blocks
+        user = tuple(range(next_id, next_id + user_blocks))
+        next_id += user_blocks
+        ids = sys_ids + user
+        out.append(TraceRequest(t, len(ids) * TRACE_BLOCK_TOKENS, output_len, ids, session=i))
+    return out
+
+
+def tree_of_thoughts(n_trees: int, branching: int, depth: int, rate_per_s: float, root_blocks: int = 4,
+                     step_blocks: int = 1, output_len: int = 64, level_gap_s: float = 2.0,
+                     seed: int = 0) -> list[TraceRequest]:
+    """Tree-of-Thoughts: trees start as Poisson arrivals; a level's ``branching**level``
+    nodes all arrive together ``level_gap_s`` after the previous level (it waits for the
+    parents' answers). Each node's prompt = its parent's prompt + ``step_blocks``; all nodes
+    of a tree share the root prefix, siblings their parent's. One session per tree."""
+    if branching < 1 or depth < 1:
+        raise ValueError("branching and depth must be >= 1")
+    rng = random.Random(seed)
+    out: list[TraceRequest] = []
+    next_id = TOT_BASE
+    t = 0.0
+    for tree in range(n_trees):
+        t += rng.expovariate(rate_per_s)
+        root = tuple(range(next_id, next_id + root_blocks))
+        next_id += root_blocks
+        frontier = [root]
+        level_t = t
+        for _level in range(depth):
+            nxt = []
+            for node in frontier:
+                for _b in range(branching):
+                    ids = node + tuple(range(next_id, next_id + step_blocks))
+                    next_id += step_blocks
+                    out.append(TraceRequest(level_t, len(ids) * TRACE_BLOCK_TOKENS, output_len, ids,
+                                            session=tree))
+                    nxt.append(ids)
+            frontier = nxt
+            level_t += level_gap_s
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def synthetic_conversations(n: int, regions: Sequence[str], rate_per_s: float, skew: float = 0.0,
+                            diurnal_period_s: float = 0.0, amplitude: float = 0.8, turns_mean: float = 3.0,
+                            think_s: float = 20.0, first_blocks: tuple[int, int] = (2, 6),
+                            turn_blocks: tuple[int, int] = (1, 2), output_len: tuple[int, int] = (64, 256),
+                            n_system_prompts: int = 8, seed: int = 0) -> Iterator[TraceRequest]:
+    """A lazy stream of ``n`` requests in arrival order: conversations start as a Poisson
+    process of total rate ``rate_per_s / turns_mean`` (requests then average ``rate_per_s``),
+    each in a region drawn with :func:`region_weights` (thinned by that region's diurnal curve
+    when ``diurnal_period_s`` > 0) and with one of ``n_system_prompts`` shared system
+    prompts (1 block); a turn's prompt = the previous prompt + its answer + the new user
+    message (``turn_blocks``), so turns form a prefix chain; turns are ``think_s`` apart
+    on average (exponential). Memory is O(open conversations), not O(n)."""
+    rng = random.Random(seed)
+    weights = region_weights(len(regions), skew)
+    phases = [k / len(regions) for k in range(len(regions))]
+    next_id = CONV_BASE
+    session = 0
+    t_conv = 0.0
+    conv_rate = rate_per_s / turns_mean
+    pending: list[tuple[float, int, str, tuple[int, ...], int]] = []  # (t, session, region, ids, turns_left)
+    emitted = 0
+    while emitted < n:
+        # open conversations until the next start is later than the earliest pending turn
+        while not pending or t_conv <= pending[0][0]:
+            t_conv += rng.expovariate(conv_rate)
+            k = rng.choices(range(len(regions)), weights)[0]
+            if diurnal_period_s > 0 and rng.random() >= diurnal_factor(t_conv, diurnal_period_s, phases[k],
+                                                                          amplitude):
+                continue
+            nb = rng.randint(*first_blocks)
+            ids = (rng.randrange(n_system_prompts),) + tuple(range(next_id, next_id + nb - 1))
+            next_id += nb - 1
+            turns = max(1, round(rng.expovariate(1.0 / turns_mean)))
+            heapq.heappush(pending, (t_conv, session, regions[k], ids, turns))
+            session += 1
+        t, s, region, ids, turns = heapq.heappop(pending)
+        out_len = rng.randint(*output_len)
+        yield TraceRequest(t, len(ids) * TRACE_BLOCK_TOKENS, out_len, ids, region=region, session=s)
+        emitted += 1
+        if turns > 1:
+            nb = rng.randint(*turn_blocks) + max(1, out_len // TRACE_BLOCK_TOKENS)
+            nxt = ids + tuple(range(next_id, next_id + nb))
+            next_id += nb
+            heapq.heappush(pending, (t + rng.expovariate(1.0 / think_s), s, region, nxt, turns - 1))

@@ -1,0 +1,124 @@
+"""Trace handling and synthetic workloads on tiny hand-made inputs with known answers."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from skymesh.bench.traces import (
+    TraceRequest,
+    assign_regions,
+    assign_sessions,
+    diurnal,
+    diurnal_factor,
+    load_mooncake,
+    oracle_hit_rate,
+    region_weights,
+    scale_rate,
+    scale_time,
+    window,
+)
+from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
+
+
+def test_load_mooncake_and_sessions(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 1000, "input_length": 1200, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1500, "input_length": 700, "output_length": 5, "hash_ids": [0, 3]},
+        # continues the first conversation (shares 3 blocks), then a new one sharing only block 0
+        {"timestamp": 3000, "input_length": 2000, "output_length": 5, "hash_ids": [0, 1, 2, 4]},
+        {"timestamp": 3500, "input_length": 600, "output_length": 5, "hash_ids": [0, 5]},
+        {"timestamp": 4000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 3, 6]},
+    ]
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reqs = load_mooncake(p)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5, 2.0, 2.5, 3.0]
+    assert [r.session for r in reqs] == [0, 1, 0, 2, 1]
+    assert len(load_mooncake(p, first_n=2)) == 2
+
+
+def test_sessions_need_two_shared_blocks() -> None:
+    reqs = [TraceRequest(0, 512, 1, (7,)), TraceRequest(1, 512, 1, (7,)), TraceRequest(2, 1024, 1, (7, 8))]
+    assert [r.session for r in assign_sessions(reqs)] == [0, 1, 2]
+    assert [r.session for r in assign_sessions(reqs, min_shared_blocks=1)] == [0, 0, 0]
+
+
+def test_scaling_and_window() -> None:
+    reqs = [TraceRequest(t, 10, 1, (t,)) for t in (0.0, 1.0, 2.0, 4.0)]
+    assert [r.arrival_s for r in scale_rate(reqs, 2.0)] == [0.0, 0.5, 1.0, 2.0]
+    assert [r.arrival_s for r in scale_time(reqs, 0.5)] == [0.0, 0.5, 1.0, 2.0]
+    assert [r.arrival_s for r in window(reqs, 1.0, 3.0)] == [0.0, 1.0]
+    with pytest.raises(ValueError):
+        scale_rate(reqs, 0.0)
+
+
+def test_oracle_hit_rate_is_token_weighted() -> None:
+    reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1536, 1, (1, 2, 3)), TraceRequest(2, 512, 1, (9,))]
+    assert oracle_hit_rate(reqs) == pytest.approx(1024 / 3072)
+    # a partial last block counts with its real length
+    assert oracle_hit_rate([TraceRequest(0, 600, 1, (1, 2)), TraceRequest(1, 600, 1, (1, 2))]) == pytest.approx(0.5)
+
+
+def test_region_weights_and_assignment_keep_sessions_together() -> None:
+    assert region_weights(3, 0.0) == pytest.approx([1 / 3] * 3)
+    assert region_weights(3, 0.5) == pytest.approx([2 / 3, 1 / 6, 1 / 6])
+    reqs = [TraceRequest(i, 10, 1, (i,), session=i % 40) for i in range(400)]
+    out = assign_regions(reqs, ["a", "b", "c"], skew=0.5, seed=3)
+    by_session: dict[int, set[str]] = {}
+    for r in out:
+        by_session.setdefault(r.session, set()).add(r.region)
+    assert all(len(v) == 1 for v in by_session.values())
+    counts = Counter(next(iter(v)) for v in by_session.values())
+    assert counts["a"] > counts["b"] and counts["a"] > counts["c"]
+
+
+def test_diurnal_peaks_are_shifted_by_time_zone() -> None:
+    assert diurnal_factor(0.0, 100.0, 0.0, 0.8) == pytest.approx(1.0)
+    assert diurnal_factor(50.0, 100.0, 0.0, 0.8) == pytest.approx(0.2)
+    assert diurnal_factor(50.0, 100.0, 0.5, 0.8) == pytest.approx(1.0)
+    reqs = [TraceRequest(i * 0.01, 10, 1, (i,), region=("a" if i % 2 else "b")) for i in range(20_000)]
+    kept = diurnal(reqs, ["a", "b"], period_s=200.0, seed=1)
+    first_half = Counter(r.region for r in kept if r.arrival_s < 50 or r.arrival_s >= 150)
+    second_half = Counter(r.region for r in kept if 50 <= r.arrival_s < 150)
+    assert first_half["a"] > 1.5 * first_half["b"]  # a peaks at t=0, b half a period later
+    assert second_half["b"] > 1.5 * second_half["a"]
+
+
+def test_hot_prefix_workload() -> None:
+    reqs = hot_prefix_workload(2000, rate_per_s=100.0, n_prompts=4, prompt_blocks=4, hot_share=0.8, seed=1)
+    hot = Counter(r.hash_ids[:4] for r in reqs)
+    top4 = sum(c for _, c in hot.most_common(4))
+    assert 0.75 < top4 / len(reqs) < 0.85
+    assert all(r.input_len == 6 * 512 for r in reqs)
+    assert 15.0 < reqs[-1].arrival_s < 25.0  # 2000 Poisson arrivals at 100/s
+
+
+@pytest.mark.parametrize(("branching", "depth"), [(2, 3), (4, 2)])
+def test_tree_of_thoughts_shape(branching: int, depth: int) -> None:
+    reqs = tree_of_thoughts(3, branching, depth, rate_per_s=1.0, root_blocks=2, seed=0)
+    per_tree = sum(branching ** (d + 1) for d in range(depth))
+    assert len(reqs) == 3 * per_tree
+    by_ids = {r.hash_ids for r in reqs}
+    for r in reqs:
+        parent = r.hash_ids[:-1]
+        assert len(parent) == 2 or parent in by_ids  # every non-root node extends its parent
+    assert Counter(r.session for r in reqs) == {0: per_tree, 1: per_tree, 2: per_tree}
+
+
+def test_synthetic_conversations_stream() -> None:
+    reqs = list(synthetic_conversations(3000, ["x", "y"], rate_per_s=50.0, skew=0.5, seed=2))
+    assert len(reqs) == 3000
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:], strict=False))
+    last: dict[int, TraceRequest] = {}
+    for r in reqs:
+        prev = last.get(r.session)
+        if prev is not None:
+            assert r.hash_ids[: len(prev.hash_ids)] == prev.hash_ids  # turns form a prefix chain
+            assert r.region == prev.region
+        last[r.session] = r
+    regions = Counter(r.region for r in reqs)
+    assert regions["x"] > regions["y"]

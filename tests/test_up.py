@@ -1,0 +1,263 @@
+"""`skymesh up` and its pieces: process supervision, the pre-flight address check, the
+banner, and the whole local mesh brought up from a copy of local.yaml on free ports,
+seen healthy by `skymesh status --json`, then stopped cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from skymesh.procs import Child, bind_problem, wait_all_healthy
+from skymesh.up import Mesh, MeshStartError
+from tests.mesh_helpers import ROOT, free_port, local_config_free_ports
+
+
+def skymesh(*args: str) -> list[str]:
+    return [sys.executable, "-m", "skymesh.cli", *args]
+
+
+def mesh_parts_missing() -> str | None:
+    for module in ("skymesh.balancer.main", "controller.main", "skymesh.dns.main", "skymesh.replica_sim.main"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not written yet"
+    return None
+
+
+def write_config(tmp_path: Path, time_scale: float = 0.1) -> tuple[Path, dict]:
+    data = local_config_free_ports(time_scale=time_scale)
+    data["controller"]["state_path"] = str(tmp_path / "controller.sqlite")
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, data
+
+
+# ----------------------------------------------------------------------------- supervision
+
+
+async def test_a_child_that_dies_is_named_with_its_log_tail(tmp_path: Path) -> None:
+    bad = Child("broken-part", [sys.executable, "-c", "print('cannot load the model', flush=True); raise SystemExit(3)"],
+                tmp_path)
+    bad.start()
+    with pytest.raises(RuntimeError) as e:
+        await wait_all_healthy([(f"http://127.0.0.1:{free_port()}/health", bad)], within_s=60)
+    assert "broken-part exited with 3" in str(e.value)
+    assert "cannot load the model" in str(e.value)
+    assert bad.returncode == 3
+
+
+async def test_stop_escalates_to_sigkill_for_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    stubborn = Child("stubborn", [sys.executable, "-c", (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n")], tmp_path)
+    stubborn.start()
+    for _ in itertools.count():  # the test's own timeout guards against never
+        if "ready" in stubborn.tail().splitlines():  # its output, not the command in the header
+            break
+        await asyncio.sleep(0.05)
+    await stubborn.stop(grace_s=0.5)
+    assert stubborn.returncode == -signal.SIGKILL
+    await stubborn.stop()  # stopping twice is harmless
+
+
+def test_a_restarted_childs_tail_is_its_own_run(tmp_path: Path) -> None:
+    c = Child("part", [sys.executable, "-c", "print('first run')"], tmp_path)
+    c.start()
+    assert c.proc is not None and c.proc.wait(timeout=60) == 0
+    c.args = [sys.executable, "-c", "print('second run')"]
+    c.start()
+    assert c.proc.wait(timeout=60) == 0
+    assert "second run" in c.tail() and "first run" not in c.tail()
+    assert "first run" in c.log_path.read_text()
+
+
+# ----------------------------------------------------------------------------- pre-flight, banner
+
+
+def test_bind_problem_sees_a_listener() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert bind_problem("127.0.0.1", s.getsockname()[1]) == "already in use"
+    assert bind_problem("127.0.0.1", free_port()) is None
+
+
+async def test_start_refuses_taken_addresses_before_starting_anything(tmp_path: Path) -> None:
+    path, data = write_config(tmp_path)
+    host, port = data["controller"]["http_listen"].rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, int(port)))
+        s.listen()
+        mesh = Mesh(path, tmp_path / "run")
+        with pytest.raises(MeshStartError) as e:
+            await mesh.start()
+        assert f"controller HTTP: {host}:{port} already in use" in str(e.value)
+        assert mesh.children() == [] and mesh.proxies == []
+        # the CLI says the same, exit code 1
+        p = await asyncio.create_subprocess_exec(
+            *skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run2")),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = await p.communicate()
+    assert p.returncode == 1
+    assert "the mesh did not come up" in err.decode() and "controller HTTP" in err.decode()
+
+
+def test_up_rejects_a_bad_config(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: x\nregions: []\n")
+    out = subprocess.run(skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    assert "config error: regions" in out.stderr
+
+
+def test_banner_names_the_endpoint_and_how_to_query_it(tmp_path: Path) -> None:
+    mesh = Mesh(ROOT / "skymesh" / "local.yaml", tmp_path)
+    text = mesh.describe("configs/local.yaml")
+    assert "endpoint       http://llm.skymesh.local:8100" in text
+    assert "DNS server     127.0.0.1:5353" in text
+    for r in mesh.cfg.regions:
+        assert r.balancer.advertise_url in text
+    assert "dig -b 127.2.0.5 @127.0.0.1 -p 5353 +short llm.skymesh.local" in text
+    assert "curl --interface 127.2.0.5 --resolve llm.skymesh.local:8100:$(dig" in text
+    assert "skymesh status --config configs/local.yaml" in text
+
+
+async def test_real_replicas_are_only_health_checked_and_a_dead_one_is_a_warning(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    app = web.Application()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    live_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", live_port).start()
+    try:
+        path, data = write_config(tmp_path)
+        data["regions"][0]["replicas"] = [{"id": "gpu-live", "url": f"http://127.0.0.1:{live_port}"},
+                                          {"id": "gpu-dead", "url": f"http://127.0.0.1:{free_port()}"}]
+        for r in data["regions"][1:]:
+            r["replicas"] = [{"id": f"{r['name']}-gpu", "url": f"http://127.0.0.1:{live_port}"}]
+        mesh = Mesh.from_dict(data, tmp_path / "run", external_timeout_s=0.5)
+        await mesh.start_replicas()
+        assert mesh.replicas == {}  # nothing started for real servers
+        assert mesh.unhealthy_external == ["gpu-dead"]
+        assert "not healthy yet: gpu-dead" in mesh.describe()
+    finally:
+        await runner.cleanup()
+
+
+# ----------------------------------------------------------------------------- the whole mesh
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_up_then_status_shows_three_healthy_regions_then_ctrl_c_stops_all(tmp_path: Path) -> None:
+    if (why := mesh_parts_missing()) is not None:
+        pytest.skip(why)
+    path, data = write_config(tmp_path)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "w") as log:
+        up = subprocess.Popen(skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        while "skymesh is up" not in log_path.read_text():
+            assert up.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        st: dict = {}
+        def all_healthy(st: dict) -> bool:
+            return all(r.get("report") and len(r["report"]["replicas"]) == 3
+                       and all(x["healthy"] for x in r["report"]["replicas"].values()) for r in st["regions"])
+
+        # balancers report to the controller about once a second, and a first report may
+        # come before the balancer's first replica probe: wait for the healthy view
+        while True:
+            out = subprocess.run(skymesh("status", "--config", str(path), "--json"), capture_output=True,
+                                 text=True, cwd=ROOT, timeout=60)
+            assert out.returncode == 0, out.stderr
+            st = json.loads(out.stdout)
+            if all_healthy(st):
+                break
+            time.sleep(0.3)
+        assert st["source"] == "controller"
+        assert [r["region"] for r in st["regions"]] == ["us-east-1", "eu-west-1", "ap-northeast-1"]
+        assert all(r["balancer_alive"] for r in st["regions"])
+        for r in st["regions"]:
+            reps = r["report"]["replicas"]
+            assert len(reps) == 3 and all(x["healthy"] for x in reps.values())
+        table = subprocess.run(skymesh("status", "--config", str(path)), capture_output=True, text=True,
+                               cwd=ROOT, timeout=60).stdout
+        assert "regions: 3/3 healthy" in table
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    assert up.returncode == 0, log_path.read_text()
+    assert "stopped." in log_path.read_text()
+    # every child was stopped: nothing listens on the mesh's addresses any more
+    mesh = Mesh(path, tmp_path / "check")
+    assert [(what, host, port) for what, host, port, udp in mesh.listen_addresses()
+            if bind_problem(host, port, udp) is not None] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_mesh_parts_restart_and_the_delay_proxy_carries_client_traffic(tmp_path: Path) -> None:
+    if (why := mesh_parts_missing()) is not None:
+        pytest.skip(why)
+    path, data = write_config(tmp_path)
+    mesh = Mesh(path, tmp_path / "run")
+    await mesh.start()
+    try:
+        eu = mesh.cfg.region("eu-west-1").balancer
+        body = {"model": mesh.cfg.model, "prompt": "hello mesh", "max_tokens": 4}
+        # a client "in" ap-northeast-1 reaches the eu balancer through its delay proxy
+        conn = aiohttp.TCPConnector(local_addr=("127.3.0.5", 0))
+        async with aiohttp.ClientSession(connector=conn) as s:
+            t0 = time.perf_counter()
+            async with s.post(eu.advertise_url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["text"]
+            assert time.perf_counter() - t0 >= 2 * 0.110  # one round trip of 110 ms each way
+        # kill single parts and bring them back
+        await mesh.stop_balancer("eu-west-1", kill=True)
+        assert not mesh.balancers["eu-west-1"].running()
+        await mesh.start_balancer("eu-west-1")
+        await mesh.stop_replica("use1-r0", kill=True)
+        await mesh.start_replica("use1-r0")
+        await mesh.stop_dns()
+        await mesh.start_dns()
+        await mesh.stop_controller(kill=True)
+        await mesh.start_controller()
+        with pytest.raises(MeshStartError, match="already running"):
+            await mesh.start_balancer("eu-west-1")
+        async with aiohttp.ClientSession() as s, s.post(eu.listen.http_url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        pids = [c.pid for c in mesh.children()]
+    finally:
+        await mesh.stop()
+    assert all(not c.running() for c in mesh.children())
+    assert len(pids) == 9 + 1 + 1 + 3
