@@ -88,3 +88,12 @@ def test_sim_cli_writes_report(tmp_path: Path) -> None:
     assert data["config"]["oracle_prefix_hit_rate"] > 0
     for f in ("results.md", "ttft_cdf.png", "goodput_vs_rate.png", "replica_load.png"):
         assert (tmp_path / f).stat().st_size > 0
+
+
+def test_policy_options_from_the_command_line_arrive_typed() -> None:
+    from skymesh.bench.sim_main import parse_policy_options
+
+    opts = parse_policy_options(["escape_over_slo=false", "max_hold_fraction=0.25", "virtual_nodes=64"])
+    assert opts == {"escape_over_slo": False, "max_hold_fraction": 0.25, "virtual_nodes": 64}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        parse_policy_options(["escape_over_slo"])

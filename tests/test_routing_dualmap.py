@@ -56,6 +56,23 @@ def test_candidates_are_two_distinct_replicas_shared_by_a_prefix() -> None:
     assert all(p.candidates(req(1, i)) == (c1, c2) for i in range(1, 10))
 
 
+def test_escapes_to_any_replica_when_both_candidates_break_the_slo() -> None:
+    r = req(9)
+    p = dualmap()
+    c1, c2 = p.candidates(r)
+    third = next(rid for rid in IDS if rid not in (c1, c2))
+    busy = {rid: {"pending_prefill_tokens": 5000} for rid in IDS if rid != third}
+    busy[third] = {"pending_prefill_tokens": 100}
+    d = p.choose(r, views(**busy), 0.0)
+    assert (d.replica_id, d.reason) == (third, "escape")
+    # with the escape off, the better of the two candidates is taken even though it misses
+    d = dualmap(escape_over_slo=False).choose(r, views(**busy), 0.0)
+    assert d.replica_id in (c1, c2) and d.reason == "slo"
+    # a candidate within the SLO is never escaped from
+    busy[c1] = {"pending_prefill_tokens": 200}
+    assert dualmap().choose(r, views(**busy), 0.0).replica_id == c1
+
+
 def test_equal_hits_pick_the_less_loaded_candidate() -> None:
     p = dualmap()
     r = req(7)

@@ -89,6 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulated KV block (tokens; the profile's KV capacity is kept); 16 = vLLM's")
     p.add_argument("--probe-interval-s", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="policy option for every system (repeatable), e.g. max_hold_fraction=0.2")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
 
 
@@ -124,7 +126,22 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
     return SimConfig(policy=policy, regions={n: args.replicas for n in names}, one_way_ms=lat,
                      profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
-                     block_size=args.block_size, probe_interval_s=args.probe_interval_s)
+                     block_size=args.block_size, probe_interval_s=args.probe_interval_s,
+                     policy_options=parse_policy_options(args.policy_option))
+
+
+def parse_policy_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings to policy options; values parsed as YAML scalars (numbers,
+    booleans) so they arrive typed as they would from a config file."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--policy-option {item!r}: expected KEY=VALUE")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: bool) -> dict[str, Any]:
