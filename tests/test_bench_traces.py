@@ -122,3 +122,16 @@ def test_synthetic_conversations_stream() -> None:
         last[r.session] = r
     regions = Counter(r.region for r in reqs)
     assert regions["x"] > regions["y"]
+
+
+def test_fit_request_cuts_prompts_the_replica_cannot_run() -> None:
+    from skymesh.bench.traces import fit_request
+
+    long = TraceRequest(0.0, 40_000, 500, tuple(range(79)))
+    cut = fit_request(long, max_model_len=32_768, kv_tokens=200_000)
+    assert (cut.input_len, cut.output_len) == (32_268, 500)
+    assert cut.hash_ids == tuple(range(64))  # ceil(32268 / 512) blocks kept, prefix intact
+    # half the KV cache is the other bound
+    assert fit_request(long, max_model_len=32_768, kv_tokens=20_000).input_len == 10_000
+    fits = TraceRequest(1.0, 1000, 10, (1, 2))
+    assert fit_request(fits, 32_768, 200_000) is fits

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from skymesh.bench.metrics import cv, summarize_arrays
-from skymesh.bench.traces import TraceRequest
+from skymesh.bench.traces import TraceRequest, fit_request
 from skymesh.replica_sim.engine import Engine, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing.base import PolicyContext, RoutingRequest
@@ -242,8 +242,8 @@ class Simulator:
                 return False
             i = self._next_index
             self._next_index += 1
-            out_len = max(1, r.output_len)
-            in_len = max(1, min(r.input_len, max_len - out_len, cap // 2))
+            r = fit_request(r, max_len, cap)
+            in_len, out_len = r.input_len, r.output_len
             self._arrival.append(r.arrival_s)
             self._first.append(math.nan)
             self._finish.append(math.nan)

@@ -34,11 +34,13 @@ from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
+    fit_to_context,
     load_mooncake,
     oracle_hit_rate,
     scale_rate,
 )
 from skymesh.procs import Child, free_port, start_sim_replicas, wait_healthy
+from skymesh.replica_sim.profiles import PROFILES
 from skymesh.prom import parse_samples
 
 
@@ -106,7 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    base = load_mooncake(args.trace, args.requests)
+    profile = PROFILES[args.profile]
+    # the same cut the discrete-event mode makes, so both replay the same work
+    base = fit_to_context(load_mooncake(args.trace, args.requests), profile.max_model_len,
+                          profile.kv_capacity_tokens)
     rates = [float(x) for x in args.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-live-"))
     systems: dict[str, dict[str, Any]] = {}

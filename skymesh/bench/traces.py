@@ -78,6 +78,24 @@ def load_mooncake(path: str | Path, first_n: int | None = None) -> list[TraceReq
     return assign_sessions(rows)
 
 
+def fit_request(r: TraceRequest, max_model_len: int, kv_tokens: int) -> TraceRequest:
+    """Cut a prompt that cannot run on the replica: input + output within the model's
+    context, the input within half the KV cache (the trace was recorded on a larger model).
+    A real vLLM rejects such a prompt with HTTP 400, which would count as an SLO miss for
+    every system alike; the live and discrete-event modes both cut it this way instead, so
+    they replay the same work."""
+    output_len = max(1, r.output_len)
+    input_len = max(1, min(r.input_len, max_model_len - output_len, kv_tokens // 2))
+    if input_len == r.input_len and output_len == r.output_len:
+        return r
+    blocks = -(-input_len // TRACE_BLOCK_TOKENS)
+    return replace(r, input_len=input_len, output_len=output_len, hash_ids=r.hash_ids[:blocks])
+
+
+def fit_to_context(reqs: Sequence[TraceRequest], max_model_len: int, kv_tokens: int) -> list[TraceRequest]:
+    return [fit_request(r, max_model_len, kv_tokens) for r in reqs]
+
+
 def scale_rate(reqs: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
     """Multiply the arrival rate by ``factor`` (inter-arrival times divided by it)."""
     if factor <= 0:
