@@ -424,3 +424,50 @@ async def test_register_and_report_count_as_liveness(tmp_path: Path) -> None:
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await reporter
         await svc.stop()
+
+
+class HangingDns:
+    """A DNS endpoint that never answers (a black-holed Route53 API)."""
+
+    name = "hanging"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def sync(self, endpoints: list[BalancerEndpoint]) -> bool:
+        self.calls += 1
+        await asyncio.Event().wait()  # never returns
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_hanging_dns_never_delays_failover(tmp_path: Path) -> None:
+    """DNS sync runs in its own task: with the DNS call stuck forever, the probe loop
+    still declares balancers dead and pushes new topology versions."""
+    cfg = parse_config(make_config(tmp_path)[0])
+    hang = HangingDns()
+    fakes = fake_balancers(cfg)
+    for f in fakes.values():
+        await f.start()
+    svc = ControllerService(cfg, hang)
+    await svc.start()
+    try:
+        async def dns_called() -> bool:
+            return hang.calls >= 1
+
+        await wait_until(dns_called, "the DNS task started a sync (which now hangs)")
+        v0 = svc.version
+        await fakes["eu-west-1"].stop()
+
+        async def eu_dead() -> bool:
+            return "eu-west-1" not in svc.alive_regions()
+
+        await wait_until(eu_dead, "eu-west-1 declared dead while the DNS sync hangs")
+        assert svc.version > v0
+        assert {b.region: len(b.replicas) for b in svc.topology().balancers}["eu-west-1"] == 0
+    finally:
+        await svc.stop()
+        for f in fakes.values():
+            await f.stop()

@@ -40,8 +40,8 @@ from skymesh.bench.traces import (
     scale_rate,
 )
 from skymesh.procs import Child, free_port, start_sim_replicas, wait_healthy
-from skymesh.replica_sim.profiles import PROFILES
 from skymesh.prom import parse_samples
+from skymesh.replica_sim.profiles import PROFILES
 
 
 async def prefix_hit_rate(urls: list[str]) -> float | None:

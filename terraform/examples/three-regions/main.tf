@@ -79,6 +79,7 @@ module "use1" {
   replica_private_ips = local.replica_ips["us-east-1"]
   peer_cidrs          = local.all_cidrs
   model               = var.model
+  skymesh_package     = var.skymesh_package
   skymesh_config      = module.config.skymesh_config
 }
 
@@ -94,6 +95,7 @@ module "euw1" {
   replica_private_ips = local.replica_ips["eu-west-1"]
   peer_cidrs          = local.all_cidrs
   model               = var.model
+  skymesh_package     = var.skymesh_package
   skymesh_config      = module.config.skymesh_config
 }
 
@@ -109,6 +111,7 @@ module "apne1" {
   replica_private_ips = local.replica_ips["ap-northeast-1"]
   peer_cidrs          = local.all_cidrs
   model               = var.model
+  skymesh_package     = var.skymesh_package
   skymesh_config      = module.config.skymesh_config
 }
 
@@ -124,16 +127,17 @@ module "dns" {
 # lets it probe every balancer and lets balancers reach each other (and adopted replicas)
 # over private addresses.
 module "controller" {
-  source         = "../../modules/controller"
-  providers      = { aws = aws.use1 }
-  subnet_id      = module.use1.subnet_id
-  vpc_id         = module.use1.vpc_id
-  private_ip     = local.controller_ip
-  ami_id         = local.regions["us-east-1"].ami
-  hosted_zone_id = module.dns.zone_id
-  balancer_cidrs = local.all_cidrs
-  admin_cidrs    = var.admin_cidrs
-  skymesh_config = module.config.skymesh_config
+  source          = "../../modules/controller"
+  providers       = { aws = aws.use1 }
+  subnet_id       = module.use1.subnet_id
+  vpc_id          = module.use1.vpc_id
+  private_ip      = local.controller_ip
+  ami_id          = local.regions["us-east-1"].ami
+  hosted_zone_id  = module.dns.zone_id
+  balancer_cidrs  = local.all_cidrs
+  admin_cidrs     = var.admin_cidrs
+  skymesh_package = var.skymesh_package
+  skymesh_config  = module.config.skymesh_config
 }
 
 module "peer_use1_euw1" {

@@ -42,3 +42,13 @@ variable "admin_cidrs" {
   type        = list(string)
   default     = []
 }
+
+variable "skymesh_package" {
+  description = "pip requirement the balancers and the controller install skymesh from: a wheel URL, `skymesh @ git+https://...@<tag>` or a version on your package index."
+  type        = string
+
+  validation {
+    condition     = length(trimspace(var.skymesh_package)) > 0
+    error_message = "skymesh_package must name where pip installs skymesh from."
+  }
+}

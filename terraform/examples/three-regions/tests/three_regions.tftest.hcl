@@ -50,10 +50,11 @@ override_data {
 }
 
 variables {
-  amis        = { "us-east-1" = "ami-0123456789abcdef0", "eu-west-1" = "ami-0123456789abcdef1", "ap-northeast-1" = "ami-0123456789abcdef2" }
-  dns_name    = "llm.example.com"
-  hosted_zone = "example.com"
-  peer_token  = "0123456789abcdef0123456789abcdef"
+  amis            = { "us-east-1" = "ami-0123456789abcdef0", "eu-west-1" = "ami-0123456789abcdef1", "ap-northeast-1" = "ami-0123456789abcdef2" }
+  dns_name        = "llm.example.com"
+  hosted_zone     = "example.com"
+  peer_token      = "0123456789abcdef0123456789abcdef"
+  skymesh_package = "skymesh @ https://example.com/skymesh-0.1.0-py3-none-any.whl"
 }
 
 run "config_names_the_planned_addresses" {
