@@ -1,9 +1,10 @@
 """`skymesh bench MODE ...`: the benchmark entry point.
 
 Modes: `routing` (decision-time micro-benchmark), `proxy` (balancer CPU per proxied
-request vs a direct hit and vs sglang-router) and `trace` (live trace replay through
+request vs a direct hit and vs sglang-router), `trace` (live trace replay through
 real routers and stand-in replicas; the default, so `skymesh bench --trace FILE ...`
-works).
+works) and `agree` (the live and the discrete-event modes on the same trace slice,
+compared system by system).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ MODES = {
     "routing": "skymesh.routing.bench",
     "proxy": "skymesh.bench.proxy_cost",
     "trace": "skymesh.bench.live",
-
-
+    "agree": "skymesh.bench.agreement",
 }
 
 
