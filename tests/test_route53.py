@@ -127,9 +127,22 @@ async def test_failover_mode_primary_secondary(r53) -> None:  # noqa: ANN001
     recs = records(r53, p)
     assert recs["skymesh-us-east-1"]["Failover"] == "PRIMARY"
     assert recs["skymesh-eu-west-1"]["Failover"] == "SECONDARY"
+    sent: list[list[tuple[str, str, str]]] = []
+
+    def capture(params: dict, **_kw: object) -> None:
+        sent.append([(c["Action"], c["ResourceRecordSet"]["SetIdentifier"],
+                      c["ResourceRecordSet"].get("Failover", "")) for c in params["ChangeBatch"]["Changes"]])
+
+    r53.meta.events.register("provide-client-params.route53.ChangeResourceRecordSets", capture)
     await p.sync([dataclasses.replace(EPS[0], healthy=False), EPS[1]])
     recs = records(r53, p)
     assert recs["skymesh-eu-west-1"]["Failover"] == "PRIMARY"
+    assert recs["skymesh-us-east-1"]["Failover"] == "SECONDARY"
+    # the role swap is one atomic batch: both old records deleted, then both re-created
+    assert len(sent) == 1
+    assert sorted(c for c in sent[0] if c[0] == "DELETE") == [
+        ("DELETE", "skymesh-eu-west-1", "SECONDARY"), ("DELETE", "skymesh-us-east-1", "PRIMARY")]
+    assert [c[0] for c in sent[0]] == ["DELETE", "DELETE", "UPSERT", "UPSERT"]
 
 
 def test_record_outside_zone_is_rejected() -> None:

@@ -281,7 +281,10 @@ class Route53Provider:
         changes: list[dict[str, Any]] = []
         for sid, rr in existing.items():
             want = desired.get(sid)
-            if want is None or routing_policy(want) != routing_policy(rr):
+            # a failover role swap is DELETE + re-create in the same (atomic) batch: two
+            # UPSERTs that swap PRIMARY and SECONDARY are reported to be refused by AWS
+            if (want is None or routing_policy(want) != routing_policy(rr)
+                    or want.get("Failover") != rr.get("Failover")):
                 changes.append({"Action": "DELETE", "ResourceRecordSet": rr})
         for sid, rr in desired.items():
             have = existing.get(sid)
