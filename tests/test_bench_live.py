@@ -42,3 +42,28 @@ def test_live_replay_through_a_balancer(tmp_path: Path) -> None:
     assert m["ttft_p50"] is not None and m["itl_p50"] is not None
     assert m["prefix_hit_rate"] is not None
     assert "vllm-router" not in data["systems"] or peer_available("vllm-router")
+
+
+@pytest.mark.timeout(240)
+def test_live_replay_over_the_three_region_mesh(tmp_path: Path) -> None:
+    """A burst of long prompts, mostly from us-east-1 clients, over the local mesh with one
+    tiny replica per region: with offload the us-east-1 overflow is served elsewhere and
+    nothing is lost; region-local (`@local`) serves every request in its own region."""
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": i * 5, "input_length": 900, "output_length": 16, "hash_ids": [1000 + i, 2000 + i]}
+            for i in range(30)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    p = argparse.ArgumentParser()
+    live.add_arguments(p)
+    args = p.parse_args(["--trace", str(trace), "--systems", "dualmap,dualmap@local", "--requests", "30",
+                         "--replicas", "1", "--profile", "tiny-test", "--time-scale", "1", "--slo", "10",
+                         "--regions", "3", "--skew", "0.9", "--timeout-s", "90", "--out", str(tmp_path / "out")])
+    assert live.run(args) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    mesh, local = data["systems"]["dualmap"], data["systems"]["dualmap@local"]
+    for m in (mesh, local):
+        assert m["requests"] == 30 and m["completed"] == 30 and m["rejected"] == 0
+    assert mesh["offloaded_share"] > 0  # us-east-1's single replica could not hold the burst
+    assert local["offloaded_share"] == 0
+    assert mesh["replicas_used"] >= 2 and local["replicas_used"] >= 2  # clients in several regions
+    assert data["config"]["regions"] == 3

@@ -58,10 +58,36 @@ async def prefix_hit_rate(urls: list[str]) -> float | None:
     return h / q if q else None
 
 
+def _metrics(results: list[LiveResult], urls: list[str], args: argparse.Namespace,
+             hit: float | None) -> dict[str, Any]:
+    slo = args.slo * args.time_scale
+    m = summarize(results, slo, hit, warmup_s=args.warmup_s * args.time_scale)
+    m["slo_s_scaled"] = slo
+    m["max_send_lateness_s"] = round(max((r.late_s for r in results), default=0.0), 4)
+    m["replicas_used"] = len({r.replica for r in results if r.replica})
+    return m
+
+
+async def run_geo_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,
+                         tmp: Path) -> tuple[dict[str, Any], list[LiveResult]] | None:
+    from tqdm import tqdm
+
+    from skymesh.bench.live_geo import run_mesh_system
+
+    if system in PEERS:
+        print(f"skipping {system}: the peer routers have no multi-region mode", file=sys.stderr)
+        return None
+    with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
+        results, urls = await run_mesh_system(system, trace, args, tmp, on_done=lambda: bar.update(1))
+    return _metrics(results, urls, args, await prefix_hit_rate(urls)), results
+
+
 async def run_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,
                      tmp: Path) -> tuple[dict[str, Any], list[LiveResult]] | None:
     from tqdm import tqdm
 
+    if args.regions > 1:
+        return await run_geo_system(system, trace, args, tmp)
     if system in PEERS and not peer_available(system):
         print(f"skipping {system}: not installed ({INSTALL_HINT})", file=sys.stderr)
         return None
@@ -82,12 +108,7 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
         await wait_healthy(url + "/health", router, within_s=60)
         with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
             results = await replay(trace, lambda _r: url, args.timeout_s, on_done=lambda: bar.update(1))
-        hit = await prefix_hit_rate(urls)
-        m = summarize(results, slo, hit, warmup_s=args.warmup_s * args.time_scale)
-        m["slo_s_scaled"] = slo
-        m["max_send_lateness_s"] = round(max((r.late_s for r in results), default=0.0), 4)
-        m["replicas_used"] = len({r.replica for r in results if r.replica})
-        return m, results
+        return _metrics(results, urls, args, await prefix_hit_rate(urls)), results
     finally:
         for c in reversed(children):
             await c.stop()
@@ -105,6 +126,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds at time scale 1")
     p.add_argument("--warmup-s", type=float, default=0.0, help="exclude the first S trace seconds")
     p.add_argument("--timeout-s", type=float, default=300.0, help="wall-clock bound per run")
+    p.add_argument("--regions", type=int, default=1, choices=(1, 3),
+                   help="1: one central router; 3: the local 3-region mesh (NAME offloads, NAME@local does not)")
+    p.add_argument("--skew", type=float, default=0.0, help="3 regions: extra share of sessions in us-east-1")
+    p.add_argument("--diurnal-period-s", type=float, default=0.0, help="3 regions: diurnal period in trace s (0: off)")
+    p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
     # the same cut the discrete-event mode makes, so both replay the same work
     base = fit_to_context(load_mooncake(args.trace, args.requests), profile.max_model_len,
                           profile.kv_capacity_tokens)
+    if args.regions > 1:
+        from skymesh.bench.live_geo import geo_trace
+
+        base = geo_trace(base, args.skew, args.diurnal_period_s, args.amplitude, args.seed)
     rates = [float(x) for x in args.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-live-"))
     systems: dict[str, dict[str, Any]] = {}
@@ -143,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     config = {"mode": "live", "trace": args.trace, "requests": len(base), "replicas": args.replicas,
+              "regions": args.regions, "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
               "profile": args.profile, "time_scale": args.time_scale, "rates": rates, "slo_s": args.slo,
               "slo_s_scaled": args.slo * args.time_scale, "oracle_prefix_hit_rate": round(oracle_hit_rate(base), 4),
               "wall_s_total": round(time.perf_counter() - t_start, 1),

@@ -97,13 +97,27 @@ async def send_one(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: 
 
 
 async def replay(trace: Sequence[TraceRequest], url_for: Callable[[TraceRequest], str], timeout_s: float,
-                 on_done: Callable[[], None] | None = None) -> list[LiveResult]:
-    """Open loop: send every request of ``trace`` at its arrival time (relative to now)."""
+                 on_done: Callable[[], None] | None = None,
+                 source_for: Callable[[TraceRequest], str | None] | None = None) -> list[LiveResult]:
+    """Open loop: send every request of ``trace`` at its arrival time (relative to now).
+
+    ``source_for`` names the client's source address per request (a client *in* its
+    region: the local mesh's delay proxies tell regions apart by source network)."""
     results = [LiveResult(r.arrival_s, r.input_len, r.output_len, origin=r.region) for r in trace]
-    conn = aiohttp.TCPConnector(limit=0)
     tasks: list[asyncio.Task[None]] = []
     deadline = time.perf_counter() + timeout_s
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    sessions: dict[str | None, aiohttp.ClientSession] = {}
+
+    def session_for(r: TraceRequest) -> aiohttp.ClientSession:
+        src = source_for(r) if source_for is not None else None
+        s = sessions.get(src)
+        if s is None:
+            conn = aiohttp.TCPConnector(limit=0, local_addr=(src, 0) if src else None)
+            s = sessions[src] = aiohttp.ClientSession(connector=conn, timeout=timeout)
+        return s
+
+    try:
         t0 = time.perf_counter()
         for r, res in zip(trace, results, strict=True):
             if time.perf_counter() >= deadline:
@@ -113,16 +127,19 @@ async def replay(trace: Sequence[TraceRequest], url_for: Callable[[TraceRequest]
                 await asyncio.sleep(delay)
             res.late_s = max(0.0, (time.perf_counter() - t0) - r.arrival_s)
             prompt = trace_prompt(r.hash_ids, r.input_len)
-            task = asyncio.create_task(send_one(s, url_for(r), prompt, r.output_len, res,
+            task = asyncio.create_task(send_one(session_for(r), url_for(r), prompt, r.output_len, res,
                                                 headers={"X-Session-ID": str(r.session)}))
             if on_done is not None:
                 task.add_done_callback(lambda _t: on_done())
             tasks.append(task)
         if tasks:
             await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
-        for t in tasks:
+    finally:
+        for t in tasks:  # still open at the deadline, or an error above
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for s in sessions.values():
+            await s.close()
     for res in results[len(tasks):]:
         res.rejected = True
         res.error = "not sent: time limit"

@@ -1,0 +1,143 @@
+"""Live replay over the local 3-region mesh: `skymesh bench --trace FILE --regions 3 ...`.
+
+For every system a whole mesh is started from the embedded default (``skymesh/local.yaml``:
+us-east-1, eu-west-1, ap-northeast-1, their one-way latencies and the EU-stays-in-EU
+offload rule) with ``--replicas`` stand-ins per region on free loopback ports: the
+controller, the embedded DNS server, one balancer per region and the delay proxies that
+make loopback feel like three regions. ``NAME`` runs policy NAME with cross-region
+offload (skymesh); ``NAME@local`` the same with offload off (region-local).
+
+Sessions (prefix chains) are assigned to regions with ``--skew`` and thinned by a diurnal
+curve per region (``--diurnal-period-s``), as in the discrete-event mode. Each request
+is sent by a client *in* its region: from a source address inside the region's
+``source_networks`` to the region's advertised balancer address, so it pays that link's
+configured latency, and an offloaded request pays the inter-region one on the way out and
+back, as in production.
+
+Time scale: replicas run ``--time-scale`` times their profile's step times; the trace,
+the SLO, the link latencies, the probe and heartbeat intervals are all scaled by the same
+factor, so every ratio is the trace's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import uuid
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from skymesh.bench.loadgen import LiveResult, replay
+from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
+from skymesh.procs import free_port
+
+LOCAL_REGIONS = ("us-east-1", "eu-west-1", "ap-northeast-1")
+
+
+class _Ports:
+    """Free loopback ports, never the same one twice in one config (the kernel may hand
+    out a just-released ephemeral port again)."""
+
+    def __init__(self) -> None:
+        self.used: set[tuple[str, int]] = set()
+
+    def take(self, host: str = "127.0.0.1", pair: bool = False) -> int:
+        while True:
+            port = free_port(host)
+            need = [(host, port), (host, port + 1)] if pair else [(host, port)]
+            if any(n in self.used for n in need):
+                continue
+            if pair and not _can_bind(host, port + 1):
+                continue
+            self.used.update(need)
+            return port
+
+
+def _can_bind(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_scale: float, slo_s: float,
+                    offload: bool, state_dir: Path) -> dict[str, Any]:
+    """The embedded 3-region default with ``replicas_per_region`` stand-ins per region,
+    every port free, and every duration (latencies, probes, heartbeats, SLO) scaled."""
+    data = yaml.safe_load(resources.files("skymesh").joinpath("local.yaml").read_text())
+    ports = _Ports()
+    for r in data["regions"]:
+        b = r["balancer"]
+        b["listen"] = f"127.0.0.1:{ports.take()}"
+        b["grpc_listen"] = f"127.0.0.1:{ports.take()}"
+        for key in ("advertise", "grpc_advertise"):
+            host = b[key].rsplit(":", 1)[0]
+            b[key] = f"{host}:{ports.take(host)}"
+        prefix = r["replicas"][0]["id"].rsplit("-", 1)[0]
+        r["replicas"] = [{"id": f"{prefix}-r{i}", "sim": {"profile": profile, "port": ports.take(),
+                                                         "time_scale": time_scale}}
+                         for i in range(replicas_per_region)]
+    for link in data["latencies"]:
+        link["one_way_ms"] = link["one_way_ms"] * time_scale
+    data["local_latency_ms"] = data.get("local_latency_ms", 1) * time_scale
+    data["controller"]["listen"] = f"127.0.0.1:{ports.take()}"
+    data["controller"]["http_listen"] = f"127.0.0.1:{ports.take()}"
+    data["controller"]["state_path"] = str(state_dir / "controller.sqlite")
+    data["dns"]["listen"] = f"127.0.0.1:{ports.take(pair=True)}"  # the control endpoint is port + 1
+    pol = data["policy"]
+    pol.update(name=policy, ttft_slo_s=slo_s, queue_bound=100_000, chunk_tokens=512,
+               probe_interval_s=pol.get("probe_interval_s", 0.1) * time_scale)
+    off = data["offload"]
+    off["enabled"] = offload
+    off["heartbeat_interval_s"] = off.get("heartbeat_interval_s", 0.1) * time_scale
+    return data
+
+
+def client_sources(regions: Sequence[Any]) -> dict[str, str]:
+    """A client address inside each region's first source network (not the balancer's
+    egress address, so the delay proxy sees a client of that region)."""
+    out = {}
+    for r in regions:
+        net = r.source_networks[0]
+        out[r.name] = str(net.network_address + 10) if isinstance(net, ipaddress.IPv4Network) else str(
+            net.network_address + 1)
+    return out
+
+
+def geo_trace(base: Sequence[TraceRequest], skew: float, period_s: float, amplitude: float,
+              seed: int) -> list[TraceRequest]:
+    """Sessions to regions (skew) and per-region diurnal thinning, in trace time."""
+    reqs = assign_regions(base, LOCAL_REGIONS, skew, seed)
+    if period_s > 0:
+        reqs = diurnal(reqs, LOCAL_REGIONS, period_s, amplitude, seed=seed)
+    return reqs
+
+
+async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argparse.Namespace,
+                          tmp: Path, on_done: Any = None) -> tuple[list[LiveResult], list[str]]:
+    """One system over a fresh 3-region mesh; returns the results and every replica URL."""
+    from skymesh.up import Mesh
+
+    policy, _, variant = system.partition("@")
+    state = tmp / f"mesh-{system.replace('@', '-')}-{uuid.uuid4().hex[:8]}"
+    data = geo_mesh_config(policy, args.replicas, args.profile, args.time_scale, args.slo * args.time_scale,
+                           offload=variant != "local", state_dir=state)
+    mesh = Mesh.from_dict(data, state, time_scale=args.time_scale)
+    await mesh.start()
+    try:
+        entry = {r.name: r.balancer.advertise_url for r in mesh.cfg.regions}
+        source = client_sources(mesh.cfg.regions)
+        results = await replay(trace, lambda r: entry[r.region], args.timeout_s, on_done=on_done,
+                               source_for=lambda r: source[r.region])
+        urls = [rep.url for r in mesh.cfg.regions for rep in r.replicas]
+        return results, urls
+    finally:
+        await mesh.stop()
