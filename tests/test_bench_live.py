@@ -57,7 +57,8 @@ def test_live_replay_over_the_three_region_mesh(tmp_path: Path) -> None:
     live.add_arguments(p)
     args = p.parse_args(["--trace", str(trace), "--systems", "dualmap,dualmap@local", "--requests", "30",
                          "--replicas", "1", "--profile", "tiny-test", "--time-scale", "1", "--slo", "10",
-                         "--regions", "3", "--skew", "0.9", "--timeout-s", "90", "--out", str(tmp_path / "out")])
+                         "--regions", "3", "--skew", "0.9", "--timeout-s", "90", "--load-sample-s", "0.2",
+                         "--out", str(tmp_path / "out")])
     assert live.run(args) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     mesh, local = data["systems"]["dualmap"], data["systems"]["dualmap@local"]
@@ -67,3 +68,6 @@ def test_live_replay_over_the_three_region_mesh(tmp_path: Path) -> None:
     assert local["offloaded_share"] == 0
     assert mesh["replicas_used"] >= 2 and local["replicas_used"] >= 2  # clients in several regions
     assert data["config"]["regions"] == 3
+    # the balancers' per-replica load was sampled during the burst: a CV and a load plot
+    assert mesh["load_cv"] is not None and mesh["load_cv"] > 0
+    assert (tmp_path / "out" / "replica_load.png").stat().st_size > 0

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.bench.loadgen import LiveResult, replay
+from skymesh.bench.loadgen import LiveResult, LoadSampler, replay
 from skymesh.bench.metrics import goodput, summarize
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
@@ -58,10 +58,15 @@ async def prefix_hit_rate(urls: list[str]) -> float | None:
     return h / q if q else None
 
 
-def _metrics(results: list[LiveResult], urls: list[str], args: argparse.Namespace,
-             hit: float | None) -> dict[str, Any]:
+Samples = list[tuple[float, dict[str, int]]]
+Outcome = tuple[dict[str, Any], list[LiveResult], Samples]
+
+
+def _metrics(results: list[LiveResult], args: argparse.Namespace, hit: float | None,
+             samples: Samples) -> dict[str, Any]:
     slo = args.slo * args.time_scale
-    m = summarize(results, slo, hit, warmup_s=args.warmup_s * args.time_scale)
+    m = summarize(results, slo, hit, load_samples=(snap for _, snap in samples),
+                  warmup_s=args.warmup_s * args.time_scale)
     m["slo_s_scaled"] = slo
     m["max_send_lateness_s"] = round(max((r.late_s for r in results), default=0.0), 4)
     m["replicas_used"] = len({r.replica for r in results if r.replica})
@@ -69,7 +74,7 @@ def _metrics(results: list[LiveResult], urls: list[str], args: argparse.Namespac
 
 
 async def run_geo_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,
-                         tmp: Path) -> tuple[dict[str, Any], list[LiveResult]] | None:
+                         tmp: Path) -> Outcome | None:
     from tqdm import tqdm
 
     from skymesh.bench.live_geo import run_mesh_system
@@ -78,12 +83,12 @@ async def run_geo_system(system: str, trace: list[TraceRequest], args: argparse.
         print(f"skipping {system}: the peer routers have no multi-region mode", file=sys.stderr)
         return None
     with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
-        results, urls = await run_mesh_system(system, trace, args, tmp, on_done=lambda: bar.update(1))
-    return _metrics(results, urls, args, await prefix_hit_rate(urls)), results
+        results, urls, samples = await run_mesh_system(system, trace, args, tmp, on_done=lambda: bar.update(1))
+    return _metrics(results, args, await prefix_hit_rate(urls), samples), results, samples
 
 
 async def run_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,
-                     tmp: Path) -> tuple[dict[str, Any], list[LiveResult]] | None:
+                     tmp: Path) -> Outcome | None:
     from tqdm import tqdm
 
     if args.regions > 1:
@@ -106,9 +111,12 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
         children.append(router)
         url = f"http://127.0.0.1:{port}"
         await wait_healthy(url + "/health", router, within_s=60)
+        status = [] if system in PEERS else [url + "/admin/status"]
         with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
-            results = await replay(trace, lambda _r: url, args.timeout_s, on_done=lambda: bar.update(1))
-        return _metrics(results, urls, args, await prefix_hit_rate(urls)), results
+            async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale) as sampler:
+                results = await replay(trace, lambda _r: url, args.timeout_s, on_done=lambda: bar.update(1))
+        hit = await prefix_hit_rate(urls)
+        return _metrics(results, args, hit, sampler.samples), results, sampler.samples
     finally:
         for c in reversed(children):
             await c.stop()
@@ -132,6 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diurnal-period-s", type=float, default=0.0, help="3 regions: diurnal period in trace s (0: off)")
     p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-sample-s", type=float, default=1.0,
+                   help="trace seconds between samples of the balancers' per-replica load")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     systems: dict[str, dict[str, Any]] = {}
     sweeps: dict[str, list[dict[str, Any]]] = {}
     ttfts: dict[str, list[float]] = {}
+    load_plot: tuple[str, Samples] | None = None  # the first system's load at the first rate
     t_start = time.perf_counter()
     try:
         for system in [s for s in args.systems.split(",") if s]:
@@ -158,13 +169,15 @@ def run(args: argparse.Namespace) -> int:
                 got = asyncio.run(run_system(system, trace, args, tmp))
                 if got is None:
                     break
-                m, results = got
+                m, results, samples = got
                 span = max(1e-9, trace[-1].arrival_s - trace[0].arrival_s) / args.time_scale
                 m["rate"] = round(len(trace) / span, 4)  # in trace-time req/s
                 m["rate_multiplier"] = rate
                 pts.append(m)
                 if rate == rates[0]:
                     ttfts[system] = [r.ttft / args.time_scale for r in results if r.ttft is not None]
+                    if load_plot is None and samples:
+                        load_plot = (system, samples)
                 print(f"{system} x{rate:g}: slo_attainment={m['slo_attainment']} ttft_p50={m['ttft_p50']}",
                       flush=True)
             if pts:
@@ -179,6 +192,13 @@ def run(args: argparse.Namespace) -> int:
               "slo_s_scaled": args.slo * args.time_scale, "oracle_prefix_hit_rate": round(oracle_hit_rate(base), 4),
               "wall_s_total": round(time.perf_counter() - t_start, 1),
               "note": "ttft_* and e2e_* are wall-clock seconds at the time scale; the CDF plot is in trace time"}
-    write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts)
+    if load_plot is not None:
+        plot_system, samples = load_plot
+        replica_ids = sorted({rid for _, snap in samples for rid in snap})[:32]
+        series = [(t, [snap.get(rid, 0) for rid in replica_ids]) for t, snap in samples]
+        write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts, series, plot_system,
+                     replica_ids)
+    else:
+        write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts)
     print(markdown_table(systems))
     return 0

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from skymesh.bench.loadgen import LiveResult, replay
+from skymesh.bench.loadgen import LiveResult, LoadSampler, replay
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
 from skymesh.procs import free_port
 
@@ -122,8 +122,10 @@ def geo_trace(base: Sequence[TraceRequest], skew: float, period_s: float, amplit
 
 
 async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argparse.Namespace,
-                          tmp: Path, on_done: Any = None) -> tuple[list[LiveResult], list[str]]:
-    """One system over a fresh 3-region mesh; returns the results and every replica URL."""
+                          tmp: Path, on_done: Any = None
+                          ) -> tuple[list[LiveResult], list[str], list[tuple[float, dict[str, int]]]]:
+    """One system over a fresh 3-region mesh; returns the results, every replica URL and
+    the balancers' per-replica load samples."""
     from skymesh.up import Mesh
 
     policy, _, variant = system.partition("@")
@@ -135,9 +137,11 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
     try:
         entry = {r.name: r.balancer.advertise_url for r in mesh.cfg.regions}
         source = client_sources(mesh.cfg.regions)
-        results = await replay(trace, lambda r: entry[r.region], args.timeout_s, on_done=on_done,
-                               source_for=lambda r: source[r.region])
+        status = [r.balancer.listen.http_url + "/admin/status" for r in mesh.cfg.regions]
+        async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale) as sampler:
+            results = await replay(trace, lambda r: entry[r.region], args.timeout_s, on_done=on_done,
+                                   source_for=lambda r: source[r.region])
         urls = [rep.url for r in mesh.cfg.regions for rep in r.replicas]
-        return results, urls
+        return results, urls, sampler.samples
     finally:
         await mesh.stop()

@@ -144,3 +144,52 @@ async def replay(trace: Sequence[TraceRequest], url_for: Callable[[TraceRequest]
         res.rejected = True
         res.error = "not sent: time limit"
     return results
+
+
+class LoadSampler:
+    """Samples the skymesh balancers' view of their replicas while a replay runs: every
+    ``every_s`` wall seconds, each replica's pending prefill tokens from the balancers'
+    ``/admin/status`` (DualMap's load, for the load CV and the per-replica load plot).
+    Peer routers expose no such view: no status URLs, no samples.
+
+    ``samples``: (trace seconds since start, {replica id: pending prefill tokens})."""
+
+    def __init__(self, status_urls: Sequence[str], every_s: float, time_scale: float = 1.0) -> None:
+        self.status_urls = list(status_urls)
+        self.every_s = every_s
+        self.time_scale = time_scale
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoadSampler:
+        if self.status_urls:
+            self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.every_s))
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            while not self._stop.is_set():
+                snap: dict[str, int] = {}
+                for u in self.status_urls:
+                    try:
+                        async with s.get(u) as r:
+                            doc = await r.json()
+                    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+                        continue  # a balancer that does not answer this round: no sample from it
+                    for rid, v in doc.get("replicas", {}).items():
+                        snap[rid] = int(v.get("pending_prefill_tokens", 0))
+                if snap:
+                    self.samples.append(((loop.time() - t0) / self.time_scale, snap))
+                try:
+                    await asyncio.wait_for(self._stop.wait(), self.every_s)
+                except TimeoutError:
+                    pass
