@@ -64,6 +64,7 @@ def test_live_replay_over_the_three_region_mesh(tmp_path: Path) -> None:
     mesh, local = data["systems"]["dualmap"], data["systems"]["dualmap@local"]
     for m in (mesh, local):
         assert m["requests"] == 30 and m["completed"] == 30 and m["rejected"] == 0
+        assert m["prefix_hit_rate"] is not None  # read from the replicas before the mesh stops
     assert mesh["offloaded_share"] > 0  # us-east-1's single replica could not hold the burst
     assert local["offloaded_share"] == 0
     assert mesh["replicas_used"] >= 2 and local["replicas_used"] >= 2  # clients in several regions

@@ -83,8 +83,8 @@ async def run_geo_system(system: str, trace: list[TraceRequest], args: argparse.
         print(f"skipping {system}: the peer routers have no multi-region mode", file=sys.stderr)
         return None
     with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
-        results, urls, samples = await run_mesh_system(system, trace, args, tmp, on_done=lambda: bar.update(1))
-    return _metrics(results, args, await prefix_hit_rate(urls), samples), results, samples
+        results, hit, samples = await run_mesh_system(system, trace, args, tmp, on_done=lambda: bar.update(1))
+    return _metrics(results, args, hit, samples), results, samples
 
 
 async def run_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,

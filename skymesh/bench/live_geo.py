@@ -123,9 +123,10 @@ def geo_trace(base: Sequence[TraceRequest], skew: float, period_s: float, amplit
 
 async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argparse.Namespace,
                           tmp: Path, on_done: Any = None
-                          ) -> tuple[list[LiveResult], list[str], list[tuple[float, dict[str, int]]]]:
-    """One system over a fresh 3-region mesh; returns the results, every replica URL and
-    the balancers' per-replica load samples."""
+                          ) -> tuple[list[LiveResult], float | None, list[tuple[float, dict[str, int]]]]:
+    """One system over a fresh 3-region mesh; returns the results, the replicas' prefix
+    cache hit rate (read before the mesh stops) and the balancers' per-replica load samples."""
+    from skymesh.bench.live import prefix_hit_rate
     from skymesh.up import Mesh
 
     policy, _, variant = system.partition("@")
@@ -141,7 +142,7 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
         async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale) as sampler:
             results = await replay(trace, lambda r: entry[r.region], args.timeout_s, on_done=on_done,
                                    source_for=lambda r: source[r.region])
-        urls = [rep.url for r in mesh.cfg.regions for rep in r.replicas]
-        return results, urls, sampler.samples
+        hit = await prefix_hit_rate([rep.url for r in mesh.cfg.regions for rep in r.replicas])
+        return results, hit, sampler.samples
     finally:
         await mesh.stop()

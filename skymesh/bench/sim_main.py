@@ -31,12 +31,14 @@ from skymesh.bench.traces import (
     TraceRequest,
     assign_regions,
     diurnal,
+    fit_to_context,
     load_mooncake,
     oracle_hit_rate,
     scale_rate,
     window,
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
+from skymesh.replica_sim.profiles import PROFILES
 
 GEO3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 GEO3_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"): 80.0,
@@ -203,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
         summaries[s] = {**first, "goodput": round(goodput([(p["rate"], p["slo_attainment"]) for p in sweeps[s]]), 4)}
         ttfts[s] = results[(s, rates[0])]["ttfts"]
     base = build_trace(args)
-    oracle = oracle_hit_rate(base) if isinstance(base, list) else None
+    # on the requests as replayed (cut to the replica's context), as the live mode reports it
+    prof = PROFILES[args.profile]
+    oracle = (oracle_hit_rate(fit_to_context(base, prof.max_model_len, prof.kv_capacity_tokens))
+              if isinstance(base, list) else None)
     first_run = results[(systems[0], rates[0])]
     names, _ = region_layout(args.regions)
     config = {"mode": "discrete-event", "trace": args.trace, "requests": first_run["metrics"]["requests"],
