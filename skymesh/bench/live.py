@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import shutil
 import sys
 import tempfile
@@ -25,9 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from skymesh.bench.loadgen import LiveResult, LoadSampler, replay
+from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
 from skymesh.bench.metrics import goodput, summarize
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
@@ -40,23 +37,7 @@ from skymesh.bench.traces import (
     scale_rate,
 )
 from skymesh.procs import Child, free_port, start_sim_replicas, wait_healthy
-from skymesh.prom import parse_samples
 from skymesh.replica_sim.profiles import PROFILES
-
-
-async def prefix_hit_rate(urls: list[str]) -> float | None:
-    """Token hit rate from the replicas' vLLM prefix-cache counters."""
-    q = h = 0.0
-    async with aiohttp.ClientSession() as s:
-        for u in urls:
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with s.get(u + "/metrics") as r:
-                    m = parse_samples(await r.text(),
-                                      ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
-                    q += m.get("vllm:prefix_cache_queries_total", 0.0)
-                    h += m.get("vllm:prefix_cache_hits_total", 0.0)
-    return h / q if q else None
-
 
 Samples = list[tuple[float, dict[str, int]]]
 Outcome = tuple[dict[str, Any], list[LiveResult], Samples]
@@ -192,13 +173,12 @@ def run(args: argparse.Namespace) -> int:
               "slo_s_scaled": args.slo * args.time_scale, "oracle_prefix_hit_rate": round(oracle_hit_rate(base), 4),
               "wall_s_total": round(time.perf_counter() - t_start, 1),
               "note": "ttft_* and e2e_* are wall-clock seconds at the time scale; the CDF plot is in trace time"}
+    plot_system, series, replica_ids = "", None, []
     if load_plot is not None:
         plot_system, samples = load_plot
         replica_ids = sorted({rid for _, snap in samples for rid in snap})[:32]
         series = [(t, [snap.get(rid, 0) for rid in replica_ids]) for t, snap in samples]
-        write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts, series, plot_system,
-                     replica_ids)
-    else:
-        write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts)
+    write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts, series, plot_system,
+                 replica_ids)
     print(markdown_table(systems))
     return 0

@@ -31,11 +31,9 @@ from typing import Any
 
 import yaml
 
-from skymesh.bench.loadgen import LiveResult, LoadSampler, replay
+from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
-from skymesh.procs import free_port
-
-LOCAL_REGIONS = ("us-east-1", "eu-west-1", "ap-northeast-1")
+from skymesh.procs import bind_problem, free_port
 
 
 class _Ports:
@@ -51,28 +49,22 @@ class _Ports:
             need = [(host, port), (host, port + 1)] if pair else [(host, port)]
             if any(n in self.used for n in need):
                 continue
-            if pair and not _can_bind(host, port + 1):
+            if pair and bind_problem(host, port + 1) is not None:
                 continue
             self.used.update(need)
             return port
 
 
-def _can_bind(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+def local_default() -> dict[str, Any]:
+    """The packaged embedded default (``skymesh/local.yaml``) as a mapping."""
+    return yaml.safe_load(resources.files("skymesh").joinpath("local.yaml").read_text())
 
 
 def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_scale: float, slo_s: float,
                     offload: bool, state_dir: Path) -> dict[str, Any]:
     """The embedded 3-region default with ``replicas_per_region`` stand-ins per region,
     every port free, and every duration (latencies, probes, heartbeats, SLO) scaled."""
-    data = yaml.safe_load(resources.files("skymesh").joinpath("local.yaml").read_text())
+    data = local_default()
     ports = _Ports()
     for r in data["regions"]:
         b = r["balancer"]
@@ -114,10 +106,12 @@ def client_sources(regions: Sequence[Any]) -> dict[str, str]:
 
 def geo_trace(base: Sequence[TraceRequest], skew: float, period_s: float, amplitude: float,
               seed: int) -> list[TraceRequest]:
-    """Sessions to regions (skew) and per-region diurnal thinning, in trace time."""
-    reqs = assign_regions(base, LOCAL_REGIONS, skew, seed)
+    """Sessions to the default's regions (skew: extra share for the first) and per-region
+    diurnal thinning, in trace time."""
+    regions = [r["name"] for r in local_default()["regions"]]
+    reqs = assign_regions(base, regions, skew, seed)
     if period_s > 0:
-        reqs = diurnal(reqs, LOCAL_REGIONS, period_s, amplitude, seed=seed)
+        reqs = diurnal(reqs, regions, period_s, amplitude, seed=seed)
     return reqs
 
 
@@ -126,7 +120,6 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
                           ) -> tuple[list[LiveResult], float | None, list[tuple[float, dict[str, int]]]]:
     """One system over a fresh 3-region mesh; returns the results, the replicas' prefix
     cache hit rate (read before the mesh stops) and the balancers' per-replica load samples."""
-    from skymesh.bench.live import prefix_hit_rate
     from skymesh.up import Mesh
 
     policy, _, variant = system.partition("@")

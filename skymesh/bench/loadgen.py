@@ -8,6 +8,9 @@ region/replica/offload marker from the headers the skymesh balancer adds
 (``X-Skymesh-Region``, ``X-Skymesh-Replica``, ``X-Skymesh-Offloaded``). Bounded: at most
 ``len(trace)`` requests, and everything still open after ``timeout_s`` is cancelled.
 
+Beside the generator: :class:`LoadSampler` (the balancers' per-replica load while a
+replay runs) and :func:`prefix_hit_rate` (the replicas' prefix-cache counters after it).
+
 A request whose trace region names a specific entry point goes to that URL (clients per
 region reach their own balancer); the client-side latency to it is the entry point's
 business (the local mesh puts a delay proxy in front of each balancer).
@@ -16,6 +19,7 @@ business (the local mesh puts a delay proxy in front of each balancer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from skymesh.bench.traces import TraceRequest
+from skymesh.prom import parse_samples
 from skymesh.tokens import trace_prompt
 
 
@@ -189,7 +194,19 @@ class LoadSampler:
                         snap[rid] = int(v.get("pending_prefill_tokens", 0))
                 if snap:
                     self.samples.append(((loop.time() - t0) / self.time_scale, snap))
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.every_s)
-                except TimeoutError:
-                    pass
+
+
+async def prefix_hit_rate(urls: list[str]) -> float | None:
+    """Token hit rate from the replicas' vLLM prefix-cache counters."""
+    q = h = 0.0
+    async with aiohttp.ClientSession() as s:
+        for u in urls:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with s.get(u + "/metrics") as r:
+                    m = parse_samples(await r.text(),
+                                      ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
+                    q += m.get("vllm:prefix_cache_queries_total", 0.0)
+                    h += m.get("vllm:prefix_cache_hits_total", 0.0)
+    return h / q if q else None
