@@ -195,9 +195,14 @@ async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample_replicas(b, urls, stop, samples, queue))
         async with aiohttp.ClientSession() as s:
-            results = await asyncio.gather(
-                *(complete(s, base, prompt(k, k, 200, 40), max_tokens=24) for k in range(48))
-            )
+            try:
+                results = await asyncio.wait_for(asyncio.gather(
+                    *(complete(s, base, prompt(k, k, 200, 40), max_tokens=24) for k in range(48))
+                ), 60)
+            except TimeoutError:
+                # a stuck request: fail with the balancer's view instead of hanging
+                stop.set()
+                pytest.fail(f"48 requests not done in 60 s; balancer: {json.dumps(b.admin_status())[:4000]}")
         stop.set()
         await sampler
         assert all(st == 200 for st, _, _ in results)
