@@ -164,6 +164,21 @@ async def start_sim_replicas(n: int, profile: str, time_scale: float, log_dir: P
     return children, urls
 
 
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for ``event`` at most ``timeout_s``; True when it was set.
+
+    Not ``asyncio.wait_for(event.wait(), ...)``: on Python 3.11 that can swallow a
+    cancellation arriving as the event fires, leaving a loop that never stops (seen as a
+    hung ``Balancer.stop``). ``asyncio.timeout`` propagates it.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
     """Cancel background tasks and wait for them to finish, swallowing their endings."""
     tasks = list(tasks)

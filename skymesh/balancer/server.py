@@ -1,14 +1,18 @@
 """The regional balancer daemon: OpenAI API in, streaming out.
 
-Request path: validate → hash the prompt once → FCFS queue in :class:`BalancerCore`
-(selective pushing) → a dispatcher task places it on an available local replica, or, when
-no local replica is available, on a peer region chosen by :class:`OffloadRouter` → the
-body is proxied byte for byte and the response streamed back chunk by chunk.
+The daemon only moves bytes and time; every decision is the region core's
+(:class:`~skymesh.routing.region.RegionCore`, the same object the simulator drives).
+Request path: validate → hash the prompt once → ``core.submit`` → a dispatch round
+(``core.tick``) returns where it goes (a local replica, a peer region, or an error) →
+:func:`skymesh.balancer.proxy.attempt` proxies the body and streams the answer → the
+outcome goes back to the core (``first_token``, ``complete``, ``fail``). The client
+leaving at any point is ``client_gone``. See docs/routing.md for the layers.
 
-Failure rules: before the first byte reaches the client, a failed replica (or peer) puts
-the request back at the head of the queue and it never goes to that replica again; after
-the first byte a failure ends the stream with an SSE error event. Accepted work is never
-dropped silently.
+Failure rules (the core's): before the first byte reaches the client, a failed replica
+(or peer) puts the request back at the head of the queue and it never goes to that
+replica again; after the first byte a failure ends the stream with an SSE error event.
+A replica the health tracker ejects gives up its unstarted requests at once. Accepted
+work is never dropped silently.
 """
 
 from __future__ import annotations
@@ -20,22 +24,34 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from skymesh.balancer.errors import RequestError, error_response, sse_error_event
+from skymesh.balancer.errors import RequestError, error_response
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.prober import ProbeResult, probe_replica
+from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import parse_body
 from skymesh.config import MeshConfig, ReplicaConfig
-from skymesh.procs import cancel_tasks
+from skymesh.procs import cancel_tasks, wait_event
 from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.dispatcher import BalancerCore, QueueFull
 from skymesh.routing.hashing import prompt_chunk_hashes
 from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import (
+    AbandonAttempt,
+    Action,
+    ForwardToRegion,
+    HealthSettings,
+    ProbeSample,
+    RegionCore,
+    RegionSettings,
+    Reject,
+    SendToReplica,
+)
 from skymesh.routing.registry import make_policy
 from skymesh.tokens import count_tokens
 
@@ -45,14 +61,6 @@ HOP_HEADER = "X-Skymesh-Hop"
 TOKEN_HEADER = "X-Skymesh-Peer-Token"
 ORIGIN_HEADER = "X-Skymesh-Origin-Region"
 VERSION = "0.1.0"
-# bounded so a peer that keeps failing cannot bounce a request forever
-MAX_PLACEMENTS = 6
-
-
-@dataclass(slots=True)
-class Placement:
-    kind: str  # "replica" | "peer"
-    target: str  # replica id or peer region
 
 
 @dataclass(slots=True)
@@ -73,17 +81,75 @@ class PeerInfo:
     alive: bool = True
 
 
-def _profile_seed(cfg: MeshConfig, replicas: tuple[ReplicaConfig, ...]) -> tuple[float, float]:
-    """Seed the TTFT model from the replicas' stand-in profile (refitted online anyway)."""
+def _profile_of(replicas: tuple[ReplicaConfig, ...]) -> tuple[Any, float] | None:
+    """The stand-in profile (and time scale) of the first replica that names one."""
     from skymesh.replica_sim.profiles import PROFILES
 
     for r in replicas:
         if r.sim is not None and r.sim.profile in PROFILES:
-            p = PROFILES[r.sim.profile]
-            per_tok = (p.prefill_time_s(1024) - p.prefill_time_s(512)) / 512 * r.sim.time_scale
-            fixed = max(0.0, p.prefill_time_s(512) * r.sim.time_scale - per_tok * 512)
-            return per_tok, fixed
-    return 300e-3 / 512, 0.02
+            return PROFILES[r.sim.profile], r.sim.time_scale
+    return None
+
+
+def upstream_timeouts(replicas: tuple[ReplicaConfig, ...]) -> UpstreamTimeouts:
+    """Per-token bound of a non-streaming deadline: twice the slowest step the replicas'
+    profile can take (full batch, a full prefill chunk, the whole KV cache attended), as
+    every running sequence gains one token per step; without a profile, 5 tokens/s."""
+    found = _profile_of(replicas)
+    if found is None:
+        return UpstreamTimeouts()
+    p, scale = found
+    slowest_step = p.step_time_s(p.max_num_batched_tokens, p.max_num_seqs, p.kv_capacity_tokens) * scale
+    return UpstreamTimeouts(per_output_token_s=max(0.01, 2 * slowest_step))
+
+
+def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionCore:
+    """The region core from the mesh config (the simulator builds its own from SimConfig)."""
+    region_cfg = cfg.region(region)
+    found = _profile_of(region_cfg.replicas)
+    per_tok, fixed = found[0].ttft_seed(found[1]) if found else (300e-3 / 512, 0.02)
+    ctx = PolicyContext(
+        chunk_tokens=cfg.policy.chunk_tokens,
+        ttft_slo_s=cfg.policy.ttft_slo_s,
+        trie_max_nodes=cfg.policy.trie_max_nodes,
+        prefill_s_per_token=per_tok,
+        prefill_fixed_s=fixed,
+        options=cfg.policy.options,
+    )
+    rtt = {r.name: cfg.rtt_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}
+    offload = OffloadRouter(
+        region,
+        rtt,
+        allowed=cfg.offload.allowed,
+        max_remote_queue=cfg.offload.max_remote_queue,
+        heartbeat_interval_s=cfg.offload.heartbeat_interval_s,
+        miss_limit=cfg.offload.heartbeat_miss_limit,
+        trie_max_nodes=max(1000, cfg.policy.trie_max_nodes // 4),
+        enabled=cfg.offload.enabled,
+    )
+    settings = RegionSettings(
+        queue_bound=cfg.policy.queue_bound,
+        dispatch_budget=int(cfg.policy.options.get("dispatch_budget", 2)),
+        max_retries=cfg.policy.max_retries,
+        max_queue_wait_s=max(60.0, cfg.policy.ttft_slo_s * 30),
+        retry_after_s=max(1, round(cfg.policy.ttft_slo_s)),
+        health=HealthSettings(),
+    )
+    return RegionCore(region, make_policy(policy_name, ctx), offload, settings)
+
+
+class _Waiter:
+    """Where one request's handler waits for the core's next word on it."""
+
+    __slots__ = ("future", "attempt_task")
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[Action] = asyncio.get_running_loop().create_future()
+        self.attempt_task: asyncio.Task[AttemptOutcome] | None = None
+
+    def renew(self) -> None:
+        if self.future.done():
+            self.future = asyncio.get_running_loop().create_future()
 
 
 class Balancer:
@@ -102,39 +168,15 @@ class Balancer:
         # epoch bumps on every start so peers can tell a restarted balancer's heartbeats
         self.epoch = time.time_ns() // 1_000_000
         self.policy_name = policy_name or cfg.policy.name
-        per_tok, fixed = _profile_seed(cfg, self.region_cfg.replicas)
-        ctx = PolicyContext(
-            chunk_tokens=cfg.policy.chunk_tokens,
-            ttft_slo_s=cfg.policy.ttft_slo_s,
-            trie_max_nodes=cfg.policy.trie_max_nodes,
-            prefill_s_per_token=per_tok,
-            prefill_fixed_s=fixed,
-            options=cfg.policy.options,
-        )
-        self.policy = make_policy(self.policy_name, ctx)
-        self.core = BalancerCore(
-            self.policy,
-            queue_bound=cfg.policy.queue_bound,
-            dispatch_budget=int(cfg.policy.options.get("dispatch_budget", 2)),
-            max_retries=cfg.policy.max_retries,
-        )
+        self.core = build_region_core(cfg, region, self.policy_name)
+        self.policy = self.core.policy
+        self.offload = self.core.offload
+        self.timeouts = upstream_timeouts(self.region_cfg.replicas)
         self.replicas: dict[str, ReplicaInfo] = {}
         self.wake = asyncio.Event()
+        self.waiters: dict[str, _Waiter] = {}
         self.set_replicas(
             [ReplicaInfo(r.id, r.url, region) for r in self.region_cfg.replicas]
-        )
-        rtt = {
-            r.name: cfg.rtt_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region
-        }
-        self.offload = OffloadRouter(
-            region,
-            rtt,
-            allowed=cfg.offload.allowed,
-            max_remote_queue=cfg.offload.max_remote_queue,
-            heartbeat_interval_s=cfg.offload.heartbeat_interval_s,
-            miss_limit=cfg.offload.heartbeat_miss_limit,
-            trie_max_nodes=max(1000, cfg.policy.trie_max_nodes // 4),
-            enabled=cfg.offload.enabled,
         )
         self.peers: dict[str, PeerInfo] = {
             r.name: PeerInfo(r.name, r.balancer.advertise_url, str(r.balancer.grpc_advertise))
@@ -142,9 +184,6 @@ class Balancer:
             if r.name != region
         }
         self.metrics = BalancerMetrics(self)
-        self.waiters: dict[str, asyncio.Future[Placement]] = {}
-        self.offloaded_out = 0
-        self.offloaded_in = 0
         self.controller_connected = False
         self.topology_version = 0
         self._ids = itertools.count()
@@ -168,8 +207,21 @@ class Balancer:
                 self.replicas[info.replica_id] = prev
             else:
                 self.replicas[info.replica_id] = info
-        self.core.set_replicas(list(self.replicas))
+        self._apply(self.core.set_replicas(list(self.replicas), self._now()))
         self.wake.set()
+
+    @staticmethod
+    def _now() -> float:
+        # the clock asyncio's loop.time() reads, usable before the loop runs (construction)
+        return time.monotonic()
+
+    @property
+    def offloaded_out(self) -> int:
+        return self.core.offloaded_out
+
+    @property
+    def offloaded_in(self) -> int:
+        return self.core.offloaded_in
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -258,13 +310,12 @@ class Balancer:
                 # first sight, or the replica restarted (counters reset)
                 info.prefix_queries_base = res.prefix_queries
                 info.prefix_hits_base = res.prefix_hits
-        self.core.update_replica(
-            info.replica_id,
-            healthy=res.healthy,
-            num_running=res.num_running,
-            num_waiting=res.num_waiting,
-            kv_usage=res.kv_usage,
+        sample = (
+            ProbeSample(num_running=res.num_running, num_waiting=res.num_waiting, kv_usage=res.kv_usage)
+            if res.healthy
+            else None
         )
+        self._apply(self.core.probe(info.replica_id, sample, self._now()))
 
     def prefix_hit_ratio(self) -> float:
         q = h = 0.0
@@ -279,55 +330,40 @@ class Balancer:
     # ------------------------------------------------------------------ dispatching
 
     async def _dispatch_loop(self) -> None:
+        """One dispatch round on every wake-up (arrival, probe, completion) and at least
+        every probe interval (queue-wait deadlines)."""
         loop = asyncio.get_running_loop()
         interval = self.cfg.policy.probe_interval_s
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=interval)
+            await wait_event(self.wake, interval)
             self.wake.clear()
-            try:
-                self._dispatch_once(loop.time())
-            except Exception:  # a bug here must not stop the whole balancer
-                log.exception("dispatch failed")
+            self._dispatch_once(loop.time())
 
     def _dispatch_once(self, now: float) -> None:
         t0 = time.perf_counter()
-        placed = self.core.dispatch(now)
+        actions = self.core.tick(now)
+        placed = sum(isinstance(a, SendToReplica) for a in actions)
         if placed:
-            self.metrics.decision_seconds.observe((time.perf_counter() - t0) / len(placed))
-        for req, decision in placed:
-            assert decision.replica_id is not None
-            self.metrics.observe_decision(req, decision)
-            self._resolve(req.request_id, Placement("replica", decision.replica_id), now)
-        if self.core.queue_length and not self.core.any_available():
-            self._offload_queued(now)
+            self.metrics.decision_seconds.observe((time.perf_counter() - t0) / placed)
+        self._apply(actions)
 
-    def _offload_queued(self, now: float) -> None:
-        chosen: list[tuple[RoutingRequest, str]] = []
-        for req in self.core.queued_requests():
-            if req.forwarded:
+    def _apply(self, actions: list[Action]) -> None:
+        """Carry out the core's actions: wake the handler that waits for each request."""
+        for action in actions:
+            if isinstance(action, SendToReplica):
+                self.metrics.observe_decision(self.core.request_of(action.request_id), action.decision)
+            elif isinstance(action, ForwardToRegion):
+                self.metrics.offloaded.inc("out", action.region)
+            waiter = self.waiters.get(action.request_id)
+            if waiter is None:
+                continue  # not this daemon's handler (cannot happen) or already gone
+            if isinstance(action, AbandonAttempt):
+                # queued again already; stop the attempt that has sent the client nothing
+                if waiter.attempt_task is not None:
+                    waiter.attempt_task.cancel()
                 continue
-            region = self.offload.choose(req, now)
-            if region is None:
-                if not self.offload.candidates(now):
-                    break  # no peer has room: stop scanning
-                continue
-            self.offload.on_forwarded(req, region, now)
-            chosen.append((req, region))
-        self.core.take_for_offload(r.request_id for r, _ in chosen)
-        for req, region in chosen:
-            self.offloaded_out += 1
-            self.metrics.offloaded.inc("out", region)
-            self._resolve(req.request_id, Placement("peer", region), now, offloaded=True)
-
-    def _resolve(self, request_id: str, placement: Placement, now: float, offloaded: bool = False) -> None:
-        fut = self.waiters.pop(request_id, None)
-        if fut is None or fut.done():
-            # the client left while it was queued: release what the core just booked
-            if not offloaded:
-                self.core.on_complete(request_id, False, now)
-            return
-        fut.set_result(placement)
+            if not waiter.future.done():
+                waiter.future.set_result(action)
 
     # ------------------------------------------------------------------ HTTP handlers
 
@@ -409,158 +445,131 @@ class Balancer:
             forwarded=forwarded,
         )
         if forwarded:
-            self.offloaded_in += 1
             self.metrics.offloaded.inc("in", request.headers.get(ORIGIN_HEADER, "unknown"))
+        waiter = self.waiters[req.request_id] = _Waiter()
         try:
-            self._enqueue(req, front=False)
-        except QueueFull as e:
-            self.metrics.rejections.inc("429")
-            retry_after = max(1, round(self.cfg.policy.ttft_slo_s))
-            return error_response(
-                429, str(e), code="queue_full", headers={"Retry-After": str(retry_after)}
-            )
-        try:
-            return await self._serve(request, raw, req)
+            for action in self.core.submit(req, now):
+                assert isinstance(action, Reject)
+                return self._reject(action)
+            self.wake.set()
+            return await self._serve(request, raw, req, parsed.stream, waiter)
         finally:
-            fut = self.waiters.pop(req.request_id, None)
-            if fut is not None and not fut.done():
-                fut.cancel()
-            # no-op when the request completed; frees its queue slot or replica otherwise
-            self.core.cancel(req.request_id, loop.time())
+            self.waiters.pop(req.request_id, None)
+            # no-op when the request ended; frees its queue slot or replica otherwise
+            self.core.client_gone(req.request_id, loop.time())
             self.wake.set()
 
-    def _enqueue(self, req: RoutingRequest, front: bool) -> None:
-        self.waiters[req.request_id] = asyncio.get_running_loop().create_future()
-        try:
-            self.core.submit(req, front=front)
-        except QueueFull:
-            self.waiters.pop(req.request_id, None)
-            raise
-        self.wake.set()
+    def _reject(self, r: Reject) -> web.Response:
+        self.metrics.rejections.inc(str(r.status))
+        headers = {"Retry-After": str(max(1, round(r.retry_after_s)))} if r.retry_after_s else None
+        return error_response(r.status, r.message, code=r.code, headers=headers)
 
-    async def _serve(self, request: web.Request, raw: bytes, req: RoutingRequest) -> web.StreamResponse:
-        slo_wait = max(60.0, self.cfg.policy.ttft_slo_s * 30)
-        for _ in range(MAX_PLACEMENTS):
-            fut = self.waiters[req.request_id]
-            try:
-                placement = await asyncio.wait_for(asyncio.shield(fut), timeout=slo_wait)
-            except TimeoutError:
-                self.metrics.rejections.inc("504")
-                return error_response(504, "timed out waiting for a replica", code="queue_timeout")
-            outcome = await self._attempt(request, raw, req, placement)
-            if isinstance(outcome, web.StreamResponse):
-                return outcome
-            # failed before the first byte: it is queued again (or out of retries)
-            if outcome == "exhausted":
-                break
-            self.metrics.retries.inc(placement.kind)
-        self.metrics.rejections.inc("502")
-        return error_response(
-            502, "all attempts to reach a replica failed before any output", code="upstream_unavailable"
-        )
-
-    async def _attempt(
-        self, request: web.Request, raw: bytes, req: RoutingRequest, placement: Placement
-    ) -> web.StreamResponse | str:
-        loop = asyncio.get_running_loop()
-        headers = {"Content-Type": "application/json"}
-        if placement.kind == "replica":
-            info = self.replicas.get(placement.target)
-            if info is None:  # membership changed between placement and now
-                return self._requeue_after_failure(req, placement)
-            url = info.url + request.path
-            session = self._session
-        else:
-            url = self.peers[placement.target].http_url + request.path
-            headers[HOP_HEADER] = "1"
-            headers[TOKEN_HEADER] = self.cfg.peer_token
-            headers[ORIGIN_HEADER] = self.region
-            session = self._egress
-        assert session is not None
-        try:
-            upstream = await session.post(
-                url,
-                data=raw,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=120.0),
+    async def _serve(
+        self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: _Waiter
+    ) -> web.StreamResponse:
+        while True:
+            action = await waiter.future
+            waiter.renew()
+            if isinstance(action, Reject):
+                return self._reject(action)
+            assert isinstance(action, SendToReplica | ForwardToRegion)
+            target = self._target(request, req, action)
+            if target is None:  # the replica left membership between placement and now
+                self._apply(self.core.fail(req.request_id, self._now(), reason="left membership",
+                                           counts_against_health=False))
+                continue
+            on_peer = isinstance(action, ForwardToRegion)
+            deadline = self.timeouts.first_byte_deadline_s(
+                stream=stream,
+                max_tokens=req.max_tokens,
+                # a peer may queue it for up to its own queue-wait bound first
+                extra_s=(self.core.settings.max_queue_wait_s or 0.0) if on_peer else 0.0,
             )
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            log.warning("upstream connect failed", extra={"target": placement.target, "error": repr(e)})
-            return self._requeue_after_failure(req, placement)
-        resp: web.StreamResponse | None = None
-        try:
-            if upstream.status != 200:
-                body = await upstream.read()
-                if upstream.status in (429, 500, 502, 503, 504):
-                    return self._requeue_after_failure(req, placement)
-                # the replica judged the request itself bad: pass its answer through
-                self._finish(req, placement, ok=True)
-                return web.Response(
-                    body=body, status=upstream.status, content_type="application/json"
-                )
-            out_headers = {
+            task = waiter.attempt_task = asyncio.create_task(
+                attempt(request, raw, target, self.timeouts, deadline, self._first_byte_hook(req))
+            )
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the client went away (the finally in _handle releases it)
+                # AbandonAttempt: the core queued it again already; wait for the next word
+                self.metrics.retries.inc("replica")
+                continue
+            finally:
+                waiter.attempt_task = None
+            now = self._now()
+            if outcome.outcome is Outcome.SERVED:
+                self.core.complete(req.request_id, now)
+                self.wake.set()
+                assert outcome.response is not None
+                return outcome.response
+            if outcome.outcome is Outcome.FAILED_MIDSTREAM:
+                self.metrics.midstream_failures.inc("peer" if on_peer else "replica")
+                self.core.fail(req.request_id, now, reason=outcome.reason)
+                self.wake.set()
+                assert outcome.response is not None
+                return outcome.response
+            log.warning("attempt failed before output",
+                        extra={"target": getattr(action, "replica_id", None) or getattr(action, "region", None),
+                               "reason": outcome.reason})
+            actions = self.core.fail(req.request_id, now, reason=outcome.reason,
+                                     counts_against_health=outcome.counts_against_health)
+            if not any(isinstance(a, Reject) and a.request_id == req.request_id for a in actions):
+                self.metrics.retries.inc("peer" if on_peer else "replica")
+            self._apply(actions)
+            self.wake.set()
+
+    def _first_byte_hook(self, req: RoutingRequest) -> Callable[[bool], None]:
+        def on_first_byte(is_stream: bool) -> None:
+            # a non-streaming answer arrives whole: its first byte is not its first token,
+            # so it must not feed the policy's TTFT model
+            ttft = self.core.first_token(req.request_id, self._now(), observe=is_stream)
+            if ttft is not None and is_stream:
+                self.metrics.observed_ttft.observe(ttft)
+            self.wake.set()
+
+        return on_first_byte
+
+    def _target(
+        self, request: web.Request, req: RoutingRequest, action: SendToReplica | ForwardToRegion
+    ) -> AttemptTarget | None:
+        headers = {"Content-Type": "application/json"}
+        if isinstance(action, SendToReplica):
+            info = self.replicas.get(action.replica_id)
+            if info is None:
+                return None
+            replica_id = action.replica_id
+            assert self._session is not None
+
+            def local_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+                return {
+                    "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                    "X-Skymesh-Region": self.region,
+                    "X-Skymesh-Replica": replica_id,
+                    "X-Skymesh-Offloaded": "0",
+                    "X-Skymesh-Path": self.region,
+                    "X-Request-Id": req.request_id,
+                }
+
+            return AttemptTarget(info.url + request.path, headers, self._session, local_headers)
+        headers[HOP_HEADER] = "1"
+        headers[TOKEN_HEADER] = self.cfg.peer_token
+        headers[ORIGIN_HEADER] = self.region
+        assert self._egress is not None
+
+        def peer_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+            return {
                 "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                "X-Skymesh-Region": upstream.headers.get("X-Skymesh-Region", self.region)
-                if placement.kind == "peer"
-                else self.region,
-                "X-Skymesh-Replica": upstream.headers.get("X-Skymesh-Replica", "")
-                if placement.kind == "peer"
-                else placement.target,
-                "X-Skymesh-Offloaded": "1" if placement.kind == "peer" else "0",
+                "X-Skymesh-Region": upstream.headers.get("X-Skymesh-Region", action.region),
+                "X-Skymesh-Replica": upstream.headers.get("X-Skymesh-Replica", ""),
+                "X-Skymesh-Offloaded": "1",
                 # the regions this request went through, origin first ("a>b" when offloaded)
-                "X-Skymesh-Path": f"{self.region}>{upstream.headers.get('X-Skymesh-Path', placement.target)}"
-                if placement.kind == "peer"
-                else self.region,
+                "X-Skymesh-Path": f"{self.region}>{upstream.headers.get('X-Skymesh-Path', action.region)}",
                 "X-Request-Id": req.request_id,
             }
-            stream = "text/event-stream" in out_headers["Content-Type"]
-            async for chunk in upstream.content.iter_any():
-                if resp is None:
-                    if placement.kind == "replica":
-                        ttft = self.core.on_first_token(req.request_id, loop.time(), observe=stream)
-                        if ttft is not None and stream:
-                            self.metrics.observed_ttft.observe(ttft)
-                    resp = web.StreamResponse(status=200, headers=out_headers)
-                    await resp.prepare(request)
-                await resp.write(chunk)
-            if resp is None:  # empty body: treat as a failed attempt (nothing was sent)
-                return self._requeue_after_failure(req, placement)
-            await resp.write_eof()
-            self._finish(req, placement, ok=True)
-            return resp
-        except (TimeoutError, aiohttp.ClientError) as e:
-            if resp is None:
-                return self._requeue_after_failure(req, placement)
-            # after the first byte: end the stream with an error event
-            log.warning("upstream failed mid-stream", extra={"target": placement.target, "error": repr(e)})
-            self._finish(req, placement, ok=False)
-            self.metrics.midstream_failures.inc(placement.kind)
-            with contextlib.suppress(ConnectionResetError, RuntimeError):
-                await resp.write(sse_error_event(f"upstream {placement.target} failed mid-response"))
-                await resp.write_eof()
-            return resp
-        finally:
-            upstream.release()
 
-    def _finish(self, req: RoutingRequest, placement: Placement, ok: bool) -> None:
-        if placement.kind == "replica":
-            self.core.on_complete(req.request_id, ok, asyncio.get_running_loop().time())
-            self.wake.set()
-
-    def _requeue_after_failure(self, req: RoutingRequest, placement: Placement) -> str:
-        now = asyncio.get_running_loop().time()
-        if placement.kind == "replica":
-            # the core re-queues it at the head, excluding the failed replica
-            if not self.core.retry(req.request_id, now):
-                return "exhausted"
-            self.waiters[req.request_id] = asyncio.get_running_loop().create_future()
-            self.wake.set()
-            return "retry"
-        # a peer failed or refused before any output: stop using it until its next
-        # heartbeat and serve the request here (it keeps its place at the head)
-        self.offload.mark_unavailable(placement.target)
-        try:
-            self._enqueue(req, front=True)
-        except QueueFull:
-            return "exhausted"
-        return "retry"
+        return AttemptTarget(
+            self.peers[action.region].http_url + request.path, headers, self._egress, peer_headers
+        )

@@ -18,6 +18,7 @@ import grpc
 
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.routing.region import HeartbeatSnapshot
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
@@ -50,15 +51,16 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
     def heartbeat(self) -> Any:
         b = self.b
         self.seq += 1
+        snap = b.core.heartbeat()
         return mesh_pb2.PeerHeartbeat(
             region=b.region,
             balancer_id=b.balancer_id,
             epoch=b.epoch,
             seq=self.seq,
-            replicas_total=len(b.core.replicas),
-            replicas_available=b.core.available_count(),
-            queue_length=b.core.queue_length,
-            pending_prefill_tokens=max(0, b.core.pending_prefill_tokens()),
+            replicas_total=snap.replicas_total,
+            replicas_available=snap.replicas_available,
+            queue_length=snap.queue_length,
+            pending_prefill_tokens=snap.pending_prefill_tokens,
             version=_version(),
             sent_unix_ms=int(time.time() * 1000),
             offloaded_out=b.offloaded_out,
@@ -104,16 +106,18 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
 
     def _apply(self, hb: Any) -> None:
         b = self.b
-        b.offload.update_peer(
+        b.core.peer_heartbeat(
             hb.region,
-            now=asyncio.get_running_loop().time(),
+            HeartbeatSnapshot(
+                replicas_total=hb.replicas_total,
+                replicas_available=hb.replicas_available,
+                queue_length=hb.queue_length,
+                pending_prefill_tokens=hb.pending_prefill_tokens,
+            ),
+            asyncio.get_running_loop().time(),
             balancer_id=hb.balancer_id,
             epoch=hb.epoch,
             seq=hb.seq,
-            replicas_total=hb.replicas_total,
-            replicas_available=hb.replicas_available,
-            queue_length=hb.queue_length,
-            pending_prefill_tokens=hb.pending_prefill_tokens,
         )
         if b.core.queue_length:
             b.wake.set()  # queued requests may now be offloaded

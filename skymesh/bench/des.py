@@ -25,7 +25,7 @@ import itertools
 import math
 from array import array
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,8 +35,15 @@ from skymesh.bench.traces import TraceRequest, fit_request
 from skymesh.replica_sim.engine import Engine, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.dispatcher import BalancerCore, QueueFull
 from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import (
+    ForwardToRegion,
+    ProbeSample,
+    RegionCore,
+    RegionSettings,
+    Reject,
+    SendToReplica,
+)
 from skymesh.routing.registry import make_policy
 from skymesh.tokens import TRACE_BLOCK_TOKENS
 
@@ -106,28 +113,6 @@ def block_chains(hash_ids: Iterable[int], input_len: int, block_size: int,
     return blocks, tuple(chunks)
 
 
-def decode_horizon(e: Engine) -> float | None:
-    """Seconds until the end of the step in which the engine's first running request
-    finishes, if every step until then is pure decode and needs no preemption (what
-    ``Engine.run_until`` would fuse); None otherwise. Does not change the engine."""
-    if not e._pure_decode():
-        return None
-    running = e.running
-    n = len(running)
-    k = min(r.max_tokens - r.output_tokens for r in running)
-    if k < 2:
-        return None
-    bs = e.block_size
-    extra = sum(max(0, (r.num_computed + k - 1) // bs + 1 - len(r.blocks)) for r in running)
-    if extra > e.num_free_blocks:
-        return None
-    p = e.profile
-    per_step = p.step_fixed_s + p.decode_s_per_seq * n
-    ctx0 = sum(r.num_computed for r in running)
-    a = p.attn_s_per_context_token
-    return (k * (per_step + a * ctx0) + a * n * k * (k - 1) / 2) * e.time_scale
-
-
 class _Replica:
     __slots__ = ("idx", "rid", "region", "engine", "state", "t_sync", "version")
     IDLE, STEP, LAZY = 0, 1, 2
@@ -140,24 +125,26 @@ class _Replica:
 
 
 class _Region:
+    """One simulated region: the real :class:`RegionCore`, as the daemon drives it."""
+
     def __init__(self, name: str, sim: Simulator) -> None:
         cfg = sim.cfg
         self.name = name
-        prof = sim.profile
-        per_tok = (prof.prefill_time_s(1024) - prof.prefill_time_s(512)) / 512
+        per_tok, fixed = sim.profile.ttft_seed()
         ctx = PolicyContext(
             chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s, trie_max_nodes=cfg.trie_max_nodes,
-            prefill_s_per_token=per_tok, prefill_fixed_s=max(0.0, prof.prefill_time_s(512) - per_tok * 512),
-            options=cfg.policy_options,
+            prefill_s_per_token=per_tok, prefill_fixed_s=fixed, options=cfg.policy_options,
         )
-        self.core = BalancerCore(make_policy(cfg.policy, ctx), queue_bound=cfg.queue_bound,
-                                 dispatch_budget=cfg.dispatch_budget, lookahead=cfg.lookahead)
-        self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
-        self.core.set_replicas(self.replica_ids)
         rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
-        self.offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
-                                     heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
-                                     enabled=cfg.offload and len(cfg.regions) > 1)
+        offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
+                                heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
+                                enabled=cfg.offload and len(cfg.regions) > 1)
+        # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
+        settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
+                                  lookahead=cfg.lookahead, max_queue_wait_s=None)
+        self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings)
+        self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
+        self.core.set_replicas(self.replica_ids, 0.0)
         self.seq = 0
 
 
@@ -310,9 +297,9 @@ class Simulator:
                 self._heartbeat(self.regions[payload], t)
                 self._push(t + cfg.heartbeat_interval_s, self.HEARTBEAT, payload)
             elif kind == self.BEAT_ARRIVE:
-                dst, src, fields = payload
+                dst, src, seq, snapshot = payload
                 reg = self.regions[dst]
-                reg.offload.update_peer(src, now=t, **fields)
+                reg.core.peer_heartbeat(src, snapshot, t, epoch=1, seq=seq)
                 self._dispatch(reg, t)
             elif kind == self.FORWARD_ARRIVE:
                 dst, rreq = payload
@@ -350,9 +337,8 @@ class Simulator:
     # ------------------------------------------------------------------ balancer side
 
     def _admit(self, reg: _Region, rreq: RoutingRequest, t: float) -> bool:
-        try:
-            reg.core.submit(rreq)
-        except QueueFull:
+        for action in reg.core.submit(rreq, t):
+            assert isinstance(action, Reject)
             i = int(rreq.request_id)
             self._flags[i] |= 1
             self._engine_args.pop(rreq.request_id, None)
@@ -362,47 +348,36 @@ class Simulator:
         return True
 
     def _dispatch(self, reg: _Region, t: float) -> None:
-        for rreq, decision in reg.core.dispatch(t):
-            rid = rreq.request_id
-            rep = self.replicas[decision.replica_id]  # type: ignore[index]
-            in_len, blocks, out_len = self._engine_args.pop(rid)
-            self._served_by[rid] = reg.name
-            if reg.name != self._origin[rid]:
-                self._flags[int(rid)] |= 2
-            self._deliver(rep, rid, in_len, blocks, out_len, t)
-        if reg.offload.enabled and reg.core.queue_length and not reg.core.any_available():
-            chosen = []
-            for rreq in reg.core.queued_requests():
-                if rreq.forwarded:
-                    continue
-                target = reg.offload.choose(rreq, t)
-                if target is None:
-                    if not reg.offload.candidates(t):
-                        break
-                    continue
-                reg.offload.on_forwarded(rreq, target, t)
-                chosen.append((rreq, target))
-            reg.core.take_for_offload(r.request_id for r, _ in chosen)
-            for rreq, target in chosen:
-                rreq.forwarded = True
-                self._push(t + self.cfg.latency_s(reg.name, target), self.FORWARD_ARRIVE, (target, rreq))
+        for action in reg.core.tick(t):
+            rid = action.request_id
+            if isinstance(action, SendToReplica):
+                rep = self.replicas[action.replica_id]
+                in_len, blocks, out_len = self._engine_args.pop(rid)
+                self._served_by[rid] = reg.name
+                if reg.name != self._origin[rid]:
+                    self._flags[int(rid)] |= 2
+                self._deliver(rep, rid, in_len, blocks, out_len, t)
+            elif isinstance(action, ForwardToRegion):
+                forwarded = replace(reg.core.request_of(rid), forwarded=True)
+                self._push(t + self.cfg.latency_s(reg.name, action.region), self.FORWARD_ARRIVE,
+                           (action.region, forwarded))
+            else:  # no queue deadline, no failures, no ejections: nothing else can happen here
+                raise AssertionError(f"unexpected action in the simulator: {action!r}")
 
     def _probe(self, reg: _Region, t: float) -> None:
         core, reps = reg.core, self.replicas
         for rid in reg.replica_ids:
             e = reps[rid].engine
-            core.update_replica(rid, healthy=True, num_running=len(e.running), num_waiting=len(e.waiting),
-                                kv_usage=e.kv_cache_usage)
+            core.probe(rid, ProbeSample(num_running=len(e.running), num_waiting=len(e.waiting),
+                                        kv_usage=e.kv_cache_usage), t)
         self._dispatch(reg, t)
 
     def _heartbeat(self, reg: _Region, t: float) -> None:
         reg.seq += 1
-        fields = {"epoch": 1, "seq": reg.seq, "replicas_total": len(reg.replica_ids),
-                  "replicas_available": reg.core.available_count(), "queue_length": reg.core.queue_length,
-                  "pending_prefill_tokens": reg.core.pending_prefill_tokens()}
+        beat = (reg.name, reg.seq, reg.core.heartbeat())
         for other in self.regions:
             if other != reg.name:
-                self._push(t + self.cfg.latency_s(reg.name, other), self.BEAT_ARRIVE, (other, reg.name, fields))
+                self._push(t + self.cfg.latency_s(reg.name, other), self.BEAT_ARRIVE, (other, *beat))
 
     # ------------------------------------------------------------------ replica side
 
@@ -442,7 +417,7 @@ class Simulator:
         if not e.running and not e.waiting:
             return
         if self.cfg.fuse_decode:
-            h = decode_horizon(e)
+            h = e.decode_horizon()
             if h is not None:
                 rep.state = _Replica.LAZY
                 rep.t_sync = t
@@ -459,18 +434,25 @@ class Simulator:
         """Report a step's first tokens and finishes to the balancers; returns finishes."""
         touched: set[str] = set()
         cfg = self.cfg
+        regions = self.regions
         for rid in out.first_token:
             region = self._served_by[rid]
-            i = int(rid)
-            self._first[i] = t + cfg.latency_s(region, self._origin[rid])
-            self.regions[region].core.on_first_token(rid, t)
+            origin = self._origin[rid]
+            self._first[int(rid)] = t + cfg.latency_s(region, origin)
+            regions[region].core.first_token(rid, t)
+            if origin != region:
+                # the origin tracks its forwarded request to the end too (it books nothing
+                # there, so this changes no decision and needs no dispatch round)
+                regions[origin].core.first_token(rid, t)
             touched.add(region)
         finished = 0
         for rid in out.finished:
             region = self._served_by.pop(rid)
             origin = self._origin.pop(rid)
             self._finish[int(rid)] = t + cfg.latency_s(region, origin)
-            self.regions[region].core.on_complete(rid, True, t)
+            regions[region].core.complete(rid, t)
+            if origin != region:
+                regions[origin].core.complete(rid, t)
             touched.add(region)
             finished += 1
         for region in touched:

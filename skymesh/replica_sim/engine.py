@@ -454,6 +454,42 @@ class Engine:
         head = self.waiting[0]
         return self._surely_blocked(head) or self._admission_shortfall(head, self._lookup(head)) > 0
 
+    def decode_horizon(self) -> float | None:
+        """Seconds until the end of the step in which the first running request finishes,
+        if every step until then is pure decode and needs no preemption — exactly what
+        :meth:`run_until` fuses into one call; None otherwise. Does not change the engine
+        (the discrete-event simulator schedules one wake-up there instead of one per step)."""
+        if not self._pure_decode():
+            return None
+        k = min(r.max_tokens - r.output_tokens for r in self.running)
+        if k < 2:
+            return None
+        if self._fused_extra_blocks(k) > self.num_free_blocks:
+            return None
+        return self._fused_duration()(k)
+
+    def _fused_duration(self) -> Callable[[int], float]:
+        """k -> duration of k fused decode steps of the running batch (constants summed once,
+        as the bisection in run_until calls it several times)."""
+        p = self.profile
+        n = len(self.running)
+        per_step = p.step_fixed_s + p.decode_s_per_seq * n
+        ctx0 = sum(r.num_computed for r in self.running)
+        a = p.attn_s_per_context_token
+        ts = self.time_scale
+
+        def duration(k: int) -> float:
+            # step j (0-based) attends ctx0 + n*j tokens
+            return (k * (per_step + a * ctx0) + a * n * k * (k - 1) / 2) * ts
+
+        return duration
+
+    def _fused_extra_blocks(self, k: int) -> int:
+        """Blocks ``k`` fused decode steps need beyond those held: the last of the k steps
+        starts with num_computed + k - 1 tokens and needs room for one more."""
+        bs = self.block_size
+        return sum(max(0, (r.num_computed + k - 1) // bs + 1 - len(r.blocks)) for r in self.running)
+
     def run_until(self, now: float, deadline: float) -> tuple[float, StepOutput]:
         """Advance from ``now`` by one step, or — when only decodes can run — by as many
         fused decode steps as fit before ``deadline`` (at least one), ending no later than
@@ -463,24 +499,12 @@ class Engine:
         if not self._pure_decode():
             out = self.step(now)
             return now + out.duration_s, out
-        p = self.profile
         bs = self.block_size
         running = self.running
         n = len(running)
         k_max = min(r.max_tokens - r.output_tokens for r in running)
-        per_step = p.step_fixed_s + p.decode_s_per_seq * n
-        ctx0 = sum(r.num_computed for r in running)
-        a = p.attn_s_per_context_token
-        ts = self.time_scale
-
-        def duration(k: int) -> float:
-            # step j (0-based) attends ctx0 + n*j tokens
-            return (k * (per_step + a * ctx0) + a * n * k * (k - 1) / 2) * ts
-
-        def extra_blocks(k: int) -> int:
-            # the last of k steps starts with num_computed + k - 1 tokens and needs room
-            # for one more
-            return sum(max(0, (r.num_computed + k - 1) // bs + 1 - len(r.blocks)) for r in running)
+        duration = self._fused_duration()
+        extra_blocks = self._fused_extra_blocks
 
         def largest(ok: Callable[[int], bool], hi: int) -> int:
             """Largest k in [1, hi] with ok(k) (ok monotone, ok(1) assumed)."""

@@ -54,6 +54,14 @@ class Profile:
             if done >= tokens:
                 return total
 
+    def ttft_seed(self, time_scale: float = 1.0) -> tuple[float, float]:
+        """(seconds per uncached prompt token, fixed seconds per request): the seed of a
+        balancer's TTFT model for replicas of this profile, before it refits online. The
+        daemon and the simulator both seed from here, so they start from the same model."""
+        per_token = (self.prefill_time_s(1024) - self.prefill_time_s(512)) / 512
+        fixed = max(0.0, self.prefill_time_s(512) - per_token * 512)
+        return per_token * time_scale, fixed * time_scale
+
 
 PROFILES: dict[str, Profile] = {
     p.name: p

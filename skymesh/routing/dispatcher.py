@@ -124,6 +124,26 @@ class BalancerCore:
             and self._since_probe[view.replica_id] < self.dispatch_budget
         )
 
+    def hold(self, replica_id: str) -> None:
+        """No new dispatch to ``replica_id`` until its next successful probe."""
+        view = self.replicas.get(replica_id)
+        if view is not None:
+            self._since_probe[replica_id] = self.dispatch_budget
+            view.available = False
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._in_flight
+
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self._queue
+
+    def unstarted_on(self, replica_id: str) -> list[str]:
+        """Requests dispatched to ``replica_id`` that have not produced a first token."""
+        return [
+            rid for rid, f in self._in_flight.items()
+            if f.replica_id == replica_id and f.first_token_at is None
+        ]
+
     def any_available(self) -> bool:
         return any(v.available for v in self.replicas.values())
 
@@ -279,23 +299,24 @@ class BalancerCore:
             self.counters.failed += 1
         self.policy.on_complete(f.req, f.replica_id, ok, now)
 
-    def retry(self, request_id: str, now: float) -> bool:
+    def retry(self, request_id: str, now: float, *, count_attempt: bool = True) -> bool:
         """The replica failed before the first byte: queue again at the head, never to the
-        same replica. Returns False when the retry budget is spent (the caller fails it)."""
+        same replica. Returns False when the retry budget is spent (the caller fails it).
+        ``count_attempt=False`` when the balancer itself abandoned the attempt (the replica
+        was ejected or left membership): that does not spend the request's retry budget."""
         f = self._in_flight.pop(request_id, None)
         if f is None:
             return False
         self._release(f)
         self.policy.on_complete(f.req, f.replica_id, False, now)
-        view = self.replicas.get(f.replica_id)
-        if view is not None:
-            # a connection failure: stop sending there until the next probe says otherwise
-            view.healthy = False
-            view.available = False
-        if f.attempts + 1 > self.max_retries:
+        # stop sending there until the next probe says otherwise (whether the replica is
+        # ejected is the region core's health tracker's call, with hysteresis)
+        self.hold(f.replica_id)
+        attempts = f.attempts + 1 if count_attempt else f.attempts
+        if attempts > self.max_retries:
             self.counters.failed += 1
             return False
-        q = _Queued(f.req, excluded=f.excluded | {f.replica_id}, attempts=f.attempts + 1)
+        q = _Queued(f.req, excluded=f.excluded | {f.replica_id}, attempts=attempts)
         self._queue[request_id] = q
         self._queue.move_to_end(request_id, last=False)
         self.counters.retried += 1

@@ -1,0 +1,149 @@
+"""One attempt to serve a request upstream (a local replica or a peer balancer): the body
+is proxied byte for byte and the answer streamed back chunk by chunk.
+
+The attempt reports what happened as an :class:`AttemptOutcome`; it never decides what
+comes next (retry, eject, fail) — that is the region core's job. It does tell the core
+``first_token`` *before* the first byte is written to the client, so a request the core
+still sees as ``placed`` has sent nothing and can be retried anywhere.
+
+Timeouts mean what they say (:class:`UpstreamTimeouts`): connect; time to the first byte
+(for a non-streaming answer, which arrives whole, a total deadline grown with
+``max_tokens``); and, once streaming, the longest silence between two chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import aiohttp
+from aiohttp import web
+
+from skymesh.balancer.errors import sse_error_event
+
+log = logging.getLogger("skymesh.balancer.proxy")
+
+# answers that say "this replica cannot serve it now" rather than "the request is bad"
+RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+# overload, not sickness: retried elsewhere but not counted towards ejecting the replica
+OVERLOAD_STATUSES = frozenset({429, 503})
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    connect_s: float = 2.0
+    # streaming: headers and the first chunk; non-streaming: plus the whole generation
+    first_byte_s: float = 60.0
+    # a non-streaming answer may take this long per requested token on top of first_byte_s
+    # (an upper bound of the replicas' decode time per token, from their profile or config)
+    per_output_token_s: float = 0.2
+    # once streaming, the longest silence between two chunks
+    stream_idle_s: float = 60.0
+
+    def first_byte_deadline_s(self, *, stream: bool, max_tokens: int, extra_s: float = 0.0) -> float:
+        """``extra_s``: time the target may legitimately queue the request first (a peer
+        balancer's own queue-wait bound)."""
+        base = self.first_byte_s + extra_s
+        return base if stream else base + max_tokens * self.per_output_token_s
+
+
+class Outcome(Enum):
+    SERVED = "served"  # the answer (any status) reached the client
+    FAILED_BEFORE_OUTPUT = "failed_before_output"  # nothing reached the client
+    FAILED_MIDSTREAM = "failed_midstream"  # the client got part of it and an error event
+
+
+@dataclass(slots=True)
+class AttemptOutcome:
+    outcome: Outcome
+    response: web.StreamResponse | None = None
+    reason: str = ""
+    # False for overload answers (429/503): retried, but no mark against the replica
+    counts_against_health: bool = True
+
+
+@dataclass(slots=True)
+class AttemptTarget:
+    url: str
+    headers: dict[str, str]
+    session: aiohttp.ClientSession
+    # response headers for the client, given the upstream's headers
+    client_headers: Callable[[aiohttp.ClientResponse], dict[str, str]]
+
+
+async def attempt(
+    request: web.Request,
+    raw: bytes,
+    target: AttemptTarget,
+    timeouts: UpstreamTimeouts,
+    first_byte_deadline_s: float,
+    on_first_byte: Callable[[bool], None],
+) -> AttemptOutcome:
+    """Send ``raw`` to ``target`` and stream the answer to ``request``'s client.
+
+    ``on_first_byte(is_stream)`` runs once, synchronously, right before the first byte is
+    written to the client.
+    """
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
+    resp: web.StreamResponse | None = None
+    upstream: aiohttp.ClientResponse | None = None
+    try:
+        async with asyncio.timeout(first_byte_deadline_s):
+            upstream = await target.session.post(target.url, data=raw, headers=target.headers, timeout=timeout)
+            if upstream.status != 200:
+                body = await upstream.read()
+                if upstream.status in RETRYABLE_STATUSES:
+                    return AttemptOutcome(
+                        Outcome.FAILED_BEFORE_OUTPUT,
+                        reason=f"HTTP {upstream.status}",
+                        counts_against_health=upstream.status not in OVERLOAD_STATUSES,
+                    )
+                # the replica judged the request itself bad: its answer is the result
+                on_first_byte(False)
+                return AttemptOutcome(
+                    Outcome.SERVED,
+                    web.Response(body=body, status=upstream.status, content_type="application/json"),
+                )
+            first = await upstream.content.readany()
+        if not first:  # an empty body: nothing was sent, so it counts as a failed attempt
+            return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason="empty answer")
+    except TimeoutError:
+        if upstream is not None:
+            upstream.close()
+        return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason="no first byte in time")
+    except (aiohttp.ClientError, OSError) as e:
+        if upstream is not None:
+            upstream.close()
+        return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason=type(e).__name__)
+    except BaseException:
+        if upstream is not None:
+            upstream.close()
+        raise
+    try:
+        headers = target.client_headers(upstream)
+        on_first_byte("text/event-stream" in headers.get("Content-Type", ""))
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        await resp.write(first)
+        while True:
+            async with asyncio.timeout(timeouts.stream_idle_s):
+                chunk = await upstream.content.readany()
+            if not chunk:
+                break
+            await resp.write(chunk)
+        await resp.write_eof()
+        return AttemptOutcome(Outcome.SERVED, resp)
+    except (TimeoutError, aiohttp.ClientError) as e:
+        # after the first byte: end the stream with an error event
+        log.warning("upstream failed mid-stream", extra={"target": target.url, "error": repr(e)})
+        if resp is not None:
+            with contextlib.suppress(ConnectionResetError, RuntimeError):
+                await resp.write(sse_error_event("upstream failed mid-response"))
+                await resp.write_eof()
+        return AttemptOutcome(Outcome.FAILED_MIDSTREAM, resp, reason=type(e).__name__)
+    finally:
+        upstream.release()

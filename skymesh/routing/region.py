@@ -1,0 +1,521 @@
+"""One region's decisions, pure: events in, actions out.
+
+:class:`RegionCore` is everything a regional balancer decides — the FCFS queue and the
+policy (:class:`~skymesh.routing.dispatcher.BalancerCore`), replica health with
+hysteresis, offload to peer regions (:class:`~skymesh.routing.offload.OffloadRouter`),
+the heartbeat it publishes, retries, queue-wait deadlines — and the lifecycle of every
+request it accepted. The daemon (real sockets, real clock) and the discrete-event
+simulator both drive only this object: they report what happened (``submit``,
+``probe``, ``peer_heartbeat``, ``first_token``, ``complete``, ``fail``,
+``client_gone``, ``tick``) and carry out the actions it returns (:class:`SendToReplica`,
+:class:`ForwardToRegion`, :class:`Reject`, :class:`AbandonAttempt`).
+
+A request's life is one explicit state machine::
+
+    queued ──> placed ──> streaming ──> done
+      │  ^        │  │         │
+      │  └────────┘  │         └──> failed | cancelled
+      │   (retry)    └──> done | failed | cancelled
+      └──> rejected | cancelled
+
+``placed`` means sent to a replica or forwarded to a peer region and nothing has reached
+the client yet; ``streaming`` means the first byte did. Leaving ``placed``/``streaming``
+releases the replica booking in exactly one place (:meth:`RegionCore._leave`), and every
+transition is counted in :attr:`RegionCore.transitions`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
+from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
+from skymesh.routing.offload import OffloadRouter
+
+
+class RequestState(StrEnum):
+    QUEUED = "queued"
+    PLACED = "placed"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = frozenset(
+    {RequestState.DONE, RequestState.FAILED, RequestState.REJECTED, RequestState.CANCELLED}
+)
+# "new" is the state before submit; every other pair is a bug in the caller or the core
+ALLOWED_TRANSITIONS: dict[str, frozenset[RequestState]] = {
+    "new": frozenset({RequestState.QUEUED, RequestState.REJECTED}),
+    RequestState.QUEUED: frozenset(
+        {RequestState.PLACED, RequestState.REJECTED, RequestState.CANCELLED}
+    ),
+    RequestState.PLACED: frozenset(
+        {
+            RequestState.STREAMING,
+            RequestState.QUEUED,  # retried before any byte reached the client
+            RequestState.DONE,  # a whole non-200 answer passed through as the result
+            RequestState.REJECTED,  # retries spent: the client gets one error
+            RequestState.CANCELLED,
+        }
+    ),
+    RequestState.STREAMING: frozenset(
+        {RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED}
+    ),
+}
+
+
+# ---------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class SendToReplica:
+    request_id: str
+    replica_id: str
+    decision: Decision
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardToRegion:
+    request_id: str
+    region: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """End the request with an error before any byte reached the client."""
+
+    request_id: str
+    status: int
+    code: str
+    message: str
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonAttempt:
+    """Stop the attempt in progress on ``target``: the request is queued again already
+    (its replica was ejected or left membership before it produced a byte)."""
+
+    request_id: str
+    target: str
+
+
+Action = SendToReplica | ForwardToRegion | Reject | AbandonAttempt
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    """Envoy-style hysteresis: ``unhealthy_threshold`` consecutive failures (failed probes
+    or connection failures) eject a replica; ``healthy_threshold`` consecutive good probes
+    bring an ejected one back. A replica never seen healthy joins on its first good probe."""
+
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSettings:
+    queue_bound: int = 1024
+    dispatch_budget: int = 2
+    lookahead: int = 64
+    rebalance_interval_s: float = 0.05
+    max_retries: int = 2
+    # every placement (replica or peer) counts: a peer that keeps refusing cannot bounce
+    # a request forever
+    max_placements: int = 6
+    # a request still queued this long after arrival gets 504 (None: wait forever, as the
+    # simulator does for goodput sweeps)
+    max_queue_wait_s: float | None = 60.0
+    retry_after_s: float = 2.0
+    health: HealthSettings = field(default_factory=HealthSettings)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatSnapshot:
+    """What this region tells its peers (SkyWalker's availability exchange)."""
+
+    replicas_total: int
+    replicas_available: int
+    queue_length: int
+    pending_prefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSample:
+    """One successful scrape of a replica's metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+
+# ---------------------------------------------------------------------------- state
+
+
+@dataclass(slots=True)
+class _Tracked:
+    req: RoutingRequest
+    state: RequestState
+    target: str = ""  # replica id or peer region while placed/streaming
+    on_peer: bool = False
+    placements: int = 0
+
+
+@dataclass(slots=True)
+class _Health:
+    ejected: bool = True  # until the first good probe
+    ever_healthy: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    ejections: int = 0
+
+
+class RegionCore:
+    def __init__(
+        self,
+        region: str,
+        policy: Policy,
+        offload: OffloadRouter,
+        settings: RegionSettings | None = None,
+    ) -> None:
+        self.region = region
+        self.settings = s = settings or RegionSettings()
+        self.local = BalancerCore(
+            policy,
+            queue_bound=s.queue_bound,
+            dispatch_budget=s.dispatch_budget,
+            lookahead=s.lookahead,
+            rebalance_interval_s=s.rebalance_interval_s,
+            max_retries=s.max_retries,
+        )
+        self.offload = offload
+        self._requests: dict[str, _Tracked] = {}
+        self._health: dict[str, _Health] = {}
+        # (arrival + max wait, seq, request id): lazily skipped once the request moved on
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._deadline_seq = 0
+        self.transitions: Counter[tuple[str, str]] = Counter()
+        self.offloaded_out = 0
+        self.offloaded_in = 0
+
+    # ------------------------------------------------------------------ read side
+
+    @property
+    def policy(self) -> Policy:
+        return self.local.policy
+
+    @property
+    def replicas(self) -> dict[str, ReplicaView]:
+        return self.local.replicas
+
+    @property
+    def counters(self) -> DispatchCounters:
+        return self.local.counters
+
+    @property
+    def queue_length(self) -> int:
+        return self.local.queue_length
+
+    @property
+    def in_flight_count(self) -> int:
+        return self.local.in_flight_count
+
+    @property
+    def active_requests(self) -> int:
+        """Requests accepted and not yet in a terminal state (queued, placed, streaming)."""
+        return len(self._requests)
+
+    def available_count(self) -> int:
+        return self.local.available_count()
+
+    def any_available(self) -> bool:
+        return self.local.any_available()
+
+    def pending_prefill_tokens(self) -> int:
+        return self.local.pending_prefill_tokens()
+
+    def request_of(self, request_id: str) -> RoutingRequest:
+        return self._requests[request_id].req
+
+    def state_of(self, request_id: str) -> RequestState | None:
+        t = self._requests.get(request_id)
+        return t.state if t is not None else None
+
+    def ages(self, now: float) -> dict[str, tuple[str, float]]:
+        """Every live request's state and age (for failure reports and /admin/status)."""
+        return {rid: (t.state.value, now - t.req.arrival) for rid, t in self._requests.items()}
+
+    def heartbeat(self) -> HeartbeatSnapshot:
+        return HeartbeatSnapshot(
+            replicas_total=len(self.local.replicas),
+            replicas_available=self.local.available_count(),
+            queue_length=self.local.queue_length,
+            pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
+        )
+
+    def health_of(self, replica_id: str) -> dict[str, Any]:
+        h = self._health.get(replica_id)
+        if h is None:
+            return {}
+        return {
+            "ejected": h.ejected,
+            "consecutive_failures": h.consecutive_failures,
+            "consecutive_successes": h.consecutive_successes,
+            "ejections": h.ejections,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.local.snapshot()
+        for rid, view in snap["replicas"].items():
+            view["health"] = self.health_of(rid)
+        snap["active_requests"] = len(self._requests)
+        snap["transitions"] = {f"{a}>{b}": n for (a, b), n in sorted(self.transitions.items())}
+        return snap
+
+    # ------------------------------------------------------------------ lifecycle core
+
+    def _move(self, t: _Tracked, to: RequestState) -> None:
+        frm = t.state
+        if to not in ALLOWED_TRANSITIONS.get(frm, frozenset()):
+            raise RuntimeError(f"request {t.req.request_id}: illegal transition {frm} -> {to}")
+        t.state = to
+        self.transitions[(str(frm), str(to))] += 1
+
+    def _leave(self, t: _Tracked, to: RequestState, now: float) -> None:
+        """The one place a request leaves the core: release what was booked for it."""
+        rid = t.req.request_id
+        if t.state is RequestState.QUEUED:
+            self.local.cancel(rid, now)  # drops the queue slot
+        elif not t.on_peer and self.local.is_in_flight(rid):
+            self.local.on_complete(rid, to is RequestState.DONE, now)
+        self._move(t, to)
+        del self._requests[rid]
+
+    # ------------------------------------------------------------------ events in
+
+    def set_replicas(self, replica_ids: Sequence[str], now: float) -> list[Action]:
+        """Membership changed (YAML or the controller). Requests placed on a replica that
+        left and not yet streaming go back to the head of the queue at once."""
+        wanted = set(replica_ids)
+        actions: list[Action] = []
+        for rid in list(self.local.replicas):
+            if rid not in wanted:
+                actions.extend(self._abandon_unstarted(rid, now))
+                self._health.pop(rid, None)
+        self.local.set_replicas(replica_ids)
+        for rid in replica_ids:
+            self._health.setdefault(rid, _Health())
+        return actions
+
+    def submit(self, req: RoutingRequest, now: float, *, front: bool = False) -> list[Action]:
+        if req.request_id in self._requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        t = _Tracked(req, RequestState.QUEUED)
+        try:
+            self.local.submit(req, front=front)
+        except QueueFull as e:
+            self.transitions[("new", str(RequestState.REJECTED))] += 1
+            return [Reject(req.request_id, 429, "queue_full", str(e), self.settings.retry_after_s)]
+        self.transitions[("new", str(RequestState.QUEUED))] += 1
+        self._requests[req.request_id] = t
+        if req.forwarded:
+            self.offloaded_in += 1
+        if self.settings.max_queue_wait_s is not None:
+            self._deadline_seq += 1
+            heapq.heappush(
+                self._deadlines,
+                (req.arrival + self.settings.max_queue_wait_s, self._deadline_seq, req.request_id),
+            )
+        return []
+
+    def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
+        """A probe result: ``sample`` None when the scrape failed or made no sense."""
+        h = self._health.get(replica_id)
+        if h is None or replica_id not in self.local.replicas:
+            return []
+        if sample is None:
+            return self._health_failure(replica_id, h, now)
+        h.consecutive_failures = 0
+        h.consecutive_successes += 1
+        if h.ejected and (not h.ever_healthy or h.consecutive_successes >= self.settings.health.healthy_threshold):
+            h.ejected = False
+            h.ever_healthy = True
+        self.local.update_replica(
+            replica_id,
+            healthy=not h.ejected,
+            num_running=sample.num_running,
+            num_waiting=sample.num_waiting,
+            kv_usage=sample.kv_usage,
+        )
+        return []
+
+    def _health_failure(self, replica_id: str, h: _Health, now: float) -> list[Action]:
+        h.consecutive_successes = 0
+        h.consecutive_failures += 1
+        view = self.local.replicas[replica_id]
+        if not h.ejected and h.consecutive_failures >= self.settings.health.unhealthy_threshold:
+            h.ejected = True
+            h.ejections += 1
+            view.healthy = False
+            view.available = False
+            return self._abandon_unstarted(replica_id, now)
+        # not ejected yet, but no fresh "nothing waiting" signal: no new work until the
+        # next good probe (selective pushing); what it is already serving stays there
+        self.local.hold(replica_id)
+        return []
+
+    def _abandon_unstarted(self, replica_id: str, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for request_id in self.local.unstarted_on(replica_id):
+            t = self._requests.get(request_id)
+            if t is None or t.state is not RequestState.PLACED:
+                continue
+            self.local.retry(request_id, now, count_attempt=False)
+            self._move(t, RequestState.QUEUED)
+            t.target = ""
+            actions.append(AbandonAttempt(request_id, replica_id))
+        return actions
+
+    def peer_heartbeat(
+        self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
+        balancer_id: str = "", epoch: int = 0, seq: int = 0,
+    ) -> bool:
+        return self.offload.update_peer(
+            region,
+            now=now,
+            balancer_id=balancer_id,
+            epoch=epoch,
+            seq=seq,
+            replicas_total=snapshot.replicas_total,
+            replicas_available=snapshot.replicas_available,
+            queue_length=snapshot.queue_length,
+            pending_prefill_tokens=snapshot.pending_prefill_tokens,
+        )
+
+    def first_token(self, request_id: str, now: float, *, observe: bool = True) -> float | None:
+        """The first byte of the answer reached the balancer (and is about to reach the
+        client). Returns the dispatch → first-token time for a local replica."""
+        t = self._requests.get(request_id)
+        if t is None or t.state is not RequestState.PLACED:
+            return None
+        self._move(t, RequestState.STREAMING)
+        if t.on_peer:
+            return None
+        return self.local.on_first_token(request_id, now, observe=observe)
+
+    def complete(self, request_id: str, now: float) -> None:
+        t = self._requests.get(request_id)
+        if t is not None and t.state in (RequestState.PLACED, RequestState.STREAMING):
+            self._leave(t, RequestState.DONE, now)
+
+    def fail(self, request_id: str, now: float, *, reason: str, counts_against_health: bool = True) -> list[Action]:
+        """The attempt failed. Before the first byte the request is queued again (never on
+        the same replica; a failed peer is skipped until its next heartbeat) unless its
+        budget is spent; after it, the request failed."""
+        t = self._requests.get(request_id)
+        if t is None:
+            return []
+        if t.state is RequestState.STREAMING:
+            self._leave(t, RequestState.FAILED, now)
+            return []
+        if t.state is not RequestState.PLACED:
+            return []
+        actions: list[Action] = []
+        target = t.target
+        exhausted = t.placements >= self.settings.max_placements
+        if t.on_peer:
+            self.offload.mark_unavailable(target)
+            if not exhausted:
+                try:
+                    self.local.submit(t.req, front=True)
+                except QueueFull:
+                    exhausted = True
+        else:
+            requeued = self.local.retry(request_id, now) if not exhausted else False
+            if not requeued:
+                if self.local.is_in_flight(request_id):
+                    self.local.on_complete(request_id, False, now)
+                exhausted = True
+            h = self._health.get(target)
+            if counts_against_health and h is not None:
+                actions.extend(self._health_failure(target, h, now))
+        if exhausted:
+            self._move(t, RequestState.REJECTED)
+            del self._requests[request_id]
+            actions.append(Reject(request_id, 502, "upstream_unavailable",
+                                  f"all attempts to reach a replica failed before any output ({reason})"))
+            return actions
+        self._move(t, RequestState.QUEUED)
+        t.target, t.on_peer = "", False
+        return actions
+
+    def client_gone(self, request_id: str, now: float) -> None:
+        t = self._requests.get(request_id)
+        if t is not None:
+            self._leave(t, RequestState.CANCELLED, now)
+
+    def tick(self, now: float) -> list[Action]:
+        """Expire over-long waits, place what the replicas can take, offload the rest."""
+        actions: list[Action] = self._expire(now)
+        for req, decision in self.local.dispatch(now):
+            t = self._requests[req.request_id]
+            self._move(t, RequestState.PLACED)
+            t.target, t.on_peer = decision.replica_id or "", False
+            t.placements += 1
+            actions.append(SendToReplica(req.request_id, t.target, decision))
+        if self.offload.enabled and self.local.queue_length and not self.local.any_available():
+            actions.extend(self._offload(now))
+        return actions
+
+    def _offload(self, now: float) -> list[Action]:
+        chosen: list[tuple[RoutingRequest, str]] = []
+        for req in self.local.queued_requests():
+            if req.forwarded:
+                continue
+            region = self.offload.choose(req, now)
+            if region is None:
+                if not self.offload.candidates(now):
+                    break  # no peer has room: stop scanning
+                continue
+            self.offload.on_forwarded(req, region, now)
+            chosen.append((req, region))
+        self.local.take_for_offload(r.request_id for r, _ in chosen)
+        actions: list[Action] = []
+        for req, region in chosen:
+            t = self._requests[req.request_id]
+            self._move(t, RequestState.PLACED)
+            t.target, t.on_peer = region, True
+            t.placements += 1
+            self.offloaded_out += 1
+            actions.append(ForwardToRegion(req.request_id, region))
+        return actions
+
+    def _expire(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            _, _, request_id = heapq.heappop(dl)
+            t = self._requests.get(request_id)
+            if t is None:
+                continue
+            if t.state is not RequestState.QUEUED:
+                # being served; if it comes back to the queue it may wait one more period
+                self._deadline_seq += 1
+                assert self.settings.max_queue_wait_s is not None
+                heapq.heappush(dl, (now + self.settings.max_queue_wait_s, self._deadline_seq, request_id))
+                continue
+            self._leave(t, RequestState.REJECTED, now)
+            out.append(Reject(request_id, 504, "queue_timeout", "timed out waiting for a replica",
+                              self.settings.retry_after_s))
+        return out
