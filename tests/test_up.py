@@ -20,13 +20,9 @@ import aiohttp
 import pytest
 import yaml
 
-from skymesh.procs import Child, bind_problem, wait_all_healthy
+from skymesh.procs import Child, bind_problem, free_port, skymesh_cmd, wait_all_healthy
 from skymesh.up import Mesh, MeshStartError
-from tests.mesh_helpers import ROOT, free_port, local_config_free_ports
-
-
-def skymesh(*args: str) -> list[str]:
-    return [sys.executable, "-m", "skymesh.cli", *args]
+from tests.mesh_helpers import ROOT, local_config_free_ports
 
 
 def mesh_parts_missing() -> str | None:
@@ -110,7 +106,7 @@ async def test_start_refuses_taken_addresses_before_starting_anything(tmp_path: 
         assert mesh.children() == [] and mesh.proxies == []
         # the CLI says the same, exit code 1
         p = await asyncio.create_subprocess_exec(
-            *skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run2")),
+            *skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run2")),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         _, err = await p.communicate()
     assert p.returncode == 1
@@ -120,7 +116,7 @@ async def test_start_refuses_taken_addresses_before_starting_anything(tmp_path: 
 def test_up_rejects_a_bad_config(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model: x\nregions: []\n")
-    out = subprocess.run(skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
+    out = subprocess.run(skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2
     assert "config error: regions" in out.stderr
@@ -177,7 +173,7 @@ def test_up_then_status_shows_three_healthy_regions_then_ctrl_c_stops_all(tmp_pa
     path, data = write_config(tmp_path)
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:
-        up = subprocess.Popen(skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
+        up = subprocess.Popen(skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
         while "skymesh is up" not in log_path.read_text():
@@ -191,7 +187,7 @@ def test_up_then_status_shows_three_healthy_regions_then_ctrl_c_stops_all(tmp_pa
         # balancers report to the controller about once a second, and a first report may
         # come before the balancer's first replica probe: wait for the healthy view
         while True:
-            out = subprocess.run(skymesh("status", "--config", str(path), "--json"), capture_output=True,
+            out = subprocess.run(skymesh_cmd("status", "--config", str(path), "--json"), capture_output=True,
                                  text=True, cwd=ROOT, timeout=60)
             assert out.returncode == 0, out.stderr
             st = json.loads(out.stdout)
@@ -204,7 +200,7 @@ def test_up_then_status_shows_three_healthy_regions_then_ctrl_c_stops_all(tmp_pa
         for r in st["regions"]:
             reps = r["report"]["replicas"]
             assert len(reps) == 3 and all(x["healthy"] for x in reps.values())
-        table = subprocess.run(skymesh("status", "--config", str(path)), capture_output=True, text=True,
+        table = subprocess.run(skymesh_cmd("status", "--config", str(path)), capture_output=True, text=True,
                                cwd=ROOT, timeout=60).stdout
         assert "regions: 3/3 healthy" in table
     finally:
