@@ -152,17 +152,6 @@ class Child:
             self.signal_group(signal.SIGKILL)
             await asyncio.to_thread(self.proc.wait)
 
-    def stop_now(self, grace_s: float = 5.0) -> None:
-        """:meth:`stop` for callers without an event loop (fixtures' sync teardown)."""
-        if self.proc is None:
-            return
-        self.signal_group(signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.signal_group(signal.SIGKILL)
-            self.proc.wait()
-
     def tail(self, n_bytes: int = 1500) -> str:
         """The end of this run's log (not a previous run's, for a restarted child)."""
         try:
@@ -192,22 +181,6 @@ async def wait_healthy(url: str, child: Child | None = None, within_s: float = 6
             await asyncio.sleep(0.1)
     what = child.name if child else url
     raise TimeoutError(f"{what} not healthy at {url} after {within_s}s" + (f":\n{child.tail()}" if child else ""))
-
-
-async def wait_all_healthy(checks: list[tuple[str, Child | None]], within_s: float = 60.0) -> None:
-    """``wait_healthy`` for every (url, child) at once; the first failure cancels the rest
-    and is raised (naming the part, with its log tail)."""
-    tasks = [asyncio.create_task(wait_healthy(url, child, within_s)) for url, child in checks]
-    if not tasks:
-        return
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in tasks:
-            exc = t.exception() if t in done else None
-            if exc is not None:
-                raise exc
-    finally:
-        await cancel_tasks(tasks)
 
 
 async def wait_all_ready(children: list[Child], within_s: float = 60.0) -> None:

@@ -20,7 +20,14 @@ import aiohttp
 import pytest
 import yaml
 
-from skymesh.procs import Child, bind_problem, free_port, skymesh_cmd, wait_all_healthy
+from skymesh.procs import (
+    Child,
+    bind_problem,
+    ephemeral_port_range,
+    free_port,
+    skymesh_cmd,
+    wait_all_ready,
+)
 from skymesh.up import Mesh, MeshStartError
 from tests.mesh_helpers import ROOT, local_config_free_ports
 
@@ -48,10 +55,45 @@ async def test_a_child_that_dies_is_named_with_its_log_tail(tmp_path: Path) -> N
                 tmp_path)
     bad.start()
     with pytest.raises(RuntimeError) as e:
-        await wait_all_healthy([(f"http://127.0.0.1:{free_port()}/health", bad)], within_s=60)
-    assert "broken-part exited with 3" in str(e.value)
+        await wait_all_ready([bad], within_s=60)
+    assert "broken-part exited with 3 before it was ready" in str(e.value)
     assert "cannot load the model" in str(e.value)
     assert bad.returncode == 3
+
+
+async def test_ready_line_gives_the_ports_and_silence_times_out(tmp_path: Path) -> None:
+    talker = Child("talker", [sys.executable, "-c", (
+        "import time\n"
+        "print('warming up', flush=True)\n"
+        "print('SKYMESH_READY {\"http\": 41234, \"grpc\": 41235}', flush=True)\n"
+        "time.sleep(60)\n")], tmp_path)
+    silent = Child("silent", [sys.executable, "-c", "import time; print('thinking', flush=True); time.sleep(60)"],
+                   tmp_path)
+    talker.start()
+    silent.start()
+    try:
+        assert await talker.wait_ready(within_s=30) == {"http": 41234, "grpc": 41235}
+        assert talker.port("grpc") == 41235
+        with pytest.raises(TimeoutError, match="silent not ready after 0.5s") as e:
+            await silent.wait_ready(within_s=0.5)
+        assert "thinking" in str(e.value)  # the log tail comes with the failure
+    finally:
+        await talker.stop()
+        await silent.stop()
+    # a restart appends to the same log: the old run's ready line must not count
+    talker.args = [sys.executable, "-c", "raise SystemExit(4)"]
+    talker.start()
+    with pytest.raises(RuntimeError, match="exited with 4"):
+        await talker.wait_ready(within_s=30)
+
+
+def test_free_port_stays_out_of_the_ephemeral_range() -> None:
+    lo, hi = ephemeral_port_range()
+    picked = [free_port() for _ in range(50)]
+    assert len(set(picked)) == len(picked)  # never the same number twice in a process
+    assert all(not lo <= p <= hi and p >= 10000 for p in picked)
+    pair = free_port(span=2)
+    assert bind_problem("127.0.0.1", pair + 1) is None and pair + 1 not in picked
 
 
 async def test_stop_escalates_to_sigkill_for_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
