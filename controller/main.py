@@ -6,14 +6,19 @@ import argparse
 import asyncio
 import sys
 
-from skymesh.config import ConfigError, load_config
+from skymesh.config import ConfigError, HostPort, load_config
 from skymesh.logging_setup import setup_logging
-from skymesh.procs import serve_until_signal
+from skymesh.procs import READY_HELP, report_ready, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = READY_HELP + ' Keys: "grpc", "http".'
     p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local mesh)")
     p.add_argument("--state-path", default=None, help="override controller.state_path")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="listen on this gRPC port instead of controller.listen's (0: any free one, reported)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="listen on this HTTP port instead of controller.http_listen's (0: any free one, reported)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -24,10 +29,20 @@ async def serve(args: argparse.Namespace) -> int:
     from skymesh.dns.factory import make_provider
 
     cfg = load_config(args.config)
+    ctl = cfg.controller
     if args.state_path:
-        cfg = dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, state_path=args.state_path))
-    svc = ControllerService(cfg, make_provider(cfg))
-    return await serve_until_signal(svc.start, svc.stop)
+        ctl = dataclasses.replace(ctl, state_path=args.state_path)
+    if args.grpc_port is not None:
+        ctl = dataclasses.replace(ctl, listen=HostPort(ctl.listen.host, args.grpc_port))
+    if args.http_port is not None:
+        ctl = dataclasses.replace(ctl, http_listen=HostPort(ctl.http_listen.host, args.http_port))
+    svc = ControllerService(dataclasses.replace(cfg, controller=ctl), make_provider(cfg))
+
+    async def start() -> None:
+        await svc.start()
+        report_ready(svc.bound_ports)
+
+    return await serve_until_signal(start, svc.stop)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,5 +51,10 @@ def run(args: argparse.Namespace) -> int:
         load_config(args.config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    bad_ports = [f"--{k}-port must be 0-65535, got {v}" for k, v in (("grpc", args.grpc_port),
+                 ("http", args.http_port)) if v is not None and not 0 <= v <= 65535]
+    if bad_ports:
+        print("skymesh controller: " + "; ".join(bad_ports), file=sys.stderr)
         return 2
     return asyncio.run(serve(args))

@@ -80,6 +80,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self._tasks: list[asyncio.Task[Any]] = []
         self._grpc: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
+        # name ("grpc", "http") -> port bound by start()
+        self.bound_ports: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
 
@@ -334,12 +336,14 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self._grpc = grpc.aio.server()
         mesh_pb2_grpc.add_ControllerServicer_to_server(self, self._grpc)
         g = self.cfg.controller.listen
-        self._grpc.add_insecure_port(f"{g.host}:{g.port}")
+        # the ports actually bound (the config's, or the kernel's pick for port 0)
+        self.bound_ports["grpc"] = self._grpc.add_insecure_port(f"{g.host}:{g.port}")
         await self._grpc.start()
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         h = self.cfg.controller.http_listen
         await web.TCPSite(self._runner, h.host, h.port, reuse_address=True).start()
+        self.bound_ports["http"] = int(self._runner.addresses[0][1])
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="probe"))
         self._tasks.append(asyncio.create_task(self._dns_loop(), name="dns-sync"))
         # a (re)start is a new topology version: monotonic across restarts, persisted

@@ -1,11 +1,22 @@
-"""Child-process supervision: own process group, logs to a file, health waits, stop by PID."""
+"""Child-process supervision: own process group, logs to a file, ready waits, stop by PID.
+
+The one process wrapper of the project: ``skymesh up``, the benchmarks and the test suite
+all start their children through :class:`Child`.
+
+Ready protocol: every skymesh daemon (balancer, replica-sim, controller, dns) prints one
+line ``SKYMESH_READY {"http": 43121, "grpc": 40211}`` on stdout once it listens, naming
+the ports it actually bound (so a child started on port 0 tells which one it got).
+:meth:`Child.wait_ready` reads that line from the child's log instead of polling a port.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import errno
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,14 +28,43 @@ from typing import Any
 
 import aiohttp
 
+READY_PREFIX = "SKYMESH_READY "
+# for the daemons' --help (argparse epilog): the ready protocol in one sentence
+READY_HELP = ("Once listening, prints one line on stdout: SKYMESH_READY {json}, the ports "
+              "actually bound by name (e.g. {\"http\": 43121}); with port 0 that is how a "
+              "parent learns which port it got.")
+
+
+def report_ready(ports: dict[str, int]) -> None:
+    """Tell the parent (a :class:`Child`) which ports this daemon bound: one line on stdout."""
+    print(READY_PREFIX + json.dumps(ports, sort_keys=True), flush=True)
+
+
+def parse_ready(text: str) -> dict[str, int] | None:
+    """The ports of the first ready line in ``text`` (a child's output), or None."""
+    for line in text.splitlines():
+        if line.startswith(READY_PREFIX):
+            data = json.loads(line[len(READY_PREFIX):])
+            return {str(k): int(v) for k, v in data.items()}
+    return None
+
 
 class Child:
-    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    """A child process in its own process group, output appended to ``log_dir/NAME.log``;
+    stopped by its PID's group, never by name."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.name = name
         self.args = args
         self.log_path = log_dir / f"{name}.log"
         self.env = env
+        self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        # where this run's output starts in the (appended-to) log
+        self._log_offset = 0
+        # what the child reported on its ready line (empty until wait_ready returned)
+        self.ports: dict[str, int] = {}
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,13 +72,50 @@ class Child:
         # restarts append to the same log: mark where each run begins
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.name}: {' '.join(self.args)}\n".encode())
         log.flush()
+        self._log_offset = log.tell()
+        self.ports = {}
         try:
             self.proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **(self.env or {})},
+                env={**os.environ, **(self.env or {})}, cwd=self.cwd,
             )
         finally:
             log.close()
+
+    async def wait_ready(self, within_s: float = 60.0) -> dict[str, int]:
+        """The ports the child reports on its ``SKYMESH_READY`` line; fails with the log's
+        tail when the child exits first or says nothing within ``within_s``."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        deadline = time.monotonic() + within_s
+        while True:
+            # the exit check comes before the read: a child that reported and then died
+            # still counts as ready here (its death is the caller's next problem)
+            exited = self.proc.poll() is not None
+            ports = parse_ready(self._this_run_output())
+            if ports is not None:
+                self.ports = ports
+                return ports
+            if exited:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready:\n"
+                                   f"{self.tail()}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.name} not ready after {within_s}s:\n{self.tail()}")
+            await asyncio.sleep(0.05)
+
+    def _this_run_output(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def port(self, kind: str = "http") -> int:
+        """A port from the ready line (after :meth:`wait_ready`)."""
+        if kind not in self.ports:
+            raise KeyError(f"{self.name} reported no {kind!r} port (got {self.ports})")
+        return self.ports[kind]
 
     @property
     def pid(self) -> int | None:
@@ -106,10 +183,10 @@ async def wait_healthy(url: str, child: Child | None = None, within_s: float = 6
     raise TimeoutError(f"{what} not healthy at {url} after {within_s}s" + (f":\n{child.tail()}" if child else ""))
 
 
-async def wait_all_healthy(checks: list[tuple[str, Child | None]], within_s: float = 60.0) -> None:
-    """``wait_healthy`` for every (url, child) at once; the first failure cancels the rest
-    and is raised (naming the part, with its log tail)."""
-    tasks = [asyncio.create_task(wait_healthy(url, child, within_s)) for url, child in checks]
+async def wait_all_ready(children: list[Child], within_s: float = 60.0) -> None:
+    """``wait_ready`` for every child at once; the first failure cancels the rest and is
+    raised (naming the child, with its log tail)."""
+    tasks = [asyncio.create_task(c.wait_ready(within_s)) for c in children]
     if not tasks:
         return
     try:
@@ -122,10 +199,55 @@ async def wait_all_healthy(checks: list[tuple[str, Child | None]], within_s: flo
         await cancel_tasks(tasks)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+# Picking a port for a child is a race (free now, taken before the child binds). Children
+# that nobody must find through a config bind port 0 and report the port instead (see the
+# ready protocol above). The pick below remains for configs that must name every address
+# before any part starts: a mesh's balancers, controller and DNS server find each other
+# through the config file. To make the race unlikely rather than routine, the pick avoids
+# the kernel's ephemeral range (where every port-0 bind and every outgoing connection of
+# every process on the machine lands), is random (several suites run at once here), and
+# never hands out a number twice in one process.
+_EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's default, when /proc says nothing
+_LOWEST_PICK = 10000  # below: well-known and registered services
+_issued_ports: set[int] = set()
+_port_rng = random.Random()  # own instance: a test seeding `random` must not sync suites
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+    return lo, hi
+
+
+def port_pick_ranges() -> list[range]:
+    """The port ranges :func:`free_port` picks from: 10000-65535 less the ephemeral range."""
+    lo, hi = ephemeral_port_range()
+    ranges = [range(_LOWEST_PICK, min(lo, 65536)), range(max(hi + 1, _LOWEST_PICK), 65536)]
+    return [r for r in ranges if len(r) > 0]
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port (the first of ``span`` consecutive ones) that TCP and UDP can bind on
+    ``host`` right now, outside the ephemeral range and not handed out before by this
+    process. Prefer port 0 + the ready line for any child that can report its port."""
+    ranges = port_pick_ranges()
+    candidates = sum(len(r) for r in ranges)
+    for _ in range(1000):
+        k = _port_rng.randrange(candidates)
+        for r in ranges:
+            if k < len(r):
+                port = r[k]
+                break
+            k -= len(r)
+        block = range(port, port + span)
+        if block[-1] > 65535 or any(p in _issued_ports for p in block):
+            continue
+        if all(bind_problem(host, p) is None and bind_problem(host, p, udp=True) is None for p in block):
+            _issued_ports.update(block)
+            return port
+    raise RuntimeError(f"no free port block of {span} on {host} in {ranges}")
 
 
 def bind_problem(host: str, port: int, udp: bool = False) -> str | None:
@@ -145,23 +267,24 @@ def bind_problem(host: str, port: int, udp: bool = False) -> str | None:
 
 
 async def start_sim_replicas(n: int, profile: str, time_scale: float, log_dir: Path,
-                             name: str = "replica") -> tuple[list[Child], list[str]]:
-    """n stand-in replica processes on free loopback ports, healthy on return."""
-    children, urls = [], []
-    for i in range(n):
-        port = free_port()
-        c = Child(f"{name}{i}", skymesh_cmd("replica-sim", "--port", str(port), "--profile", profile,
-                                            "--time-scale", str(time_scale), "--log-level", "ERROR"), log_dir)
-        c.start()
-        children.append(c)
-        urls.append(f"http://127.0.0.1:{port}")
+                             name: str = "replica", extra: list[str] | None = None,
+                             within_s: float = 60.0) -> tuple[list[Child], list[str]]:
+    """n stand-in replica processes on loopback (each binds port 0 and reports it), ready
+    on return, with their base URLs."""
+    children = [
+        Child(f"{name}{i}", skymesh_cmd("replica-sim", "--host", "127.0.0.1", "--port", "0",
+                                        "--profile", profile, "--time-scale", str(time_scale),
+                                        "--log-level", "ERROR", *(extra or [])), log_dir)
+        for i in range(n)
+    ]
     try:
-        await asyncio.gather(*(wait_healthy(u + "/health", c) for u, c in zip(urls, children, strict=True)))
-    except BaseException:
         for c in children:
-            await c.stop()
+            c.start()
+        await wait_all_ready(children, within_s)
+    except BaseException:
+        await asyncio.gather(*(c.stop() for c in children))
         raise
-    return children, urls
+    return children, [f"http://127.0.0.1:{c.port('http')}" for c in children]
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:

@@ -3,8 +3,9 @@
 Starts, each as its own process (own process group, log under the state dir): the
 stand-in replicas of every region (real `url` replicas are only health-checked), the DNS
 server, the controller and one balancer per region; plus, in this process, the delay
-proxies that give the advertised addresses their inter-region latency. Waits until all
-are healthy, prints how to use the mesh, and stops everything (reverse order, by PID) on
+proxies that give the advertised addresses their inter-region latency. Waits until every
+child reports ready (its SKYMESH_READY line, see skymesh.procs) and every real replica is
+healthy, prints how to use the mesh, and stops everything (reverse order, by PID) on
 Ctrl-C / SIGTERM. :class:`Mesh` is also what the integration tests drive: they kill and
 restart single parts (a balancer, the controller, the DNS server, a replica).
 """
@@ -25,7 +26,7 @@ import yaml
 
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.latency_proxy import DelayProxy, proxies_for
-from skymesh.procs import Child, bind_problem, skymesh_cmd, wait_all_healthy, wait_healthy
+from skymesh.procs import Child, bind_problem, skymesh_cmd, wait_all_ready, wait_healthy
 
 log = logging.getLogger("skymesh.up")
 
@@ -135,7 +136,7 @@ class Mesh:
 
     async def start_replicas(self) -> None:
         """Every sim replica (healthy on return) and a /health check of every real one."""
-        sims: list[tuple[str, Child | None]] = []
+        sims: list[Child] = []
         external: list[tuple[str, str]] = []
         for r in self.cfg.regions:
             for rep in r.replicas:
@@ -145,7 +146,7 @@ class Mesh:
                     continue
                 child.start()
                 self.replicas[rep.id] = child
-                sims.append((rep.url + "/health", child))
+                sims.append(child)
 
         async def check(rid: str, url: str) -> str | None:
             try:
@@ -156,7 +157,7 @@ class Mesh:
 
         ext = asyncio.gather(*(check(rid, url) for rid, url in external))
         try:
-            await wait_all_healthy(sims, within_s=self.health_timeout_s)
+            await wait_all_ready(sims, within_s=self.health_timeout_s)
         except BaseException:
             ext.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -178,8 +179,7 @@ class Mesh:
             raise MeshStartError(f"replica {rid} is a real server (url), not started by skymesh")
         child.start()
         self.replicas[rid] = child
-        url = next(x.url for x in region.replicas if x.id == rid)
-        await wait_all_healthy([(url + "/health", child)], within_s=self.health_timeout_s)
+        await child.wait_ready(within_s=self.health_timeout_s)
 
     async def stop_replica(self, rid: str, kill: bool = False) -> None:
         child = self.replicas.get(rid)
@@ -191,12 +191,9 @@ class Mesh:
             return
         if self.dns is not None and self.dns.running():
             raise MeshStartError(f"the DNS server is already running (pid {self.dns.pid})")
-        from skymesh.dns.embedded import control_address
-
         self.dns = Child("dns", skymesh_cmd("dns", "--config", str(self.config_path)), self.log_dir)
         self.dns.start()
-        host, port = control_address(self.cfg)
-        await wait_all_healthy([(f"http://{host}:{port}/v1/endpoints", self.dns)], within_s=self.health_timeout_s)
+        await self.dns.wait_ready(within_s=self.health_timeout_s)
 
     async def stop_dns(self, kill: bool = False) -> None:
         if self.dns is not None:
@@ -208,8 +205,7 @@ class Mesh:
         self.controller = Child("controller", skymesh_cmd("controller", "--config", str(self.config_path)),
                                 self.log_dir)
         self.controller.start()
-        await wait_all_healthy([(self.cfg.controller.http_listen.http_url + "/health", self.controller)],
-                               within_s=self.health_timeout_s)
+        await self.controller.wait_ready(within_s=self.health_timeout_s)
 
     async def stop_controller(self, kill: bool = False) -> None:
         if self.controller is not None:
@@ -223,8 +219,7 @@ class Mesh:
             "balancer", "--config", str(self.config_path), "--region", region), self.log_dir)
         child.start()
         self.balancers[region] = child
-        await wait_all_healthy([(self.cfg.region(region).balancer.listen.http_url + "/health", child)],
-                               within_s=self.health_timeout_s)
+        await child.wait_ready(within_s=self.health_timeout_s)
 
     async def stop_balancer(self, region: str, kill: bool = False) -> None:
         child = self.balancers.get(region)

@@ -8,8 +8,6 @@ from collections.abc import Iterator
 import pytest
 from moto.server import ThreadedMotoServer
 
-from tests.mesh_helpers import free_port
-
 
 @pytest.fixture
 def moto_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
@@ -17,10 +15,11 @@ def moto_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the kernel picks, the server says which (no pick-then-bind race)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    url = f"http://127.0.0.1:{port}"
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
     # moto keeps its backends per process: start from an empty Route53 every time
     urllib.request.urlopen(urllib.request.Request(url + "/moto-api/reset", method="POST"), timeout=10).read()
     try:

@@ -13,7 +13,8 @@ import pytest
 
 from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
-from tests.mesh_helpers import Proc, free_port, one_region_config, start_replica_sim, wait_http_ok
+from skymesh.procs import Child, free_port, start_sim_replicas
+from tests.mesh_helpers import one_region_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,7 +25,7 @@ SELECTIVE_PUSH_BUDGET = 2
 
 
 class Cluster:
-    def __init__(self, procs: dict[str, Proc], urls: dict[str, str], balancer: Balancer, base: str) -> None:
+    def __init__(self, procs: dict[str, Child], urls: dict[str, str], balancer: Balancer, base: str) -> None:
         self.procs = procs
         self.urls = urls
         self.balancer = balancer
@@ -32,24 +33,22 @@ class Cluster:
 
 
 async def start_cluster(tmp_path: Path, time_scale: float, sim_extra: list[str] | None = None,
-                        **policy: Any) -> tuple[dict[str, Proc], Balancer, str]:
-    procs: dict[str, Proc] = {}
-    urls: dict[str, str] = {}
-    for i in range(N_REPLICAS):
-        port = free_port()
-        rid = f"r{i}"
-        procs[rid] = start_replica_sim(tmp_path, port, "tiny-test", time_scale, sim_extra)
-        urls[rid] = f"http://127.0.0.1:{port}"
+                        **policy: Any) -> tuple[dict[str, Child], Balancer, str]:
+    """Stand-in replicas (port 0, reported) and an in-process balancer on port 0."""
+    children, replica_urls = await start_sim_replicas(N_REPLICAS, "tiny-test", time_scale, tmp_path, "r",
+                                                      extra=sim_extra)
+    procs = {c.name: c for c in children}  # named r0, r1, ...
+    urls = {c.name: u for c, u in zip(children, replica_urls, strict=True)}
     try:
-        await asyncio.gather(*(wait_http_ok(u + "/health", 60, procs[r]) for r, u in urls.items()))
+        # the config's listen ports are never bound: start(port=0) replaces the HTTP one
+        # and no gRPC server runs in-process
         cfg = parse_config(one_region_config(urls, free_port(), free_port(), **policy))
         b = Balancer(cfg, "us-east-1")
-        await b.start()
+        await b.start(port=0)
     except BaseException:
-        for p in procs.values():
-            p.stop()
+        await asyncio.gather(*(p.stop() for p in procs.values()))
         raise
-    return procs, b, f"http://127.0.0.1:{b.region_cfg.balancer.listen.port}"
+    return procs, b, f"http://127.0.0.1:{b.bound_port}"
 
 
 @pytest.fixture
@@ -60,8 +59,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         yield Cluster(procs, {r: i.url for r, i in b.replicas.items()}, b, base)
     finally:
         await b.stop()
-        for p in procs.values():
-            p.stop()
+        await asyncio.gather(*(p.stop() for p in procs.values()))
 
 
 async def wait_available(b: Balancer, n: int = N_REPLICAS) -> None:
@@ -144,8 +142,8 @@ async def test_queue_bound_gives_429_with_retry_after(tmp_path: Path) -> None:
     dead = {"r0": f"http://127.0.0.1:{free_port()}"}  # nothing listens: never available
     cfg = parse_config(one_region_config(dead, free_port(), free_port(), queue_bound=1))
     b = Balancer(cfg, "us-east-1")
-    await b.start()
-    base = f"http://127.0.0.1:{cfg.regions[0].balancer.listen.port}"
+    await b.start(port=0)
+    base = f"http://127.0.0.1:{b.bound_port}"
     try:
         async with aiohttp.ClientSession() as s:
             first = asyncio.create_task(complete(s, base, "a b c"))
@@ -220,8 +218,7 @@ async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -
         assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
     finally:
         await b.stop()
-        for p in procs.values():
-            p.stop()
+        await asyncio.gather(*(p.stop() for p in procs.values()))
 
 
 async def _stream_one(s: aiohttp.ClientSession, base: str, k: int) -> dict[str, Any]:
@@ -251,7 +248,7 @@ async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path
                 tasks.append(asyncio.create_task(_stream_one(s, base, k)))
                 await asyncio.sleep(0.03)
                 if k == 15:
-                    procs["r1"].kill()
+                    await procs["r1"].kill()
             results = await asyncio.gather(*tasks)
         unstarted_failures = [r for r in results if not r["done"] and not r["started"]]
         assert unstarted_failures == []
@@ -263,5 +260,4 @@ async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path
         assert b.core.queue_length == 0
     finally:
         await b.stop()
-        for p in procs.values():
-            p.stop()
+        await asyncio.gather(*(p.stop() for p in procs.values()))

@@ -30,7 +30,7 @@ from controller.service import ControllerService
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig, parse_config
 from skymesh.dns.base import BalancerEndpoint
-from skymesh.procs import Child, skymesh_cmd, wait_healthy
+from skymesh.procs import Child, skymesh_cmd, wait_all_ready
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from tests.mesh_helpers import local_config_free_ports
 
@@ -210,9 +210,8 @@ async def test_balancer_death_moves_replicas_and_dns_then_hands_back(
         dns_proc.start()
         for f in fakes.values():
             await f.start()
-        assert cfg.dns.listen is not None
-        await wait_healthy(f"http://{cfg.dns.listen.host}:{cfg.dns.listen.port + 1}/v1/endpoints", dns_proc, 30)
-        await wait_healthy(cfg.controller.http_listen.http_url + "/health", ctl, 30)
+        # the balancers and the controller find these two through the config: config ports
+        await wait_all_ready([dns_proc, ctl], 30)
         await watcher.start()
         ip = {r.name: r.balancer.advertise.host for r in cfg.regions}
 
@@ -282,7 +281,7 @@ async def test_controller_restart_recovers_state_from_sqlite(
     status_url = cfg.controller.http_listen.http_url + "/v1/status"
     ctl = start_controller(path, tmp_path)
     try:
-        await wait_healthy(cfg.controller.http_listen.http_url + "/health", ctl, 30)
+        await ctl.wait_ready(30)
 
         async def eu_dead() -> bool:
             t = await get_json(topo_url)
@@ -307,7 +306,7 @@ async def test_controller_restart_recovers_state_from_sqlite(
 
         await ctl.kill()  # abrupt: no shutdown path runs
         ctl = start_controller(path, tmp_path)
-        await wait_healthy(cfg.controller.http_listen.http_url + "/health", ctl, 30)
+        await ctl.wait_ready(30)
 
         after = await get_json(topo_url)
         assert after["version"] > before["version"], "the topology version must keep growing across restarts"

@@ -20,7 +20,8 @@ from skymesh.latency_proxy import (
     proxies_for,
     start_egress_forwarder,
 )
-from tests.mesh_helpers import free_port, local_config_free_ports
+from skymesh.procs import free_port
+from tests.mesh_helpers import local_config_free_ports
 
 
 @pytest.fixture
@@ -32,10 +33,9 @@ async def echo() -> AsyncIterator[int]:
                 await w.drain()
         w.close()
 
-    port = free_port()
-    srv = await asyncio.start_server(handle, "127.0.0.1", port)
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     try:
-        yield port
+        yield int(srv.sockets[0].getsockname()[1])
     finally:
         srv.close()
 
@@ -168,8 +168,8 @@ async def test_a_slow_receiver_pushes_back_and_nothing_is_lost() -> None:
         done.set()
         w.close()
 
-    sink_port = free_port()
-    sink = await asyncio.start_server(slow_sink, "127.0.0.1", sink_port)
+    sink = await asyncio.start_server(slow_sink, "127.0.0.1", 0)
+    sink_port = int(sink.sockets[0].getsockname()[1])
     limit = 256 * 1024
     payload = hashlib.sha256(b"bp").digest() * (2 * 1024 * 1024)  # 64 MiB: more than all socket buffers
     try:

@@ -4,14 +4,9 @@ and the `skymesh replica-sim` command as a real process."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from skymesh.procs import Child
 from skymesh.replica_sim.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 
@@ -282,39 +278,23 @@ async def test_client_disconnect_aborts_and_frees_kv(replica: ReplicaServer) -> 
     assert m[f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}}'] == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def test_cli_subprocess(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("skymesh")  # the venv's console script
     assert exe.exists(), f"{exe} missing: run make setup"
-    port = _free_port()
-    log = (tmp_path / "replica.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        str(exe), "replica-sim", "--port", str(port), "--profile", "tiny-test", "--time-scale", "0.01",
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    child = Child("replica", [str(exe), "replica-sim", "--port", "0", "--profile", "tiny-test",
+                              "--time-scale", "0.01"], tmp_path)
+    child.start()
     try:
+        ports = await child.wait_ready(within_s=60)  # port 0: the ready line says which one
+        assert set(ports) == {"http"} and ports["http"] > 0
+        url = f"http://127.0.0.1:{ports['http']}"
         async with aiohttp.ClientSession() as s:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.returncode is None, (tmp_path / "replica.log").read_text()
-                assert time.monotonic() < deadline, "replica-sim never became healthy"
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.1)
+            async with s.get(url + "/health") as r:
+                assert r.status == 200
             out = await complete(s, url, "hello world", 5)
         assert out["usage"]["completion_tokens"] == 5
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 20) == 0  # a clean exit on SIGTERM
+        child.signal_group(signal.SIGTERM)
+        assert child.proc is not None
+        assert await asyncio.to_thread(child.proc.wait, 20) == 0, child.tail()  # a clean exit on SIGTERM
     finally:
-        if proc.returncode is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        log.close()
+        await child.stop()

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from skymesh.procs import Child, skymesh_cmd, wait_healthy
+from skymesh.procs import Child, skymesh_cmd
 from tests.mesh_helpers import local_config_free_ports
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -72,10 +72,15 @@ def listen_of(cfg: dict, region: str) -> tuple[str, int]:
 async def start_controller(cfg: dict, tmp_path: Path) -> Child:
     path = tmp_path / "mesh.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    ctl = Child("controller", skymesh_cmd("controller", "--config", str(path)), tmp_path, env=dict(os.environ))
+    # nobody here dials the controller: it may listen anywhere (port 0, reported)
+    ctl = Child("controller", skymesh_cmd("controller", "--config", str(path), "--grpc-port", "0",
+                                          "--http-port", "0"), tmp_path, env=dict(os.environ))
     ctl.start()
-    host, port = cfg["controller"]["http_listen"].rsplit(":", 1)
-    await wait_healthy(f"http://{host}:{port}/health", ctl, within_s=30)
+    try:
+        await ctl.wait_ready(within_s=30)
+    except BaseException:
+        await ctl.stop()
+        raise
     return ctl
 
 

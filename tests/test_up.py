@@ -20,13 +20,16 @@ import aiohttp
 import pytest
 import yaml
 
-from skymesh.procs import Child, bind_problem, wait_all_healthy
+from skymesh.procs import (
+    Child,
+    bind_problem,
+    ephemeral_port_range,
+    free_port,
+    skymesh_cmd,
+    wait_all_ready,
+)
 from skymesh.up import Mesh, MeshStartError
-from tests.mesh_helpers import ROOT, free_port, local_config_free_ports
-
-
-def skymesh(*args: str) -> list[str]:
-    return [sys.executable, "-m", "skymesh.cli", *args]
+from tests.mesh_helpers import ROOT, local_config_free_ports
 
 
 def mesh_parts_missing() -> str | None:
@@ -52,10 +55,45 @@ async def test_a_child_that_dies_is_named_with_its_log_tail(tmp_path: Path) -> N
                 tmp_path)
     bad.start()
     with pytest.raises(RuntimeError) as e:
-        await wait_all_healthy([(f"http://127.0.0.1:{free_port()}/health", bad)], within_s=60)
-    assert "broken-part exited with 3" in str(e.value)
+        await wait_all_ready([bad], within_s=60)
+    assert "broken-part exited with 3 before it was ready" in str(e.value)
     assert "cannot load the model" in str(e.value)
     assert bad.returncode == 3
+
+
+async def test_ready_line_gives_the_ports_and_silence_times_out(tmp_path: Path) -> None:
+    talker = Child("talker", [sys.executable, "-c", (
+        "import time\n"
+        "print('warming up', flush=True)\n"
+        "print('SKYMESH_READY {\"http\": 41234, \"grpc\": 41235}', flush=True)\n"
+        "time.sleep(60)\n")], tmp_path)
+    silent = Child("silent", [sys.executable, "-c", "import time; print('thinking', flush=True); time.sleep(60)"],
+                   tmp_path)
+    talker.start()
+    silent.start()
+    try:
+        assert await talker.wait_ready(within_s=30) == {"http": 41234, "grpc": 41235}
+        assert talker.port("grpc") == 41235
+        with pytest.raises(TimeoutError, match="silent not ready after 0.5s") as e:
+            await silent.wait_ready(within_s=0.5)
+        assert "thinking" in str(e.value)  # the log tail comes with the failure
+    finally:
+        await talker.stop()
+        await silent.stop()
+    # a restart appends to the same log: the old run's ready line must not count
+    talker.args = [sys.executable, "-c", "raise SystemExit(4)"]
+    talker.start()
+    with pytest.raises(RuntimeError, match="exited with 4"):
+        await talker.wait_ready(within_s=30)
+
+
+def test_free_port_stays_out_of_the_ephemeral_range() -> None:
+    lo, hi = ephemeral_port_range()
+    picked = [free_port() for _ in range(50)]
+    assert len(set(picked)) == len(picked)  # never the same number twice in a process
+    assert all(not lo <= p <= hi and p >= 10000 for p in picked)
+    pair = free_port(span=2)
+    assert bind_problem("127.0.0.1", pair + 1) is None and pair + 1 not in picked
 
 
 async def test_stop_escalates_to_sigkill_for_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
@@ -110,7 +148,7 @@ async def test_start_refuses_taken_addresses_before_starting_anything(tmp_path: 
         assert mesh.children() == [] and mesh.proxies == []
         # the CLI says the same, exit code 1
         p = await asyncio.create_subprocess_exec(
-            *skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run2")),
+            *skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run2")),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         _, err = await p.communicate()
     assert p.returncode == 1
@@ -120,7 +158,7 @@ async def test_start_refuses_taken_addresses_before_starting_anything(tmp_path: 
 def test_up_rejects_a_bad_config(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model: x\nregions: []\n")
-    out = subprocess.run(skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
+    out = subprocess.run(skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2
     assert "config error: regions" in out.stderr
@@ -177,7 +215,7 @@ def test_up_then_status_shows_three_healthy_regions_then_ctrl_c_stops_all(tmp_pa
     path, data = write_config(tmp_path)
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:
-        up = subprocess.Popen(skymesh("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
+        up = subprocess.Popen(skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
         while "skymesh is up" not in log_path.read_text():
@@ -191,7 +229,7 @@ def test_up_then_status_shows_three_healthy_regions_then_ctrl_c_stops_all(tmp_pa
         # balancers report to the controller about once a second, and a first report may
         # come before the balancer's first replica probe: wait for the healthy view
         while True:
-            out = subprocess.run(skymesh("status", "--config", str(path), "--json"), capture_output=True,
+            out = subprocess.run(skymesh_cmd("status", "--config", str(path), "--json"), capture_output=True,
                                  text=True, cwd=ROOT, timeout=60)
             assert out.returncode == 0, out.stderr
             st = json.loads(out.stdout)
@@ -204,7 +242,7 @@ def test_up_then_status_shows_three_healthy_regions_then_ctrl_c_stops_all(tmp_pa
         for r in st["regions"]:
             reps = r["report"]["replicas"]
             assert len(reps) == 3 and all(x["healthy"] for x in reps.values())
-        table = subprocess.run(skymesh("status", "--config", str(path)), capture_output=True, text=True,
+        table = subprocess.run(skymesh_cmd("status", "--config", str(path)), capture_output=True, text=True,
                                cwd=ROOT, timeout=60).stdout
         assert "regions: 3/3 healthy" in table
     finally:

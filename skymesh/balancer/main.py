@@ -4,36 +4,65 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 
-from skymesh.config import ConfigError, load_config
+from skymesh.config import ConfigError, HostPort, MeshConfig, load_config
 from skymesh.gc_tuning import tune_gc
 from skymesh.logging_setup import setup_logging
-from skymesh.procs import serve_until_signal
+from skymesh.procs import READY_HELP, report_ready, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = READY_HELP + ' Keys: "http", and "grpc" when it serves peers.'
     p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local mesh)")
     p.add_argument("--region", required=True, help="which region of the config this balancer serves")
     p.add_argument("--policy", default=None, help="override the config's routing policy")
     p.add_argument("--balancer-id", default=None)
     p.add_argument("--no-controller", action="store_true", help="run from the YAML alone")
     p.add_argument("--no-peers", action="store_true", help="region-local: no heartbeats, no offload")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="listen on this HTTP port instead of the config's (0: any free one, reported)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="listen on this gRPC port instead of the config's (0: any free one, reported)."
+                        " The advertised addresses stay the config's: use these for a balancer that"
+                        " nobody finds through the config (benchmarks, --no-peers --no-controller)")
     p.add_argument("--log-level", default="INFO")
+
+
+def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_port: int | None) -> MeshConfig:
+    """``cfg`` with ``region``'s balancer listening on the given ports (None: the config's)."""
+
+    def override(hp: HostPort, port: int | None) -> HostPort:
+        return hp if port is None else HostPort(hp.host, port)
+
+    regions = tuple(
+        dataclasses.replace(r, balancer=dataclasses.replace(
+            r.balancer, listen=override(r.balancer.listen, http_port),
+            grpc_listen=override(r.balancer.grpc_listen, grpc_port)))
+        if r.name == region else r
+        for r in cfg.regions
+    )
+    return dataclasses.replace(cfg, regions=regions)
 
 
 async def serve(args: argparse.Namespace) -> int:
     from skymesh.balancer.server import Balancer
     from skymesh.balancer.services import attach_services
 
-    cfg = load_config(args.config)
+    cfg = with_listen_ports(load_config(args.config), args.region, args.http_port, args.grpc_port)
     balancer = Balancer(cfg, args.region, balancer_id=args.balancer_id, policy_name=args.policy)
     attach_services(balancer, peers=not args.no_peers, controller=not args.no_controller)
 
     async def start() -> None:
         await balancer.start()
         tune_gc()
+        ports = {"http": balancer.bound_port}
+        for svc in balancer.extra_services:
+            if isinstance(getattr(svc, "bound_port", None), int):  # the peers' gRPC server
+                ports["grpc"] = svc.bound_port
+        report_ready(ports)
 
     return await serve_until_signal(start, balancer.stop)
 
@@ -48,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyError:
         print(f"config error: no region named {args.region!r}", file=sys.stderr)
+        return 2
+    bad_ports = [f"--{k}-port must be 0-65535, got {v}" for k, v in (("http", args.http_port),
+                 ("grpc", args.grpc_port)) if v is not None and not 0 <= v <= 65535]
+    if bad_ports:
+        print("skymesh balancer: " + "; ".join(bad_ports), file=sys.stderr)
         return 2
     logging.getLogger("skymesh").debug("starting balancer for %s", args.region)
     return asyncio.run(serve(args))

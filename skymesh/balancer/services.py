@@ -160,7 +160,8 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
         server = grpc.aio.server()
         mesh_pb2_grpc.add_MeshPeerServicer_to_server(self, server)
         g = self.b.region_cfg.balancer.grpc_listen
-        server.add_insecure_port(f"{g.host}:{g.port}")
+        # the port actually bound (the config's, or the kernel's pick for port 0)
+        self.bound_port = server.add_insecure_port(f"{g.host}:{g.port}")
         await server.start()
         self._server = server
         for region in self.b.peers:

@@ -83,15 +83,20 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
         reps, urls = await start_sim_replicas(args.replicas, args.profile, args.time_scale, tmp,
                                               f"{system}-replica")
         children.extend(reps)
-        port = free_port()
+        # a skymesh balancer binds port 0 and reports it; a peer router cannot report, so
+        # it gets a picked port and is polled
+        port = 0 if system not in PEERS else free_port()
         router = router_child(system, urls, port, tmp, slo)
         if router is None:
             print(f"skipping {system}: not installed ({INSTALL_HINT})", file=sys.stderr)
             return None
         router.start()
         children.append(router)
-        url = f"http://127.0.0.1:{port}"
-        await wait_healthy(url + "/health", router, within_s=60)
+        if system in PEERS:
+            url = f"http://127.0.0.1:{port}"
+            await wait_healthy(url + "/health", router, within_s=60)
+        else:
+            url = f"http://127.0.0.1:{(await router.wait_ready(60))['http']}"
         status = [] if system in PEERS else [url + "/admin/status"]
         with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
             async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale) as sampler:

@@ -33,26 +33,7 @@ import yaml
 
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
-from skymesh.procs import bind_problem, free_port
-
-
-class _Ports:
-    """Free loopback ports, never the same one twice in one config (the kernel may hand
-    out a just-released ephemeral port again)."""
-
-    def __init__(self) -> None:
-        self.used: set[tuple[str, int]] = set()
-
-    def take(self, host: str = "127.0.0.1", pair: bool = False) -> int:
-        while True:
-            port = free_port(host)
-            need = [(host, port), (host, port + 1)] if pair else [(host, port)]
-            if any(n in self.used for n in need):
-                continue
-            if pair and bind_problem(host, port + 1) is not None:
-                continue
-            self.used.update(need)
-            return port
+from skymesh.procs import free_port
 
 
 def local_default() -> dict[str, Any]:
@@ -65,25 +46,24 @@ def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_sc
     """The embedded 3-region default with ``replicas_per_region`` stand-ins per region,
     every port free, and every duration (latencies, probes, heartbeats, SLO) scaled."""
     data = local_default()
-    ports = _Ports()
     for r in data["regions"]:
         b = r["balancer"]
-        b["listen"] = f"127.0.0.1:{ports.take()}"
-        b["grpc_listen"] = f"127.0.0.1:{ports.take()}"
+        b["listen"] = f"127.0.0.1:{free_port()}"
+        b["grpc_listen"] = f"127.0.0.1:{free_port()}"
         for key in ("advertise", "grpc_advertise"):
             host = b[key].rsplit(":", 1)[0]
-            b[key] = f"{host}:{ports.take(host)}"
+            b[key] = f"{host}:{free_port(host)}"
         prefix = r["replicas"][0]["id"].rsplit("-", 1)[0]
-        r["replicas"] = [{"id": f"{prefix}-r{i}", "sim": {"profile": profile, "port": ports.take(),
+        r["replicas"] = [{"id": f"{prefix}-r{i}", "sim": {"profile": profile, "port": free_port(),
                                                          "time_scale": time_scale}}
                          for i in range(replicas_per_region)]
     for link in data["latencies"]:
         link["one_way_ms"] = link["one_way_ms"] * time_scale
     data["local_latency_ms"] = data.get("local_latency_ms", 1) * time_scale
-    data["controller"]["listen"] = f"127.0.0.1:{ports.take()}"
-    data["controller"]["http_listen"] = f"127.0.0.1:{ports.take()}"
+    data["controller"]["listen"] = f"127.0.0.1:{free_port()}"
+    data["controller"]["http_listen"] = f"127.0.0.1:{free_port()}"
     data["controller"]["state_path"] = str(state_dir / "controller.sqlite")
-    data["dns"]["listen"] = f"127.0.0.1:{ports.take(pair=True)}"  # the control endpoint is port + 1
+    data["dns"]["listen"] = f"127.0.0.1:{free_port(span=2)}"  # the control endpoint is port + 1
     pol = data["policy"]
     pol.update(name=policy, ttft_slo_s=slo_s, queue_bound=100_000, chunk_tokens=512,
                probe_interval_s=pol.get("probe_interval_s", 0.1) * time_scale)

@@ -13,7 +13,7 @@ import argparse
 import importlib
 
 MODES = {
-    "routing": "skymesh.routing.bench",
+    "routing": "skymesh.bench.routing_micro",
     "proxy": "skymesh.bench.proxy_cost",
     "trace": "skymesh.bench.live",
     "agree": "skymesh.bench.agreement",

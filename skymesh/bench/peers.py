@@ -52,14 +52,15 @@ def peer_child(system: str, urls: Sequence[str], port: int, log_dir: Path, polic
 
 def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, region: str = "bench-1",
                     chunk_tokens: int = 512) -> dict[str, object]:
-    """A one-region mesh config: one balancer owning every replica, no offload."""
+    """A one-region mesh config: one balancer owning every replica, no offload. Port 0
+    (bind any, report it) is the balancer's --http-port, not the config's (which wants 1-65535)."""
     return {
         "model": "skymesh-sim",
         "regions": [{"name": region, "source_networks": ["127.1.0.0/16"],
-                     "balancer": {"listen": f"127.0.0.1:{port}", "grpc_listen": f"127.0.0.1:{free_port()}"},
+                     "balancer": {"listen": f"127.0.0.1:{port or free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}"},
                      "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
         "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
-        "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port()}"},
+        "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port(span=2)}"},
         "policy": {"name": policy, "ttft_slo_s": slo_s, "queue_bound": 100000, "chunk_tokens": chunk_tokens},
         "offload": {"enabled": False},
     }
@@ -69,7 +70,8 @@ def balancer_child(policy: str, urls: Sequence[str], port: int, log_dir: Path, s
     path = log_dir / f"{policy}-balancer.yaml"
     path.write_text(yaml.safe_dump(balancer_config(policy, urls, port, slo_s)))
     return Child(f"balancer-{policy}", skymesh_cmd("balancer", "--config", str(path), "--region", "bench-1",
-                                                   "--no-controller", "--no-peers", "--log-level", "WARNING"),
+                                                   "--http-port", str(port), "--no-controller", "--no-peers",
+                                                   "--log-level", "WARNING"),
                  log_dir)
 
 

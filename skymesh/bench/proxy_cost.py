@@ -98,6 +98,7 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
             lat += await _drive(u, per, concurrency, max_tokens)
         results["direct"] = {"p50_ms": round(statistics.median(lat) * 1000, 3)}
         # 2) skymesh balancer
+        # the config wants real ports; the balancer is told to bind port 0 and report it
         bport, gport = free_port(), free_port()
         cfg = {
             "model": "skymesh-sim",
@@ -105,17 +106,17 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
                          "balancer": {"listen": f"127.0.0.1:{bport}", "grpc_listen": f"127.0.0.1:{gport}"},
                          "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
             "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
-            "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port()}"},
+            "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port(span=2)}"},
             "policy": {"name": "round_robin", "options": {"dispatch_budget": 64}},
             "offload": {"enabled": False},
         }
         (tmp / "mesh.yaml").write_text(yaml.safe_dump(cfg))
         b = Child("balancer", skymesh_cmd("balancer", "--config", str(tmp / "mesh.yaml"), "--region", "bench-1",
-                                          "--no-controller", "--no-peers", "--log-level", "WARNING"), tmp)
+                                          "--http-port", "0", "--no-controller", "--no-peers",
+                                          "--log-level", "WARNING"), tmp)
         b.start()
         children.append(b)
-        burl = f"http://127.0.0.1:{bport}"
-        await wait_healthy(burl + "/health", b)
+        burl = f"http://127.0.0.1:{(await b.wait_ready())['http']}"
         results["skymesh"] = await _router_cost(b, burl, n, concurrency, max_tokens)
         await b.stop()
         # 3) sglang-router, when installed

@@ -55,6 +55,8 @@ def control_address(cfg: MeshConfig) -> tuple[str, int]:
 class MeshDnsServer:
     def __init__(self, cfg: MeshConfig) -> None:
         self.cfg = cfg
+        # name ("dns": UDP and TCP, "control": the HTTP endpoint) -> port bound by start()
+        self.bound_ports: dict[str, int] = {}
         self.zone = dns.name.from_text(cfg.dns.name)
         self.ttl = cfg.dns.ttl_s
         self.networks = sorted(
@@ -243,11 +245,16 @@ class MeshDnsServer:
                     self.transport.sendto(out, addr)  # type: ignore[attr-defined]
 
         self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(host, port))
+        # with port 0 the kernel picks the UDP port; TCP serves the same number
+        port = int(self._udp.get_extra_info("sockname")[1])
         self._tcp = await asyncio.start_server(self._serve_tcp, host, port)
         self._runner = web.AppRunner(self._control_app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         chost, cport = control_address(self.cfg)
+        if self.cfg.dns.listen.port == 0:
+            cport = 0  # "DNS port + 1" means nothing for a kernel-picked port: report it instead
         await web.TCPSite(self._runner, chost, cport, reuse_address=True).start()
+        self.bound_ports = {"dns": port, "control": int(self._runner.addresses[0][1])}
         log.info("dns server started", extra={"listen": f"{host}:{port}", "zone": str(self.zone)})
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

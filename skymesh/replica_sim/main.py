@@ -9,12 +9,13 @@ import sys
 from typing import Any
 
 from skymesh.logging_setup import setup_logging
-from skymesh.procs import serve_until_signal
+from skymesh.procs import READY_HELP, report_ready, serve_until_signal
 from skymesh.replica_sim.profiles import PROFILES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, required=True)
+    p.epilog = READY_HELP + ' Key: "http".'
+    p.add_argument("--port", type=int, required=True, help="HTTP port (0: any free one, reported)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--profile", default="l4-llama3.1-8b", choices=sorted(PROFILES))
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -44,6 +45,7 @@ async def _serve(args: argparse.Namespace) -> int:
         # shuts down cleanly
         srv["s"] = await start_replica(args.host, args.port, args.profile, args.time_scale, args.model,
                                        **_overrides(args))
+        report_ready({"http": srv["s"].port})
 
     async def stop() -> None:
         if "s" in srv:

@@ -6,6 +6,9 @@ measured request is one ``choose`` + ``on_dispatch`` with the same views a balan
 pass (all replicas, a random quarter unavailable, random loads). Times come from
 perf_counter_ns around the two calls only; prompt hashing is done before (the balancer
 does it once at admission).
+
+It lives here, not in ``skymesh/routing/``, because it reads the clock, writes files and
+tunes the collector: the routing package stays pure (``tests/test_routing_purity.py``).
 """
 
 from __future__ import annotations
