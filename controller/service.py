@@ -27,12 +27,14 @@ import aiohttp
 import grpc
 from aiohttp import web
 
+from controller.metrics import ControllerMetrics
 from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.supervise import create_supervised_task
 
 log = logging.getLogger("skymesh.controller")
 
@@ -84,6 +86,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.bound_ports: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
+        self.metrics = ControllerMetrics()
 
     # ------------------------------------------------------------------ topology
 
@@ -188,16 +191,15 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 except (TimeoutError, aiohttp.ClientError, OSError) as e:
                     return region, False, type(e).__name__
 
-            try:
-                for region, ok, why in await asyncio.gather(*(probe(r) for r in self.balancers)):
-                    if ok:
-                        await self._set_alive(region, True, "probe ok")
-                    else:
-                        self.failures[region] += 1
-                        if self.failures[region] >= self.cfg.controller.failure_threshold:
-                            await self._set_alive(region, False, why)
-            except Exception:  # e.g. the state disk is full: log, keep probing
-                log.exception("probe round failed")
+            # a failed round (e.g. the state disk is full) raises to the supervisor, which
+            # logs it (rate-limited), counts it and probes again after a short backoff
+            for region, ok, why in await asyncio.gather(*(probe(r) for r in self.balancers)):
+                if ok:
+                    await self._set_alive(region, True, "probe ok")
+                else:
+                    self.failures[region] += 1
+                    if self.failures[region] >= self.cfg.controller.failure_threshold:
+                        await self._set_alive(region, False, why)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     # ------------------------------------------------------------------ gRPC
@@ -312,6 +314,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         async def status(_: web.Request) -> web.Response:
             return web.json_response(self.status_json())
 
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
         async def topology(_: web.Request) -> web.Response:
             t = self.topology()
             return web.json_response({
@@ -327,6 +332,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         app.router.add_get("/health", health)
         app.router.add_get("/v1/status", status)
         app.router.add_get("/v1/topology", topology)
+        app.router.add_get("/metrics", metrics)
         return app
 
     # ------------------------------------------------------------------ lifecycle
@@ -344,8 +350,12 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         h = self.cfg.controller.http_listen
         await web.TCPSite(self._runner, h.host, h.port, reuse_address=True).start()
         self.bound_ports["http"] = int(self._runner.addresses[0][1])
-        self._tasks.append(asyncio.create_task(self._probe_loop(), name="probe"))
-        self._tasks.append(asyncio.create_task(self._dns_loop(), name="dns-sync"))
+        interval = self.cfg.controller.probe_interval_s
+        for name, body, backoff_s in (("probe", self._probe_loop, interval),
+                                      ("dns-sync", self._dns_loop, min(1.0, DNS_RESYNC_S))):
+            self._tasks.append(create_supervised_task(
+                name, body, on_restart=self.metrics.loop_restarted, logger=log,
+                backoff_s=backoff_s, max_backoff_s=max(backoff_s, 5.0)))
         # a (re)start is a new topology version: monotonic across restarts, persisted
         await self._changed("controller started")
         log.info("controller started", extra={"version": self.version, "grpc": str(g), "http": str(h)})

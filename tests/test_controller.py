@@ -470,3 +470,46 @@ async def test_hanging_dns_never_delays_failover(tmp_path: Path) -> None:
         await svc.stop()
         for f in fakes.values():
             await f.stop()
+
+
+async def test_background_loops_restart_after_a_bug_and_count_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe round or DNS sync that raises (a bug, a full state disk) is logged, counted
+    in /metrics and retried: the loop keeps running instead of dying silently."""
+    cfg = parse_config(make_config(tmp_path)[0])
+    svc = ControllerService(cfg, None)
+    again: dict[str, asyncio.Event] = {}
+
+    def fail_first_call(attr: str) -> None:
+        real = getattr(svc, attr)
+        calls = 0
+        again[attr] = asyncio.Event()
+
+        async def wrapper(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise OSError(f"injected failure in {attr}")
+            again[attr].set()
+            return await real(*args)
+
+        monkeypatch.setattr(svc, attr, wrapper)
+
+    # no balancer answers /health here, so probe rounds call _set_alive(region, False)
+    fail_first_call("_set_alive")
+    fail_first_call("sync_dns")
+    await svc.start()
+    try:
+        await again["_set_alive"].wait()
+        await again["sync_dns"].wait()
+        async with aiohttp.ClientSession() as s, s.get(
+            f"http://{cfg.controller.http_listen}/metrics"
+        ) as r:
+            assert r.status == 200
+            text = await r.text()
+        assert 'skymesh_loop_restarts_total{loop="probe"} 1.0' in text
+        assert 'skymesh_loop_restarts_total{loop="dns-sync"} 1.0' in text
+    finally:
+        await svc.stop()
+    assert all(t.done() for t in svc._tasks)

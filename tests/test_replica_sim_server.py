@@ -4,6 +4,7 @@ and the `skymesh replica-sim` command as a real process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -298,3 +299,114 @@ async def test_cli_subprocess(tmp_path: Path) -> None:
         assert await asyncio.to_thread(child.proc.wait, 20) == 0, child.tail()  # a clean exit on SIGTERM
     finally:
         await child.stop()
+
+
+# ---------------------------------------------------------------------- engine crashes
+
+RESTARTS = 'skymesh_loop_restarts_total{loop="engine"}'
+
+
+def crash_engine_steps(replica: ReplicaServer, monkeypatch: pytest.MonkeyPatch, crash_on: set[int]) -> list[int]:
+    """Make the engine's step calls numbered in ``crash_on`` (1-based) fail halfway: the
+    real step runs, then its running list is emptied behind the requests' backs and the
+    step raises. That inconsistency made the old error handler's abort() raise and kill
+    the loop. Returns the list of crashed call numbers (appended as they happen)."""
+    engine = replica.engine
+    real_step = engine.step
+    calls = 0
+    crashed: list[int] = []
+
+    def step(now: float) -> Any:
+        nonlocal calls
+        calls += 1
+        out = real_step(now)
+        if calls in crash_on:
+            engine.running.clear()
+            crashed.append(calls)
+            raise RuntimeError(f"injected engine failure in step {calls}")
+        return out
+
+    monkeypatch.setattr(engine, "step", step)
+    return crashed
+
+
+async def health_status(s: aiohttp.ClientSession, url: str) -> int:
+    async with s.get(url + "/health") as r:
+        return r.status
+
+
+@pytest.mark.timeout(60)
+async def test_engine_crash_fails_the_open_request_then_the_engine_restarts(
+    replica: ReplicaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crashed = crash_engine_steps(replica, monkeypatch, {1})
+    body = {"model": MODEL, "prompt": "a b c d", "max_tokens": 4}
+    async with aiohttp.ClientSession() as s:
+        m0 = await scrape(s, replica.url)
+        assert m0[RESTARTS] == 0
+        async with s.post(replica.url + "/v1/completions", json=body) as r:
+            assert r.status == 500
+            err = (await r.json())["error"]
+        assert crashed == [1]
+        assert err["type"] == "InternalServerError" and err["code"] == 500 and err["message"]
+        # the supervisor restarts the loop: the next request is served normally
+        out = await complete(s, replica.url, "a b c d", 4)
+        assert out["usage"]["completion_tokens"] == 4
+        m1 = await scrape(s, replica.url)
+        assert await health_status(s, replica.url) == 200
+    assert m1[RESTARTS] == 1
+    assert replica.engine_loop.restarts == 1 and replica.engine_healthy()
+    # the crashed request left nothing behind in the engine
+    assert not replica.engine.has_work() and replica.engine.kv_cache_usage == 0.0
+    assert replica.engine.num_free_blocks == replica.engine.num_blocks
+
+
+@pytest.mark.timeout(60)
+async def test_engine_crash_mid_stream_ends_the_stream_with_an_error(
+    replica: ReplicaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crashed = crash_engine_steps(replica, monkeypatch, {3})
+    body = {"model": MODEL, "prompt": "a b c d", "max_tokens": 50, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(replica.url + "/v1/completions", json=body) as r:
+            assert r.status == 200  # the stream had started before the crash
+            events = [line for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        assert crashed == [3]
+        assert json.loads(events[-1][len("data: "):])["error"]["code"] == 500
+        assert all("choices" in json.loads(e[len("data: "):]) for e in events[:-1])
+        assert "data: [DONE]" not in events
+        out = await complete(s, replica.url, "a b c d", 3)
+        assert out["usage"]["completion_tokens"] == 3
+        assert (await scrape(s, replica.url))[RESTARTS] == 1
+
+
+@pytest.mark.timeout(60)
+async def test_health_fails_while_the_engine_keeps_crashing_and_recovers_after_a_step(
+    replica: ReplicaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skymesh.replica_sim.server import ENGINE_UNHEALTHY_AFTER_CRASHES
+
+    n = ENGINE_UNHEALTHY_AFTER_CRASHES
+    crashed = crash_engine_steps(replica, monkeypatch, set(range(1, n + 1)))
+    body = {"model": MODEL, "prompt": "a b c d", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        for i in range(1, n + 1):
+            assert await health_status(s, replica.url) == 200  # fewer than n crashes in a row
+            async with s.post(replica.url + "/v1/completions", json=body) as r:
+                assert r.status == 500
+            assert crashed == list(range(1, i + 1))
+        assert await health_status(s, replica.url) == 503
+        # the next step succeeds (only the first n were made to crash): healthy again
+        await complete(s, replica.url, "a b c d", 2)
+        assert await health_status(s, replica.url) == 200
+        assert (await scrape(s, replica.url))[RESTARTS] == n
+
+
+async def test_health_fails_when_the_engine_loop_is_gone(replica: ReplicaServer) -> None:
+    task = replica._loop_task
+    assert task is not None
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    async with aiohttp.ClientSession() as s:
+        assert await health_status(s, replica.url) == 503

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,9 +30,15 @@ class ProbeResult:
 
 
 def parse_probe(text: str) -> ProbeResult:
+    """The probe signals of a metrics page; never raises: a page with a missing, NaN,
+    infinite or negative value is an unhealthy result (a replica we cannot read is one we
+    must not route to), not an exception that would stop the probe loop."""
     s = parse_samples(text, _WANTED)
     if WAITING not in s or RUNNING not in s:
         return ProbeResult(healthy=False, error="metrics page lacks vllm:num_requests_* gauges")
+    for name, value in s.items():
+        if not math.isfinite(value) or value < 0:
+            return ProbeResult(healthy=False, error=f"metrics page has {name} = {value}")
     return ProbeResult(
         healthy=True,
         num_running=int(s[RUNNING]),

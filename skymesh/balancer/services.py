@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -19,6 +20,7 @@ import grpc
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.region import HeartbeatSnapshot
+from skymesh.supervise import RestartHook, create_supervised_task
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
@@ -26,7 +28,38 @@ if TYPE_CHECKING:
 log = logging.getLogger("skymesh.balancer.mesh")
 
 
-class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
+class SupervisedService:
+    """Runs a service's background loops supervised (see skymesh.supervise) and counts
+    their restarts for the balancer's metrics: read ``loop_restarts`` (loop name -> count)
+    at scrape time, or set ``on_loop_restart`` to be called on every restart."""
+
+    def __init__(self) -> None:
+        self.loop_restarts: dict[str, int] = {}
+        self.on_loop_restart: RestartHook | None = None
+
+    def _loop_restarted(self, name: str, exc: BaseException) -> None:
+        self.loop_restarts[name] = self.loop_restarts.get(name, 0) + 1
+        if self.on_loop_restart is not None:
+            self.on_loop_restart(name, exc)
+
+    def _supervised(self, name: str, body: Callable[[], Awaitable[None]], *, backoff_s: float,
+                    max_backoff_s: float) -> asyncio.Task[None]:
+        return create_supervised_task(name, body, on_restart=self._loop_restarted, logger=log,
+                                      backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+
+
+def loop_restart_counts(services: Iterable[object]) -> dict[str, int]:
+    """Restart counts of all supervised loops of ``services`` (e.g. a balancer's
+    ``extra_services``), by loop name: the values of skymesh_loop_restarts_total{loop}."""
+    out: dict[str, int] = {}
+    for svc in services:
+        if isinstance(svc, SupervisedService):
+            for name, n in svc.loop_restarts.items():
+                out[name] = out.get(name, 0) + n
+    return out
+
+
+class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     """Bidirectional heartbeat streams to every peer balancer.
 
     Each balancer dials every peer and also answers the peers that dial it, so each pair
@@ -37,6 +70,7 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
     """
 
     def __init__(self, b: Balancer) -> None:
+        super().__init__()
         self.b = b
         self.seq = 0
         self.interval = b.cfg.offload.heartbeat_interval_s
@@ -152,6 +186,8 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
                         backoff = self.interval
                         self.receive(hb)
             except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
+                # a peer that is down or restarting is routine; anything else is a bug and
+                # goes to the supervisor (logged, counted, redialled)
                 log.debug("heartbeat stream to %s ended: %s", region, type(e).__name__)
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
@@ -165,8 +201,9 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
         await server.start()
         self._server = server
         for region in self.b.peers:
-            self._tasks.append(asyncio.create_task(self._dial(region), name=f"hb-{region}"))
-        self._tasks.append(asyncio.create_task(self._watch_state(), name="hb-state"))
+            self._tasks.append(self._supervised(f"hb-{region}", functools.partial(self._dial, region),
+                                                backoff_s=self.interval, max_backoff_s=2.0))
+        self._tasks.append(self._supervised("hb-state", self._watch_state, backoff_s=0.1, max_backoff_s=2.0))
 
     async def _watch_state(self) -> None:
         # cheap poll of two integers; pushes a heartbeat as soon as availability changes
@@ -181,7 +218,7 @@ class PeerMesh(mesh_pb2_grpc.MeshPeerServicer):
             await self._server.stop(grace=0.2)
 
 
-class ControllerLink:
+class ControllerLink(SupervisedService):
     """Register with the controller, report every second, follow its topology.
 
     When the controller is unreachable the balancer keeps its last topology (from the
@@ -189,12 +226,13 @@ class ControllerLink:
     """
 
     def __init__(self, b: Balancer, report_interval_s: float = 1.0) -> None:
+        super().__init__()
         self.b = b
         self.report_interval_s = report_interval_s
         self._task: asyncio.Task[Any] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="controller-link")
+        self._task = self._supervised("controller-link", self._run, backoff_s=1.0, max_backoff_s=10.0)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -206,26 +244,32 @@ class ControllerLink:
         addr = str(self.b.cfg.controller.listen)
         while True:
             try:
-                async with grpc.aio.insecure_channel(addr) as channel:
-                    stub = mesh_pb2_grpc.ControllerStub(channel)
-                    reply = await stub.Register(self._register_request(), timeout=3.0)
-                    self.b.controller_connected = True
-                    if reply.HasField("topology"):
-                        self.apply_topology(reply.topology)
-                    reporter = asyncio.create_task(self._report_loop(stub))
-                    try:
-                        async for topo in stub.WatchTopology(
-                            mesh_pb2.WatchRequest(region=self.b.region, balancer_id=self.b.balancer_id)
-                        ):
-                            self.apply_topology(topo)
-                    finally:
-                        reporter.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await reporter
+                await self._follow(addr)
             except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
+                # the controller being down is routine; anything else is a bug and goes to
+                # the supervisor (logged, counted, reconnected)
                 log.debug("controller link down: %s", type(e).__name__)
-            self.b.controller_connected = False
+            finally:
+                self.b.controller_connected = False
             await asyncio.sleep(1.0)
+
+    async def _follow(self, addr: str) -> None:
+        """One connection: register, then report and follow the topology until it breaks."""
+        async with grpc.aio.insecure_channel(addr) as channel:
+            stub = mesh_pb2_grpc.ControllerStub(channel)
+            reply = await stub.Register(self._register_request(), timeout=3.0)
+            self.b.controller_connected = True
+            if reply.HasField("topology"):
+                self.apply_topology(reply.topology)
+            reporter = self._supervised("controller-report", functools.partial(self._report_loop, stub),
+                                        backoff_s=self.report_interval_s, max_backoff_s=10.0)
+            try:
+                async for topo in stub.WatchTopology(
+                    mesh_pb2.WatchRequest(region=self.b.region, balancer_id=self.b.balancer_id)
+                ):
+                    self.apply_topology(topo)
+            finally:
+                await cancel_tasks([reporter])
 
     def _register_request(self) -> Any:
         b = self.b
@@ -240,7 +284,12 @@ class ControllerLink:
 
     async def _report_loop(self, stub: Any) -> None:
         while True:
-            await stub.Report(self.report(), timeout=3.0)
+            try:
+                await stub.Report(self.report(), timeout=3.0)
+            except (grpc.aio.AioRpcError, grpc.RpcError) as e:
+                # one lost report is harmless (the next supersedes it) and a dead link
+                # ends the WatchTopology stream, which reconnects
+                log.debug("report failed: %s", type(e).__name__)
             await asyncio.sleep(self.report_interval_s)
 
     def report(self) -> Any:

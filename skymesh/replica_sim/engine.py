@@ -191,6 +191,26 @@ class Engine:
         r.state = DONE
         return True
 
+    def drop_all_requests(self) -> list[str]:
+        """Forget every request and the whole KV cache; returns the dropped request ids.
+
+        The recovery after ``step`` raised: a step that failed halfway may have left the
+        queues, block references and cache index inconsistent with each other (so
+        ``abort`` itself could fail), and none of them can be trusted any more. This only
+        builds fresh structures, so it cannot fail; the counters are kept (a restarted
+        engine loop is the same server to a scraper)."""
+        dropped = list(self.requests)
+        self.requests = {}
+        self.waiting = deque()
+        self.running = []
+        self._ref = [0] * self.num_blocks
+        self._hash = [None] * self.num_blocks
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._evictable = OrderedDict()
+        self._cached = {}
+        self._used = 0
+        return dropped
+
     # ------------------------------------------------------------------ KV blocks
 
     def _alloc(self) -> int | None:

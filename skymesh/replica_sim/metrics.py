@@ -261,6 +261,11 @@ class ReplicaMetrics:
             self.prefill_time,
             self.decode_time,
         ]
+        # not a vLLM metric: the stand-in's own supervision counter, a family of its own
+        # after vLLM's so the vLLM lines above are unchanged
+        self.loop_restarts = Counter("skymesh_loop_restarts", "Background loops restarted after an exception.",
+                                     ("loop",), created, [("engine",)])
+        self.families.append(self.loop_restarts)
 
     def finished(self, reason: str, e2e_s: float, queue_s: float, prefill_s: float, decode_s: float,
                  prompt_tokens: int, generation_tokens: int) -> None:

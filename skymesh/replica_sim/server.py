@@ -23,6 +23,7 @@ from aiohttp import web
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
 from skymesh.replica_sim.metrics import ReplicaMetrics
 from skymesh.replica_sim.profiles import PROFILES, Profile
+from skymesh.supervise import SupervisedLoop
 from skymesh.tokens import chat_prompt, filler_tokens, split_tokens
 
 log = logging.getLogger("skymesh.replica_sim")
@@ -31,6 +32,11 @@ DEFAULT_MAX_TOKENS = 16
 # if the event loop falls this far behind the virtual clock (a stalled machine), the
 # clock is re-anchored instead of running the backlog of steps back to back
 MAX_CLOCK_LAG_S = 0.25
+# /health fails (503, as vLLM's does when its engine is dead) once the engine loop has
+# crashed this many times in a row without a successful step in between: a crashing engine
+# must not hide behind a server that still answers
+ENGINE_UNHEALTHY_AFTER_CRASHES = 3
+ENGINE_LOOP_NAME = "engine"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
@@ -100,12 +106,30 @@ class ReplicaServer:
         self.metrics = ReplicaMetrics(self.engine, model, profile.max_model_len)
         self.streams: dict[str, _Stream] = {}
         self._work = asyncio.Event()
+        self.engine_loop = SupervisedLoop(ENGINE_LOOP_NAME, self._run_engine, on_restart=self._engine_restarted,
+                                          logger=log, backoff_s=0.05, max_backoff_s=2.0)
         self._loop_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.host = "127.0.0.1"
         self.port = 0
 
     # ------------------------------------------------------------------ engine loop
+
+    async def _run_engine(self) -> None:
+        """The supervised body: the engine loop, failing every open request when it raises."""
+        try:
+            await self._engine_loop()
+        except Exception:
+            self._fail_all()
+            raise  # to the supervisor: logged, counted, restarted after a backoff
+
+    def _engine_restarted(self, name: str, exc: BaseException) -> None:
+        self.metrics.loop_restarts.inc(name)
+
+    def engine_healthy(self) -> bool:
+        task = self._loop_task
+        return (task is not None and not task.done()
+                and self.engine_loop.failure_streak < ENGINE_UNHEALTHY_AFTER_CRASHES)
 
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -120,18 +144,14 @@ class ReplicaServer:
             now = loop.time()
             if t is None or t < now - MAX_CLOCK_LAG_S:
                 t = now
-            try:
-                out = engine.step(t)
-            except Exception:  # a model bug must not hang every open request
-                log.exception("engine step failed; failing the open requests")
-                self._fail_all()
-                continue
+            out = engine.step(t)  # raising fails the open requests (_run_engine)
             if out.steps == 0:
                 # nothing can run until a request arrives or leaves
                 t = None
                 self._work.clear()
                 await self._work.wait()
                 continue
+            self.engine_loop.mark_healthy()  # a completed step ends a crash streak
             t += out.duration_s
             await asyncio.sleep(max(0.0, t - loop.time()))
             # handlers time-stamp tokens with the real delivery time: what a client sees
@@ -147,8 +167,14 @@ class ReplicaServer:
                     s.queue.put_nowait(("finished", 0, delivered))
 
     def _fail_all(self) -> None:
-        for rid, s in list(self.streams.items()):
-            self.engine.abort(rid)
+        """Answer every open request with an error and start the engine over empty.
+
+        Requests are not aborted one by one: a step that raised halfway may have left the
+        engine's queues inconsistent, so ``abort`` could raise here too (and used to kill
+        the loop from inside its own error handler). Each handler sees the error, answers
+        500 and returns; its ``abort`` then finds nothing, so nothing is counted twice."""
+        self.engine.drop_all_requests()
+        for s in self.streams.values():
             s.queue.put_nowait(("error", 0, 0.0))
 
     # ------------------------------------------------------------------ lifecycle
@@ -163,7 +189,7 @@ class ReplicaServer:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._loop_task = asyncio.create_task(self._engine_loop(), name="replica-sim-engine")
+        self._loop_task = self.engine_loop.start()
         # handler_cancellation: a client that disconnects cancels its handler, whose
         # finally-block aborts the request in the engine
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False,
@@ -195,7 +221,8 @@ class ReplicaServer:
     # ------------------------------------------------------------------ small endpoints
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        # vLLM answers an empty 200, or an empty 503 when its engine is dead
+        return web.Response(status=200 if self.engine_healthy() else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render().encode(),

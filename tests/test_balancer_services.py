@@ -1,0 +1,142 @@
+"""The balancer's mesh services run their loops supervised: a bug in a heartbeat or
+controller-link loop is counted in ``loop_restarts`` and the loop carries on, instead of
+the link going quiet forever. Real gRPC on loopback; the balancer is a stand-in object
+with just the attributes the services read."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from skymesh.balancer.services import ControllerLink, PeerMesh, loop_restart_counts
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from tests.mesh_helpers import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+INTERVAL_S = 0.05
+
+
+class FakeCore:
+    replicas: dict[str, Any] = {}
+    queue_length = 0
+
+    def available_count(self) -> int:
+        return 0
+
+    def pending_prefill_tokens(self) -> int:
+        return 0
+
+
+def fake_balancer(region: str, grpc_port: int, peers: dict[str, int]) -> Any:
+    return SimpleNamespace(
+        region=region, balancer_id=f"{region}-1", epoch=1, offloaded_out=0, offloaded_in=0,
+        core=FakeCore(), topology_version=0, controller_connected=False, replicas={},
+        offload=SimpleNamespace(update_peer=lambda region, **state: None), wake=asyncio.Event(),
+        peers={r: SimpleNamespace(grpc_address=f"127.0.0.1:{p}") for r, p in peers.items()},
+        cfg=SimpleNamespace(
+            emulate_latency=False,
+            offload=SimpleNamespace(heartbeat_interval_s=INTERVAL_S),
+            policy=SimpleNamespace(probe_interval_s=INTERVAL_S),
+            controller=SimpleNamespace(listen=f"127.0.0.1:{grpc_port}"),
+        ),
+        region_cfg=SimpleNamespace(balancer=SimpleNamespace(
+            grpc_listen=SimpleNamespace(host="127.0.0.1", port=grpc_port),
+            advertise_url="http://127.0.0.1:1", grpc_advertise=f"127.0.0.1:{grpc_port}",
+        )),
+    )
+
+
+def fail_first_call(obj: Any, attr: str, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Make ``obj.attr`` raise on its first call; the returned event is set on a later one
+    (the loop that calls it was restarted and is doing its work again)."""
+    real = getattr(obj, attr)
+    calls = 0
+    called_again = asyncio.Event()
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError(f"injected failure in {attr}")
+        called_again.set()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, attr, wrapper)
+    return called_again
+
+
+async def test_heartbeat_loops_restart_after_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    port_a, port_b = free_port(), free_port()
+    # a dials b; b dials nobody, so only a's dial loop calls a.receive
+    a = PeerMesh(fake_balancer("a", port_a, {"b": port_b}))
+    b = PeerMesh(fake_balancer("b", port_b, {}))
+    hooked: list[str] = []
+    a.on_loop_restart = lambda name, exc: hooked.append(name)
+    received_again = fail_first_call(a, "receive", monkeypatch)
+    watched_again = fail_first_call(a, "notify_state", monkeypatch)
+    await b.start()
+    await a.start()
+    try:
+        await received_again.wait()
+        await watched_again.wait()
+        assert a.loop_restarts == {"hb-b": 1, "hb-state": 1}
+        assert sorted(hooked) == ["hb-b", "hb-state"]
+        assert loop_restart_counts([a, b, object()]) == {"hb-b": 1, "hb-state": 1}
+    finally:
+        await a.stop()
+        await b.stop()
+    assert all(t.done() for t in a._tasks)
+
+
+class FakeController(mesh_pb2_grpc.ControllerServicer):
+    def __init__(self) -> None:
+        self.registered = 0
+        self.reported = asyncio.Event()
+
+    async def Register(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.registered += 1
+        return mesh_pb2.RegisterReply(accepted=True)
+
+    async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.reported.set()
+        return mesh_pb2.ReportReply(topology_version=1)
+
+    async def WatchTopology(self, request: Any, context: Any) -> Any:  # noqa: N802
+        yield mesh_pb2.Topology(version=1)
+        await asyncio.Event().wait()  # the stream stays open, as the real controller's
+
+
+async def start_fake_controller(port: int) -> tuple[grpc.aio.Server, FakeController]:
+    server = grpc.aio.server()
+    ctl = FakeController()
+    mesh_pb2_grpc.add_ControllerServicer_to_server(ctl, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, ctl
+
+
+async def test_controller_link_and_report_loops_restart_after_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = free_port()
+    server, ctl = await start_fake_controller(port)
+    link = ControllerLink(fake_balancer("a", port, {}), report_interval_s=INTERVAL_S)
+    followed_again = fail_first_call(link, "apply_topology", monkeypatch)
+    monkeypatch.setattr(link, "report", lambda: mesh_pb2.BalancerReport(region="a", epoch=1))
+    reported_again = fail_first_call(link, "report", monkeypatch)
+    await link.start()
+    try:
+        # the first topology raised: the link was restarted, registered again and now
+        # follows the topology; the first report raised, the report loop carried on
+        await followed_again.wait()
+        await reported_again.wait()
+        await ctl.reported.wait()
+        assert ctl.registered == 2
+        assert link.loop_restarts == {"controller-link": 1, "controller-report": 1}
+    finally:
+        await link.stop()
+        await server.stop(grace=0)
+    assert link._task is not None and link._task.done()
