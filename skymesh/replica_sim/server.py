@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
 from skymesh.replica_sim.metrics import ReplicaMetrics
@@ -31,7 +32,6 @@ DEFAULT_MAX_TOKENS = 16
 # if the event loop falls this far behind the virtual clock (a stalled machine), the
 # clock is re-anchored instead of running the backlog of steps back to back
 MAX_CLOCK_LAG_S = 0.25
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
 
@@ -198,8 +198,10 @@ class ReplicaServer:
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render().encode(),
-                            headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+        # what vLLM's /metrics (prometheus_client's exporter) answers: the Accept header picks
+        # the format, and a plain scrape gets text format 0.0.4
+        render, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=render(self.metrics.registry), headers={"Content-Type": content_type})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
