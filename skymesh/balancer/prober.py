@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,9 +30,15 @@ class ProbeResult:
 
 
 def parse_probe(text: str) -> ProbeResult:
+    """The probe's reading of a /metrics page; a page it cannot read is an unhealthy result,
+    never an exception (one bad replica must not stop the probe loop)."""
     s = parse_samples(text, _WANTED)
     if WAITING not in s or RUNNING not in s:
         return ProbeResult(healthy=False, error="metrics page lacks vllm:num_requests_* gauges")
+    # NaN or ±Inf parse as floats, but are no load a replica can report (and int() of them raises)
+    for name, value in s.items():
+        if not math.isfinite(value):
+            return ProbeResult(healthy=False, error=f"metrics page has {name} = {value}")
     return ProbeResult(
         healthy=True,
         num_running=int(s[RUNNING]),
@@ -49,6 +56,8 @@ async def probe_replica(session: aiohttp.ClientSession, base_url: str, timeout_s
         ) as resp:
             if resp.status != 200:
                 return ProbeResult(healthy=False, error=f"HTTP {resp.status}")
-            return parse_probe(await resp.text())
+            # undecodable bytes become U+FFFD: the page then fails to parse as numbers and
+            # the result is unhealthy, instead of an exception out of the probe loop
+            return parse_probe(await resp.text(errors="replace"))
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return ProbeResult(healthy=False, error=type(e).__name__)
