@@ -13,6 +13,7 @@ import pytest
 
 from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
+from skymesh.prom import parse_samples
 from tests.mesh_helpers import Proc, free_port, one_region_config, start_replica_sim, wait_http_ok
 
 pytestmark = pytest.mark.timeout(180)
@@ -265,3 +266,22 @@ async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path
         await b.stop()
         for p in procs.values():
             p.stop()
+
+
+async def test_metrics_page_counts_dispatches_and_reads_load_at_scrape_time(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as s:
+        for j in range(3):
+            status, _, _ = await complete(s, cluster.base, prompt(0, j))
+            assert status == 200
+        async with s.get(cluster.base + "/metrics") as r:
+            assert r.status == 200
+            # a plain scrape gets what prometheus_client's own exporter answers it
+            assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            page = await r.text()
+    wanted = ("skymesh_dispatches_total", "skymesh_queue_length", "skymesh_replicas_available",
+              "skymesh_replica_in_flight")
+    m = parse_samples(page, wanted)
+    assert m == {"skymesh_dispatches_total": 3.0, "skymesh_queue_length": 0.0,
+                 "skymesh_replicas_available": float(N_REPLICAS), "skymesh_replica_in_flight": 0.0}
+    assert page.count("skymesh_replica_in_flight{replica=") == N_REPLICAS
+    assert "_created" not in page

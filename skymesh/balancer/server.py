@@ -25,9 +25,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 
 from skymesh.balancer.errors import RequestError, error_response, sse_error_event
-from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.requests import parse_body
 from skymesh.config import MeshConfig, ReplicaConfig
@@ -141,7 +142,7 @@ class Balancer:
             for r in cfg.regions
             if r.name != region
         }
-        self.metrics = BalancerMetrics(self)
+        self.metrics = BalancerMetrics(region, lambda: balancer_snapshot(self))
         self.waiters: dict[str, asyncio.Future[Placement]] = {}
         self.offloaded_out = 0
         self.offloaded_in = 0
@@ -317,7 +318,7 @@ class Balancer:
         self.core.take_for_offload(r.request_id for r, _ in chosen)
         for req, region in chosen:
             self.offloaded_out += 1
-            self.metrics.offloaded.inc("out", region)
+            self.metrics.offloaded.labels("out", region).inc()
             self._resolve(req.request_id, Placement("peer", region), now, offloaded=True)
 
     def _resolve(self, request_id: str, placement: Placement, now: float, offloaded: bool = False) -> None:
@@ -351,7 +352,8 @@ class Balancer:
         return web.Response(text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        render, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=render(self.metrics.registry), headers={"Content-Type": content_type})
 
     async def _admin_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.admin_status())
@@ -396,7 +398,7 @@ class Balancer:
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
         except RequestError as e:
-            self.metrics.rejections.inc(str(e.status))
+            self.metrics.rejections.labels(str(e.status)).inc()
             return e.response()
         now = loop.time()
         req = RoutingRequest(
@@ -410,11 +412,11 @@ class Balancer:
         )
         if forwarded:
             self.offloaded_in += 1
-            self.metrics.offloaded.inc("in", request.headers.get(ORIGIN_HEADER, "unknown"))
+            self.metrics.offloaded.labels("in", request.headers.get(ORIGIN_HEADER, "unknown")).inc()
         try:
             self._enqueue(req, front=False)
         except QueueFull as e:
-            self.metrics.rejections.inc("429")
+            self.metrics.rejections.labels("429").inc()
             retry_after = max(1, round(self.cfg.policy.ttft_slo_s))
             return error_response(
                 429, str(e), code="queue_full", headers={"Retry-After": str(retry_after)}
@@ -445,7 +447,7 @@ class Balancer:
             try:
                 placement = await asyncio.wait_for(asyncio.shield(fut), timeout=slo_wait)
             except TimeoutError:
-                self.metrics.rejections.inc("504")
+                self.metrics.rejections.labels("504").inc()
                 return error_response(504, "timed out waiting for a replica", code="queue_timeout")
             outcome = await self._attempt(request, raw, req, placement)
             if isinstance(outcome, web.StreamResponse):
@@ -453,8 +455,8 @@ class Balancer:
             # failed before the first byte: it is queued again (or out of retries)
             if outcome == "exhausted":
                 break
-            self.metrics.retries.inc(placement.kind)
-        self.metrics.rejections.inc("502")
+            self.metrics.retries.labels(placement.kind).inc()
+        self.metrics.rejections.labels("502").inc()
         return error_response(
             502, "all attempts to reach a replica failed before any output", code="upstream_unavailable"
         )
@@ -534,7 +536,7 @@ class Balancer:
             # after the first byte: end the stream with an error event
             log.warning("upstream failed mid-stream", extra={"target": placement.target, "error": repr(e)})
             self._finish(req, placement, ok=False)
-            self.metrics.midstream_failures.inc(placement.kind)
+            self.metrics.midstream_failures.labels(placement.kind).inc()
             with contextlib.suppress(ConnectionResetError, RuntimeError):
                 await resp.write(sse_error_event(f"upstream {placement.target} failed mid-response"))
                 await resp.write_eof()
