@@ -8,7 +8,10 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 
 from skymesh.balancer.metrics import (
@@ -18,7 +21,7 @@ from skymesh.balancer.metrics import (
     ReplicaLoad,
     balancer_snapshot,
 )
-from skymesh.balancer.prober import parse_probe
+from skymesh.balancer.prober import parse_probe, probe_replica
 from skymesh.prom import parse_samples
 from skymesh.replica_sim.metrics import ReplicaMetrics
 from skymesh.routing.base import Decision, RoutingRequest
@@ -176,3 +179,15 @@ def test_probe_of_a_well_formed_page() -> None:
     res = parse_probe(page)
     assert res.healthy and (res.num_running, res.num_waiting) == (2, 3)
     assert math.isclose(res.kv_usage, 0.5) and (res.prefix_queries, res.prefix_hits) == (100.0, 40.0)
+
+
+async def test_probe_of_an_undecodable_page_is_unhealthy_not_an_exception() -> None:
+    async def metrics(_: web.Request) -> web.Response:
+        body = b'vllm:num_requests_running{engine="0"} \xff\xfe\nvllm:num_requests_waiting{engine="0"} 0.0\n'
+        return web.Response(body=body, headers={"Content-Type": "text/plain; charset=utf-8"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        res = await probe_replica(session, str(server.make_url("")).rstrip("/"), timeout_s=5.0)
+    assert not res.healthy and res.error
