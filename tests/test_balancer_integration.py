@@ -275,7 +275,6 @@ async def test_metrics_page_counts_dispatches_and_reads_load_at_scrape_time(clus
             assert status == 200
         async with s.get(cluster.base + "/metrics") as r:
             assert r.status == 200
-            # a plain scrape gets what prometheus_client's own exporter answers it
             assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
             page = await r.text()
     wanted = ("skymesh_dispatches_total", "skymesh_queue_length", "skymesh_replicas_available",

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.balancer.errors import RequestError, error_response, sse_error_event
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
@@ -352,8 +352,8 @@ class Balancer:
         return web.Response(text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        render, content_type = choose_encoder(request.headers.get("Accept", ""))
-        return web.Response(body=render(self.metrics.registry), headers={"Content-Type": content_type})
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def _admin_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.admin_status())

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
 from skymesh.replica_sim.metrics import ReplicaMetrics
@@ -198,10 +198,10 @@ class ReplicaServer:
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        # what vLLM's /metrics (prometheus_client's exporter) answers: the Accept header picks
-        # the format, and a plain scrape gets text format 0.0.4
-        render, content_type = choose_encoder(request.headers.get("Accept", ""))
-        return web.Response(body=render(self.metrics.registry), headers={"Content-Type": content_type})
+        # text format 0.0.4, what vLLM's /metrics (prometheus_client's exporter) answers a
+        # plain scrape; CONTENT_TYPE_LATEST would now say version=1.0.0 over the same body
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
