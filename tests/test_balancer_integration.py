@@ -14,6 +14,7 @@ import pytest
 from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
 from skymesh.procs import Child, free_port, start_sim_replicas
+from skymesh.prom import parse_samples
 from tests.mesh_helpers import one_region_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -261,3 +262,21 @@ async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path
     finally:
         await b.stop()
         await asyncio.gather(*(p.stop() for p in procs.values()))
+
+
+async def test_metrics_page_counts_dispatches_and_reads_load_at_scrape_time(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as s:
+        for j in range(3):
+            status, _, _ = await complete(s, cluster.base, prompt(0, j))
+            assert status == 200
+        async with s.get(cluster.base + "/metrics") as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            page = await r.text()
+    wanted = ("skymesh_dispatches_total", "skymesh_queue_length", "skymesh_replicas_available",
+              "skymesh_replica_in_flight")
+    m = parse_samples(page, wanted)
+    assert m == {"skymesh_dispatches_total": 3.0, "skymesh_queue_length": 0.0,
+                 "skymesh_replicas_available": float(N_REPLICAS), "skymesh_replica_in_flight": 0.0}
+    assert page.count("skymesh_replica_in_flight{replica=") == N_REPLICAS
+    assert "_created" not in page

@@ -1,12 +1,21 @@
-"""The balancer's Prometheus metrics. Per-request work is a dict increment or a histogram
-bucket; gauges are computed at scrape time."""
+"""The balancer's Prometheus metrics, in prometheus_client with one registry per balancer
+(several balancers share a process in tests and the mesh benchmarks).
+
+Per-request work is a counter increment or a histogram observation. Load gauges (queue,
+in-flight, per-replica and per-peer state) are not kept up to date on every change: a
+scrape-time collector reads them through one narrow callable, :class:`BalancerSnapshot`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from skymesh.prom import Counter, Gauge, Histogram, Registry
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 from skymesh.routing.base import Decision, RoutingRequest
 
 if TYPE_CHECKING:
@@ -14,82 +23,147 @@ if TYPE_CHECKING:
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 _DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01)
+_PREFIX_HIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    replica_id: str
+    in_flight: int
+    pending_prefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHealth:
+    region: str
+    staleness_s: float  # age of the last heartbeat; inf when none was ever received
+    available: bool  # can take offloaded requests
+
+
+@dataclass(frozen=True, slots=True)
+class BalancerSnapshot:
+    """The balancer's load, as one scrape sees it."""
+
+    queue_length: int
+    in_flight: int
+    replicas_available: int
+    prefix_hit_ratio: float
+    replicas: Sequence[ReplicaLoad]
+    peers: Sequence[PeerHealth]
+
+
+def balancer_snapshot(b: Balancer) -> BalancerSnapshot:
+    """Reads a :class:`BalancerSnapshot` off a running balancer: the one place the metrics
+    know the Balancer's fields (called in the /metrics handler, on the event loop)."""
+    now = asyncio.get_running_loop().time()
+    return BalancerSnapshot(
+        queue_length=b.core.queue_length,
+        in_flight=b.core.in_flight_count,
+        replicas_available=b.core.available_count(),
+        prefix_hit_ratio=b.prefix_hit_ratio(),
+        replicas=[ReplicaLoad(rid, r.in_flight, r.pending_prefill_tokens) for rid, r in b.core.replicas.items()],
+        peers=[PeerHealth(region, b.offload.staleness_s(region, now), b.offload.peer_available(region, now))
+               for region in b.offload.peers],
+    )
+
+
+class _LoadCollector:
+    """The load gauges, from one snapshot per scrape."""
+
+    def __init__(self, region: str, snapshot: Callable[[], BalancerSnapshot]) -> None:
+        self.region = region
+        self.snapshot = snapshot
+
+    def _gauge(self, name: str, help_text: str, label: str,
+               values: Iterable[tuple[str, float]]) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, help_text, labels=(label,))
+        for label_value, value in values:
+            g.add_metric((label_value,), value)
+        return g
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        here = self.region
+        yield self._gauge("skymesh_queue_length", "Requests waiting at the balancer.", "region",
+                          [(here, s.queue_length)])
+        yield self._gauge("skymesh_in_flight", "Requests dispatched and not finished.", "region",
+                          [(here, s.in_flight)])
+        yield self._gauge("skymesh_replicas_available", "Replicas available (selective pushing).", "region",
+                          [(here, s.replicas_available)])
+        yield self._gauge("skymesh_replica_in_flight", "In-flight requests per replica.", "replica",
+                          [(r.replica_id, r.in_flight) for r in s.replicas])
+        yield self._gauge("skymesh_replica_pending_prefill_tokens", "Prefill tokens dispatched, no first token yet.",
+                          "replica", [(r.replica_id, r.pending_prefill_tokens) for r in s.replicas])
+        # -1 for a peer never heard from: the page has always said so, dashboards key on it
+        yield self._gauge("skymesh_peer_staleness_seconds", "Age of the last heartbeat from each peer.", "peer",
+                          [(p.region, p.staleness_s if p.staleness_s != float("inf") else -1.0) for p in s.peers])
+        yield self._gauge("skymesh_peer_available", "1 when a peer region can take offloaded requests.", "peer",
+                          [(p.region, 1.0 if p.available else 0.0) for p in s.peers])
+        yield self._gauge("skymesh_prefix_hit_ratio", "Prefix-cache hit ratio of this region's replicas.", "region",
+                          [(here, s.prefix_hit_ratio)])
+
+
+class _WithoutCreatedSamples:
+    """The families of some prometheus_client metrics, less their ``<name>_created`` samples.
+
+    The balancer's page never had them. prometheus_client's own switch for them
+    (``disable_created_metrics``) is process-wide, and would also take them off the vLLM
+    stand-in's page, where vLLM has them, whenever both run in one process.
+    """
+
+    def __init__(self, metrics: Sequence[Counter | Histogram]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            for family in metric.collect():  # a fresh Metric per collect: ours to edit
+                created = family.name + "_created"
+                family.samples = [s for s in family.samples if s.name != created]
+                yield family
 
 
 class BalancerMetrics:
-    def __init__(self, b: Balancer) -> None:
-        self.b = b
-        r = self.registry = Registry()
-        labels = ("region",)
+    def __init__(self, region: str, snapshot: Callable[[], BalancerSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        # registry=None: these reach the page only through _WithoutCreatedSamples
         self.decision_seconds = Histogram(
-            "skymesh_routing_decision_seconds", "Routing decision time per placed request.", _DECISION_BUCKETS
+            "skymesh_routing_decision_seconds", "Routing decision time per placed request.",
+            buckets=_DECISION_BUCKETS, registry=None,
         )
         self.estimated_ttft = Histogram(
-            "skymesh_estimated_ttft_seconds", "TTFT the policy estimated at placement.", _TTFT_BUCKETS
+            "skymesh_estimated_ttft_seconds", "TTFT the policy estimated at placement.",
+            buckets=_TTFT_BUCKETS, registry=None,
         )
         self.observed_ttft = Histogram(
-            "skymesh_observed_ttft_seconds", "TTFT observed by the balancer (dispatch to first token).", _TTFT_BUCKETS
+            "skymesh_observed_ttft_seconds", "TTFT observed by the balancer (dispatch to first token).",
+            buckets=_TTFT_BUCKETS, registry=None,
         )
         self.prefix_hit_estimate = Histogram(
-            "skymesh_prefix_hit_estimate_ratio",
-            "Share of the prompt the policy expected to hit in the replica cache.",
-            (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            "skymesh_prefix_hit_estimate_ratio", "Share of the prompt the policy expected to hit in the replica cache.",
+            buckets=_PREFIX_HIT_BUCKETS, registry=None,
         )
-        self.dispatches = Counter("skymesh_dispatches_total", "Requests dispatched per replica.", ("replica",))
-        self.retries = Counter("skymesh_retries_total", "Attempts retried before the first byte.", ("target_kind",))
-        self.rejections = Counter("skymesh_rejections_total", "Requests answered with an error.", ("status",))
-        self.offloaded = Counter(
-            "skymesh_offloaded_total", "Requests forwarded between regions.", ("direction", "peer")
-        )
+        self.dispatches = Counter("skymesh_dispatches_total", "Requests dispatched per replica.", ("replica",),
+                                  registry=None)
+        self.retries = Counter("skymesh_retries_total", "Attempts retried before the first byte.", ("target_kind",),
+                               registry=None)
+        self.rejections = Counter("skymesh_rejections_total", "Requests answered with an error.", ("status",),
+                                  registry=None)
+        self.offloaded = Counter("skymesh_offloaded_total", "Requests forwarded between regions.",
+                                 ("direction", "peer"), registry=None)
         self.midstream_failures = Counter(
             "skymesh_midstream_failures_total", "Streams ended by an upstream failure after the first byte.",
-            ("target_kind",),
+            ("target_kind",), registry=None,
         )
-        gauges = [
-            Gauge("skymesh_queue_length", "Requests waiting at the balancer.", labels,
-                  lambda: [((b.region,), b.core.queue_length)]),
-            Gauge("skymesh_in_flight", "Requests dispatched and not finished.", labels,
-                  lambda: [((b.region,), b.core.in_flight_count)]),
-            Gauge("skymesh_replicas_available", "Replicas available (selective pushing).", labels,
-                  lambda: [((b.region,), b.core.available_count())]),
-            Gauge("skymesh_replica_in_flight", "In-flight requests per replica.", ("replica",),
-                  lambda: [((rid,), v.in_flight) for rid, v in b.core.replicas.items()]),
-            Gauge("skymesh_replica_pending_prefill_tokens", "Prefill tokens dispatched, no first token yet.",
-                  ("replica",), lambda: [((rid,), v.pending_prefill_tokens) for rid, v in b.core.replicas.items()]),
-            Gauge("skymesh_peer_staleness_seconds", "Age of the last heartbeat from each peer.", ("peer",),
-                  self._staleness),
-            Gauge("skymesh_peer_available", "1 when a peer region can take offloaded requests.", ("peer",),
-                  self._peer_available),
-            Gauge("skymesh_prefix_hit_ratio", "Prefix-cache hit ratio of this region's replicas.", labels,
-                  lambda: [((b.region,), b.prefix_hit_ratio())]),
-        ]
-        for m in (self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
-                  self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
-                  *gauges):
-            r.add(m)
-
-    def _now(self) -> float:
-        import asyncio
-
-        return asyncio.get_running_loop().time()
-
-    def _staleness(self) -> Iterable[tuple[tuple[str, ...], float]]:
-        now = self._now()
-        for region in self.b.offload.peers:
-            s = self.b.offload.staleness_s(region, now)
-            yield (region,), (s if s != float("inf") else -1.0)
-
-    def _peer_available(self) -> Iterable[tuple[tuple[str, ...], float]]:
-        now = self._now()
-        for region in self.b.offload.peers:
-            yield (region,), 1.0 if self.b.offload.peer_available(region, now) else 0.0
+        # registration order is the page's order: request-path metrics, then the load gauges
+        self.registry.register(_WithoutCreatedSamples([
+            self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
+            self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
+        ]))
+        self.registry.register(_LoadCollector(region, snapshot))
 
     def observe_decision(self, req: RoutingRequest, d: Decision) -> None:
-        self.dispatches.inc(d.replica_id or "")
+        self.dispatches.labels(d.replica_id or "").inc()
         if d.estimated_ttft_s is not None:
             self.estimated_ttft.observe(d.estimated_ttft_s)
         if req.prompt_tokens:
             self.prefix_hit_estimate.observe(min(1.0, d.matched_tokens / req.prompt_tokens))
-
-    def render(self) -> str:
-        return self.registry.render()

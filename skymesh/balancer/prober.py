@@ -56,6 +56,8 @@ async def probe_replica(session: aiohttp.ClientSession, base_url: str, timeout_s
         ) as resp:
             if resp.status != 200:
                 return ProbeResult(healthy=False, error=f"HTTP {resp.status}")
-            return parse_probe(await resp.text())
+            # undecodable bytes become U+FFFD: the page then fails to parse as numbers and
+            # the result is unhealthy, instead of an exception out of the probe loop
+            return parse_probe(await resp.text(errors="replace"))
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return ProbeResult(healthy=False, error=type(e).__name__)

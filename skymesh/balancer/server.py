@@ -30,9 +30,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.balancer.errors import RequestError, error_response
-from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import parse_body
@@ -183,7 +184,7 @@ class Balancer:
             for r in cfg.regions
             if r.name != region
         }
-        self.metrics = BalancerMetrics(self)
+        self.metrics = BalancerMetrics(region, lambda: balancer_snapshot(self))
         self.controller_connected = False
         self.topology_version = 0
         self._ids = itertools.count()
@@ -353,7 +354,7 @@ class Balancer:
             if isinstance(action, SendToReplica):
                 self.metrics.observe_decision(self.core.request_of(action.request_id), action.decision)
             elif isinstance(action, ForwardToRegion):
-                self.metrics.offloaded.inc("out", action.region)
+                self.metrics.offloaded.labels("out", action.region).inc()
             waiter = self.waiters.get(action.request_id)
             if waiter is None:
                 continue  # not this daemon's handler (cannot happen) or already gone
@@ -387,7 +388,8 @@ class Balancer:
         return web.Response(text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def _admin_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.admin_status())
@@ -432,7 +434,7 @@ class Balancer:
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
         except RequestError as e:
-            self.metrics.rejections.inc(str(e.status))
+            self.metrics.rejections.labels(str(e.status)).inc()
             return e.response()
         now = loop.time()
         req = RoutingRequest(
@@ -445,7 +447,7 @@ class Balancer:
             forwarded=forwarded,
         )
         if forwarded:
-            self.metrics.offloaded.inc("in", request.headers.get(ORIGIN_HEADER, "unknown"))
+            self.metrics.offloaded.labels("in", request.headers.get(ORIGIN_HEADER, "unknown")).inc()
         waiter = self.waiters[req.request_id] = _Waiter()
         try:
             for action in self.core.submit(req, now):
@@ -460,7 +462,7 @@ class Balancer:
             self.wake.set()
 
     def _reject(self, r: Reject) -> web.Response:
-        self.metrics.rejections.inc(str(r.status))
+        self.metrics.rejections.labels(str(r.status)).inc()
         headers = {"Retry-After": str(max(1, round(r.retry_after_s)))} if r.retry_after_s else None
         return error_response(r.status, r.message, code=r.code, headers=headers)
 
@@ -495,7 +497,7 @@ class Balancer:
                 if current is not None and current.cancelling():
                     raise  # the client went away (the finally in _handle releases it)
                 # AbandonAttempt: the core queued it again already; wait for the next word
-                self.metrics.retries.inc("replica")
+                self.metrics.retries.labels("replica").inc()
                 continue
             finally:
                 waiter.attempt_task = None
@@ -506,7 +508,7 @@ class Balancer:
                 assert outcome.response is not None
                 return outcome.response
             if outcome.outcome is Outcome.FAILED_MIDSTREAM:
-                self.metrics.midstream_failures.inc("peer" if on_peer else "replica")
+                self.metrics.midstream_failures.labels("peer" if on_peer else "replica").inc()
                 self.core.fail(req.request_id, now, reason=outcome.reason)
                 self.wake.set()
                 assert outcome.response is not None
@@ -517,7 +519,7 @@ class Balancer:
             actions = self.core.fail(req.request_id, now, reason=outcome.reason,
                                      counts_against_health=outcome.counts_against_health)
             if not any(isinstance(a, Reject) and a.request_id == req.request_id for a in actions):
-                self.metrics.retries.inc("peer" if on_peer else "replica")
+                self.metrics.retries.labels("peer" if on_peer else "replica").inc()
             self._apply(actions)
             self.wake.set()
 

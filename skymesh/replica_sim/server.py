@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
 from skymesh.replica_sim.metrics import ReplicaMetrics
@@ -37,7 +38,6 @@ MAX_CLOCK_LAG_S = 0.25
 # must not hide behind a server that still answers
 ENGINE_UNHEALTHY_AFTER_CRASHES = 3
 ENGINE_LOOP_NAME = "engine"
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
 
@@ -124,7 +124,7 @@ class ReplicaServer:
             raise  # to the supervisor: logged, counted, restarted after a backoff
 
     def _engine_restarted(self, name: str, exc: BaseException) -> None:
-        self.metrics.loop_restarts.inc(name)
+        self.metrics.loop_restarts.labels(name).inc()
 
     def engine_healthy(self) -> bool:
         task = self._loop_task
@@ -225,8 +225,10 @@ class ReplicaServer:
         return web.Response(status=200 if self.engine_healthy() else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render().encode(),
-                            headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+        # text format 0.0.4, what vLLM's /metrics (prometheus_client's exporter) answers a
+        # plain scrape; CONTENT_TYPE_LATEST would now say version=1.0.0 over the same body
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
