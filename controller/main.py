@@ -18,14 +18,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from controller.service import ControllerService
     from skymesh.dns.factory import make_provider
 
     cfg = load_config(args.config)
     if args.state_path:
-        cfg = dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, state_path=args.state_path))
+        # model_copy: the config models are frozen (and the path needs no re-validation)
+        controller = cfg.controller.model_copy(update={"state_path": args.state_path})
+        cfg = cfg.model_copy(update={"controller": controller})
     svc = ControllerService(cfg, make_provider(cfg))
     return await serve_until_signal(svc.start, svc.stop)
 

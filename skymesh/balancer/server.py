@@ -115,7 +115,7 @@ class Balancer:
         self.core = BalancerCore(
             self.policy,
             queue_bound=cfg.policy.queue_bound,
-            dispatch_budget=int(cfg.policy.options.get("dispatch_budget", 2)),
+            dispatch_budget=cfg.policy.options.dispatch_budget,
             max_retries=cfg.policy.max_retries,
         )
         self.replicas: dict[str, ReplicaInfo] = {}
