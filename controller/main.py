@@ -23,20 +23,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from controller.service import ControllerService
     from skymesh.dns.factory import make_provider
 
     cfg = load_config(args.config)
     ctl = cfg.controller
     if args.state_path:
-        ctl = dataclasses.replace(ctl, state_path=args.state_path)
+        ctl = ctl.model_copy(update={"state_path": args.state_path})
+    # model_copy: the config models are frozen (the overrides need no re-validation)
     if args.grpc_port is not None:
-        ctl = dataclasses.replace(ctl, listen=HostPort(ctl.listen.host, args.grpc_port))
+        ctl = ctl.model_copy(update={"listen": HostPort(host=ctl.listen.host, port=args.grpc_port)})
     if args.http_port is not None:
-        ctl = dataclasses.replace(ctl, http_listen=HostPort(ctl.http_listen.host, args.http_port))
-    svc = ControllerService(dataclasses.replace(cfg, controller=ctl), make_provider(cfg))
+        ctl = ctl.model_copy(update={"http_listen": HostPort(host=ctl.http_listen.host, port=args.http_port)})
+    svc = ControllerService(cfg.model_copy(update={"controller": ctl}), make_provider(cfg))
 
     async def start() -> None:
         await svc.start()

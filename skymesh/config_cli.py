@@ -1,15 +1,21 @@
-"""`skymesh config --config FILE`: validate a config and print a summary."""
+"""`skymesh config --config FILE`: validate a config and print a summary.
+
+``--schema`` prints the JSON schema of the config format instead (for editors and CI
+linting); with ``--config`` the file is validated first.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from skymesh.config import ConfigError, load_config
+from skymesh.config import ConfigError, config_schema, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file (default: the embedded local mesh)")
+    p.add_argument("--schema", action="store_true", help="print the JSON schema of the config format")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,6 +24,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.schema:
+        # stdout stays pure JSON so it can be piped into a file or a linter
+        print(json.dumps(config_schema(), indent=2))
+        return 0
     print(f"ok: model={cfg.model} policy={cfg.policy.name} dns={cfg.dns.name} ({cfg.dns.provider})")
     for r in cfg.regions:
         print(f"  {r.name}: balancer {r.balancer.listen}, {len(r.replicas)} replicas")

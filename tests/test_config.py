@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
+from skymesh.bench.sim_main import check_policy_options, options_for
+from skymesh.cli import main as skymesh_main
 from skymesh.config import ConfigError, load_config, parse_config
+from skymesh.routing.base import PolicyContext
+from skymesh.routing.policies.dualmap import DualMapOptions, DualMapPolicy
+from skymesh.routing.registry import POLICIES, PolicyOptionsError, make_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = {"l4-llama3.1-8b", "h100-qwen2.5-7b"}
@@ -70,6 +78,11 @@ BAD = [
     (["policy", "name"], "random", "policy.name", "unknown policy"),
     (["policy", "ttft_slo_s"], "fast", "policy.ttft_slo_s", "expected a number"),
     (["policy", "queue_bound"], 0, "policy.queue_bound", "must be >= 1"),
+    (["policy", "options"], {"hash_lenght": 3}, "policy.options.hash_lenght", "unknown option for policy 'dualmap'"),
+    (["policy", "options"], {"virtual_nodes": "many"}, "policy.options.virtual_nodes", "expected an integer"),
+    (["policy", "options"], {"escape_over_slo": [1]}, "policy.options.escape_over_slo", "true or false"),
+    (["policy", "options"], {"dispatch_budget": 0}, "policy.options.dispatch_budget", "must be >= 1"),
+    (["policy", "options"], ["virtual_nodes"], "policy.options", "expected a mapping"),
     (["offload", "rules", 0, "from"], "xx-*", "offload.rules[0].from", "matches no configured region"),
     (["offload", "enabled"], "yes", "offload.enabled", "true or false"),
     (["dns", "name"], "not a name", "dns.name", "DNS name"),
@@ -113,3 +126,115 @@ def test_not_a_mapping_and_bad_yaml(tmp_path: Path) -> None:
         load_config(f)
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_unknown_policy_option_lists_the_known_ones() -> None:
+    data = copy.deepcopy(base())
+    data["policy"] = {"name": "consistent_hash", "options": {"virtual_node": 64}}
+    with pytest.raises(ConfigError) as ei:
+        parse_config(data, profiles=PROFILES)
+    assert ei.value.path == "policy.options.virtual_node"
+    assert "unknown option for policy 'consistent_hash' (known: dispatch_budget, virtual_nodes)" in ei.value.message
+    # a dualmap knob is not one of round_robin's
+    data["policy"] = {"name": "round_robin", "options": {"escape_over_slo": False}}
+    with pytest.raises(ConfigError, match=r"policy\.options\.escape_over_slo: unknown option"):
+        parse_config(data, profiles=PROFILES)
+
+
+def test_unknown_policy_name_lists_the_registry() -> None:
+    data = copy.deepcopy(base())
+    data["policy"]["name"] = "fastest"
+    with pytest.raises(ConfigError) as ei:
+        parse_config(data, profiles=PROFILES)
+    assert ei.value.path == "policy.name"
+    assert ei.value.message == f"unknown policy 'fastest' (known: {', '.join(POLICIES)})"
+
+
+def test_policy_options_arrive_typed_with_the_policy_defaults() -> None:
+    data = copy.deepcopy(base())
+    data["policy"] = {"name": "dualmap", "options": {"virtual_nodes": 64, "dispatch_budget": 5}}
+    options = parse_config(data, profiles=PROFILES).policy.options
+    assert isinstance(options, DualMapOptions)
+    assert (options.virtual_nodes, options.dispatch_budget, options.escape_over_slo) == (64, 5, True)
+    assert isinstance(load_config(None).policy.options, DualMapOptions)
+
+
+def test_make_policy_validates_a_raw_mapping_and_coerces_strings() -> None:
+    p = make_policy("dualmap", PolicyContext(options={"escape_over_slo": "false", "max_hold_fraction": "0.25"}))
+    assert isinstance(p, DualMapPolicy)
+    assert p.escape_over_slo is False and p.max_hold_fraction == 0.25
+    with pytest.raises(PolicyOptionsError) as ei:
+        make_policy("dualmap", PolicyContext(options={"hash_lenght": 3}))
+    assert ei.value.path == "hash_lenght" and "unknown option for policy 'dualmap'" in ei.value.message
+    with pytest.raises(PolicyOptionsError, match="virtual_nodes: expected an integer, got 'x'"):
+        make_policy("consistent_hash", PolicyContext(options={"virtual_nodes": "x"}))
+
+
+def test_options_of_another_policy_carry_only_the_shared_knobs() -> None:
+    # the balancer's --policy override builds a policy from the config policy's options
+    ctx = PolicyContext(options=DualMapOptions(dispatch_budget=7, virtual_nodes=3))
+    p = make_policy("round_robin", ctx)
+    assert p.ctx.options.model_dump() == {"dispatch_budget": 7}
+
+
+def test_sim_policy_options_are_checked_against_the_systems_of_the_run() -> None:
+    check_policy_options(["dualmap", "round_robin@local"], {"virtual_nodes": "64"})
+    assert options_for("dualmap", {"virtual_nodes": "64"}) == {"virtual_nodes": 64}
+    assert options_for("round_robin", {"virtual_nodes": "64"}) == {}
+    with pytest.raises(SystemExit, match="--policy-option hash_lenght: unknown option"):
+        check_policy_options(["dualmap", "round_robin"], {"hash_lenght": 3})
+    with pytest.raises(SystemExit, match="--policy-option virtual_nodes: expected an integer"):
+        check_policy_options(["dualmap"], {"virtual_nodes": "many"})
+
+
+def test_config_objects_are_frozen() -> None:
+    cfg = load_config(None)
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.peer_token = "x"  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.regions[0].name = "x"  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.policy.options.dispatch_budget = 9  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.regions[0].balancer.listen.port = 1  # type: ignore[misc]
+
+
+def test_derived_values() -> None:
+    cfg = load_config(None)
+    use1 = cfg.region("us-east-1")
+    assert use1.replicas[0].url == f"http://{use1.replicas[0].sim.host}:{use1.replicas[0].sim.port}"
+    assert str(use1.balancer.listen) == "127.0.0.1:8101"
+    data = copy.deepcopy(base())
+    del data["regions"][0]["balancer"]["advertise"]
+    data["regions"][0]["balancer"]["grpc_advertise"] = None  # null: the default too
+    bal = parse_config(data, profiles=PROFILES).regions[0].balancer
+    assert bal.advertise == bal.listen and bal.grpc_advertise == bal.grpc_listen
+    assert bal.advertise_url == f"http://{bal.listen}"
+
+
+@pytest.mark.parametrize("with_file", [False, True])
+def test_schema_command_prints_the_json_schema(with_file: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["config", "--schema"] + (["--config", str(ROOT / "configs" / "aws-3-regions.yaml")] if with_file else [])
+    with pytest.raises(SystemExit) as ei:
+        skymesh_main(argv)
+    assert ei.value.code == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["type"] == "object" and schema["additionalProperties"] is False
+    assert set(schema["properties"]) == {
+        "model", "regions", "latencies", "local_latency_ms", "controller", "dns", "policy", "offload",
+        "peer_token", "emulate_latency",
+    }
+    assert set(schema["required"]) == {"regions", "controller", "dns"}
+    policy = schema["$defs"]["PolicyConfig"]["properties"]
+    assert policy["name"]["enum"] == list(POLICIES)
+
+
+def test_schema_command_with_a_bad_file_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = copy.deepcopy(base())
+    data["policy"]["options"] = {"hash_lenght": 3}
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(data))
+    with pytest.raises(SystemExit) as ei:
+        skymesh_main(["config", "--schema", "--config", str(f)])
+    assert ei.value.code == 2
+    assert "policy.options.hash_lenght: unknown option" in capsys.readouterr().err

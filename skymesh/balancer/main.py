@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import sys
 
@@ -37,14 +36,15 @@ def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_
     def override(hp: HostPort, port: int | None) -> HostPort:
         return hp if port is None else HostPort(hp.host, port)
 
+    # model_copy: the config models are frozen; the advertised addresses stay as validated
     regions = tuple(
-        dataclasses.replace(r, balancer=dataclasses.replace(
-            r.balancer, listen=override(r.balancer.listen, http_port),
-            grpc_listen=override(r.balancer.grpc_listen, grpc_port)))
+        r.model_copy(update={"balancer": r.balancer.model_copy(update={
+            "listen": override(r.balancer.listen, http_port),
+            "grpc_listen": override(r.balancer.grpc_listen, grpc_port)})})
         if r.name == region else r
         for r in cfg.regions
     )
-    return dataclasses.replace(cfg, regions=regions)
+    return cfg.model_copy(update={"regions": regions})
 
 
 async def serve(args: argparse.Namespace) -> int:

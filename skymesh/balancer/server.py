@@ -130,7 +130,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
     )
     settings = RegionSettings(
         queue_bound=cfg.policy.queue_bound,
-        dispatch_budget=int(cfg.policy.options.get("dispatch_budget", 2)),
+        dispatch_budget=cfg.policy.options.dispatch_budget,
         max_retries=cfg.policy.max_retries,
         max_queue_wait_s=max(60.0, cfg.policy.ttft_slo_s * 30),
         retry_after_s=max(1, round(cfg.policy.ttft_slo_s)),

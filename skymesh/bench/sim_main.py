@@ -18,7 +18,7 @@ import argparse
 import fnmatch
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,12 @@ from skymesh.bench.traces import (
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
 from skymesh.replica_sim.profiles import PROFILES
+from skymesh.routing.registry import (
+    PolicyOptionsError,
+    UnknownPolicyError,
+    policy_options,
+    policy_spec,
+)
 
 GEO3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 GEO3_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"): 80.0,
@@ -129,7 +135,7 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                      profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
                      block_size=args.block_size, probe_interval_s=args.probe_interval_s,
-                     policy_options=parse_policy_options(args.policy_option))
+                     policy_options=options_for(policy, parse_policy_options(args.policy_option)))
 
 
 def parse_policy_options(items: list[str]) -> dict[str, Any]:
@@ -144,6 +150,33 @@ def parse_policy_options(items: list[str]) -> dict[str, Any]:
             raise SystemExit(f"--policy-option {item!r}: expected KEY=VALUE")
         out[key.strip()] = yaml.safe_load(value)
     return out
+
+
+def options_for(policy: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``--policy-option`` values that ``policy`` has, validated and typed by its
+    options model: the options apply to every system of a run, each takes its own."""
+    model = policy_spec(policy).options
+    own = {k: v for k, v in options.items() if k in model.model_fields}
+    try:
+        return policy_options(policy, own).model_dump(exclude_unset=True)
+    except PolicyOptionsError as e:
+        raise SystemExit(f"--policy-option {e.path}: {e.message} (policy {policy})") from None
+
+
+def check_policy_options(systems: list[str], options: Mapping[str, Any]) -> None:
+    """Fail before any simulation runs: an option that no system of the run has is a
+    typo, and a value is checked by every system that has the option."""
+    policies = sorted({s.partition("@")[0] for s in systems})
+    try:
+        known = set().union(*(policy_spec(p).options.model_fields for p in policies))
+    except UnknownPolicyError as e:
+        raise SystemExit(f"--systems: {e}") from None
+    for key in options:
+        if key not in known:
+            raise SystemExit(f"--policy-option {key}: unknown option for {', '.join(policies)} "
+                             f"(known: {', '.join(sorted(known))})")
+    for policy in policies:
+        options_for(policy, options)
 
 
 def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: bool) -> dict[str, Any]:
@@ -179,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     systems = [s for s in args.systems.split(",") if s]
+    check_policy_options(systems, parse_policy_options(args.policy_option))
     rates = [float(x) for x in args.rates.split(",")]
     jobs = [(s, r) for s in systems for r in rates]
     out = Path(args.out)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import sys
 
 from skymesh.config import ConfigError, HostPort, load_config
@@ -27,7 +26,9 @@ async def serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.port is not None:
         assert cfg.dns.listen is not None  # run() checked
-        cfg = dataclasses.replace(cfg, dns=dataclasses.replace(cfg.dns, listen=HostPort(cfg.dns.listen.host, args.port)))
+        # model_copy: the config models are frozen
+        dns = cfg.dns.model_copy(update={"listen": HostPort(cfg.dns.listen.host, args.port)})
+        cfg = cfg.model_copy(update={"dns": dns})
     srv = MeshDnsServer(cfg)
 
     async def start() -> None:

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from skymesh.routing.options import PolicyOptions
+
 
 @dataclass(slots=True)
 class RoutingRequest:
@@ -78,7 +80,9 @@ class PolicyContext:
     prefill_s_per_token: float = 300e-3 / 512
     prefill_fixed_s: float = 0.02
     seed: int = 0
-    options: Mapping[str, Any] = field(default_factory=dict)
+    # the policy's validated options model; a raw mapping (a test, ``skymesh sim``) is
+    # validated by ``make_policy`` / the policy against the policy's own options model
+    options: PolicyOptions | Mapping[str, Any] = field(default_factory=PolicyOptions)
 
 
 @runtime_checkable

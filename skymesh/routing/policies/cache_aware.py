@@ -11,8 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pydantic import Field
+
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import CacheTrackingPolicy, available, decide, least_loaded
+
+
+class CacheAwareOptions(PolicyOptions):
+    """``policy.options`` of ``cache_aware`` (SGLang router's defaults)."""
+
+    cache_threshold: float = Field(0.5, ge=0, le=1)  # matched share of the prompt
+    balance_abs_threshold: int = Field(32, ge=0)  # in-flight gap (max - min)
+    balance_rel_threshold: float = Field(1.5, ge=0)  # max over min in flight
 
 
 class CacheAwarePolicy(CacheTrackingPolicy):
@@ -20,10 +31,10 @@ class CacheAwarePolicy(CacheTrackingPolicy):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        o = ctx.options
-        self.cache_threshold = float(o.get("cache_threshold", 0.5))
-        self.balance_abs = int(o.get("balance_abs_threshold", 32))
-        self.balance_rel = float(o.get("balance_rel_threshold", 1.5))
+        o = CacheAwareOptions.parse(ctx.options)
+        self.cache_threshold = o.cache_threshold
+        self.balance_abs = o.balance_abs_threshold
+        self.balance_rel = o.balance_rel_threshold
         self.tree_tokens: dict[str, int] = {}  # tokens each replica was sent (its tree size)
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:

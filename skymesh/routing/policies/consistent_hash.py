@@ -7,10 +7,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import xxhash
+from pydantic import Field
 
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import BasePolicy, decide
 from skymesh.routing.ring import DualHashRing
+
+
+class ConsistentHashOptions(PolicyOptions):
+    """``policy.options`` of ``consistent_hash``."""
+
+    virtual_nodes: int = Field(160, ge=1)  # points per replica on the hash ring
 
 
 class ConsistentHashPolicy(BasePolicy):
@@ -18,7 +26,7 @@ class ConsistentHashPolicy(BasePolicy):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        self.ring = DualHashRing(virtual_nodes=int(ctx.options.get("virtual_nodes", 160)))
+        self.ring = DualHashRing(virtual_nodes=ConsistentHashOptions.parse(ctx.options).virtual_nodes)
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:
         super().set_replicas(replica_ids)

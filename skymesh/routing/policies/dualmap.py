@@ -22,12 +22,37 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import Field
+
 from skymesh.routing.base import Decision, Migration, PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.hashing import key_hash
 from skymesh.routing.hotness import HotnessTree
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import available, decide, least_loaded
 from skymesh.routing.policies.min_ttft import EstimatingPolicy
 from skymesh.routing.ring import DualHashRing
+
+
+class DualMapOptions(PolicyOptions):
+    """``policy.options`` of ``dualmap``."""
+
+    virtual_nodes: int = Field(160, ge=1)  # points per replica on the dual hash ring
+    # ring key = the prompt's first ``base_key_chunks`` chunks, grown for hot prefixes
+    base_key_chunks: int = Field(1, ge=1)
+    hotness_window: int = Field(512, ge=1)  # requests the hotness tree counts over
+    hotness_window_s: float | None = Field(None, gt=0)  # or a time window; None: count only
+    # 0 by default: in the discrete-event runs (docs/benchmarks.md) holding a request
+    # for a busy candidate cost more TTFT than the cache hit it saved, on both the
+    # conversation and the hot-prefix workloads; the knob stays for other workloads
+    max_hold_fraction: float = Field(0.0, ge=0)
+    # the cache-affine candidate is kept while its estimate is within this share of the SLO
+    affinity_slo_fraction: float = Field(1.0, ge=0)
+    # when even the better candidate's estimate breaks the SLO, take the replica with the
+    # least prefill work ahead of this request over all available ones (one O(n) scan,
+    # only for requests that would miss anyway). Measured in the discrete-event runs
+    # (docs/benchmarks.md): goodput +16% on the first 400 conversation requests, +7%
+    # on the hot-prefix workload, no loss on the 20-minute conversation slice.
+    escape_over_slo: bool = True
 
 
 class DualMapPolicy(EstimatingPolicy):
@@ -35,26 +60,14 @@ class DualMapPolicy(EstimatingPolicy):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        o = ctx.options
-        self.ring = DualHashRing(virtual_nodes=int(o.get("virtual_nodes", 160)))
-        window_s = o.get("hotness_window_s")
+        o = DualMapOptions.parse(ctx.options)
+        self.ring = DualHashRing(virtual_nodes=o.virtual_nodes)
         self.hotness = HotnessTree(
-            base_chunks=int(o.get("base_key_chunks", 1)),
-            window=int(o.get("hotness_window", 512)),
-            window_s=None if window_s is None else float(window_s),
+            base_chunks=o.base_key_chunks, window=o.hotness_window, window_s=o.hotness_window_s
         )
-        # 0 by default: in the discrete-event runs (docs/benchmarks.md) holding a request
-        # for a busy candidate cost more TTFT than the cache hit it saved, on both the
-        # conversation and the hot-prefix workloads; the knob stays for other workloads
-        self.max_hold_fraction = float(o.get("max_hold_fraction", 0.0))
-        # the cache-affine candidate is kept while its estimate is within this share of the SLO
-        self.affinity_slo_fraction = float(o.get("affinity_slo_fraction", 1.0))
-        # when even the better candidate's estimate breaks the SLO, take the replica with the
-        # least prefill work ahead of this request over all available ones (one O(n) scan,
-        # only for requests that would miss anyway). Measured in the discrete-event runs
-        # (docs/benchmarks.md): goodput +16% on the first 400 conversation requests, +7%
-        # on the hot-prefix workload, no loss on the 20-minute conversation slice.
-        self.escape_over_slo = bool(o.get("escape_over_slo", True))
+        self.max_hold_fraction = o.max_hold_fraction
+        self.affinity_slo_fraction = o.affinity_slo_fraction
+        self.escape_over_slo = o.escape_over_slo
         self.held: dict[str, str] = {}  # request id -> candidate it waits for
         self.migrations_total = 0
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import BasePolicy, decide, least_loaded
+
+
+class LeastLoadOptions(PolicyOptions):
+    """``policy.options`` of ``least_load``: no knobs beyond the shared ones."""
 
 
 class LeastLoadPolicy(BasePolicy):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import CacheTrackingPolicy, available, decide
 from skymesh.routing.ttft import TTFTEstimator
 
@@ -70,6 +71,10 @@ class EstimatingPolicy(CacheTrackingPolicy):
                 "observations": self.estimator.observations,
             },
         }
+
+
+class MinTTFTOptions(PolicyOptions):
+    """``policy.options`` of ``min_ttft``: no knobs beyond the shared ones."""
 
 
 class MinTTFTPolicy(EstimatingPolicy):

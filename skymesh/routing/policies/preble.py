@@ -6,9 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pydantic import Field
+
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import available, decide, least_loaded
 from skymesh.routing.policies.min_ttft import EstimatingPolicy
+
+
+class PrebleOptions(PolicyOptions):
+    """``policy.options`` of ``preble``."""
+
+    # a prompt cached on some replica beyond this share goes there (Preble: half)
+    hit_threshold: float = Field(0.5, ge=0, le=1)
 
 
 class PreblePolicy(EstimatingPolicy):
@@ -16,7 +26,7 @@ class PreblePolicy(EstimatingPolicy):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        self.hit_threshold = float(ctx.options.get("hit_threshold", 0.5))
+        self.hit_threshold = PrebleOptions.parse(ctx.options).hit_threshold
 
     def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
         views = available(replicas)

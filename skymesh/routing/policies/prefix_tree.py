@@ -6,7 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import CacheTrackingPolicy, available, decide, least_loaded
+
+
+class PrefixTreeOptions(PolicyOptions):
+    """``policy.options`` of ``prefix_tree``: no knobs beyond the shared ones."""
 
 
 class PrefixTreePolicy(CacheTrackingPolicy):

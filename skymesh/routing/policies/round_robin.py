@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import BasePolicy, decide
+
+
+class RoundRobinOptions(PolicyOptions):
+    """``policy.options`` of ``round_robin``: no knobs beyond the shared ones."""
 
 
 class RoundRobinPolicy(BasePolicy):
