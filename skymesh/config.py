@@ -383,6 +383,30 @@ class PolicyConfig(ConfigModel):
         return policy_options(name, raw)
 
 
+class HealthConfig(ConfigModel):
+    """Replica health with hysteresis (Envoy's thresholds): failed probes and connection
+    failures both count; one bad probe only pauses dispatch until the next good one."""
+
+    unhealthy_threshold: Annotated[Int, Field(ge=1, le=100)] = 3
+    healthy_threshold: Annotated[Int, Field(ge=1, le=100)] = 2
+
+
+class UpstreamConfig(ConfigModel):
+    """Timeouts of one attempt on a replica or a peer balancer."""
+
+    connect_timeout_s: Annotated[Float, Field(gt=0, le=60)] = 2.0
+    # streaming: until the first chunk; non-streaming: plus per_output_token_s * max_tokens
+    first_byte_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 60.0
+    # upper bound of the replicas' decode time per token (None: from the stand-in
+    # profile when the replicas name one, else 0.2 s)
+    per_output_token_s: Annotated[Float, Field(gt=0, le=60)] | None = None
+    # once streaming, the longest silence between two chunks
+    stream_idle_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 60.0
+    # a request still queued at the balancer this long after arrival gets 504
+    # (None: max(60 s, 30 x policy.ttft_slo_s))
+    max_queue_wait_s: Annotated[Float, Field(gt=0, le=3600)] | None = None
+
+
 class ControllerConfig(ConfigModel):
     listen: HostPortField  # gRPC
     http_listen: HostPortField  # JSON status for `skymesh status`
@@ -425,6 +449,8 @@ class MeshConfig(ConfigModel):
     dns: DnsConfig
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     peer_token: Text = "skymesh-local-peer-token"
     emulate_latency: Bool = True
 

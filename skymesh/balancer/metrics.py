@@ -9,12 +9,12 @@ scrape-time collector reads them through one narrow callable, :class:`BalancerSn
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from skymesh.routing.base import Decision, RoutingRequest
 
@@ -50,6 +50,11 @@ class BalancerSnapshot:
     prefix_hit_ratio: float
     replicas: Sequence[ReplicaLoad]
     peers: Sequence[PeerHealth]
+    # request lifecycle transitions since start: (from state, to state) -> count
+    transitions: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # supervised background loops restarted after an exception: loop name -> count
+    loop_restarts: Mapping[str, int] = field(default_factory=dict)
+    ejected_replicas: int = 0
 
 
 def balancer_snapshot(b: Balancer) -> BalancerSnapshot:
@@ -64,6 +69,9 @@ def balancer_snapshot(b: Balancer) -> BalancerSnapshot:
         replicas=[ReplicaLoad(rid, r.in_flight, r.pending_prefill_tokens) for rid, r in b.core.replicas.items()],
         peers=[PeerHealth(region, b.offload.staleness_s(region, now), b.offload.peer_available(region, now))
                for region in b.offload.peers],
+        transitions=dict(b.core.transitions),
+        loop_restarts=b.loop_restart_counts(),
+        ejected_replicas=b.core.ejected_count(),
     )
 
 
@@ -101,6 +109,19 @@ class _LoadCollector:
                           [(p.region, 1.0 if p.available else 0.0) for p in s.peers])
         yield self._gauge("skymesh_prefix_hit_ratio", "Prefix-cache hit ratio of this region's replicas.", "region",
                           [(here, s.prefix_hit_ratio)])
+        yield self._gauge("skymesh_replicas_ejected", "Replicas ejected by the health tracker.", "region",
+                          [(here, s.ejected_replicas)])
+        transitions = CounterMetricFamily(
+            "skymesh_request_transitions", "Request lifecycle transitions (new, queued, placed, streaming, "
+            "done, failed, rejected, cancelled).", labels=("from_state", "to_state"))
+        for (frm, to), n in sorted(s.transitions.items()):
+            transitions.add_metric((frm, to), n)
+        yield transitions
+        restarts = CounterMetricFamily(
+            "skymesh_loop_restarts", "Background loops restarted after an exception.", labels=("loop",))
+        for loop, n in sorted(s.loop_restarts.items()):
+            restarts.add_metric((loop,), n)
+        yield restarts
 
 
 class _WithoutCreatedSamples:

@@ -54,6 +54,7 @@ from skymesh.routing.region import (
     SendToReplica,
 )
 from skymesh.routing.registry import make_policy
+from skymesh.supervise import create_supervised_task
 from skymesh.tokens import count_tokens
 
 log = logging.getLogger("skymesh.balancer")
@@ -92,16 +93,27 @@ def _profile_of(replicas: tuple[ReplicaConfig, ...]) -> tuple[Any, float] | None
     return None
 
 
-def upstream_timeouts(replicas: tuple[ReplicaConfig, ...]) -> UpstreamTimeouts:
-    """Per-token bound of a non-streaming deadline: twice the slowest step the replicas'
-    profile can take (full batch, a full prefill chunk, the whole KV cache attended), as
-    every running sequence gains one token per step; without a profile, 5 tokens/s."""
-    found = _profile_of(replicas)
-    if found is None:
-        return UpstreamTimeouts()
-    p, scale = found
-    slowest_step = p.step_time_s(p.max_num_batched_tokens, p.max_num_seqs, p.kv_capacity_tokens) * scale
-    return UpstreamTimeouts(per_output_token_s=max(0.01, 2 * slowest_step))
+def upstream_timeouts(cfg: MeshConfig, replicas: tuple[ReplicaConfig, ...]) -> UpstreamTimeouts:
+    """The attempt timeouts from ``upstream:``. Without ``per_output_token_s``, the bound
+    is twice the slowest step the replicas' stand-in profile can take (full batch, a full
+    prefill chunk, the whole KV cache attended), as every running sequence gains one token
+    per step; without a profile, 0.2 s (5 tokens/s)."""
+    up = cfg.upstream
+    per_token = up.per_output_token_s
+    if per_token is None:
+        found = _profile_of(replicas)
+        if found is None:
+            per_token = 0.2
+        else:
+            p, scale = found
+            slowest = p.step_time_s(p.max_num_batched_tokens, p.max_num_seqs, p.kv_capacity_tokens) * scale
+            per_token = max(0.01, 2 * slowest)
+    return UpstreamTimeouts(
+        connect_s=up.connect_timeout_s,
+        first_byte_s=up.first_byte_timeout_s,
+        per_output_token_s=per_token,
+        stream_idle_s=up.stream_idle_timeout_s,
+    )
 
 
 def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionCore:
@@ -132,9 +144,12 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         queue_bound=cfg.policy.queue_bound,
         dispatch_budget=cfg.policy.options.dispatch_budget,
         max_retries=cfg.policy.max_retries,
-        max_queue_wait_s=max(60.0, cfg.policy.ttft_slo_s * 30),
+        max_queue_wait_s=cfg.upstream.max_queue_wait_s or max(60.0, cfg.policy.ttft_slo_s * 30),
         retry_after_s=max(1, round(cfg.policy.ttft_slo_s)),
-        health=HealthSettings(),
+        health=HealthSettings(
+            unhealthy_threshold=cfg.health.unhealthy_threshold,
+            healthy_threshold=cfg.health.healthy_threshold,
+        ),
     )
     return RegionCore(region, make_policy(policy_name, ctx), offload, settings)
 
@@ -172,7 +187,7 @@ class Balancer:
         self.core = build_region_core(cfg, region, self.policy_name)
         self.policy = self.core.policy
         self.offload = self.core.offload
-        self.timeouts = upstream_timeouts(self.region_cfg.replicas)
+        self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         self.replicas: dict[str, ReplicaInfo] = {}
         self.wake = asyncio.Event()
         self.waiters: dict[str, _Waiter] = {}
@@ -194,6 +209,7 @@ class Balancer:
         self._egress: aiohttp.ClientSession | None = None
         self._stopping = False
         self.extra_services: list[Any] = []  # peer mesh / controller link (started by main)
+        self._own_loop_restarts: dict[str, int] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -215,6 +231,18 @@ class Balancer:
     def _now() -> float:
         # the clock asyncio's loop.time() reads, usable before the loop runs (construction)
         return time.monotonic()
+
+    def _loop_restarted(self, name: str, exc: BaseException) -> None:
+        self._own_loop_restarts[name] = self._own_loop_restarts.get(name, 0) + 1
+
+    def loop_restart_counts(self) -> dict[str, int]:
+        """Restarts of this balancer's supervised loops and its services' (by loop name)."""
+        from skymesh.balancer.services import loop_restart_counts
+
+        counts = dict(self._own_loop_restarts)
+        for name, n in loop_restart_counts(self.extra_services).items():
+            counts[name] = counts.get(name, 0) + n
+        return counts
 
     @property
     def offloaded_out(self) -> int:
@@ -254,8 +282,11 @@ class Balancer:
             self._runner, host or listen.host, listen.port if port is None else port, reuse_address=True
         )
         await site.start()
-        self._tasks.append(asyncio.create_task(self._probe_loop(), name="probe"))
-        self._tasks.append(asyncio.create_task(self._dispatch_loop(), name="dispatch"))
+        interval = self.cfg.policy.probe_interval_s
+        for name, body in (("probe", self._probe_loop), ("dispatch", self._dispatch_loop)):
+            self._tasks.append(create_supervised_task(
+                name, body, on_restart=self._loop_restarted, logger=log,
+                backoff_s=interval, max_backoff_s=max(interval, 2.0)))
         for svc in self.extra_services:
             await svc.start()
         log.info(
@@ -417,6 +448,8 @@ class Balancer:
             "controller_connected": self.controller_connected,
             "topology_version": self.topology_version,
             "counters": snap["counters"],
+            "active_requests": snap["active_requests"],
+            "transitions": snap["transitions"],
             "policy_stats": snap["policy"],
         }
 

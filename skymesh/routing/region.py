@@ -170,6 +170,9 @@ class _Tracked:
     target: str = ""  # replica id or peer region while placed/streaming
     on_peer: bool = False
     placements: int = 0
+    # when it gets 504 if still queued: arrival + max wait, renewed when it is queued
+    # again after a failed attempt (a client that got nothing waits one bound per queueing)
+    queue_deadline: float = float("inf")
 
 
 @dataclass(slots=True)
@@ -239,6 +242,9 @@ class RegionCore:
     def available_count(self) -> int:
         return self.local.available_count()
 
+    def ejected_count(self) -> int:
+        return sum(1 for rid, h in self._health.items() if h.ejected and h.ever_healthy)
+
     def any_available(self) -> bool:
         return self.local.any_available()
 
@@ -302,6 +308,13 @@ class RegionCore:
         self._move(t, to)
         del self._requests[rid]
 
+    def _arm_deadline(self, t: _Tracked, since: float) -> None:
+        if self.settings.max_queue_wait_s is None:
+            return
+        t.queue_deadline = since + self.settings.max_queue_wait_s
+        self._deadline_seq += 1
+        heapq.heappush(self._deadlines, (t.queue_deadline, self._deadline_seq, t.req.request_id))
+
     # ------------------------------------------------------------------ events in
 
     def set_replicas(self, replica_ids: Sequence[str], now: float) -> list[Action]:
@@ -331,12 +344,7 @@ class RegionCore:
         self._requests[req.request_id] = t
         if req.forwarded:
             self.offloaded_in += 1
-        if self.settings.max_queue_wait_s is not None:
-            self._deadline_seq += 1
-            heapq.heappush(
-                self._deadlines,
-                (req.arrival + self.settings.max_queue_wait_s, self._deadline_seq, req.request_id),
-            )
+        self._arm_deadline(t, req.arrival)
         return []
 
     def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
@@ -384,6 +392,7 @@ class RegionCore:
             self.local.retry(request_id, now, count_attempt=False)
             self._move(t, RequestState.QUEUED)
             t.target = ""
+            self._arm_deadline(t, now)
             actions.append(AbandonAttempt(request_id, replica_id))
         return actions
 
@@ -458,6 +467,7 @@ class RegionCore:
             return actions
         self._move(t, RequestState.QUEUED)
         t.target, t.on_peer = "", False
+        self._arm_deadline(t, now)
         return actions
 
     def client_gone(self, request_id: str, now: float) -> None:
@@ -505,15 +515,10 @@ class RegionCore:
         out: list[Action] = []
         dl = self._deadlines
         while dl and dl[0][0] <= now:
-            _, _, request_id = heapq.heappop(dl)
+            deadline, _, request_id = heapq.heappop(dl)
             t = self._requests.get(request_id)
-            if t is None:
-                continue
-            if t.state is not RequestState.QUEUED:
-                # being served; if it comes back to the queue it may wait one more period
-                self._deadline_seq += 1
-                assert self.settings.max_queue_wait_s is not None
-                heapq.heappush(dl, (now + self.settings.max_queue_wait_s, self._deadline_seq, request_id))
+            # gone, being served, or queued again since (a newer entry holds its deadline)
+            if t is None or t.state is not RequestState.QUEUED or t.queue_deadline != deadline:
                 continue
             self._leave(t, RequestState.REJECTED, now)
             out.append(Reject(request_id, 504, "queue_timeout", "timed out waiting for a replica",

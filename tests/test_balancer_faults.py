@@ -1,0 +1,191 @@
+"""The daemon under replica faults: a replica that freezes is ejected and its unstarted
+requests go elsewhere at once; a replica that never sends a first byte is given up on at
+the first-byte deadline; a background loop that raises is restarted and counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from skymesh.balancer.proxy import UpstreamTimeouts
+from skymesh.balancer.server import Balancer, upstream_timeouts
+from skymesh.config import parse_config
+from skymesh.procs import free_port
+from skymesh.prom import parse_samples
+from tests.mesh_helpers import one_region_config
+
+pytestmark = pytest.mark.timeout(90)
+
+IDLE_METRICS = "vllm:num_requests_running 0.0\nvllm:num_requests_waiting 0.0\n"
+
+
+class FakeReplica:
+    """A replica speaking just enough of vLLM's API; ``hang_completions`` makes every
+    completion wait forever (and, with ``freeze_on_request``, its /metrics too)."""
+
+    def __init__(self, name: str, *, hang_completions: bool = False, freeze_on_request: bool = False) -> None:
+        self.name = name
+        self.hang_completions = hang_completions
+        self.freeze_on_request = freeze_on_request
+        self.frozen = asyncio.Event()
+        self.received = 0
+        self._never = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.frozen.is_set():
+            await self._never.wait()
+        return web.Response(text=IDLE_METRICS)
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        self.received += 1
+        if self.hang_completions:
+            if self.freeze_on_request:
+                self.frozen.set()
+            await self._never.wait()
+        return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": "skymesh-sim",
+                                  "choices": [{"index": 0, "text": self.name, "finish_reason": "length"}]})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._completions)
+        self.runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        self._never.set()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+async def start_balancer(replicas: list[FakeReplica], **sections: Any) -> Balancer:
+    data = one_region_config({r.name: r.url for r in replicas}, free_port(), free_port(),
+                             name="round_robin", probe_interval_s=0.05)
+    data.update(sections)
+    b = Balancer(parse_config(data), "us-east-1")
+    await b.start(port=0)
+    for _ in range(200):
+        if all(v.healthy for v in b.core.replicas.values()):
+            return b
+        await asyncio.sleep(0.05)
+    await b.stop()
+    raise TimeoutError("fake replicas never became healthy")
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[list[FakeReplica]]:
+    made: list[FakeReplica] = []
+    yield made
+    await asyncio.gather(*(r.stop() for r in made))
+
+
+async def post(s: aiohttp.ClientSession, b: Balancer, i: int) -> tuple[int, str]:
+    body = {"model": "skymesh-sim", "prompt": f"distinct prompt {i} " * 8, "max_tokens": 4}
+    async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body) as r:
+        return r.status, r.headers.get("X-Skymesh-Replica", "")
+
+
+async def test_a_frozen_replica_is_ejected_and_its_unstarted_requests_go_elsewhere(
+    fakes: list[FakeReplica],
+) -> None:
+    good, frozen = FakeReplica("good"), FakeReplica("frozen", hang_completions=True, freeze_on_request=True)
+    fakes += [good, frozen]
+    for r in fakes:
+        await r.start()
+    # a first-byte deadline far beyond the test's own timeout: only the ejection can
+    # bring the requests sent to the frozen replica back
+    b = await start_balancer(fakes, upstream={"first_byte_timeout_s": 3000},
+                             health={"unhealthy_threshold": 2, "healthy_threshold": 1})
+    try:
+        async with aiohttp.ClientSession() as s:
+            results = await asyncio.gather(*(post(s, b, i) for i in range(4)))
+        assert frozen.received >= 1  # round robin sent it some
+        assert results == [(200, "good")] * 4
+        assert b.core.health_of("frozen")["ejected"]
+        assert b.core.active_requests == 0
+        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
+        snap = b.core.snapshot()
+        assert snap["transitions"].get("placed>queued", 0) >= 1  # abandoned, queued again
+    finally:
+        await b.stop()
+
+
+async def test_no_first_byte_in_time_is_retried_on_another_replica(fakes: list[FakeReplica]) -> None:
+    good, silent = FakeReplica("good"), FakeReplica("silent", hang_completions=True)
+    fakes += [good, silent]
+    for r in fakes:
+        await r.start()
+    b = await start_balancer(fakes, upstream={"first_byte_timeout_s": 0.3},
+                             health={"unhealthy_threshold": 50, "healthy_threshold": 1})
+    try:
+        async with aiohttp.ClientSession() as s:
+            results = await asyncio.gather(*(post(s, b, i) for i in range(4)))
+            assert silent.received >= 1
+            assert results == [(200, "good")] * 4
+            async with s.get(f"http://127.0.0.1:{b.bound_port}/metrics") as r:
+                page = await r.text()
+        # the only target kind here is a replica: the family's sum is its count
+        assert parse_samples(page, ("skymesh_retries_total",))["skymesh_retries_total"] >= 1
+        assert b.core.transitions[("placed", "queued")] >= 1
+        assert not b.core.health_of("silent")["ejected"]  # slow answers are not sickness here
+    finally:
+        await b.stop()
+
+
+async def test_a_probe_loop_that_raises_is_restarted_and_counted(
+    fakes: list[FakeReplica], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fakes.append(FakeReplica("good"))
+    await fakes[0].start()
+    b = await start_balancer(fakes)
+    try:
+        real = b._apply_probe
+        raised = asyncio.Event()
+
+        def flaky(info: Any, res: Any) -> None:
+            if not raised.is_set():
+                raised.set()
+                raise RuntimeError("injected probe failure")
+            real(info, res)
+
+        monkeypatch.setattr(b, "_apply_probe", flaky)
+        await asyncio.wait_for(raised.wait(), 30)
+        for _ in range(200):
+            if b.loop_restart_counts().get("probe") == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert b.loop_restart_counts() == {"probe": 1}
+        async with aiohttp.ClientSession() as s:
+            assert await post(s, b, 1) == (200, "good")
+            async with s.get(f"http://127.0.0.1:{b.bound_port}/metrics") as r:
+                page = await r.text()
+        assert 'skymesh_loop_restarts_total{loop="probe"} 1.0' in page.splitlines()
+    finally:
+        await b.stop()
+
+
+def test_non_streaming_deadline_grows_with_max_tokens_and_streaming_does_not() -> None:
+    t = UpstreamTimeouts(first_byte_s=60.0, per_output_token_s=0.05)
+    assert t.first_byte_deadline_s(stream=True, max_tokens=8000) == 60.0
+    # a 4,000-token non-streaming answer may take 260 s: no fixed 120 s read timeout
+    assert t.first_byte_deadline_s(stream=False, max_tokens=4000) == pytest.approx(260.0)
+    assert t.first_byte_deadline_s(stream=True, max_tokens=1, extra_s=30.0) == 90.0
+
+
+def test_per_token_bound_comes_from_the_profile_or_the_config() -> None:
+    data = one_region_config({"r0": "http://127.0.0.1:1"}, free_port(), free_port())
+    cfg = parse_config(data)
+    assert upstream_timeouts(cfg, cfg.regions[0].replicas).per_output_token_s == 0.2  # no profile
+    data["upstream"] = {"per_output_token_s": 0.03}
+    cfg = parse_config(data)
+    assert upstream_timeouts(cfg, cfg.regions[0].replicas).per_output_token_s == 0.03

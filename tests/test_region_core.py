@@ -1,0 +1,302 @@
+"""The region core: lifecycle state machine, health hysteresis, ejection, deadlines,
+retries and offload — events in, actions out, no sockets and no clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import (
+    AbandonAttempt,
+    ForwardToRegion,
+    HealthSettings,
+    HeartbeatSnapshot,
+    ProbeSample,
+    RegionCore,
+    RegionSettings,
+    Reject,
+    RequestState,
+    SendToReplica,
+)
+from skymesh.routing.registry import make_policy
+
+OK = ProbeSample()
+
+
+def req(i: int, now: float = 0.0, prefix: int = 0, tokens: int = 256, forwarded: bool = False) -> RoutingRequest:
+    text = " ".join([f"p{prefix}w{k}" for k in range(tokens - 8)] + [f"r{i}w{k}" for k in range(8)])
+    return RoutingRequest(f"q{i}", prompt_chunk_hashes(text, 64), tokens, now, forwarded=forwarded)
+
+
+def region(n: int = 3, *, policy: str = "least_load", peers: dict[str, float] | None = None,
+           **settings: object) -> RegionCore:
+    offload = OffloadRouter("here", peers or {}, enabled=bool(peers))
+    core = RegionCore("here", make_policy(policy, PolicyContext()), offload, RegionSettings(**settings))  # type: ignore[arg-type]
+    core.set_replicas([f"r{i}" for i in range(n)], 0.0)
+    return core
+
+
+def probe_all(core: RegionCore, now: float = 0.0, sample: ProbeSample | None = OK) -> list[object]:
+    out: list[object] = []
+    for rid in list(core.replicas):
+        out.extend(core.probe(rid, sample, now))
+    return out
+
+
+def sends(actions: list[object]) -> dict[str, str]:
+    return {a.request_id: a.replica_id for a in actions if isinstance(a, SendToReplica)}
+
+
+def test_a_request_walks_queued_placed_streaming_done() -> None:
+    core = region(n=1)
+    probe_all(core)
+    assert core.submit(req(0), 0.0) == []
+    assert core.state_of("q0") is RequestState.QUEUED
+    assert sends(core.tick(0.0)) == {"q0": "r0"}
+    assert core.state_of("q0") is RequestState.PLACED
+    core.first_token("q0", 0.1)
+    assert core.state_of("q0") is RequestState.STREAMING
+    core.complete("q0", 0.2)
+    assert core.state_of("q0") is None and core.active_requests == 0
+    assert core.transitions == {("new", "queued"): 1, ("queued", "placed"): 1,
+                                ("placed", "streaming"): 1, ("streaming", "done"): 1}
+
+
+def test_queue_full_is_a_429_with_retry_after() -> None:
+    core = region(n=1, queue_bound=1, retry_after_s=3.0)
+    core.submit(req(0), 0.0)
+    (rej,) = core.submit(req(1), 0.0)
+    assert isinstance(rej, Reject) and rej.status == 429 and rej.retry_after_s == 3.0
+    assert core.transitions[("new", "rejected")] == 1
+
+
+def test_one_failed_probe_pauses_dispatch_but_does_not_eject() -> None:
+    core = region(n=1, health=HealthSettings(unhealthy_threshold=3, healthy_threshold=2))
+    probe_all(core)
+    core.submit(req(0), 0.0)
+    (placed,) = core.tick(0.0)
+    core.submit(req(1), 0.0)
+    assert core.probe("r0", None, 0.1) == []  # one bad probe: no abandonment...
+    assert core.replicas["r0"].healthy
+    assert core.tick(0.1) == []  # ...but no new dispatch until a good probe
+    core.probe("r0", OK, 0.2)
+    assert sends(core.tick(0.2)) == {"q1": "r0"}
+    assert core.state_of(placed.request_id) is RequestState.PLACED
+
+
+def test_ejection_after_n_failures_abandons_unstarted_requests_at_once() -> None:
+    core = region(n=2, dispatch_budget=2, health=HealthSettings(unhealthy_threshold=3, healthy_threshold=2))
+    probe_all(core)
+    for i in range(4):
+        core.submit(req(i, prefix=i), 0.0)
+    placed = sends(core.tick(0.0))
+    on_r0 = sorted(r for r, rep in placed.items() if rep == "r0")
+    assert len(on_r0) == 2
+    core.first_token(on_r0[0], 0.05)  # this one already streams to its client
+    assert core.probe("r0", None, 0.1) == [] and core.probe("r0", None, 0.2) == []
+    abandoned = core.probe("r0", None, 0.3)
+    assert abandoned == [AbandonAttempt(on_r0[1], "r0")]
+    assert not core.replicas["r0"].healthy
+    assert core.state_of(on_r0[1]) is RequestState.QUEUED
+    assert core.state_of(on_r0[0]) is RequestState.STREAMING  # never taken from its client
+    core.probe("r1", OK, 0.3)
+    # r1 is still busy with its own two: the abandoned one waits, never for r0
+    core.complete(next(r for r, rep in placed.items() if rep == "r1"), 0.35)
+    assert sends(core.tick(0.35)) == {on_r0[1]: "r1"}
+    # an ejected replica needs healthy_threshold good probes to come back
+    core.probe("r0", OK, 0.4)
+    assert not core.replicas["r0"].healthy
+    core.probe("r0", OK, 0.5)
+    assert core.replicas["r0"].healthy and core.ejected_count() == 0
+
+
+def test_connection_failures_count_towards_ejection() -> None:
+    core = region(n=2, max_retries=5, health=HealthSettings(unhealthy_threshold=2, healthy_threshold=1))
+    probe_all(core)
+    core.submit(req(0), 0.0)
+    first = sends(core.tick(0.0))["q0"]
+    assert core.fail("q0", 0.1, reason="connect") == []  # 1 of 2: held, not ejected
+    assert core.replicas[first].healthy
+    core.probe(first, OK, 0.15)  # a good probe resets the streak
+    core.submit(req(1, prefix=1), 0.2)
+    for a in core.tick(0.2):
+        if isinstance(a, SendToReplica) and a.replica_id == first:
+            core.fail(a.request_id, 0.3, reason="connect")
+    assert core.replicas[first].healthy  # the streak was reset: still one failure
+
+
+def test_overload_answers_do_not_count_against_health() -> None:
+    core = region(n=2, max_retries=9, health=HealthSettings(unhealthy_threshold=1, healthy_threshold=1))
+    probe_all(core)
+    core.submit(req(0), 0.0)
+    rep = sends(core.tick(0.0))["q0"]
+    core.fail("q0", 0.1, reason="HTTP 429", counts_against_health=False)
+    assert core.replicas[rep].healthy
+
+
+def test_retries_exhausted_is_one_502() -> None:
+    core = region(n=3, max_retries=1, health=HealthSettings(unhealthy_threshold=100))
+    probe_all(core)
+    core.submit(req(0), 0.0)
+    sends(core.tick(0.0))
+    assert core.fail("q0", 0.1, reason="x") == []
+    probe_all(core, 0.2)
+    assert len(sends(core.tick(0.2))) == 1
+    (rej,) = core.fail("q0", 0.3, reason="x")
+    assert isinstance(rej, Reject) and rej.status == 502
+    assert core.active_requests == 0
+    assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in core.replicas.values())
+
+
+def test_a_failure_after_the_first_byte_fails_the_request() -> None:
+    core = region(n=2)
+    probe_all(core)
+    core.submit(req(0), 0.0)
+    core.tick(0.0)
+    core.first_token("q0", 0.1)
+    assert core.fail("q0", 0.2, reason="reset") == []
+    assert core.state_of("q0") is None
+    assert core.transitions[("streaming", "failed")] == 1
+
+
+def test_queue_wait_deadline_is_a_504() -> None:
+    core = region(n=1, max_queue_wait_s=5.0)
+    core.submit(req(0, now=0.0), 0.0)  # no probe yet: nothing is available
+    assert core.tick(4.9) == []
+    (rej,) = core.tick(5.0)
+    assert isinstance(rej, Reject) and rej.status == 504 and rej.code == "queue_timeout"
+    assert core.queue_length == 0 and core.active_requests == 0
+
+
+def test_a_placed_request_is_not_expired_and_may_wait_again_after_a_retry() -> None:
+    core = region(n=1, max_queue_wait_s=5.0, health=HealthSettings(unhealthy_threshold=100))
+    probe_all(core)
+    core.submit(req(0), 0.0)
+    core.tick(0.0)
+    assert core.tick(6.0) == []  # placed: its deadline moves on
+    assert core.state_of("q0") is RequestState.PLACED
+    core.fail("q0", 7.0, reason="x")  # queued again: a fresh bound from now
+    assert core.tick(11.9) == []  # its one replica failed it: it can only wait
+    (rej,) = core.tick(12.0)
+    assert isinstance(rej, Reject) and rej.status == 504
+
+
+def test_offload_only_when_no_local_replica_is_available_and_never_twice() -> None:
+    core = region(n=1, dispatch_budget=1, peers={"there": 0.05})
+    probe_all(core)
+    core.peer_heartbeat("there", HeartbeatSnapshot(4, 4, 0, 0), 0.0, epoch=1, seq=1)
+    core.submit(req(0), 0.0)
+    core.submit(req(1, prefix=1), 0.0)
+    core.submit(req(2, prefix=2, forwarded=True), 0.0)
+    acts = core.tick(0.0)
+    assert sends(acts) == {"q0": "r0"}
+    assert [a for a in acts if isinstance(a, ForwardToRegion)] == [ForwardToRegion("q1", "there")]
+    assert core.state_of("q2") is RequestState.QUEUED  # came from a peer: never forwarded again
+    # the peer fails before any output: served here, the peer skipped until it heartbeats
+    assert core.fail("q1", 0.1, reason="HTTP 503") == []
+    assert core.state_of("q1") is RequestState.QUEUED
+    assert core.offload.candidates(0.1) == []
+    assert core.heartbeat() == HeartbeatSnapshot(1, 0, 2, core.pending_prefill_tokens())
+
+
+def test_membership_change_requeues_unstarted_requests_of_a_removed_replica() -> None:
+    core = region(n=2)
+    probe_all(core)
+    core.submit(req(0), 0.0)
+    rep = sends(core.tick(0.0))["q0"]
+    keep = "r1" if rep == "r0" else "r0"
+    assert core.set_replicas([keep], 0.1) == [AbandonAttempt("q0", rep)]
+    assert sends(core.tick(0.1)) == {"q0": keep}
+
+
+def test_client_gone_in_any_state_releases_everything() -> None:
+    core = region(n=1, dispatch_budget=3)
+    probe_all(core)
+    for i in range(3):
+        core.submit(req(i, prefix=i), 0.0)
+    core.tick(0.0)
+    core.first_token("q1", 0.1)
+    core.submit(req(9), 0.1)
+    for rid in ("q0", "q1", "q2", "q9"):
+        core.client_gone(rid, 0.2)
+    assert core.active_requests == 0 and core.queue_length == 0 and core.in_flight_count == 0
+    v = core.replicas["r0"]
+    assert v.in_flight == 0 and v.pending_prefill_tokens == 0
+
+
+def test_illegal_transitions_are_refused() -> None:
+    core = region(n=1)
+    core.submit(req(0), 0.0)
+    with pytest.raises(ValueError):
+        core.submit(req(0), 0.0)  # a request id is admitted once
+    # complete/first_token of a queued request are not transitions the core accepts
+    core.complete("q0", 0.1)
+    assert core.first_token("q0", 0.1) is None
+    assert core.state_of("q0") is RequestState.QUEUED
+
+
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["submit", "tick", "first", "done", "fail", "fail_soft", "gone", "probe_ok",
+                         "probe_bad", "members", "beat", "later"]),
+        st.integers(0, 11),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=EVENTS, policy=st.sampled_from(["least_load", "dualmap", "prefix_tree", "round_robin"]))
+def test_any_event_sequence_returns_every_counter_to_zero(events: list[tuple[str, int]], policy: str) -> None:
+    """Client disconnects at any point, failures before and after the first byte,
+    deadlines, membership changes, peer heartbeats: once every client is gone, nothing is
+    queued, in flight, booked on a replica or tracked, and every admitted request ended
+    in exactly one terminal state."""
+    core = region(n=3, policy=policy, peers={"there": 0.02}, dispatch_budget=2, max_queue_wait_s=1.0,
+                  health=HealthSettings(unhealthy_threshold=2, healthy_threshold=1))
+    now = 0.0
+    submitted = 0
+    members = [["r0", "r1", "r2"], ["r0", "r1"], ["r1", "r2", "r3"]]
+    seen: set[int] = set()
+    for ev, i in events:
+        now += 0.01
+        rid = f"q{i}"
+        if ev == "submit" and i not in seen:
+            seen.add(i)
+            core.submit(req(i, now, prefix=i % 3), now)
+            submitted += 1
+        elif ev == "tick":
+            core.tick(now)
+        elif ev == "first":
+            core.first_token(rid, now)
+        elif ev == "done":
+            core.complete(rid, now)
+        elif ev == "fail":
+            core.fail(rid, now, reason="x")
+        elif ev == "fail_soft":
+            core.fail(rid, now, reason="HTTP 429", counts_against_health=False)
+        elif ev == "gone":
+            core.client_gone(rid, now)
+        elif ev == "probe_ok":
+            probe_all(core, now)
+        elif ev == "probe_bad":
+            core.probe(f"r{i % 4}", None, now)
+        elif ev == "members":
+            core.set_replicas(members[i % 3], now)
+        elif ev == "beat":
+            core.peer_heartbeat("there", HeartbeatSnapshot(2, i % 3, 0, 0), now, epoch=1, seq=int(now * 1000))
+        elif ev == "later":
+            now += 0.6  # crosses queue-wait deadlines
+        for v in core.replicas.values():
+            assert v.in_flight >= 0 and v.pending_prefill_tokens >= 0
+    for i in seen:
+        core.client_gone(f"q{i}", now)
+    assert core.active_requests == 0 and core.queue_length == 0 and core.in_flight_count == 0
+    assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in core.replicas.values())
+    terminal = sum(n for (_, to), n in core.transitions.items()
+                   if to in ("done", "failed", "rejected", "cancelled"))
+    assert terminal == submitted
