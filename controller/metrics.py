@@ -1,28 +1,30 @@
-"""The controller's Prometheus metrics, written with skymesh.prom for now (one family; a
-port to prometheus_client is a Counter with the same name and label)."""
+"""The controller's Prometheus metrics (prometheus_client, its own registry: tests run
+controllers beside balancers and stand-ins in one process)."""
 
 from __future__ import annotations
 
-from skymesh.prom import Counter, Registry
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 # the controller's supervised background loops, pre-created at 0 so a scrape shows them
 # before the first restart
 LOOPS = ("probe", "dns-sync")
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 class ControllerMetrics:
     def __init__(self) -> None:
-        self.registry = Registry()
+        self.registry = CollectorRegistry()
         self.loop_restarts = Counter(
-            "skymesh_loop_restarts_total", "Background loops restarted after an exception.", ("loop",)
+            "skymesh_loop_restarts", "Background loops restarted after an exception.", ("loop",),
+            registry=self.registry,
         )
         for loop in LOOPS:
-            self.loop_restarts.inc(loop, amount=0.0)
-        self.registry.add(self.loop_restarts)
+            self.loop_restarts.labels(loop)
 
     def loop_restarted(self, name: str, exc: BaseException) -> None:
         """The on_restart hook of the controller's supervised loops."""
-        self.loop_restarts.inc(name)
+        self.loop_restarts.labels(name).inc()
 
-    def render(self) -> str:
-        return self.registry.render()
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

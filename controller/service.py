@@ -27,6 +27,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
+from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
 from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
@@ -315,7 +316,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             return web.json_response(self.status_json())
 
         async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+            return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
         async def topology(_: web.Request) -> web.Response:
             t = self.topology()

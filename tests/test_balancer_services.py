@@ -14,6 +14,9 @@ import pytest
 
 from skymesh.balancer.services import ControllerLink, PeerMesh, loop_restart_counts
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import RegionCore
+from skymesh.routing.registry import make_policy
 from tests.mesh_helpers import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,22 +24,16 @@ pytestmark = pytest.mark.timeout(60)
 INTERVAL_S = 0.05
 
 
-class FakeCore:
-    replicas: dict[str, Any] = {}
-    queue_length = 0
-
-    def available_count(self) -> int:
-        return 0
-
-    def pending_prefill_tokens(self) -> int:
-        return 0
+def region_core(region: str) -> RegionCore:
+    # the real (pure) region core: heartbeats are read from and applied to it
+    return RegionCore(region, make_policy("round_robin"), OffloadRouter(region, {}))
 
 
 def fake_balancer(region: str, grpc_port: int, peers: dict[str, int]) -> Any:
     return SimpleNamespace(
         region=region, balancer_id=f"{region}-1", epoch=1, offloaded_out=0, offloaded_in=0,
-        core=FakeCore(), topology_version=0, controller_connected=False, replicas={},
-        offload=SimpleNamespace(update_peer=lambda region, **state: None), wake=asyncio.Event(),
+        core=region_core(region), topology_version=0, controller_connected=False, replicas={},
+        wake=asyncio.Event(),
         peers={r: SimpleNamespace(grpc_address=f"127.0.0.1:{p}") for r, p in peers.items()},
         cfg=SimpleNamespace(
             emulate_latency=False,
