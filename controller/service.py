@@ -35,7 +35,7 @@ from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from skymesh.supervise import create_supervised_task
+from skymesh.supervise import SupervisedLoop
 
 log = logging.getLogger("skymesh.controller")
 
@@ -354,9 +354,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         interval = self.cfg.controller.probe_interval_s
         for name, body, backoff_s in (("probe", self._probe_loop, interval),
                                       ("dns-sync", self._dns_loop, min(1.0, DNS_RESYNC_S))):
-            self._tasks.append(create_supervised_task(
+            self._tasks.append(SupervisedLoop(
                 name, body, on_restart=self.metrics.loop_restarted, logger=log,
-                backoff_s=backoff_s, max_backoff_s=max(backoff_s, 5.0)))
+                backoff_s=backoff_s, max_backoff_s=max(backoff_s, 5.0)).start())
         # a (re)start is a new topology version: monotonic across restarts, persisted
         await self._changed("controller started")
         log.info("controller started", extra={"version": self.version, "grpc": str(g), "http": str(h)})

@@ -180,6 +180,26 @@ async def _sample_replicas(b: Balancer, urls: dict[str, str], stop: asyncio.Even
             await asyncio.sleep(0.05)
 
 
+async def _stuck_report(s: aiohttp.ClientSession, b: Balancer, urls: dict[str, str]) -> str:
+    """Each replica's own metrics page (its vllm:* lines) and the state and age of every
+    request the balancer still tracks."""
+    lines = ["48 requests not done in 60 s"]
+    for rid, url in urls.items():
+        try:
+            async with s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                page = await r.text()
+            vllm = [ln for ln in page.splitlines()
+                    if ln.startswith(("vllm:num_requests", "vllm:kv_cache", "vllm:num_preemptions"))]
+            lines.append(f"replica {rid}: " + "; ".join(vllm))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            lines.append(f"replica {rid}: metrics unreadable ({e!r})")
+    now = asyncio.get_running_loop().time()
+    for request_id, (state, age) in sorted(b.core.ages(now).items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"request {request_id}: {state} for {age:.2f} s")
+    lines.append("balancer: " + json.dumps(b.admin_status())[:4000])
+    return "\n".join(lines)
+
+
 async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -> None:
     # small KV caches so 4 replicas cannot hold 48 long requests at once
     procs, b, base = await start_cluster(
@@ -199,9 +219,9 @@ async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -
                     *(complete(s, base, prompt(k, k, 200, 40), max_tokens=24) for k in range(48))
                 ), 60)
             except TimeoutError:
-                # a stuck request: fail with the balancer's view instead of hanging
+                # a stuck request: fail with what is needed to tell why, instead of hanging
                 stop.set()
-                pytest.fail(f"48 requests not done in 60 s; balancer: {json.dumps(b.admin_status())[:4000]}")
+                pytest.fail(await _stuck_report(s, b, urls))
         stop.set()
         await sampler
         assert all(st == 200 for st, _, _ in results)

@@ -92,6 +92,9 @@ BAD = [
     (["controller"], _DELETE, "controller", "is required"),
     (["regions"], [], "regions", "must not be empty"),
     (["peer_tokn"], "x", "peer_tokn", "unknown key"),
+    (["health"], {"unhealthy_threshold": 0}, "health.unhealthy_threshold", "must be >= 1"),
+    (["health"], {"unhealthy_treshold": 2}, "health.unhealthy_treshold", "unknown key"),
+    (["upstream"], {"first_byte_timeout_s": "soon"}, "upstream.first_byte_timeout_s", "expected a number"),
 ]
 
 
@@ -222,7 +225,7 @@ def test_schema_command_prints_the_json_schema(with_file: bool, capsys: pytest.C
     assert schema["type"] == "object" and schema["additionalProperties"] is False
     assert set(schema["properties"]) == {
         "model", "regions", "latencies", "local_latency_ms", "controller", "dns", "policy", "offload",
-        "peer_token", "emulate_latency",
+        "health", "upstream", "peer_token", "emulate_latency",
     }
     assert set(schema["required"]) == {"regions", "controller", "dns"}
     policy = schema["$defs"]["PolicyConfig"]["properties"]

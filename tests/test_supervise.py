@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from skymesh.supervise import SupervisedLoop, create_supervised_task, supervise
+from skymesh.supervise import SupervisedLoop
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,7 +51,7 @@ async def test_a_raising_body_is_restarted_counted_and_keeps_working() -> None:
                 worked.set()
             await asyncio.sleep(0)
 
-    task = create_supervised_task("probe", body, on_restart=restarts, backoff_s=0.0)
+    task = SupervisedLoop("probe", body, on_restart=restarts, backoff_s=0.0).start()
     assert task.get_name() == "probe"
     await worked.wait()
     assert runs == 2
@@ -74,7 +74,7 @@ async def test_cancel_while_running_stops_without_restart() -> None:
         started.set()
         await asyncio.Event().wait()  # forever
 
-    task = asyncio.create_task(supervise("idle", body, on_restart=restarts))
+    task = asyncio.create_task(SupervisedLoop("idle", body, on_restart=restarts).run())
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -111,7 +111,7 @@ async def test_cancellation_raised_by_the_body_propagates() -> None:
 
     restarts = Restarts()
     with pytest.raises(asyncio.CancelledError):
-        await supervise("cancelled", body, on_restart=restarts)
+        await SupervisedLoop("cancelled", body, on_restart=restarts).run()
     assert restarts.calls == []
 
 
@@ -180,7 +180,7 @@ async def test_a_broken_hook_does_not_stop_the_restarts() -> None:
         parked.set()
         await asyncio.Event().wait()
 
-    task = create_supervised_task("hooked", body, on_restart=broken_hook, backoff_s=0.0)
+    task = SupervisedLoop("hooked", body, on_restart=broken_hook, backoff_s=0.0).start()
     await parked.wait()
     assert runs == 2
     task.cancel()
@@ -196,7 +196,7 @@ async def test_a_body_that_returns_ends_the_supervision() -> None:
         runs += 1
 
     restarts = Restarts()
-    await supervise("one-shot", body, on_restart=restarts)
+    await SupervisedLoop("one-shot", body, on_restart=restarts).run()
     assert runs == 1 and restarts.calls == []
 
 
@@ -244,7 +244,7 @@ async def test_every_failure_is_logged_when_not_rate_limited(caplog: pytest.LogC
             raise RuntimeError(f"failure {runs}")
 
     caplog.set_level(logging.ERROR, logger="skymesh.test_component2")
-    await supervise("chatty", body, logger=logger, backoff_s=0.0, log_interval_s=0.0)
+    await SupervisedLoop("chatty", body, logger=logger, backoff_s=0.0, log_interval_s=0.0).run()
     records = [r for r in caplog.records if r.name == "skymesh.test_component2"]
     assert [str(r.exc_info[1]) for r in records if r.exc_info] == ["failure 1", "failure 2", "failure 3"]
 

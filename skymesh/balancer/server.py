@@ -54,7 +54,7 @@ from skymesh.routing.region import (
     SendToReplica,
 )
 from skymesh.routing.registry import make_policy
-from skymesh.supervise import create_supervised_task
+from skymesh.supervise import SupervisedLoop
 from skymesh.tokens import count_tokens
 
 log = logging.getLogger("skymesh.balancer")
@@ -284,9 +284,9 @@ class Balancer:
         await site.start()
         interval = self.cfg.policy.probe_interval_s
         for name, body in (("probe", self._probe_loop), ("dispatch", self._dispatch_loop)):
-            self._tasks.append(create_supervised_task(
+            self._tasks.append(SupervisedLoop(
                 name, body, on_restart=self._loop_restarted, logger=log,
-                backoff_s=interval, max_backoff_s=max(interval, 2.0)))
+                backoff_s=interval, max_backoff_s=max(interval, 2.0)).start())
         for svc in self.extra_services:
             await svc.start()
         log.info(

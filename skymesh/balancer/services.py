@@ -20,7 +20,7 @@ import grpc
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.region import HeartbeatSnapshot
-from skymesh.supervise import RestartHook, create_supervised_task
+from skymesh.supervise import RestartHook, SupervisedLoop
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
@@ -44,8 +44,8 @@ class SupervisedService:
 
     def _supervised(self, name: str, body: Callable[[], Awaitable[None]], *, backoff_s: float,
                     max_backoff_s: float) -> asyncio.Task[None]:
-        return create_supervised_task(name, body, on_restart=self._loop_restarted, logger=log,
-                                      backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+        return SupervisedLoop(name, body, on_restart=self._loop_restarted, logger=log,
+                                      backoff_s=backoff_s, max_backoff_s=max_backoff_s).start()
 
 
 def loop_restart_counts(services: Iterable[object]) -> dict[str, int]:

@@ -368,7 +368,7 @@ class Simulator:
         core, reps = reg.core, self.replicas
         for rid in reg.replica_ids:
             e = reps[rid].engine
-            core.probe(rid, ProbeSample(num_running=len(e.running), num_waiting=len(e.waiting),
+            core.probe(rid, ProbeSample(num_running=e.num_running, num_waiting=e.num_waiting,
                                         kv_usage=e.kv_cache_usage), t)
         self._dispatch(reg, t)
 
@@ -414,7 +414,7 @@ class Simulator:
     def _kick(self, rep: _Replica, t: float) -> None:
         """Schedule the replica's next step (or decode stretch) starting at ``t``."""
         e = rep.engine
-        if not e.running and not e.waiting:
+        if not e.has_work():
             return
         if self.cfg.fuse_decode:
             h = e.decode_horizon()
