@@ -3,6 +3,7 @@ before the port to prometheus_client, tests/golden/), and the probe-side parser.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from pathlib import Path
@@ -25,6 +26,9 @@ from skymesh.balancer.prober import parse_probe, probe_replica
 from skymesh.prom import parse_samples
 from skymesh.replica_sim.metrics import ReplicaMetrics
 from skymesh.routing.base import Decision, RoutingRequest
+from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import HeartbeatSnapshot, ProbeSample, RegionCore
+from skymesh.routing.registry import make_policy
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -51,8 +55,12 @@ def test_stand_in_page_is_byte_identical_to_the_vllm_format_golden() -> None:
     page = generate_latest(m.registry).decode()
     golden = (GOLDEN / "replica_sim_metrics.txt").read_text()
     # every line: HELP/TYPE text, metric names, label names and values, bucket bounds,
-    # sample values and the page's order
-    assert mask_created_values(page).splitlines() == mask_created_values(golden).splitlines()
+    # sample values and the page's order; the stand-in's own supervision counter is a
+    # family of its own after all of vLLM's
+    vllm_part, own = page.split("# HELP skymesh_loop_restarts_total", 1)
+    assert mask_created_values(vllm_part).splitlines() == mask_created_values(golden).splitlines()
+    assert 'skymesh_loop_restarts_total{loop="engine"} 0.0' in own.splitlines()
+    assert "vllm:" not in own
 
 
 def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
@@ -64,6 +72,9 @@ def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
     count = "vllm:time_to_first_token_seconds_count"
     assert parse_samples(generate_latest(a.registry).decode(), [count]) == {count: 1.0}
     assert parse_samples(generate_latest(b.registry).decode(), [count]) == {count: 0.0}
+
+
+ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -85,6 +96,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         queue_length=3, in_flight=5, replicas_available=2, prefix_hit_ratio=0.375,
         replicas=[ReplicaLoad("r0", 2, 300), ReplicaLoad("r1", 3, 0)],
         peers=[PeerHealth("us-east", 0.5, True), PeerHealth("eu-west", float("inf"), False)],
+        transitions={("queued", "placed"): 4}, loop_restarts={"probe": 1}, ejected_replicas=1,
     )
     m = BalancerMetrics("us-west", lambda: snapshot)
     m.decision_seconds.observe(3e-5)
@@ -99,10 +111,17 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
     page = generate_latest(m.registry).decode()
     golden_samples, golden_headers = samples_and_headers((GOLDEN / "balancer_metrics.txt").read_text())
     samples, headers = samples_and_headers(page)
+    # families added after the golden was taken (lifecycle, supervision, ejection)
+    added = {k: v for k, v in samples.items() if k.startswith(ADDED_BALANCER_FAMILIES)}
+    assert added == {
+        'skymesh_replicas_ejected{region="us-west"}': 1.0,
+        'skymesh_request_transitions_total{from_state="queued",to_state="placed"}': 4.0,
+        'skymesh_loop_restarts_total{loop="probe"}': 1.0,
+    }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added
-    assert samples == golden_samples
-    assert headers == golden_headers
+    assert {k: v for k, v in samples.items() if k not in added} == golden_samples
+    assert [h for h in headers if not h.split()[2].startswith(ADDED_BALANCER_FAMILIES)] == golden_headers
 
 
 def test_two_balancers_in_one_process_keep_separate_registries() -> None:
@@ -114,28 +133,23 @@ def test_two_balancers_in_one_process_keep_separate_registries() -> None:
 
 
 async def test_balancer_snapshot_reads_the_balancers_load() -> None:
-    class Core:
-        queue_length = 4
-        in_flight_count = 1
-        replicas = {"r0": SimpleNamespace(in_flight=1, pending_prefill_tokens=64)}
-
-        def available_count(self) -> int:
-            return 1
-
-    class Offload:
-        peers = {"eu": object()}
-
-        def staleness_s(self, region: str, now: float) -> float:
-            return 0.25
-
-        def peer_available(self, region: str, now: float) -> bool:
-            return False
-
-    b = SimpleNamespace(core=Core(), offload=Offload(), prefix_hit_ratio=lambda: 0.5)
-    assert balancer_snapshot(b) == BalancerSnapshot(  # type: ignore[arg-type]
-        queue_length=4, in_flight=1, replicas_available=1, prefix_hit_ratio=0.5,
-        replicas=[ReplicaLoad("r0", 1, 64)], peers=[PeerHealth("eu", 0.25, False)],
-    )
+    # a real (pure) region core with one request placed and one peer heard from
+    core = RegionCore("here", make_policy("least_load"), OffloadRouter("here", {"eu": 0.05}))
+    core.set_replicas(["r0"], 0.0)
+    core.probe("r0", ProbeSample(), 0.0)
+    core.submit(RoutingRequest("q0", (1,), 64, 0.0), 0.0)
+    core.tick(0.0)
+    now = asyncio.get_running_loop().time()
+    core.peer_heartbeat("eu", HeartbeatSnapshot(2, 0, 0, 0), now, epoch=1, seq=1)
+    b = SimpleNamespace(core=core, offload=core.offload, prefix_hit_ratio=lambda: 0.5,
+                        loop_restart_counts=lambda: {"probe": 2})
+    snap = balancer_snapshot(b)  # type: ignore[arg-type]
+    assert (snap.queue_length, snap.in_flight, snap.replicas_available, snap.prefix_hit_ratio) == (0, 1, 1, 0.5)
+    assert snap.replicas == [ReplicaLoad("r0", 1, 64)]
+    (peer,) = snap.peers
+    assert peer.region == "eu" and not peer.available and 0 <= peer.staleness_s < 60
+    assert snap.transitions == {("new", "queued"): 1, ("queued", "placed"): 1}
+    assert snap.loop_restarts == {"probe": 2} and snap.ejected_replicas == 0
 
 
 def test_parse_samples_sums_label_sets_and_skips_comments() -> None:
