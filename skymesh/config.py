@@ -58,6 +58,20 @@ class ConfigError(PathError):
     """
 
 
+def region_of_address(
+    table: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]], ip: str
+) -> str | None:
+    """The region whose source network holds ``ip`` (most specific wins), None if none."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return None
+    for net, region in table:
+        if addr.version == net.version and addr in net:
+            return region
+    return None
+
+
 # ----------------------------------------------------------------------------- value types
 
 
@@ -481,6 +495,11 @@ class MeshConfig(ConfigModel):
     def latency_ms(self) -> dict[tuple[str, str], float]:
         """One-way ms for every pair of distinct regions, keyed (a, b) with a < b."""
         return self._latency_ms
+
+    def source_network_table(self) -> list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]]:
+        """(network, region) over every region's source_networks, most specific first."""
+        return sorted(((n, r.name) for r in self.regions for n in r.source_networks),
+                      key=lambda x: -x[0].prefixlen)
 
     def region(self, name: str) -> RegionConfig:
         for r in self.regions:

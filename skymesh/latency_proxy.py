@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections import deque
 from collections.abc import Callable
 
-from skymesh.config import MeshConfig
+from skymesh.config import MeshConfig, region_of_address
 
 log = logging.getLogger("skymesh.latency_proxy")
 _CHUNK = 64 * 1024
@@ -32,17 +31,11 @@ DEFAULT_MAX_BUFFERED = 4 * 1024 * 1024
 
 def delay_for(cfg: MeshConfig, region: str) -> Callable[[str], float]:
     """Source IP -> one-way delay (seconds) into ``region``; most specific network wins."""
-    nets = sorted(((n, r.name) for r in cfg.regions for n in r.source_networks), key=lambda x: -x[0].prefixlen)
+    nets = cfg.source_network_table()
 
     def delay(ip: str) -> float:
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
-            return cfg.local_latency_ms / 1000
-        for net, src in nets:
-            if addr.version == net.version and addr in net:
-                return cfg.one_way_ms(src, region) / 1000
-        return cfg.local_latency_ms / 1000
+        src = region_of_address(nets, ip)
+        return cfg.local_latency_ms / 1000 if src is None else cfg.one_way_ms(src, region) / 1000
 
     return delay
 

@@ -13,7 +13,14 @@ import pytest
 from aiohttp import web
 
 from skymesh.balancer.proxy import UpstreamTimeouts
-from skymesh.balancer.server import Balancer, upstream_timeouts
+from skymesh.balancer.server import (
+    HOP_HEADER,
+    ORIGIN_HEADER,
+    TOKEN_HEADER,
+    Balancer,
+    ReplicaInfo,
+    upstream_timeouts,
+)
 from skymesh.config import parse_config
 from skymesh.procs import free_port
 from skymesh.prom import parse_samples
@@ -189,3 +196,45 @@ def test_per_token_bound_comes_from_the_profile_or_the_config() -> None:
     data["upstream"] = {"per_output_token_s": 0.03}
     cfg = parse_config(data)
     assert upstream_timeouts(cfg, cfg.regions[0].replicas).per_output_token_s == 0.03
+
+
+async def test_residency_holds_on_replicas_adopted_on_failover(fakes: list[FakeReplica]) -> None:
+    eu, us = FakeReplica("eu0"), FakeReplica("us0")
+    fakes += [eu, us]
+    for r in fakes:
+        await r.start()
+    data = one_region_config({"eu0": eu.url}, free_port(), free_port(), name="round_robin", probe_interval_s=0.05)
+    data["regions"][0].update(name="eu-west-1")
+    data["regions"].append({
+        "name": "us-east-1", "source_networks": ["127.2.0.0/16"],
+        "balancer": {"listen": f"127.0.0.1:{free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}"},
+        "replicas": [{"id": "us0", "url": us.url}],
+    })
+    data["latencies"] = [{"regions": ["eu-west-1", "us-east-1"], "one_way_ms": 40}]
+    data["offload"] = {"enabled": False, "rules": [{"from": "eu-*", "to": ["eu-*"]}]}
+    b = Balancer(parse_config(data), "eu-west-1")
+    await b.start(port=0)
+    try:
+        # the controller hands us-east-1's replica to eu-west-1 (its balancer died)
+        b.set_replicas([ReplicaInfo("eu0", eu.url, "eu-west-1"), ReplicaInfo("us0", us.url, "us-east-1")])
+        for _ in range(200):
+            if all(v.healthy for v in b.core.replicas.values()):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            # this balancer's own (EU) clients: round robin would use us0 for half of them
+            results = await asyncio.gather(*(post(s, b, i) for i in range(6)))
+            assert results == [(200, "eu0")] * 6 and us.received == 0
+            # a forwarded request must name a known origin region
+            body = {"model": "skymesh-sim", "prompt": "x", "max_tokens": 1}
+            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
+                              headers={HOP_HEADER: "1", TOKEN_HEADER: b.cfg.peer_token,
+                                       ORIGIN_HEADER: "mars-1"}) as r:
+                assert r.status == 400
+            # a request forwarded on behalf of us-east-1's clients may run on us0
+            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
+                              headers={HOP_HEADER: "1", TOKEN_HEADER: b.cfg.peer_token,
+                                       ORIGIN_HEADER: "us-east-1"}) as r:
+                assert r.status == 200
+    finally:
+        await b.stop()

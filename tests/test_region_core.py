@@ -300,3 +300,67 @@ def test_any_event_sequence_returns_every_counter_to_zero(events: list[tuple[str
     terminal = sum(n for (_, to), n in core.transitions.items()
                    if to in ("done", "failed", "rejected", "cancelled"))
     assert terminal == submitted
+
+
+# ---------------------------------------------------------------------- residency
+
+
+def eu_stays_in_eu(source: str, target: str) -> bool:
+    return not source.startswith("eu-") or target.startswith("eu-")
+
+
+def residency_core(region: str, homes: dict[str, str], peers: dict[str, float] | None = None) -> RegionCore:
+    offload = OffloadRouter(region, peers or {}, allowed=eu_stays_in_eu, enabled=True)
+    core = RegionCore(region, make_policy("least_load", PolicyContext()), offload,
+                      RegionSettings(dispatch_budget=1))
+    core.set_replicas(list(homes), 0.0, homes)
+    probe_all(core)
+    return core
+
+
+def test_replicas_adopted_on_failover_never_serve_a_closed_origin() -> None:
+    # eu-west-1's balancer adopted us-east-1's replica after that balancer died
+    core = residency_core("eu-west-1", {"eu0": "eu-west-1", "us0": "us-east-1"})
+    core.submit(req(0), 0.0)  # an EU client (this balancer's own region)
+    core.submit(req(1, prefix=1), 0.0)
+    placed = sends(core.tick(0.0))
+    assert placed == {"q0": "eu0"}  # q1 waits for eu0 although us0 is free
+    # a US client (DNS sent it here while its own balancer is down) may use both
+    us = RoutingRequest("us-client", req(2, prefix=2).chunk_hashes, 256, 0.0, origin_region="us-east-1")
+    core.submit(us, 0.0)
+    assert sends(core.tick(0.0)) == {"us-client": "us0"}
+    core.complete("q0", 0.1)
+    probe_all(core, 0.1)
+    assert sends(core.tick(0.1)) == {"q1": "eu0"}
+
+
+def test_a_closed_origin_is_offloaded_only_to_allowed_regions_from_a_foreign_balancer() -> None:
+    # an EU client reached us-east-1's balancer: its replicas are closed to it
+    core = residency_core("us-east-1", {"us0": "us-east-1"}, peers={"eu-west-2": 0.08, "us-west-2": 0.02})
+    for peer in ("eu-west-2", "us-west-2"):
+        core.peer_heartbeat(peer, HeartbeatSnapshot(2, 2, 0, 0), 0.0, epoch=1, seq=1)
+    eu = RoutingRequest("eu-client", req(0).chunk_hashes, 256, 0.0, origin_region="eu-west-1")
+    core.submit(eu, 0.0)
+    acts = core.tick(0.0)
+    assert sends(acts) == {}  # us0 is free but closed to it
+    assert [a for a in acts if isinstance(a, ForwardToRegion)] == [ForwardToRegion("eu-client", "eu-west-2")]
+    # the same balancer's own clients still use us0
+    core.submit(req(1), 0.0)
+    assert sends(core.tick(0.0)) == {"q1": "us0"}
+
+
+def test_nothing_allowed_can_serve_is_an_immediate_503_not_a_long_wait() -> None:
+    core = residency_core("us-east-1", {"us0": "us-east-1"})
+    eu = RoutingRequest("eu-client", req(0).chunk_hashes, 256, 0.0, origin_region="eu-west-1")
+    (rej,) = core.submit(eu, 0.0)
+    assert isinstance(rej, Reject) and rej.status == 503 and rej.retry_after_s
+    assert core.submit(req(1), 0.0) == []  # its own clients queue as usual
+    empty = region(n=0)
+    (rej,) = empty.submit(req(2), 0.0)
+    assert isinstance(rej, Reject) and rej.status == 503
+    # replicas that were healthy and are all ejected now: also 503
+    core = region(n=1, health=HealthSettings(unhealthy_threshold=1))
+    probe_all(core)
+    core.probe("r0", None, 0.1)
+    (rej,) = core.submit(req(3), 0.2)
+    assert isinstance(rej, Reject) and rej.status == 503

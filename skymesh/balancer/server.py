@@ -37,7 +37,7 @@ from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import parse_body
-from skymesh.config import MeshConfig, ReplicaConfig
+from skymesh.config import MeshConfig, ReplicaConfig, region_of_address
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
@@ -188,6 +188,7 @@ class Balancer:
         self.policy = self.core.policy
         self.offload = self.core.offload
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
+        self._source_networks = cfg.source_network_table()
         self.replicas: dict[str, ReplicaInfo] = {}
         self.wake = asyncio.Event()
         self.waiters: dict[str, _Waiter] = {}
@@ -224,7 +225,8 @@ class Balancer:
                 self.replicas[info.replica_id] = prev
             else:
                 self.replicas[info.replica_id] = info
-        self._apply(self.core.set_replicas(list(self.replicas), self._now()))
+        homes = {rid: info.home_region for rid, info in self.replicas.items()}
+        self._apply(self.core.set_replicas(list(self.replicas), self._now(), homes))
         self.wake.set()
 
     @staticmethod
@@ -466,6 +468,7 @@ class Balancer:
             if forwarded and request.headers.get(TOKEN_HEADER) != self.cfg.peer_token:
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
+            origin = self._origin_of(request, forwarded)
         except RequestError as e:
             self.metrics.rejections.labels(str(e.status)).inc()
             return e.response()
@@ -478,9 +481,11 @@ class Balancer:
             max_tokens=parsed.max_tokens,
             session_key=request.headers.get("X-Session-ID") or parsed.user,
             forwarded=forwarded,
+            origin_region=origin,
         )
         if forwarded:
-            self.metrics.offloaded.labels("in", request.headers.get(ORIGIN_HEADER, "unknown")).inc()
+            # the origin was checked against the configured regions: a bounded label
+            self.metrics.offloaded.labels("in", origin or "unknown").inc()
         waiter = self.waiters[req.request_id] = _Waiter()
         try:
             for action in self.core.submit(req, now):
@@ -493,6 +498,18 @@ class Balancer:
             # no-op when the request ended; frees its queue slot or replica otherwise
             self.core.client_gone(req.request_id, loop.time())
             self.wake.set()
+
+    def _origin_of(self, request: web.Request, forwarded: bool) -> str | None:
+        """The region whose residency rules bind this request: for a forwarded one, the
+        origin its (token-checked) peer names; else the region of the client's source
+        network. None: this balancer's own region (an address in no source network)."""
+        if forwarded:
+            origin = request.headers.get(ORIGIN_HEADER, "")
+            if origin not in self.peers:
+                raise RequestError(400, "forwarded request without a known origin region")
+            return origin
+        region = region_of_address(self._source_networks, request.remote or "")
+        return None if region == self.region else region
 
     def _reject(self, r: Reject) -> web.Response:
         self.metrics.rejections.labels(str(r.status)).inc()

@@ -28,6 +28,9 @@ class RoutingRequest:
     session_key: str | None = None  # X-Session-ID header or OpenAI `user`
     slo_ttft_s: float | None = None  # None: the balancer's configured SLO
     forwarded: bool = False  # arrived from a peer balancer (never forwarded again)
+    # the region the client belongs to (its source network, or the forwarding balancer's
+    # origin header); None: the balancer's own region. Residency rules are checked by it.
+    origin_region: str | None = None
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ drive this class; it never reads a clock or touches I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,9 @@ class BalancerCore:
         self.counters = DispatchCounters()
         self.dispatches_per_replica: dict[str, int] = {}
         self.migrations: list[Migration] = []  # the last rebalance's moves (for metrics)
+        # residency: request -> replicas it may never run on (set by the region core only
+        # while it holds replicas of another home region, e.g. adopted on failover)
+        self.forbidden_for: Callable[[RoutingRequest], frozenset[str]] | None = None
 
     # ------------------------------------------------------------------ membership/probes
 
@@ -223,10 +226,22 @@ class BalancerCore:
         return placed
 
     def _views_for(self, q: _Queued) -> dict[str, ReplicaView]:
-        if not q.excluded:
+        excluded: set[str] | frozenset[str] = q.excluded
+        if self.forbidden_for is not None:
+            forbidden = self.forbidden_for(q.req)
+            if forbidden:
+                excluded = excluded | forbidden
+        if not excluded:
             return self.replicas
-        # a retried request never goes back to a replica that already failed it
-        return {k: v for k, v in self.replicas.items() if k not in q.excluded}
+        # a retried request never goes back to a replica that already failed it, and no
+        # request runs where the operator's residency rules forbid it
+        return {k: v for k, v in self.replicas.items() if k not in excluded}
+
+    def has_allowed_available(self, req: RoutingRequest) -> bool:
+        """Some replica this queued request may run on is available now."""
+        q = self._queue.get(req.request_id)
+        views = self._views_for(q) if q is not None else self.replicas
+        return any(v.available for v in views.values())
 
     def _commit(self, q: _Queued, decision: Decision, now: float) -> None:
         rid = decision.replica_id

@@ -115,16 +115,25 @@ class OffloadRouter:
             and p.queue_length <= self.max_remote_queue
         )
 
-    def candidates(self, now: float) -> list[str]:
-        return [
-            r for r in self.peers if self.allowed(self.region, r) and self.peer_available(r, now)
-        ]
+    def candidates(self, now: float, source: str | None = None) -> list[str]:
+        """Available peers the rules allow for a request from ``source`` (None: this
+        region's own clients)."""
+        src = source or self.region
+        return [r for r in self.peers if self.allowed(src, r) and self.peer_available(r, now)]
+
+    def could_serve(self, now: float, source: str | None = None) -> bool:
+        """Some allowed peer is alive and has replicas at all (busy or not)."""
+        src = source or self.region
+        return self.enabled and any(
+            self.allowed(src, r) and self.is_fresh(r, now) and p.replicas_total > 0
+            for r, p in self.peers.items()
+        )
 
     def choose(self, req: RoutingRequest, now: float) -> str | None:
         """The peer region to forward ``req`` to, or None to keep it queued locally."""
         if not self.enabled or req.forwarded:
             return None  # a forwarded request is never forwarded again
-        cands = self.candidates(now)
+        cands = self.candidates(now, req.origin_region)
         if not cands:
             return None
         matched, owners = self.snapshot.longest_match(req.chunk_hashes, set(cands))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -209,6 +209,11 @@ class RegionCore:
         self._deadlines: list[tuple[float, int, str]] = []
         self._deadline_seq = 0
         self.transitions: Counter[tuple[str, str]] = Counter()
+        self._home: dict[str, str] = {}  # replica -> the region it lives in
+        self._adopted = False  # some replica lives in another region (failover)
+        self._forbidden_cache: dict[str, frozenset[str]] = {}
+        self._queued_from_elsewhere = 0  # queued requests whose origin is another region
+        self.local.forbidden_for = self._forbidden_replicas
         self.offloaded_out = 0
         self.offloaded_in = 0
 
@@ -297,6 +302,8 @@ class RegionCore:
             raise RuntimeError(f"request {t.req.request_id}: illegal transition {frm} -> {to}")
         t.state = to
         self.transitions[(str(frm), str(to))] += 1
+        if t.req.origin_region is not None:
+            self._queued_from_elsewhere += (to is RequestState.QUEUED) - (frm is RequestState.QUEUED)
 
     def _leave(self, t: _Tracked, to: RequestState, now: float) -> None:
         """The one place a request leaves the core: release what was booked for it."""
@@ -308,6 +315,29 @@ class RegionCore:
         self._move(t, to)
         del self._requests[rid]
 
+    def _forbidden_replicas(self, req: RoutingRequest) -> frozenset[str]:
+        """Replicas whose home region the offload rules close to this request's origin
+        (the rules that decide offload decide every other move across regions too)."""
+        origin = req.origin_region
+        if origin is None and not self._adopted:
+            return frozenset()  # this region's own clients on this region's own replicas
+        origin = origin or self.region
+        got = self._forbidden_cache.get(origin)
+        if got is None:
+            allowed = self.offload.allowed
+            got = frozenset(rid for rid, home in self._home.items() if home != origin and not allowed(origin, home))
+            self._forbidden_cache[origin] = got
+        return got
+
+    def _nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
+        """No replica this request may use is healthy or still unprobed, and no allowed
+        peer region is alive with replicas: queueing it could only end in a timeout."""
+        forbidden = self._forbidden_replicas(req)
+        for rid, h in self._health.items():
+            if rid not in forbidden and not (h.ejected and h.ever_healthy):
+                return False
+        return req.forwarded or not self.offload.could_serve(now, req.origin_region)
+
     def _arm_deadline(self, t: _Tracked, since: float) -> None:
         if self.settings.max_queue_wait_s is None:
             return
@@ -317,9 +347,16 @@ class RegionCore:
 
     # ------------------------------------------------------------------ events in
 
-    def set_replicas(self, replica_ids: Sequence[str], now: float) -> list[Action]:
+    def set_replicas(
+        self, replica_ids: Sequence[str], now: float, homes: Mapping[str, str] | None = None
+    ) -> list[Action]:
         """Membership changed (YAML or the controller). Requests placed on a replica that
-        left and not yet streaming go back to the head of the queue at once."""
+        left and not yet streaming go back to the head of the queue at once. ``homes``:
+        replica id -> the region it lives in, when not this one (replicas adopted from a
+        failed region): residency rules then decide, per request origin, where it may run."""
+        self._home = {rid: (homes or {}).get(rid, self.region) for rid in replica_ids}
+        self._adopted = any(home != self.region for home in self._home.values())
+        self._forbidden_cache.clear()
         wanted = set(replica_ids)
         actions: list[Action] = []
         for rid in list(self.local.replicas):
@@ -335,6 +372,11 @@ class RegionCore:
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         t = _Tracked(req, RequestState.QUEUED)
+        if self._nothing_can_serve(req, now):
+            self.transitions[("new", str(RequestState.REJECTED))] += 1
+            return [Reject(req.request_id, 503, "no_capacity",
+                           "no replica or region that may serve this request is available",
+                           self.settings.retry_after_s)]
         try:
             self.local.submit(req, front=front)
         except QueueFull as e:
@@ -342,6 +384,8 @@ class RegionCore:
             return [Reject(req.request_id, 429, "queue_full", str(e), self.settings.retry_after_s)]
         self.transitions[("new", str(RequestState.QUEUED))] += 1
         self._requests[req.request_id] = t
+        if req.origin_region is not None:
+            self._queued_from_elsewhere += 1
         if req.forwarded:
             self.offloaded_in += 1
         self._arm_deadline(t, req.arrival)
@@ -484,19 +528,24 @@ class RegionCore:
             t.target, t.on_peer = decision.replica_id or "", False
             t.placements += 1
             actions.append(SendToReplica(req.request_id, t.target, decision))
-        if self.offload.enabled and self.local.queue_length and not self.local.any_available():
-            actions.extend(self._offload(now))
+        # residency may close local replicas to some queued requests: those are offered
+        # to peers even while the replicas look free
+        restricted = self._adopted or self._queued_from_elsewhere > 0
+        if self.offload.enabled and self.local.queue_length and (restricted or not self.local.any_available()):
+            actions.extend(self._offload(now, restricted))
         return actions
 
-    def _offload(self, now: float) -> list[Action]:
+    def _offload(self, now: float, restricted: bool) -> list[Action]:
         chosen: list[tuple[RoutingRequest, str]] = []
         for req in self.local.queued_requests():
             if req.forwarded:
                 continue
+            if restricted and self.local.has_allowed_available(req):
+                continue  # a local replica it may use is free: it is served here
             region = self.offload.choose(req, now)
             if region is None:
-                if not self.offload.candidates(now):
-                    break  # no peer has room: stop scanning
+                if req.origin_region is None and not self.offload.candidates(now):
+                    break  # no peer has room for this region's own clients: stop scanning
                 continue
             self.offload.on_forwarded(req, region, now)
             chosen.append((req, region))
