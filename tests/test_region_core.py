@@ -364,3 +364,30 @@ def test_nothing_allowed_can_serve_is_an_immediate_503_not_a_long_wait() -> None
     core.probe("r0", None, 0.1)
     (rej,) = core.submit(req(3), 0.2)
     assert isinstance(rej, Reject) and rej.status == 503
+
+
+def test_a_queue_that_cannot_drain_in_time_rejects_at_once_with_retry_after() -> None:
+    core = region(n=1, dispatch_budget=1, max_queue_wait_s=10.0)
+    probe_all(core)
+    assert core.expected_queue_wait_s(0.0) is None  # no rate yet: never rejects blind
+    core.submit(req(0), 0.0)
+    assert sends(core.tick(0.0)) == {"q0": "r0"}  # one placement in the last second
+    assert core.expected_queue_wait_s(0.5) is None  # too little history yet
+    outcomes = []
+    for i in range(1, 40):
+        expected = core.expected_queue_wait_s(1.0)
+        got = core.submit(req(i, prefix=i), 1.0)
+        outcomes.append((core.queue_length > 0 and expected is not None and expected > 10.0, bool(got)))
+        if got:
+            (rej,) = got
+            assert isinstance(rej, Reject) and rej.status == 429 and rej.code == "queue_wait"
+            assert rej.retry_after_s is not None and rej.retry_after_s > 0
+    # rejected exactly when the queue ahead could not drain within the bound
+    assert all(should == rejected for should, rejected in outcomes)
+    assert any(rejected for _, rejected in outcomes) and not all(rejected for _, rejected in outcomes)
+    # without a bound (the simulator's goodput sweeps) it queues
+    unbounded = region(n=1, dispatch_budget=1, max_queue_wait_s=None)
+    probe_all(unbounded)
+    unbounded.submit(req(0), 0.0)
+    unbounded.tick(0.0)
+    assert all(unbounded.submit(req(i, prefix=i), 5.0) == [] for i in range(1, 40))

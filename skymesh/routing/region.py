@@ -27,6 +27,7 @@ transition is counted in :attr:`RegionCore.transitions`.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -184,6 +185,14 @@ class _Health:
     ejections: int = 0
 
 
+# time constant of the placement-rate average: long enough to ride out one probe interval's
+# burst, short enough to follow a replica leaving
+PLACEMENT_RATE_TAU_S = 5.0
+# no early rejection before placements were seen over this long: a burst's first probe
+# round is no measure of how fast the queue drains
+MIN_RATE_HISTORY_S = 1.0
+
+
 class RegionCore:
     def __init__(
         self,
@@ -213,6 +222,11 @@ class RegionCore:
         self._adopted = False  # some replica lives in another region (failover)
         self._forbidden_cache: dict[str, frozenset[str]] = {}
         self._queued_from_elsewhere = 0  # queued requests whose origin is another region
+        # placements per second, exponentially decayed (time constant PLACEMENT_RATE_TAU_S):
+        # how fast the queue drains, for failing fast instead of queueing to a timeout
+        self._placement_rate = 0.0
+        self._placement_rate_at = float("-inf")
+        self._first_placement_at: float | None = None
         self.local.forbidden_for = self._forbidden_replicas
         self.offloaded_out = 0
         self.offloaded_in = 0
@@ -315,6 +329,26 @@ class RegionCore:
         self._move(t, to)
         del self._requests[rid]
 
+    def _count_placement(self, now: float) -> None:
+        if self._first_placement_at is None:
+            self._first_placement_at = now
+        decay = math.exp(-(now - self._placement_rate_at) / PLACEMENT_RATE_TAU_S)
+        self._placement_rate = self._placement_rate * decay + 1.0 / PLACEMENT_RATE_TAU_S
+        self._placement_rate_at = now
+
+    def expected_queue_wait_s(self, now: float) -> float | None:
+        """How long a request queued now would wait for its placement, at the recent
+        placement rate; None while there is too little history to go by."""
+        first = self._first_placement_at
+        if first is None or now - first < MIN_RATE_HISTORY_S:
+            return None
+        decayed = self._placement_rate * math.exp(-(now - self._placement_rate_at) / PLACEMENT_RATE_TAU_S)
+        # an average started at zero is low by this factor until it has tau of history
+        rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
+        if rate <= 0.0:
+            return None
+        return (self.local.queue_length + 1) / rate
+
     def _forbidden_replicas(self, req: RoutingRequest) -> frozenset[str]:
         """Replicas whose home region the offload rules close to this request's origin
         (the rules that decide offload decide every other move across regions too)."""
@@ -377,6 +411,15 @@ class RegionCore:
             return [Reject(req.request_id, 503, "no_capacity",
                            "no replica or region that may serve this request is available",
                            self.settings.retry_after_s)]
+        bound = self.settings.max_queue_wait_s
+        expected = self.expected_queue_wait_s(now) if bound is not None and self.local.queue_length else None
+        if expected is not None and bound is not None and expected > bound:
+            # it could only wait out its bound and get a 504: say so now (Mooncake's early
+            # rejection, by queue drain rate), with when to come back
+            self.transitions[("new", str(RequestState.REJECTED))] += 1
+            return [Reject(req.request_id, 429, "queue_wait",
+                           f"the balancer's queue would take ~{expected:.0f} s to reach this request "
+                           f"(bound {bound:.0f} s)", min(expected - bound, bound) + self.settings.retry_after_s)]
         try:
             self.local.submit(req, front=front)
         except QueueFull as e:
@@ -524,6 +567,7 @@ class RegionCore:
         actions: list[Action] = self._expire(now)
         for req, decision in self.local.dispatch(now):
             t = self._requests[req.request_id]
+            self._count_placement(now)
             self._move(t, RequestState.PLACED)
             t.target, t.on_peer = decision.replica_id or "", False
             t.placements += 1
