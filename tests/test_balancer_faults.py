@@ -35,8 +35,10 @@ class FakeReplica:
     """A replica speaking just enough of vLLM's API; ``hang_completions`` makes every
     completion wait forever (and, with ``freeze_on_request``, its /metrics too)."""
 
-    def __init__(self, name: str, *, hang_completions: bool = False, freeze_on_request: bool = False) -> None:
+    def __init__(self, name: str, *, hang_completions: bool = False, freeze_on_request: bool = False,
+                 answer_after: asyncio.Event | None = None) -> None:
         self.name = name
+        self.answer_after = answer_after  # completions wait for this event when given
         self.hang_completions = hang_completions
         self.freeze_on_request = freeze_on_request
         self.frozen = asyncio.Event()
@@ -56,6 +58,8 @@ class FakeReplica:
             if self.freeze_on_request:
                 self.frozen.set()
             await self._never.wait()
+        if self.answer_after is not None:
+            await self.answer_after.wait()
         return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": "skymesh-sim",
                                   "choices": [{"index": 0, "text": self.name, "finish_reason": "length"}]})
 
@@ -238,3 +242,33 @@ async def test_residency_holds_on_replicas_adopted_on_failover(fakes: list[FakeR
                 assert r.status == 200
     finally:
         await b.stop()
+
+
+async def test_sigterm_drain_finishes_accepted_requests_and_refuses_new_ones(fakes: list[FakeReplica]) -> None:
+    release = asyncio.Event()
+    fakes.append(FakeReplica("slow", answer_after=release))
+    await fakes[0].start()
+    b = await start_balancer(fakes)
+    port = b.bound_port
+    async with aiohttp.ClientSession() as s:
+        accepted = [asyncio.create_task(post(s, b, i)) for i in range(3)]
+        for _ in range(200):
+            if b.core.active_requests == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert b.core.active_requests == 3
+        stopping = asyncio.create_task(b.stop(drain_timeout_s=60))
+        for _ in range(200):  # the listening socket closes first
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                await asyncio.sleep(0.02)
+            except OSError:
+                break
+        else:
+            pytest.fail("the balancer kept accepting connections while draining")
+        assert not stopping.done()  # still draining: its accepted requests are not done
+        release.set()
+        assert await asyncio.gather(*accepted) == [(200, "slow")] * 3
+        await asyncio.wait_for(stopping, 30)
+    assert b.core.active_requests == 0

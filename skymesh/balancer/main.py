@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="listen on this gRPC port instead of the config's (0: any free one, reported)."
                         " The advertised addresses stay the config's: use these for a balancer that"
                         " nobody finds through the config (benchmarks, --no-peers --no-controller)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop accepting, let accepted requests finish for at most this long")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -64,7 +66,10 @@ async def serve(args: argparse.Namespace) -> int:
                 ports["grpc"] = svc.bound_port
         report_ready(ports)
 
-    return await serve_until_signal(start, balancer.stop)
+    async def stop() -> None:
+        await balancer.stop(drain_timeout_s=args.drain_timeout_s)
+
+    return await serve_until_signal(start, stop)
 
 
 def run(args: argparse.Namespace) -> int:

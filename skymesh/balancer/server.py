@@ -211,6 +211,7 @@ class Balancer:
         self._stopping = False
         self.extra_services: list[Any] = []  # peer mesh / controller link (started by main)
         self._own_loop_restarts: dict[str, int] = {}
+        self._drained = asyncio.Event()  # set when stopping and the last request ended
 
     # ------------------------------------------------------------------ membership
 
@@ -305,8 +306,17 @@ class Balancer:
                 return int(server.sockets[0].getsockname()[1])
         return self.region_cfg.balancer.listen.port
 
-    async def stop(self) -> None:
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop; with ``drain_timeout_s`` > 0 (SIGTERM), drain first: stop accepting new
+        connections, keep probing and dispatching so every accepted request (queued or in
+        flight) can finish, for at most that long; then stop the rest."""
         self._stopping = True
+        if drain_timeout_s > 0 and self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()  # the listening socket closes: new clients go elsewhere
+            if self.core.active_requests:
+                await wait_event(self._drained, drain_timeout_s)  # set by the last handler out
+            log.info("drained", extra={"region": self.region, "left": self.core.active_requests})
         for svc in reversed(self.extra_services):
             with contextlib.suppress(Exception):
                 await svc.stop()
@@ -498,6 +508,8 @@ class Balancer:
             # no-op when the request ended; frees its queue slot or replica otherwise
             self.core.client_gone(req.request_id, loop.time())
             self.wake.set()
+            if self._stopping and not self.core.active_requests:
+                self._drained.set()
 
     def _origin_of(self, request: web.Request, forwarded: bool) -> str | None:
         """The region whose residency rules bind this request: for a forwarded one, the
