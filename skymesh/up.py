@@ -26,7 +26,14 @@ import yaml
 
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.latency_proxy import DelayProxy, proxies_for
-from skymesh.procs import Child, bind_problem, skymesh_cmd, wait_all_ready, wait_healthy
+from skymesh.procs import (
+    Child,
+    bind_problem,
+    cancel_tasks,
+    skymesh_cmd,
+    wait_all_ready,
+    wait_healthy,
+)
 
 log = logging.getLogger("skymesh.up")
 
@@ -48,6 +55,7 @@ class Mesh:
         self.health_timeout_s = health_timeout_s
         self.external_timeout_s = external_timeout_s
         self.replicas: dict[str, Child] = {}  # sim replicas by replica id
+        self.replica_restarts: dict[str, int] = {}  # by keep_replicas_running
         self.balancers: dict[str, Child] = {}  # by region
         self.controller: Child | None = None
         self.dns: Child | None = None
@@ -185,6 +193,40 @@ class Mesh:
         child = self.replicas.get(rid)
         if child is not None:
             await (child.kill() if kill else child.stop())
+
+    async def keep_replicas_running(self, *, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                                    healthy_after_s: float = 60.0, check_every_s: float = 0.5) -> None:
+        """Restart a stand-in replica that died, with a per-replica backoff that doubles up
+        to ``max_backoff_s`` and starts over once it has run ``healthy_after_s``. Runs until
+        cancelled. A replica that fails to come back is tried again after its backoff."""
+        loop = asyncio.get_running_loop()
+        backoff: dict[str, float] = {}
+        started_at: dict[str, float] = {rid: loop.time() for rid in self.replicas}
+        next_try: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(check_every_s)
+            now = loop.time()
+            for rid, child in list(self.replicas.items()):
+                if child.returncode is None:
+                    if now - started_at.get(rid, now) >= healthy_after_s:
+                        backoff.pop(rid, None)
+                    continue
+                if rid not in next_try:
+                    wait = backoff.get(rid, backoff_s)
+                    next_try[rid] = now + wait
+                    backoff[rid] = min(max_backoff_s, wait * 2)
+                    log.warning("replica exited; restarting after backoff",
+                                extra={"replica": rid, "code": child.returncode, "backoff_s": wait})
+                    continue
+                if now < next_try[rid]:
+                    continue
+                del next_try[rid]
+                try:
+                    await self.start_replica(rid)
+                    started_at[rid] = loop.time()
+                    self.replica_restarts[rid] = self.replica_restarts.get(rid, 0) + 1
+                except (MeshStartError, RuntimeError, TimeoutError) as e:
+                    log.warning("replica restart failed", extra={"replica": rid, "error": str(e)})
 
     async def start_dns(self) -> None:
         if self.cfg.dns.provider != "embedded":
@@ -390,12 +432,11 @@ async def _up(args: argparse.Namespace, path: Path) -> int:
         return 1
     print(mesh.describe(args.config), flush=True)
     watcher = asyncio.create_task(_watch_children(mesh))
+    restarter = asyncio.create_task(mesh.keep_replicas_running())
     try:
         await stop.wait()
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        await cancel_tasks([watcher, restarter])
         print("stopping ...", flush=True)
         await mesh.stop()
         print("stopped.", flush=True)

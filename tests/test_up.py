@@ -5,6 +5,7 @@ seen healthy by `skymesh status --json`, then stopped cleanly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -299,3 +300,31 @@ async def test_mesh_parts_restart_and_the_delay_proxy_carries_client_traffic(tmp
         await mesh.stop()
     assert all(not c.running() for c in mesh.children())
     assert len(pids) == 9 + 1 + 1 + 3
+
+
+async def test_a_stand_in_that_dies_is_restarted_with_backoff(tmp_path: Path) -> None:
+    path, data = write_config(tmp_path)
+    mesh = Mesh.from_dict(data, tmp_path / "run")
+    await mesh.start_replicas()
+    keeper: asyncio.Task[None] | None = None
+    try:
+        rid, child = next(iter(mesh.replicas.items()))
+        old_pid = child.pid
+        child.signal_group(signal.SIGKILL)  # a crash, not a stop the operator asked for
+        keeper = asyncio.create_task(mesh.keep_replicas_running(backoff_s=0.2, check_every_s=0.05))
+        for _ in range(600):
+            if mesh.replica_restarts.get(rid) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert mesh.replica_restarts == {rid: 1}  # only the dead one
+        new = mesh.replicas[rid]
+        assert new.running() and new.pid != old_pid
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{new.port()}/health") as r:
+                assert r.status == 200
+    finally:
+        if keeper is not None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+        await mesh.stop()
