@@ -29,15 +29,84 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
-def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Flatten OpenAI chat messages (validated by the caller) into one prompt string."""
+class ChatContentError(ValueError):
+    """A chat message the flattening cannot read; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# The content-part types vLLM's OpenAI chat API parses (vllm/entrypoints/chat_utils.py)
+# and the field each one carries its payload in. Only "text" parts reach the prompt the
+# balancer hashes: the others are forwarded as they are and left to the replica (a
+# text-only model answers them with its own 400).
+CONTENT_PART_FIELDS: dict[str, str] = {
+    "text": "text",
+    "input_text": "text",
+    "refusal": "refusal",
+    "image_url": "image_url",
+    "image_embeds": "image_embeds",
+    "input_image": "image_url",
+    "input_audio": "input_audio",
+    "audio_url": "audio_url",
+    "video_url": "video_url",
+}
+_TEXT_PART_TYPES = frozenset({"text", "input_text"})
+
+
+def _content_text(content: Any, index: int) -> str:
+    """The text of one message's content: a string, or the text of its content parts.
+
+    vLLM accepts a part given as a bare string too, so that counts as text here.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatContentError(f"messages[{index}].content must be a string, a list of content parts or null")
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        where = f"messages[{index}].content[{j}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            raise ChatContentError(f"{where} must be an object with a 'type'")
+        part_type = part.get("type")
+        if not isinstance(part_type, str):
+            raise ChatContentError(f"{where}.type must be a string")
+        field = CONTENT_PART_FIELDS.get(part_type)
+        if field is None:
+            known = ", ".join(sorted(CONTENT_PART_FIELDS))
+            raise ChatContentError(f"{where}.type '{part_type}' is not a supported content part type ({known})")
+        if field not in part:
+            raise ChatContentError(f"{where} of type '{part_type}' needs a '{field}' field")
+        if part_type in _TEXT_PART_TYPES:
+            text = part[field]
+            if not isinstance(text, str):
+                raise ChatContentError(f"{where}.text must be a string")
+            texts.append(text)
+    return " ".join(texts)
+
+
+def chat_prompt(messages: Sequence[Any]) -> str:
+    """Flatten OpenAI chat messages into one prompt string.
+
+    Raises :class:`ChatContentError` for a message that is not an object with a string
+    ``role``, or whose content is neither a string, null nor a list of content parts
+    (``CONTENT_PART_FIELDS``) whose text parts carry a string ``text``.
+    """
     parts: list[str] = []
-    for m in messages:
-        parts.append(f"<|{m['role']}|>")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = " ".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-        parts.append(str(content))
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatContentError(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise ChatContentError(f"messages[{i}].role must be a string")
+        parts.append(f"<|{role}|>")
+        parts.append(_content_text(m.get("content"), i))
     return " ".join(p for p in parts if p)
 
 

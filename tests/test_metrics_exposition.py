@@ -74,7 +74,8 @@ def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
     assert parse_samples(generate_latest(b.registry).decode(), [count]) == {count: 0.0}
 
 
-ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts")
+ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts",
+                           "skymesh_internal_errors")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -117,6 +118,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_replicas_ejected{region="us-west"}': 1.0,
         'skymesh_request_transitions_total{from_state="queued",to_state="placed"}': 4.0,
         'skymesh_loop_restarts_total{loop="probe"}': 1.0,
+        "skymesh_internal_errors_total": 0.0,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added

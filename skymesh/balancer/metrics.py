@@ -175,10 +175,16 @@ class BalancerMetrics:
             "skymesh_midstream_failures_total", "Streams ended by an upstream failure after the first byte.",
             ("target_kind",), registry=None,
         )
+        # a handler raised something unexpected (skymesh/balancer/middleware.py): always a bug
+        self.internal_errors = Counter(
+            "skymesh_internal_errors_total", "Requests answered 500 because a handler raised unexpectedly.",
+            registry=None,
+        )
         # registration order is the page's order: request-path metrics, then the load gauges
         self.registry.register(_WithoutCreatedSamples([
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
+            self.internal_errors,
         ]))
         self.registry.register(_LoadCollector(region, snapshot))
 

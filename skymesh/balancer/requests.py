@@ -2,19 +2,41 @@
 
 The body is forwarded to the replica byte for byte; the balancer only reads what it needs
 (the prompt for prefix hashing, the model, max_tokens, stream, user) and rejects what a
-replica would reject anyway, so bad input never costs a replica slot.
+replica would reject anyway, so bad input never costs a replica slot and never becomes a
+5xx. Every way the body can be unreadable is a 400 in OpenAI's error shape:
+
+* not UTF-8 (RFC 8259 JSON is UTF-8; a UTF-16/32 body is refused rather than sniffed),
+  or not JSON;
+* nested deeper than the json module can parse (its ``RecursionError``);
+* an integer over Python's int/str conversion limit (4,300 digits: ``ValueError``);
+* ``NaN``/``Infinity``/``-Infinity`` tokens or a float literal that overflows to
+  infinity: not JSON numbers (RFC 8259), and nothing a replica can use;
+* a lone UTF-16 surrogate (``"\\ud800"`` without its pair) in *any* string, key or
+  value: ``json`` accepts the escape, but no such string can be encoded as UTF-8, so
+  hashing the prompt (or the replica's tokenizer) would fail on it. Rejecting beats
+  replacing: the body is forwarded byte for byte, so a replacement here would not be the
+  text the replica sees.
+* a field the balancer reads with the wrong type or range, or chat content it cannot
+  flatten (:func:`skymesh.tokens.chat_prompt`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from skymesh.balancer.errors import RequestError
-from skymesh.tokens import chat_prompt
+from skymesh.tokens import ChatContentError, chat_prompt
 
 MAX_TOKENS_LIMIT = 1 << 20
+DEFAULT_MAX_TOKENS = 16
+
+# a \uD800-\uDFFF escape in the raw bytes: only then can the parsed body hold a lone
+# surrogate, so only then is the (whole-body) check paid for
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass(slots=True)
@@ -27,52 +49,100 @@ class ParsedRequest:
     user: str | None
 
 
-def parse_body(raw: bytes, kind: str, model: str) -> ParsedRequest:
+class _NonFiniteNumber(ValueError):
+    pass
+
+
+def _reject_constant(token: str) -> NoReturn:
+    raise _NonFiniteNumber(token)
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise _NonFiniteNumber(literal)
+    return value
+
+
+def _bad(message: str, param: str | None = None) -> NoReturn:
+    raise RequestError(400, message, param)
+
+
+def load_json_body(raw: bytes) -> Any:
+    """The parsed body, or a 400 :class:`RequestError` saying why it cannot be read."""
     try:
-        body: Any = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _bad(f"request body is not valid UTF-8: {e}")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as e:
+        _bad(f"request body is not valid JSON: {e}")
+    except _NonFiniteNumber as e:
+        _bad(f"request body holds a number that is not finite ({e}): JSON numbers are finite")
+    except RecursionError:
+        _bad("request body is nested too deeply")
+    except ValueError as e:  # int() past sys.get_int_max_str_digits()
+        _bad(f"request body holds a number with too many digits: {e}")
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            _bad("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair)")
+    return body
+
+
+def _token_limit(body: dict[str, Any], field: str) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
+        _bad(f"'{field}' must be an integer between 1 and {MAX_TOKENS_LIMIT}", field)
+    return value
+
+
+def parse_body(raw: bytes, kind: str, model: str) -> ParsedRequest:
+    body = load_json_body(raw)
     if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
+        _bad("request body must be a JSON object")
     m = body.get("model")
     if m is None:
-        raise RequestError(400, "missing required field 'model'", "model")
+        _bad("missing required field 'model'", "model")
     if not isinstance(m, str):
-        raise RequestError(400, "'model' must be a string", "model")
+        _bad("'model' must be a string", "model")
     if m != model:
         raise RequestError(404, f"The model `{m}` does not exist.", "model")
     if kind == "chat":
         msgs = body.get("messages")
         if msgs is None:
-            raise RequestError(400, "missing required field 'messages'", "messages")
+            _bad("missing required field 'messages'", "messages")
         if not isinstance(msgs, list) or not msgs:
-            raise RequestError(400, "'messages' must be a non-empty list", "messages")
-        for i, msg in enumerate(msgs):
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-                raise RequestError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
-            c = msg.get("content")
-            if c is not None and not isinstance(c, (str, list)):
-                raise RequestError(400, f"messages[{i}].content must be a string or a list", "messages")
-        prompt = chat_prompt(msgs)
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+            _bad("'messages' must be a non-empty list", "messages")
+        try:
+            prompt = chat_prompt(msgs)
+        except ChatContentError as e:
+            _bad(str(e), e.param)
+        # vLLM reads max_completion_tokens first and max_tokens when it is null; both are
+        # validated, as vLLM validates both
+        completion_limit = _token_limit(body, "max_completion_tokens")
+        legacy_limit = _token_limit(body, "max_tokens")
+        limit = completion_limit if completion_limit is not None else legacy_limit
     else:
         p = body.get("prompt")
         if p is None:
-            raise RequestError(400, "missing required field 'prompt'", "prompt")
+            _bad("missing required field 'prompt'", "prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]
         if not isinstance(p, str):
-            raise RequestError(400, "'prompt' must be a string (or a list of one string)", "prompt")
+            _bad("'prompt' must be a string (or a list of one string)", "prompt")
         prompt = p
-        mt = body.get("max_tokens")
-    if mt is None:
-        mt = 16
-    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= MAX_TOKENS_LIMIT:
-        raise RequestError(400, "'max_tokens' must be a positive integer", "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(400, "'stream' must be a boolean", "stream")
+        limit = _token_limit(body, "max_tokens")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        _bad("'stream' must be a boolean", "stream")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise RequestError(400, "'user' must be a string", "user")
-    return ParsedRequest(kind=kind, prompt=prompt, model=m, max_tokens=mt, stream=stream, user=user)
+        _bad("'user' must be a string", "user")
+    return ParsedRequest(kind=kind, prompt=prompt, model=m,
+                         max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,
+                         stream=bool(stream), user=user)

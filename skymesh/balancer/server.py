@@ -258,7 +258,11 @@ class Balancer:
     # ------------------------------------------------------------------ lifecycle
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.policy.max_body_bytes)
+        # imported here: this method is the one place server.py wires the middleware in
+        from skymesh.balancer.middleware import make_error_middleware
+
+        app = web.Application(client_max_size=self.cfg.policy.max_body_bytes,
+                              middlewares=[make_error_middleware(self.metrics)])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)

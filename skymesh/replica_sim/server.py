@@ -25,7 +25,7 @@ from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hash
 from skymesh.replica_sim.metrics import ReplicaMetrics
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.supervise import SupervisedLoop
-from skymesh.tokens import chat_prompt, filler_tokens, split_tokens
+from skymesh.tokens import ChatContentError, chat_prompt, filler_tokens, split_tokens
 
 log = logging.getLogger("skymesh.replica_sim")
 
@@ -258,7 +258,10 @@ class ReplicaServer:
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
             ):
                 raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
-            tokens = split_tokens(chat_prompt(msgs))
+            try:
+                tokens = split_tokens(chat_prompt(msgs))
+            except ChatContentError as e:  # a content part vLLM would refuse too
+                raise ApiError(str(e), e.param) from None
             max_tokens = _int_param(body, "max_completion_tokens", None, 1)
             if max_tokens is None:
                 max_tokens = _int_param(body, "max_tokens", DEFAULT_MAX_TOKENS, 1)

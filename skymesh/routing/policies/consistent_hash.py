@@ -35,7 +35,9 @@ class ConsistentHashPolicy(BasePolicy):
     @staticmethod
     def key(req: RoutingRequest) -> int:
         if req.session_key:
-            return xxhash.xxh64_intdigest(req.session_key.encode())
+            # surrogatepass: aiohttp decodes header bytes that are not UTF-8 to lone
+            # surrogates (surrogateescape); such a session key must hash, not raise
+            return xxhash.xxh64_intdigest(req.session_key.encode("utf-8", "surrogatepass"))
         return req.chunk_hashes[0] if req.chunk_hashes else 0
 
     def choose(self, req: RoutingRequest, replicas: Mapping[str, ReplicaView], now: float) -> Decision:
