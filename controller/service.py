@@ -33,6 +33,14 @@ from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
+from skymesh.pki import (
+    ADMIN_IDENTITY,
+    Credentials,
+    balancer_identity,
+    load_credentials,
+    peer_identity,
+    require_credentials_off_loopback,
+)
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.supervise import SupervisedLoop
@@ -50,6 +58,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
     def __init__(self, cfg: MeshConfig, dns: DnsProvider | None = None) -> None:
         self.cfg = cfg
         self.dns = dns
+        # mesh identity: mTLS credentials (None: loopback-only, no TLS; refused off loopback)
+        self.creds: Credentials | None = load_credentials(cfg, "controller")
+        require_credentials_off_loopback(cfg.controller.listen.host, self.creds, "the controller")
         self.store = StateStore(cfg.controller.state_path)
         st = self.store.load()
         self.version: int = st["version"]
@@ -205,30 +216,55 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
     # ------------------------------------------------------------------ gRPC
 
+    async def _authorize_region(self, region: str, context: Any) -> None:
+        """A balancer may only speak for the region its certificate names (mesh identity);
+        without TLS (loopback-only local mode) every caller is trusted."""
+        if self.creds is None:
+            return
+        identity = peer_identity(context)
+        if identity != balancer_identity(region):
+            log.warning("rejected a call for another region's balancer",
+                        extra={"region": region, "identity": identity or "none"})
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"identity {identity or 'none'} may not act for region {region!r}")
+
     async def Register(self, request: Any, context: Any) -> Any:  # noqa: N802
         if request.region not in self.balancers:
             return mesh_pb2.RegisterReply(accepted=False, reason=f"unknown region {request.region!r}")
+        await self._authorize_region(request.region, context)
+        region_cfg = self.cfg.region(request.region)
+        # the addresses DNS and peers get come from the config, never from the caller
+        for field, configured in (("http_url", region_cfg.balancer.advertise_url),
+                                  ("grpc_address", str(region_cfg.balancer.grpc_advertise))):
+            claimed = getattr(request, field)
+            if claimed and claimed != configured:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{field} {claimed!r} is not the configured {configured!r} of {request.region}")
         b = self.balancers[request.region]
-        changed = (b["balancer_id"], b["epoch"]) != (request.balancer_id, request.epoch)
+        changed = b["balancer_id"] != request.balancer_id
         b["balancer_id"] = request.balancer_id
-        b["epoch"] = request.epoch
-        if request.http_url and request.http_url != b["http_url"]:
-            b["http_url"], changed = request.http_url, True
-        if request.grpc_address and request.grpc_address != b["grpc_address"]:
-            b["grpc_address"], changed = request.grpc_address, True
+        # the controller issues the epoch (monotonic per region, persisted before it is
+        # handed out); the caller's own request.epoch is ignored
+        epoch = int(b["epoch"] or 0) + 1
+        b["epoch"] = epoch
+        await asyncio.to_thread(self.store.save_epoch, request.region, epoch)
         was_alive = b["alive"]
-        await self._set_alive(request.region, True, f"registered (epoch {request.epoch})")
+        await self._set_alive(request.region, True, f"registered (epoch {epoch})")
         if changed and was_alive:
-            # a restarted balancer (new epoch) or a moved address: persist and push
-            await self._changed(f"{request.region} registered epoch {request.epoch}")
+            # a restarted balancer (new id): persist and push
+            await self._changed(f"{request.region} registered epoch {epoch}")
         log.info("balancer registered", extra={"region": request.region, "balancer_id": request.balancer_id,
-                                               "epoch": request.epoch, "version_reported": request.version})
-        return mesh_pb2.RegisterReply(accepted=True, topology=self.topology())
+                                               "epoch": epoch, "version_reported": request.version})
+        return mesh_pb2.RegisterReply(accepted=True, topology=self.topology(), epoch=epoch)
 
     async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
         b = self.balancers.get(request.region)
-        if b is None or request.epoch < (b["epoch"] or 0):
-            # unknown region, or a report from an older incarnation of the balancer
+        if b is None:
+            return mesh_pb2.ReportReply(topology_version=self.version)
+        await self._authorize_region(request.region, context)
+        if request.epoch < (b["epoch"] or 0):
+            # a report from an older registration of the balancer; an epoch larger than
+            # the issued one is not believed (and changes nothing)
             return mesh_pb2.ReportReply(topology_version=self.version)
         try:
             report = json.loads(request.admin_json) if request.admin_json else {}
@@ -238,8 +274,6 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             report = {}
         self.reports[request.region] = report
         self.last_reports[request.region] = request
-        if request.epoch > (b["epoch"] or 0):
-            b["epoch"] = request.epoch
         if request.balancer_id:
             b["balancer_id"] = request.balancer_id
         await self._set_alive(request.region, True, "report")
@@ -249,6 +283,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         return mesh_pb2.ReportReply(topology_version=self.version)
 
     async def WatchTopology(self, request: Any, context: Any) -> Any:  # noqa: N802
+        # a balancer watches as its own region; an admin (status tool) may watch too
+        if self.creds is not None and peer_identity(context) != ADMIN_IDENTITY:
+            await self._authorize_region(request.region, context)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._subscribers.add(q)
         try:
@@ -344,7 +381,11 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         mesh_pb2_grpc.add_ControllerServicer_to_server(self, self._grpc)
         g = self.cfg.controller.listen
         # the ports actually bound (the config's, or the kernel's pick for port 0)
-        self.bound_ports["grpc"] = self._grpc.add_insecure_port(f"{g.host}:{g.port}")
+        if self.creds is not None:
+            self.bound_ports["grpc"] = self._grpc.add_secure_port(f"{g.host}:{g.port}",
+                                                                  self.creds.server_credentials())
+        else:
+            self.bound_ports["grpc"] = self._grpc.add_insecure_port(f"{g.host}:{g.port}")
         await self._grpc.start()
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
         await self._runner.setup()

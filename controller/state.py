@@ -83,6 +83,16 @@ class StateStore:
                 db.execute("ROLLBACK")
                 raise
 
+    def save_epoch(self, region: str, epoch: int) -> None:
+        """The epoch issued to a region's latest registration: it must never repeat, even
+        across a controller restart."""
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO balancers(region, epoch, alive) VALUES (?, ?, 1)"
+                " ON CONFLICT(region) DO UPDATE SET epoch = excluded.epoch",
+                (region, epoch),
+            )
+
     def save_report(self, region: str, report: dict[str, Any], at_ms: int, proto: bytes = b"") -> None:
         """The latest report of a region: its admin JSON and (when given) the raw
         serialized BalancerReport, so GetStatus can answer after a restart."""

@@ -452,6 +452,28 @@ class DnsConfig(ConfigModel):
         return self
 
 
+class CertKeyFiles(ConfigModel):
+    """One component's PEM files (paths, relative to the working directory)."""
+
+    cert: Text
+    key: Text
+
+
+class TlsConfig(ConfigModel):
+    """Mesh identity: mTLS on every gRPC channel under one mesh CA (see skymesh/pki.py).
+
+    File paths only; each component reads its own files when it starts, so a host needs
+    only the CA certificate and its own key pair. ``skymesh up`` generates all of them.
+    """
+
+    ca_cert: Text
+    controller: CertKeyFiles
+    # region name -> its balancer's files (the certificate names that region)
+    balancers: dict[RegionName, CertKeyFiles]
+    # an operator's client certificate (status tools); optional
+    admin: CertKeyFiles | None = None
+
+
 class MeshConfig(ConfigModel):
     model: Text = "skymesh-sim"
     regions: Annotated[tuple[RegionConfig, ...], Field(min_length=1)]
@@ -467,6 +489,8 @@ class MeshConfig(ConfigModel):
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     peer_token: Text = "skymesh-local-peer-token"
     emulate_latency: Bool = True
+    # mTLS credentials of the gRPC mesh; None: gRPC only on loopback, without TLS
+    tls: TlsConfig | None = None
 
     # (a, b) with a < b -> one-way ms, built from `latencies` by the validator
     _latency_ms: dict[tuple[str, str], float] = PrivateAttr(default_factory=dict)
@@ -489,6 +513,18 @@ class MeshConfig(ConfigModel):
             raise ConfigError(
                 "dns.routing", f"failover routing needs exactly 2 regions, the config has {len(self.regions)}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tls_names_every_region(self) -> MeshConfig:
+        if self.tls is not None:
+            names = [r.name for r in self.regions]
+            for name in self.tls.balancers:
+                if name not in names:
+                    raise ConfigError(f"tls.balancers.{name}", f"unknown region {name!r}")
+            for name in names:
+                if name not in self.tls.balancers:
+                    raise ConfigError("tls.balancers", f"missing the certificate of region {name!r}")
         return self
 
     @property

@@ -26,6 +26,7 @@ import yaml
 
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.latency_proxy import DelayProxy, proxies_for
+from skymesh.pki import generate_mesh_pki
 from skymesh.procs import (
     Child,
     bind_problem,
@@ -50,6 +51,8 @@ class Mesh:
         self.config_path = Path(config_path)
         self.cfg: MeshConfig = load_config(config_path)
         self.state_dir = Path(state_dir)
+        if self.cfg.tls is None:
+            self.config_path, self.cfg = self._with_generated_identity()
         self.log_dir = self.state_dir / "logs"
         self.time_scale = time_scale
         self.health_timeout_s = health_timeout_s
@@ -72,6 +75,17 @@ class Mesh:
         path = state_dir / "mesh.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return cls(path, state_dir, time_scale, **kw)
+
+    def _with_generated_identity(self) -> tuple[Path, MeshConfig]:
+        """Mesh identity for a config without a ``tls`` section: a local CA and every
+        component's credentials under ``state_dir/pki`` (generated once, then reused),
+        named in a copy of the config that the children are started with."""
+        section = generate_mesh_pki(self.state_dir / "pki", [r.name for r in self.cfg.regions])
+        data = yaml.safe_load(self.config_path.read_text())
+        data["tls"] = section
+        path = self.state_dir / f"{self.config_path.stem}.identity.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path, load_config(path)
 
     # ------------------------------------------------------------------ checks
 

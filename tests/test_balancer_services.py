@@ -37,6 +37,7 @@ def fake_balancer(region: str, grpc_port: int, peers: dict[str, int]) -> Any:
         peers={r: SimpleNamespace(grpc_address=f"127.0.0.1:{p}") for r, p in peers.items()},
         cfg=SimpleNamespace(
             emulate_latency=False,
+            tls=None,  # loopback-only, no TLS: the mTLS paths are in test_mesh_identity
             offload=SimpleNamespace(heartbeat_interval_s=INTERVAL_S),
             policy=SimpleNamespace(probe_interval_s=INTERVAL_S),
             controller=SimpleNamespace(listen=f"127.0.0.1:{grpc_port}"),

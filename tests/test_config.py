@@ -225,7 +225,7 @@ def test_schema_command_prints_the_json_schema(with_file: bool, capsys: pytest.C
     assert schema["type"] == "object" and schema["additionalProperties"] is False
     assert set(schema["properties"]) == {
         "model", "regions", "latencies", "local_latency_ms", "controller", "dns", "policy", "offload",
-        "health", "upstream", "peer_token", "emulate_latency",
+        "health", "upstream", "peer_token", "emulate_latency", "tls",
     }
     assert set(schema["required"]) == {"regions", "controller", "dns"}
     policy = schema["$defs"]["PolicyConfig"]["properties"]

@@ -30,6 +30,7 @@ from controller.service import ControllerService
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig, parse_config
 from skymesh.dns.base import BalancerEndpoint
+from skymesh.pki import CONTROLLER_SERVER_NAME, generate_mesh_pki, load_credentials, secure_channel
 from skymesh.procs import Child, skymesh_cmd, wait_all_ready
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from tests.mesh_helpers import local_config_free_ports
@@ -51,9 +52,17 @@ def make_config(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     data["controller"]["state_path"] = str(tmp_path / "state" / "controller.sqlite")
     data["controller"]["probe_interval_s"] = 0.2
     data["controller"]["failure_threshold"] = 2
+    data["tls"] = generate_mesh_pki(tmp_path / "pki", [r["name"] for r in data["regions"]])
     path = tmp_path / "mesh.yaml"
     path.write_text(yaml.safe_dump(data))
     return data, path
+
+
+def channel_as(cfg: MeshConfig, component: str) -> grpc.aio.Channel:
+    """An mTLS channel to the controller as ``component`` (a region's balancer, "admin")."""
+    creds = load_credentials(cfg, component)
+    assert creds is not None
+    return secure_channel(str(cfg.controller.listen), creds, CONTROLLER_SERVER_NAME)
 
 
 class FakeBalancer:
@@ -131,8 +140,8 @@ async def resolve(cfg: MeshConfig, source: str) -> list[str]:
 class TopologyWatcher:
     """A WatchTopology client collecting every pushed Topology."""
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self, cfg: MeshConfig) -> None:
+        self.cfg = cfg
         self.seen: list[Any] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -140,7 +149,7 @@ class TopologyWatcher:
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        async with grpc.aio.insecure_channel(self.address) as ch:
+        async with channel_as(self.cfg, "admin") as ch:
             stub = mesh_pb2_grpc.ControllerStub(ch)
             async for topo in stub.WatchTopology(mesh_pb2.WatchRequest(region="test", balancer_id="watcher")):
                 self.seen.append(topo)
@@ -205,7 +214,7 @@ async def test_balancer_death_moves_replicas_and_dns_then_hands_back(
     cfg, path, fakes = mesh
     dns_proc = Child("dns", skymesh_cmd("dns", "--config", str(path)), tmp_path)
     ctl = start_controller(path, tmp_path)
-    watcher = TopologyWatcher(str(cfg.controller.listen))
+    watcher = TopologyWatcher(cfg)
     try:
         dns_proc.start()
         for f in fakes.values():
@@ -288,16 +297,17 @@ async def test_controller_restart_recovers_state_from_sqlite(
             return not alive_of(t)["eu-west-1"] and owners_of(t)["euw1-r0"] == ("us-east-1", "eu-west-1")
 
         await wait_until(eu_dead, "eu-west-1 declared dead and its replicas adopted")
-        async with grpc.aio.insecure_channel(str(cfg.controller.listen)) as ch:
+        async with channel_as(cfg, "us-east-1") as ch:
             stub = mesh_pb2_grpc.ControllerStub(ch)
             reg = await stub.Register(mesh_pb2.RegisterRequest(
                 region="us-east-1", balancer_id="use1-b", epoch=7,
                 http_url=cfg.region("us-east-1").balancer.advertise_url,
                 grpc_address=str(cfg.region("us-east-1").balancer.grpc_advertise), version="test",
             ), timeout=5)
-            assert reg.accepted and reg.topology.version > 0
+            # the controller issues the epoch (the caller's 7 is ignored)
+            assert reg.accepted and reg.topology.version > 0 and reg.epoch == 1
             await stub.Report(mesh_pb2.BalancerReport(
-                region="us-east-1", balancer_id="use1-b", epoch=7, queue_length=3, offloaded_out=11,
+                region="us-east-1", balancer_id="use1-b", epoch=reg.epoch, queue_length=3, offloaded_out=11,
                 replicas=[mesh_pb2.ReplicaReport(replica_id="use1-r0", url="http://x", healthy=True,
                                                  num_running=2, kv_cache_usage=0.5)],
                 admin_json=json.dumps({"queue_length": 3, "offloaded_out": 11}),
@@ -314,9 +324,9 @@ async def test_controller_restart_recovers_state_from_sqlite(
         assert alive_of(after)["eu-west-1"] is False
         status = await get_json(status_url)
         us = next(r for r in status["regions"] if r["region"] == "us-east-1")
-        assert us["balancer_id"] == "use1-b" and us["balancer_epoch"] == 7
+        assert us["balancer_id"] == "use1-b" and us["balancer_epoch"] == 1
         assert us["report"] == {"queue_length": 3, "offloaded_out": 11}
-        async with grpc.aio.insecure_channel(str(cfg.controller.listen)) as ch:
+        async with channel_as(cfg, "admin") as ch:
             st = await mesh_pb2_grpc.ControllerStub(ch).GetStatus(mesh_pb2.StatusRequest(), timeout=5)
         assert st.state_version >= after["version"]
         rs = {r.region: r for r in st.regions}
@@ -368,8 +378,9 @@ async def test_register_and_report_count_as_liveness(tmp_path: Path) -> None:
     await svc.start()
     reporter: asyncio.Task[None] | None = None
     try:
-        async with grpc.aio.insecure_channel(str(cfg.controller.listen)) as ch:
+        async with channel_as(cfg, "eu-west-1") as ch, channel_as(cfg, "us-east-1") as use1_ch:
             stub = mesh_pb2_grpc.ControllerStub(ch)
+            use1_stub = mesh_pb2_grpc.ControllerStub(use1_ch)
 
             async def none_alive() -> bool:
                 return not svc.alive_regions()
@@ -406,11 +417,11 @@ async def test_register_and_report_count_as_liveness(tmp_path: Path) -> None:
 
             await wait_until(dns_eu_only, "DNS told that eu-west-1 is healthy")
 
-            reg = await stub.Register(mesh_pb2.RegisterRequest(region="us-east-1", balancer_id="use1-b",
-                                                               epoch=5), timeout=5)
+            reg = await use1_stub.Register(mesh_pb2.RegisterRequest(region="us-east-1", balancer_id="use1-b",
+                                                                    epoch=5), timeout=5)
             assert reg.accepted and {b.region: b.alive for b in reg.topology.balancers}["us-east-1"]
-            # a report from an older incarnation (epoch 4 < 5) is ignored
-            await stub.Report(mesh_pb2.BalancerReport(region="us-east-1", epoch=4, queue_length=99,
+            # a report from an older registration (an epoch below the issued one) is ignored
+            await use1_stub.Report(mesh_pb2.BalancerReport(region="us-east-1", epoch=reg.epoch - 1, queue_length=99,
                                                       admin_json='{"stale": true}'), timeout=5)
             assert "us-east-1" not in svc.reports and "us-east-1" not in svc.last_reports
             st = await stub.GetStatus(mesh_pb2.StatusRequest(), timeout=5)

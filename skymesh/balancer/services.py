@@ -17,6 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from skymesh.pki import (
+    CONTROLLER_SERVER_NAME,
+    Credentials,
+    balancer_server_name,
+    load_credentials,
+    peer_identity,
+    region_of_identity,
+    require_credentials_off_loopback,
+    secure_channel,
+)
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.region import HeartbeatSnapshot
@@ -79,6 +89,11 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._subscribers: set[asyncio.Event] = set()
+        # mesh identity (None: loopback-only local mode without TLS)
+        self.creds: Credentials | None = load_credentials(b.cfg, b.region)
+        # heartbeats dropped because they claimed a region the stream is not authenticated
+        # as, by claimed region
+        self.rejected_heartbeats: dict[str, int] = {}
 
     # ------------------------------------------------------------------ what we send
 
@@ -123,7 +138,14 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
 
     # ------------------------------------------------------------------ what we receive
 
-    def receive(self, hb: Any) -> None:
+    def receive(self, hb: Any, stream_region: str | None = None) -> None:
+        """``stream_region``: the region the stream's peer authenticated as (None only
+        without TLS). A heartbeat claiming any other region is dropped and counted."""
+        if self.creds is not None and hb.region != stream_region:
+            self.rejected_heartbeats[hb.region] = self.rejected_heartbeats.get(hb.region, 0) + 1
+            log.warning("dropped a heartbeat claiming another region",
+                        extra={"claimed": hb.region, "authenticated": stream_region or "none"})
+            return
         if hb.region == self.b.region or hb.region not in self.b.peers:
             return
         cfg = self.b.cfg
@@ -159,9 +181,14 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     # ------------------------------------------------------------------ gRPC service
 
     async def Heartbeat(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        stream_region = region_of_identity(peer_identity(context))
+        if self.creds is not None and (stream_region is None or stream_region not in self.b.peers):
+            # the mesh CA signed it, but it is no peer balancer's certificate
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only peer balancers may send heartbeats")
+
         async def read() -> None:
             async for hb in request_iterator:
-                self.receive(hb)
+                self.receive(hb, stream_region)
 
         reader = asyncio.create_task(read())
         try:
@@ -179,12 +206,15 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             if peer is None:
                 return
             try:
-                async with grpc.aio.insecure_channel(peer.grpc_address) as channel:
+                # TLS verifies that whoever answers at the address holds region's key
+                channel = (grpc.aio.insecure_channel(peer.grpc_address) if self.creds is None
+                           else secure_channel(peer.grpc_address, self.creds, balancer_server_name(region)))
+                async with channel:
                     stub = mesh_pb2_grpc.MeshPeerStub(channel)
                     call = stub.Heartbeat(self._outgoing())
                     async for hb in call:
                         backoff = self.interval
-                        self.receive(hb)
+                        self.receive(hb, region)
             except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
                 # a peer that is down or restarting is routine; anything else is a bug and
                 # goes to the supervisor (logged, counted, redialled)
@@ -196,8 +226,12 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         server = grpc.aio.server()
         mesh_pb2_grpc.add_MeshPeerServicer_to_server(self, server)
         g = self.b.region_cfg.balancer.grpc_listen
+        require_credentials_off_loopback(g.host, self.creds, f"the {self.b.region} balancer")
         # the port actually bound (the config's, or the kernel's pick for port 0)
-        self.bound_port = server.add_insecure_port(f"{g.host}:{g.port}")
+        if self.creds is not None:
+            self.bound_port = server.add_secure_port(f"{g.host}:{g.port}", self.creds.server_credentials())
+        else:
+            self.bound_port = server.add_insecure_port(f"{g.host}:{g.port}")
         await server.start()
         self._server = server
         for region in self.b.peers:
@@ -230,6 +264,9 @@ class ControllerLink(SupervisedService):
         self.b = b
         self.report_interval_s = report_interval_s
         self._task: asyncio.Task[Any] | None = None
+        self.creds: Credentials | None = load_credentials(b.cfg, b.region)
+        # the epoch the controller issued to the current registration (0: none yet)
+        self.controller_epoch = 0
 
     async def start(self) -> None:
         self._task = self._supervised("controller-link", self._run, backoff_s=1.0, max_backoff_s=10.0)
@@ -255,9 +292,12 @@ class ControllerLink(SupervisedService):
 
     async def _follow(self, addr: str) -> None:
         """One connection: register, then report and follow the topology until it breaks."""
-        async with grpc.aio.insecure_channel(addr) as channel:
+        channel = (grpc.aio.insecure_channel(addr) if self.creds is None
+                   else secure_channel(addr, self.creds, CONTROLLER_SERVER_NAME))
+        async with channel:
             stub = mesh_pb2_grpc.ControllerStub(channel)
             reply = await stub.Register(self._register_request(), timeout=3.0)
+            self.controller_epoch = reply.epoch
             self.b.controller_connected = True
             if reply.HasField("topology"):
                 self.apply_topology(reply.topology)
@@ -311,7 +351,8 @@ class ControllerLink(SupervisedService):
         return mesh_pb2.BalancerReport(
             region=b.region,
             balancer_id=b.balancer_id,
-            epoch=b.epoch,
+            # the controller's epoch for this registration (it ignores any other)
+            epoch=self.controller_epoch,
             queue_length=status["queue_length"],
             offloaded_out=status["offloaded_out"],
             offloaded_in=status["offloaded_in"],

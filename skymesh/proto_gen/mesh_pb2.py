@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15skymesh/v1/mesh.proto\x12\nskymesh.v1\"\x8e\x02\n\rPeerHeartbeat\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x16\n\x0ereplicas_total\x18\x05 \x01(\r\x12\x1a\n\x12replicas_available\x18\x06 \x01(\r\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x14\n\x0csent_unix_ms\x18\n \x01(\x03\x12\x15\n\roffloaded_out\x18\x0b \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x0c \x01(\x04\"I\n\x11ReplicaAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\"\xa1\x01\n\x12\x42\x61lancerAssignment\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12/\n\x08replicas\x18\x06 \x03(\x0b\x32\x1d.skymesh.v1.ReplicaAssignment\"^\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x31\n\tbalancers\x18\x03 \x03(\x0b\x32\x1e.skymesh.v1.BalancerAssignment\"~\n\x0fRegisterRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\"Y\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x08topology\x18\x03 \x01(\x0b\x32\x14.skymesh.v1.Topology\"\xac\x01\n\rReplicaReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x14\n\x0cowner_region\x18\x08 \x01(\t\"\xe2\x01\n\x0e\x42\x61lancerReport\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x15\n\roffloaded_out\x18\x05 \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x06 \x01(\x04\x12\x18\n\x10prefix_hit_ratio\x18\x07 \x01(\x01\x12+\n\x08replicas\x18\x08 \x03(\x0b\x32\x19.skymesh.v1.ReplicaReport\x12\x12\n\nadmin_json\x18\t \x01(\t\"\'\n\x0bReportReply\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"3\n\x0cWatchRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\x97\x01\n\x0cRegionStatus\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61lancer_alive\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61lancer_id\x18\x03 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x04 \x01(\x03\x12/\n\x0blast_report\x18\x05 \x01(\x0b\x32\x1a.skymesh.v1.BalancerReport\"\x9a\x01\n\nMeshStatus\x12&\n\x08topology\x18\x01 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.skymesh.v1.RegionStatus\x12\"\n\x1a\x63ontroller_started_unix_ms\x18\x03 \x01(\x03\x12\x15\n\rstate_version\x18\x04 \x01(\x04\x32Q\n\x08MeshPeer\x12\x45\n\tHeartbeat\x12\x19.skymesh.v1.PeerHeartbeat\x1a\x19.skymesh.v1.PeerHeartbeat(\x01\x30\x01\x32\x92\x02\n\nController\x12\x42\n\x08Register\x12\x1b.skymesh.v1.RegisterRequest\x1a\x19.skymesh.v1.RegisterReply\x12=\n\x06Report\x12\x1a.skymesh.v1.BalancerReport\x1a\x17.skymesh.v1.ReportReply\x12\x41\n\rWatchTopology\x12\x18.skymesh.v1.WatchRequest\x1a\x14.skymesh.v1.Topology0\x01\x12>\n\tGetStatus\x12\x19.skymesh.v1.StatusRequest\x1a\x16.skymesh.v1.MeshStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15skymesh/v1/mesh.proto\x12\nskymesh.v1\"\x8e\x02\n\rPeerHeartbeat\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x16\n\x0ereplicas_total\x18\x05 \x01(\r\x12\x1a\n\x12replicas_available\x18\x06 \x01(\r\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x14\n\x0csent_unix_ms\x18\n \x01(\x03\x12\x15\n\roffloaded_out\x18\x0b \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x0c \x01(\x04\"I\n\x11ReplicaAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\"\xa1\x01\n\x12\x42\x61lancerAssignment\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12/\n\x08replicas\x18\x06 \x03(\x0b\x32\x1d.skymesh.v1.ReplicaAssignment\"^\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x31\n\tbalancers\x18\x03 \x03(\x0b\x32\x1e.skymesh.v1.BalancerAssignment\"~\n\x0fRegisterRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\"h\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x08topology\x18\x03 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xac\x01\n\rReplicaReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x14\n\x0cowner_region\x18\x08 \x01(\t\"\xe2\x01\n\x0e\x42\x61lancerReport\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x15\n\roffloaded_out\x18\x05 \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x06 \x01(\x04\x12\x18\n\x10prefix_hit_ratio\x18\x07 \x01(\x01\x12+\n\x08replicas\x18\x08 \x03(\x0b\x32\x19.skymesh.v1.ReplicaReport\x12\x12\n\nadmin_json\x18\t \x01(\t\"\'\n\x0bReportReply\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"3\n\x0cWatchRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\x97\x01\n\x0cRegionStatus\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61lancer_alive\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61lancer_id\x18\x03 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x04 \x01(\x03\x12/\n\x0blast_report\x18\x05 \x01(\x0b\x32\x1a.skymesh.v1.BalancerReport\"\x9a\x01\n\nMeshStatus\x12&\n\x08topology\x18\x01 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.skymesh.v1.RegionStatus\x12\"\n\x1a\x63ontroller_started_unix_ms\x18\x03 \x01(\x03\x12\x15\n\rstate_version\x18\x04 \x01(\x04\x32Q\n\x08MeshPeer\x12\x45\n\tHeartbeat\x12\x19.skymesh.v1.PeerHeartbeat\x1a\x19.skymesh.v1.PeerHeartbeat(\x01\x30\x01\x32\x92\x02\n\nController\x12\x42\n\x08Register\x12\x1b.skymesh.v1.RegisterRequest\x1a\x19.skymesh.v1.RegisterReply\x12=\n\x06Report\x12\x1a.skymesh.v1.BalancerReport\x1a\x17.skymesh.v1.ReportReply\x12\x41\n\rWatchTopology\x12\x18.skymesh.v1.WatchRequest\x1a\x14.skymesh.v1.Topology0\x01\x12>\n\tGetStatus\x12\x19.skymesh.v1.StatusRequest\x1a\x16.skymesh.v1.MeshStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=645
   _globals['_REGISTERREQUEST']._serialized_end=771
   _globals['_REGISTERREPLY']._serialized_start=773
-  _globals['_REGISTERREPLY']._serialized_end=862
-  _globals['_REPLICAREPORT']._serialized_start=865
-  _globals['_REPLICAREPORT']._serialized_end=1037
-  _globals['_BALANCERREPORT']._serialized_start=1040
-  _globals['_BALANCERREPORT']._serialized_end=1266
-  _globals['_REPORTREPLY']._serialized_start=1268
-  _globals['_REPORTREPLY']._serialized_end=1307
-  _globals['_WATCHREQUEST']._serialized_start=1309
-  _globals['_WATCHREQUEST']._serialized_end=1360
-  _globals['_STATUSREQUEST']._serialized_start=1362
-  _globals['_STATUSREQUEST']._serialized_end=1377
-  _globals['_REGIONSTATUS']._serialized_start=1380
-  _globals['_REGIONSTATUS']._serialized_end=1531
-  _globals['_MESHSTATUS']._serialized_start=1534
-  _globals['_MESHSTATUS']._serialized_end=1688
-  _globals['_MESHPEER']._serialized_start=1690
-  _globals['_MESHPEER']._serialized_end=1771
-  _globals['_CONTROLLER']._serialized_start=1774
-  _globals['_CONTROLLER']._serialized_end=2048
+  _globals['_REGISTERREPLY']._serialized_end=877
+  _globals['_REPLICAREPORT']._serialized_start=880
+  _globals['_REPLICAREPORT']._serialized_end=1052
+  _globals['_BALANCERREPORT']._serialized_start=1055
+  _globals['_BALANCERREPORT']._serialized_end=1281
+  _globals['_REPORTREPLY']._serialized_start=1283
+  _globals['_REPORTREPLY']._serialized_end=1322
+  _globals['_WATCHREQUEST']._serialized_start=1324
+  _globals['_WATCHREQUEST']._serialized_end=1375
+  _globals['_STATUSREQUEST']._serialized_start=1377
+  _globals['_STATUSREQUEST']._serialized_end=1392
+  _globals['_REGIONSTATUS']._serialized_start=1395
+  _globals['_REGIONSTATUS']._serialized_end=1546
+  _globals['_MESHSTATUS']._serialized_start=1549
+  _globals['_MESHSTATUS']._serialized_end=1703
+  _globals['_MESHPEER']._serialized_start=1705
+  _globals['_MESHPEER']._serialized_end=1786
+  _globals['_CONTROLLER']._serialized_start=1789
+  _globals['_CONTROLLER']._serialized_end=2063
 # @@protoc_insertion_point(module_scope)
