@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
 import os
@@ -32,7 +33,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from skymesh.admin_auth import resolve_admin_token
 from skymesh.balancer.errors import RequestError, error_response
+from skymesh.balancer.gate import ClientGate, server_options
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
@@ -210,6 +213,13 @@ class Balancer:
         self._stopping = False
         self.extra_services: list[Any] = []  # peer mesh / controller link (started by main)
         self._own_loop_restarts: dict[str, int] = {}
+        # trust: client keys and limits, the admin token, slow-client bounds (gate.py)
+        self.gate = ClientGate(
+            cfg, resolve_admin_token(cfg), TOKEN_HEADER, HOP_HEADER,
+            on_reject=lambda status: self.metrics.rejections.labels(str(status)).inc(),
+        )
+        # a peer-supplied origin becomes a metrics label only if it names a configured region
+        self._region_names = frozenset(r.name for r in cfg.regions)
 
     # ------------------------------------------------------------------ membership
 
@@ -255,7 +265,7 @@ class Balancer:
     # ------------------------------------------------------------------ lifecycle
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.policy.max_body_bytes)
+        app = web.Application(client_max_size=self.cfg.policy.max_body_bytes, middlewares=[self.gate.middleware])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -275,7 +285,8 @@ class Balancer:
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
         # handler_cancellation: a client that goes away frees its queue slot or replica at once
         self._runner = web.AppRunner(
-            self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True
+            self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True,
+            **server_options(self.cfg),
         )
         await self._runner.setup()
         site = web.TCPSite(
@@ -463,7 +474,10 @@ class Balancer:
                     413, f"request body exceeds {self.cfg.policy.max_body_bytes} bytes"
                 ) from None
             forwarded = HOP_HEADER in request.headers
-            if forwarded and request.headers.get(TOKEN_HEADER) != self.cfg.peer_token:
+            # constant time: a timing difference must not spell out the token
+            if forwarded and not hmac.compare_digest(
+                request.headers.get(TOKEN_HEADER, "").encode(), self.cfg.peer_token.encode()
+            ):
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
         except RequestError as e:
@@ -479,8 +493,11 @@ class Balancer:
             session_key=request.headers.get("X-Session-ID") or parsed.user,
             forwarded=forwarded,
         )
+        if (limited := self.gate.charge_prompt(request, req.prompt_tokens, now)) is not None:
+            return limited
         if forwarded:
-            self.metrics.offloaded.labels("in", request.headers.get(ORIGIN_HEADER, "unknown")).inc()
+            origin = request.headers.get(ORIGIN_HEADER, "")
+            self.metrics.offloaded.labels("in", origin if origin in self._region_names else "unknown").inc()
         waiter = self.waiters[req.request_id] = _Waiter()
         try:
             for action in self.core.submit(req, now):
