@@ -24,6 +24,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from skymesh.admin_auth import admin_headers  # noqa: E402
 from skymesh.balancer.prober import probe_replica  # noqa: E402
 from skymesh.up import Mesh  # noqa: E402
 from tests.mesh_helpers import local_config_free_ports  # noqa: E402
@@ -68,7 +69,7 @@ async def trial(mesh: Mesh, s: aiohttp.ClientSession) -> dict[str, float]:
         for name, url in peers.items():
             if name in seen:
                 continue
-            async with s.get(url + "/admin/status") as r:
+            async with s.get(url + "/admin/status", headers=admin_headers(mesh.admin_token)) as r:
                 st = await r.json()
             p = st["peers"].get("us-east-1")
             if t_full is not None and p and p["replicas_available"] == 0:

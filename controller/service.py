@@ -31,6 +31,7 @@ from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
 from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
+from skymesh.admin_auth import admin_middleware, resolve_admin_token
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.pki import (
@@ -344,7 +345,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         }
 
     def make_app(self) -> web.Application:
-        app = web.Application()
+        # the status/topology API and /metrics need the admin token (/health stays open)
+        app = web.Application(middlewares=[admin_middleware(resolve_admin_token(self.cfg), ("/v1/",), self.cfg)])
 
         async def health(_: web.Request) -> web.Response:
             return web.Response(text="ok")

@@ -474,6 +474,86 @@ class TlsConfig(ConfigModel):
     admin: CertKeyFiles | None = None
 
 
+# ----------------------------------------------------------------------------- trust: clients, admin
+
+
+SHA256_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+ENV_VAR_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+Sha256Hex = Annotated[
+    Text,
+    AfterValidator(_matching(SHA256_HEX_RE, "a lowercase hex SHA-256 digest (64 characters)")),
+    Field(json_schema_extra={"pattern": SHA256_HEX_RE.pattern}),
+]
+EnvVarName = Annotated[
+    Text,
+    AfterValidator(_matching(ENV_VAR_RE, "an environment variable name")),
+    Field(json_schema_extra={"pattern": ENV_VAR_RE.pattern}),
+]
+
+
+class ClientLimits(ConfigModel):
+    """Token-bucket limits of one API key; None: unlimited."""
+
+    requests_per_second: Annotated[Float, Field(gt=0, le=1_000_000)] | None = None
+    # bucket size for requests (default: max(1, requests_per_second))
+    request_burst: Annotated[Int, Field(ge=1, le=1_000_000)] | None = None
+    # prompt tokens (the documented tokenizer contract) per minute; the bucket holds one minute
+    prompt_tokens_per_minute: Annotated[Int, Field(ge=1)] | None = None
+
+
+class ClientKeyConfig(ConfigModel):
+    """One client API key, stored as the SHA-256 hex digest of the key (never the key)."""
+
+    name: Text
+    sha256: Sha256Hex
+    # None: client_auth.default_limits
+    limits: ClientLimits | None = None
+
+
+class ClientAuthConfig(ConfigModel):
+    """Client API keys for /v1/*. With no key from any source the API is open (local use)."""
+
+    keys: tuple[ClientKeyConfig, ...] = ()
+    # plaintext keys, one per line ("name:key" or "key"; '#' starts a comment)
+    keys_file: Text | None = None
+    # an environment variable holding plaintext keys, comma-separated ("name:key" or "key")
+    keys_env: EnvVarName | None = "SKYMESH_API_KEYS"
+    # limits of keys from keys_file / keys_env and of YAML keys without their own
+    default_limits: ClientLimits = Field(default_factory=ClientLimits)
+
+    @model_validator(mode="after")
+    def _unique(self) -> ClientAuthConfig:
+        names: dict[str, int] = {}
+        digests: dict[str, int] = {}
+        for i, key in enumerate(self.keys):
+            if key.name in names:
+                raise ConfigError(f"keys[{i}].name", f"duplicate key name {key.name!r} (also keys[{names[key.name]}])")
+            if key.sha256 in digests:
+                raise ConfigError(f"keys[{i}].sha256", f"the same key as keys[{digests[key.sha256]}]")
+            names[key.name] = digests[key.sha256] = i
+        return self
+
+
+class AdminConfig(ConfigModel):
+    """The admin credential (a bearer token) of /admin/*, the controller's HTTP API and
+    the DNS control API. Looked up in order: the env var, the file, then (local mode)
+    ``<state dir>/admin-token`` that ``skymesh up`` creates. No token: those answer 401."""
+
+    token_env: EnvVarName = "SKYMESH_ADMIN_TOKEN"
+    token_file: Text | None = None
+    # /metrics: "loopback" (open to loopback clients, token otherwise), "token", "open"
+    metrics_access: Literal["loopback", "token", "open"] = "loopback"
+
+
+class ClientTimeoutsConfig(ConfigModel):
+    """Bounds on slow clients (slowloris) at the balancer's HTTP server."""
+
+    # from connect (or the end of the previous response) to a complete request head
+    header_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 10.0
+    # from the request head to the whole body
+    body_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 30.0
+
+
 class MeshConfig(ConfigModel):
     model: Text = "skymesh-sim"
     regions: Annotated[tuple[RegionConfig, ...], Field(min_length=1)]
@@ -488,6 +568,9 @@ class MeshConfig(ConfigModel):
     health: HealthConfig = Field(default_factory=HealthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     peer_token: Text = "skymesh-local-peer-token"
+    client_auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    client_timeouts: ClientTimeoutsConfig = Field(default_factory=ClientTimeoutsConfig)
     emulate_latency: Bool = True
     # mTLS credentials of the gRPC mesh; None: gRPC only on loopback, without TLS
     tls: TlsConfig | None = None

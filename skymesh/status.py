@@ -13,20 +13,24 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from skymesh.admin_auth import DEFAULT_STATE_DIR, admin_headers, resolve_admin_token
 from skymesh.config import ConfigError, HostPort, MeshConfig, RegionConfig, load_config
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
-async def _get_json(s: aiohttp.ClientSession, url: str) -> Any | None:
+async def _get_json(s: aiohttp.ClientSession, url: str, refused: list[str] | None = None) -> Any | None:
     try:
         async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
             if r.status == 200:
                 return await r.json()
+            if r.status == 401 and refused is not None:
+                refused.append(url)  # it answered, but not to our (missing or wrong) admin token
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
         pass
     return None
@@ -63,11 +67,15 @@ def _from_balancer(r: RegionConfig, rep: dict[str, Any] | None) -> dict[str, Any
     }
 
 
-async def collect(cfg: MeshConfig) -> dict[str, Any]:
+async def collect(cfg: MeshConfig, admin_token: str | None = None,
+                  state_dir: Path | None = DEFAULT_STATE_DIR) -> dict[str, Any]:
     """The mesh status: the controller's view (source "controller"), or each balancer's
-    (source "balancers") when the controller does not answer."""
-    async with aiohttp.ClientSession() as s:
-        status = await _get_json(s, controller_url(cfg) + "/v1/status")
+    (source "balancers") when the controller does not answer. ``admin_token``: default
+    from the config, the env or the local state dir (:mod:`skymesh.admin_auth`)."""
+    token = admin_token or resolve_admin_token(cfg, state_dir)
+    refused: list[str] = []
+    async with aiohttp.ClientSession(headers=admin_headers(token)) as s:
+        status = await _get_json(s, controller_url(cfg) + "/v1/status", refused)
         if isinstance(status, dict) and isinstance(status.get("regions"), list):
             # an alive balancer whose report has not reached the controller yet: ask it
             by_name = {r.name: r for r in cfg.regions}
@@ -80,11 +88,11 @@ async def collect(cfg: MeshConfig) -> dict[str, Any]:
                     x["report_source"] = "balancer"
             status.setdefault("source", "controller")
             return status
-        reports = await asyncio.gather(*(_get_json(s, balancer_admin_url(r)) for r in cfg.regions))
+        reports = await asyncio.gather(*(_get_json(s, balancer_admin_url(r), refused) for r in cfg.regions))
     regions = [_from_balancer(r, rep if isinstance(rep, dict) else None)
                for r, rep in zip(cfg.regions, reports, strict=True)]
     return {"source": "balancers", "controller": None, "controller_url": controller_url(cfg),
-            "policy": cfg.policy.name, "regions": regions}
+            "policy": cfg.policy.name, "regions": regions, "unauthorized": refused}
 
 
 def nothing_running(status: dict[str, Any]) -> bool:
@@ -196,9 +204,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR),
+                   help="where `skymesh up` keeps the local admin token (default .skymesh/run)")
 
 
-def _nothing_message(cfg: MeshConfig) -> str:
+def _nothing_message(cfg: MeshConfig, status: dict[str, Any] | None = None) -> str:
+    if status and status.get("unauthorized"):
+        return ("the mesh refused the admin token (401 from " + ", ".join(status["unauthorized"])
+                + f"): set {cfg.admin.token_env}, admin.token_file, or --state-dir where `skymesh up` runs")
     return ("nothing is running: no controller at "
             f"{controller_url(cfg)} and no balancer answered at "
             + ", ".join(balancer_admin_url(r).removesuffix("/admin/status") for r in cfg.regions)
@@ -206,12 +219,12 @@ def _nothing_message(cfg: MeshConfig) -> str:
 
 
 def _once(cfg: MeshConfig, args: argparse.Namespace) -> int:
-    status = asyncio.run(collect(cfg))
+    status = asyncio.run(collect(cfg, state_dir=Path(args.state_dir)))
     clear = "\x1b[2J\x1b[H" if args.watch is not None and not args.json and sys.stdout.isatty() else ""
     if nothing_running(status):
         if clear:
             print(clear, end="")
-        print(_nothing_message(cfg), file=sys.stderr, flush=True)
+        print(_nothing_message(cfg, status), file=sys.stderr, flush=True)
         return 1
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True), flush=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from skymesh.admin_auth import ensure_local_token, resolve_admin_token
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.latency_proxy import DelayProxy, proxies_for
 from skymesh.pki import generate_mesh_pki
@@ -66,6 +67,11 @@ class Mesh:
         # real (url) replicas that did not answer /health at start: the mesh still runs,
         # the balancers keep probing them
         self.unhealthy_external: list[str] = []
+        # the admin token of this mesh: the operator's (env / admin.token_file), else one
+        # generated once in the state dir; the children get it in their environment and
+        # `skymesh status --state-dir` reads the same file
+        self.admin_token = resolve_admin_token(self.cfg, state_dir=None) or ensure_local_token(self.state_dir)
+        self.child_env = {self.cfg.admin.token_env: self.admin_token}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], state_dir: Path, time_scale: float | None = None,
@@ -138,7 +144,7 @@ class Mesh:
         ts = self.time_scale if self.time_scale is not None else rep.sim.time_scale
         return Child(f"replica-{rid}", skymesh_cmd(
             "replica-sim", "--host", rep.sim.host, "--port", str(rep.sim.port), "--profile", rep.sim.profile,
-            "--time-scale", str(ts), "--model", self.cfg.model), self.log_dir)
+            "--time-scale", str(ts), "--model", self.cfg.model), self.log_dir, env=self.child_env)
 
     def _region_of_replica(self, rid: str) -> RegionConfig:
         for r in self.cfg.regions:
@@ -247,7 +253,8 @@ class Mesh:
             return
         if self.dns is not None and self.dns.running():
             raise MeshStartError(f"the DNS server is already running (pid {self.dns.pid})")
-        self.dns = Child("dns", skymesh_cmd("dns", "--config", str(self.config_path)), self.log_dir)
+        self.dns = Child("dns", skymesh_cmd("dns", "--config", str(self.config_path)), self.log_dir,
+                         env=self.child_env)
         self.dns.start()
         await self.dns.wait_ready(within_s=self.health_timeout_s)
 
@@ -259,7 +266,7 @@ class Mesh:
         if self.controller is not None and self.controller.running():
             raise MeshStartError(f"the controller is already running (pid {self.controller.pid})")
         self.controller = Child("controller", skymesh_cmd("controller", "--config", str(self.config_path)),
-                                self.log_dir)
+                                self.log_dir, env=self.child_env)
         self.controller.start()
         await self.controller.wait_ready(within_s=self.health_timeout_s)
 
@@ -272,7 +279,7 @@ class Mesh:
         if old is not None and old.running():
             raise MeshStartError(f"the {region} balancer is already running (pid {old.pid})")
         child = Child(f"balancer-{region}", skymesh_cmd(
-            "balancer", "--config", str(self.config_path), "--region", region), self.log_dir)
+            "balancer", "--config", str(self.config_path), "--region", region), self.log_dir, env=self.child_env)
         child.start()
         self.balancers[region] = child
         await child.wait_ready(within_s=self.health_timeout_s)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from moto.server import ThreadedMotoServer
+
+# The admin surfaces (/admin/*, the controller's API, the DNS control GET) need a token:
+# every daemon a test starts, in process or as a child, reads this one from the env, and
+# the tests send it (tests.mesh_helpers.ADMIN_HEADERS).
+os.environ.setdefault("SKYMESH_ADMIN_TOKEN", "skymesh-test-admin-token")
 
 
 @pytest.fixture

@@ -5,12 +5,19 @@ Processes and ports come from :mod:`skymesh.procs` (``Child``, ``free_port``,
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from skymesh.admin_auth import admin_headers
 from skymesh.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def admin_auth() -> dict[str, str]:
+    """The admin token header for the daemons tests start (the token is set in conftest)."""
+    return admin_headers(os.environ.get("SKYMESH_ADMIN_TOKEN"))
 
 
 def one_region_config(replica_urls: dict[str, str], balancer_port: int, grpc_port: int,

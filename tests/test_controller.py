@@ -33,7 +33,7 @@ from skymesh.dns.base import BalancerEndpoint
 from skymesh.pki import CONTROLLER_SERVER_NAME, generate_mesh_pki, load_credentials, secure_channel
 from skymesh.procs import Child, skymesh_cmd, wait_all_ready
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from tests.mesh_helpers import local_config_free_ports
+from tests.mesh_helpers import admin_auth, local_config_free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,7 +102,7 @@ async def wait_until(pred: Callable[[], Awaitable[bool]], what: str, within_s: f
 
 
 async def get_json(url: str) -> Any:
-    async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
+    async with aiohttp.ClientSession(headers=admin_auth()) as s, s.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
         r.raise_for_status()
         return await r.json()
 

@@ -17,7 +17,7 @@ import pytest
 
 from skymesh.config import parse_config
 from skymesh.dns.embedded import EmbeddedDnsProvider, MeshDnsServer
-from tests.mesh_helpers import local_config_free_ports
+from tests.mesh_helpers import admin_auth, local_config_free_ports
 
 NAME = "llm.skymesh.local"
 
@@ -164,7 +164,7 @@ async def test_malformed_tcp_frames_and_bad_control_bodies_are_harmless(server: 
         for body in (b"not json", b'{"a": 1}', b'[{"region": "x"}]', b"[1, 2]"):
             async with s.put(url, data=body, headers=auth) as r:
                 assert r.status == 400
-        async with s.get(url) as r:
+        async with s.get(url, headers=admin_auth()) as r:
             assert {e["region"] for e in await r.json()} == {r.name for r in server.cfg.regions}
     for tcp in (False, True):
         assert a_records(await query(server, NAME, source="127.1.0.5", tcp=tcp)) == [balancer_ip(server, "us-east-1")]

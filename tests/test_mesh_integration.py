@@ -16,7 +16,7 @@ import dns.query
 import pytest
 
 from skymesh.up import Mesh
-from tests.mesh_helpers import local_config_free_ports
+from tests.mesh_helpers import admin_auth, local_config_free_ports
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -49,7 +49,7 @@ async def running_mesh(tmp_path: Path, **kw: Any) -> AsyncIterator[Mesh]:
 async def admin(mesh: Mesh, region: str) -> dict[str, Any] | None:
     url = mesh.cfg.region(region).balancer.listen.http_url + "/admin/status"
     with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+        async with aiohttp.ClientSession(headers=admin_auth()) as s, s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
             return await r.json()
     return None
 
@@ -148,7 +148,7 @@ async def test_saturated_regions_offload_within_rules_once_and_lose_nothing(tmp_
 async def controller_topology(mesh: Mesh) -> dict[str, Any] | None:
     url = mesh.cfg.controller.http_listen.http_url + "/v1/topology"
     with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+        async with aiohttp.ClientSession(headers=admin_auth()) as s, s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
             return await r.json()
     return None
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
 import os
@@ -32,7 +33,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from skymesh.admin_auth import resolve_admin_token
 from skymesh.balancer.errors import RequestError, error_response
+from skymesh.balancer.gate import ClientGate, server_options
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
@@ -212,6 +215,13 @@ class Balancer:
         self.extra_services: list[Any] = []  # peer mesh / controller link (started by main)
         self._own_loop_restarts: dict[str, int] = {}
         self._drained = asyncio.Event()  # set when stopping and the last request ended
+        # trust: client keys and limits, the admin token, slow-client bounds (gate.py)
+        self.gate = ClientGate(
+            cfg, resolve_admin_token(cfg), TOKEN_HEADER, HOP_HEADER,
+            on_reject=lambda status: self.metrics.rejections.labels(str(status)).inc(),
+        )
+        # a peer-supplied origin becomes a metrics label only if it names a configured region
+        self._region_names = frozenset(r.name for r in cfg.regions)
 
     # ------------------------------------------------------------------ membership
 
@@ -262,7 +272,7 @@ class Balancer:
         from skymesh.balancer.middleware import make_error_middleware
 
         app = web.Application(client_max_size=self.cfg.policy.max_body_bytes,
-                              middlewares=[make_error_middleware(self.metrics)])
+                              middlewares=[make_error_middleware(self.metrics), self.gate.middleware])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -282,7 +292,8 @@ class Balancer:
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
         # handler_cancellation: a client that goes away frees its queue slot or replica at once
         self._runner = web.AppRunner(
-            self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True
+            self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True,
+            **server_options(self.cfg),
         )
         await self._runner.setup()
         site = web.TCPSite(
@@ -479,7 +490,10 @@ class Balancer:
                     413, f"request body exceeds {self.cfg.policy.max_body_bytes} bytes"
                 ) from None
             forwarded = HOP_HEADER in request.headers
-            if forwarded and request.headers.get(TOKEN_HEADER) != self.cfg.peer_token:
+            # constant time: a timing difference must not spell out the token
+            if forwarded and not hmac.compare_digest(
+                request.headers.get(TOKEN_HEADER, "").encode(), self.cfg.peer_token.encode()
+            ):
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
             origin = self._origin_of(request, forwarded)
@@ -497,6 +511,8 @@ class Balancer:
             forwarded=forwarded,
             origin_region=origin,
         )
+        if (limited := self.gate.charge_prompt(request, req.prompt_tokens, now)) is not None:
+            return limited
         if forwarded:
             # the origin was checked against the configured regions: a bounded label
             self.metrics.offloaded.labels("in", origin or "unknown").inc()

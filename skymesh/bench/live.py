@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -79,6 +81,8 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
         return None
     children: list[Child] = []
     slo = args.slo * args.time_scale
+    # the balancer child inherits it; the load sampler sends it to /admin/status
+    os.environ.setdefault("SKYMESH_ADMIN_TOKEN", secrets.token_urlsafe(32))
     try:
         reps, urls = await start_sim_replicas(args.replicas, args.profile, args.time_scale, tmp,
                                               f"{system}-replica")

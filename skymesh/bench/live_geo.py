@@ -112,7 +112,8 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
         entry = {r.name: r.balancer.advertise_url for r in mesh.cfg.regions}
         source = client_sources(mesh.cfg.regions)
         status = [r.balancer.listen.http_url + "/admin/status" for r in mesh.cfg.regions]
-        async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale) as sampler:
+        async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale,
+                               admin_token=mesh.admin_token) as sampler:
             results = await replay(trace, lambda r: entry[r.region], args.timeout_s, on_done=on_done,
                                    source_for=lambda r: source[r.region])
         hit = await prefix_hit_rate([rep.url for r in mesh.cfg.regions for rep in r.replicas])

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from skymesh.admin_auth import admin_headers
 from skymesh.bench.traces import TraceRequest
 from skymesh.prom import parse_samples
 from skymesh.tokens import trace_prompt
@@ -159,8 +161,11 @@ class LoadSampler:
 
     ``samples``: (trace seconds since start, {replica id: pending prefill tokens})."""
 
-    def __init__(self, status_urls: Sequence[str], every_s: float, time_scale: float = 1.0) -> None:
+    def __init__(self, status_urls: Sequence[str], every_s: float, time_scale: float = 1.0,
+                 admin_token: str | None = None) -> None:
         self.status_urls = list(status_urls)
+        # /admin/status needs the admin token (default: the environment's)
+        self.admin_token = admin_token or os.environ.get("SKYMESH_ADMIN_TOKEN")
         self.every_s = every_s
         self.time_scale = time_scale
         self.samples: list[tuple[float, dict[str, int]]] = []
@@ -181,7 +186,7 @@ class LoadSampler:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.every_s))
-        async with aiohttp.ClientSession(timeout=timeout) as s:
+        async with aiohttp.ClientSession(timeout=timeout, headers=admin_headers(self.admin_token)) as s:
             while not self._stop.is_set():
                 snap: dict[str, int] = {}
                 for u in self.status_urls:

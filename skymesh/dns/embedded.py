@@ -41,6 +41,7 @@ import dns.rdatatype
 import dns.rrset
 from aiohttp import web
 
+from skymesh.admin_auth import admin_denied, bearer_of, resolve_admin_token, token_matches
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint
 
@@ -209,13 +210,18 @@ class MeshDnsServer:
         return changed
 
     def _control_app(self) -> web.Application:
+        # reading the endpoint list needs the admin token; pushing it, the peer token
         app = web.Application()
+        admin_token = resolve_admin_token(self.cfg)
 
         async def get_endpoints(request: web.Request) -> web.Response:
+            denied = admin_denied(request, admin_token)
+            if denied is not None:
+                return denied
             return web.json_response([asdict(e) for e in self.endpoints.values()])
 
         async def put_endpoints(request: web.Request) -> web.Response:
-            if request.headers.get("Authorization") != f"Bearer {self.cfg.peer_token}":
+            if not token_matches(bearer_of(request), self.cfg.peer_token):
                 return web.json_response({"error": "bad token"}, status=401)
             try:
                 eps = [BalancerEndpoint(**e) for e in await request.json()]

@@ -1,0 +1,136 @@
+"""The admin credential shared by the balancer's /admin/*, the controller's HTTP API, the
+DNS control API and `skymesh status`: one bearer token, compared in constant time.
+
+Where the token comes from (``admin:`` in the config), first found wins: the environment
+variable ``admin.token_env`` (``SKYMESH_ADMIN_TOKEN``), the file ``admin.token_file``, then
+the local-mode file ``<state dir>/admin-token`` that ``skymesh up`` creates (and passes to
+its children in the environment). With no token anywhere the admin surfaces answer 401:
+they fail closed rather than open.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import secrets
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from skymesh.config import MeshConfig
+
+DEFAULT_STATE_DIR = Path(".skymesh/run")
+LOCAL_TOKEN_FILE = "admin-token"
+
+
+def _read_token(path: Path) -> str | None:
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        return None
+    return token or None
+
+
+def resolve_admin_token(cfg: MeshConfig, state_dir: Path | None = DEFAULT_STATE_DIR) -> str | None:
+    """The admin token from the env var, the configured file, or the local state dir."""
+    token = os.environ.get(cfg.admin.token_env, "").strip()
+    if token:
+        return token
+    if cfg.admin.token_file is not None:
+        found = _read_token(Path(cfg.admin.token_file).expanduser())
+        if found:
+            return found
+    if state_dir is not None:
+        return _read_token(Path(state_dir) / LOCAL_TOKEN_FILE)
+    return None
+
+
+def ensure_local_token(state_dir: Path) -> str:
+    """The local mesh's admin token: read from ``state_dir/admin-token``, created (0600,
+    random) the first time, so `skymesh status` finds the one `skymesh up` uses."""
+    path = Path(state_dir) / LOCAL_TOKEN_FILE
+    existing = _read_token(path)
+    if existing:
+        return existing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    # created with 0600 from the start: never readable by others, not even briefly
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def admin_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def bearer_of(request: web.BaseRequest) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def token_matches(presented: str | None, expected: str | None) -> bool:
+    """Constant-time comparison; no expected token never matches."""
+    if not presented or not expected:
+        return False
+    return hmac.compare_digest(presented.encode(), expected.encode())
+
+
+def is_loopback_peer(request: web.BaseRequest) -> bool:
+    remote = request.remote
+    if not remote:
+        return False
+    try:
+        return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_denied(request: web.BaseRequest, expected: str | None) -> web.Response | None:
+    """None when the request carries the admin token, else the 401 to answer."""
+    if token_matches(bearer_of(request), expected):
+        return None
+    message = (
+        "this endpoint needs the admin token (Authorization: Bearer <token>)"
+        if expected
+        else "no admin token is configured (set SKYMESH_ADMIN_TOKEN or admin.token_file)"
+    )
+    return web.json_response(
+        {"error": {"message": message, "type": "authentication_error", "code": "invalid_admin_token"}},
+        status=401,
+        headers={"WWW-Authenticate": 'Bearer realm="skymesh-admin"'},
+    )
+
+
+def metrics_denied(request: web.BaseRequest, cfg: MeshConfig, expected: str | None) -> web.Response | None:
+    """/metrics access by ``admin.metrics_access``: open, loopback clients only, or token."""
+    mode = cfg.admin.metrics_access
+    if mode == "open" or (mode == "loopback" and is_loopback_peer(request)):
+        return None
+    return admin_denied(request, expected)
+
+
+def admin_middleware(expected: str | None, prefixes: tuple[str, ...], cfg: MeshConfig | None = None) -> Middleware:
+    """An aiohttp middleware that guards the paths under ``prefixes`` with the admin token
+    (and /metrics by ``admin.metrics_access`` when ``cfg`` is given). /health stays open:
+    it is what liveness checks and `skymesh up` poll."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        denied: web.Response | None = None
+        if path == "/metrics" and cfg is not None:
+            denied = metrics_denied(request, cfg, expected)
+        elif path.startswith(prefixes):
+            denied = admin_denied(request, expected)
+        if denied is not None:
+            return denied
+        return await handler(request)
+
+    return guard

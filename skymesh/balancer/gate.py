@@ -1,0 +1,191 @@
+"""What a request passes before the balancer's handlers see it: client API keys and
+per-key limits on /v1/*, the admin token on /admin/*, /metrics access, and a bound on
+how long a client may take to send its body (slowloris). The bound on the request head
+is the server's ``keepalive_timeout`` (see :func:`server_options`).
+
+Peer balancers' forwarded requests carry no client key: they are let through on the
+peer token (checked here before the body is read, and again in the handler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from skymesh.admin_auth import admin_denied, bearer_of, metrics_denied
+from skymesh.balancer.auth import (
+    ClientKey,
+    ClientKeyring,
+    invalid_key_response,
+    missing_key_response,
+    openai_error,
+)
+from skymesh.balancer.errors import RequestError
+from skymesh.balancer.ratelimit import TokenBucket, retry_after_header
+from skymesh.config import ClientLimits, MeshConfig
+
+# request[CLIENT] is the authenticated ClientKey (None when the API is open or for peers)
+CLIENT = web.RequestKey("skymesh.client", ClientKey | None)
+
+
+@dataclass(slots=True)
+class _Buckets:
+    requests: TokenBucket | None
+    prompt_tokens: TokenBucket | None
+
+
+def _buckets(limits: ClientLimits) -> _Buckets:
+    req = None
+    if limits.requests_per_second is not None:
+        burst = limits.request_burst or max(1.0, limits.requests_per_second)
+        req = TokenBucket(rate=limits.requests_per_second, capacity=float(burst))
+    tok = None
+    if limits.prompt_tokens_per_minute is not None:
+        tok = TokenBucket(rate=limits.prompt_tokens_per_minute / 60.0, capacity=float(limits.prompt_tokens_per_minute))
+    return _Buckets(req, tok)
+
+
+def server_options(cfg: MeshConfig) -> dict[str, Any]:
+    """AppRunner options bounding slow clients. aiohttp (3.14) arms its keep-alive timer
+    when a connection opens and after each response, does not re-arm it on bytes, and when
+    it fires closes a connection still waiting for a complete request head; so it is the
+    header timeout, for the first request and every kept-alive one."""
+    return {"keepalive_timeout": cfg.client_timeouts.header_timeout_s}
+
+
+class ClientGate:
+    def __init__(
+        self,
+        cfg: MeshConfig,
+        admin_token: str | None,
+        peer_token_header: str,
+        hop_header: str,
+        on_reject: Callable[[int], None] = lambda status: None,
+        keyring: ClientKeyring | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.admin_token = admin_token
+        self.keyring = keyring if keyring is not None else ClientKeyring.from_config(cfg.client_auth)
+        self._peer_token_header = peer_token_header
+        self._hop_header = hop_header
+        self._on_reject = on_reject
+        self._clock = clock
+        # per key name; bounded by the configured keys
+        self._buckets = {k.name: _buckets(k.limits) for k in self.keyring.keys}
+
+    # ------------------------------------------------------------------ checks
+
+    def admit(self, request: web.BaseRequest, now: float) -> tuple[ClientKey | None, web.Response | None]:
+        """Who the client is, or the 401/429 it gets (before its body is read)."""
+        if self._hop_header in request.headers:
+            presented = request.headers.get(self._peer_token_header, "")
+            if not hmac.compare_digest(presented.encode(), self.cfg.peer_token.encode()):
+                return None, openai_error(
+                    401, "forwarded request without a valid peer token", "authentication_error", "invalid_peer_token"
+                )
+            return None, None
+        if not self.keyring.enabled:
+            return None, None
+        presented_key = bearer_of(request)
+        if presented_key is None:
+            return None, missing_key_response()
+        client = self.keyring.authenticate(presented_key)
+        if client is None:
+            return None, invalid_key_response()
+        bucket = self._buckets[client.name].requests
+        if bucket is not None and not bucket.try_take(now):
+            return client, openai_error(
+                429,
+                f"Rate limit reached for requests of key {client.name!r}: "
+                f"{client.limits.requests_per_second:g} requests per second.",
+                "requests",
+                "rate_limit_exceeded",
+                headers={"Retry-After": retry_after_header(bucket.wait_s(now))},
+            )
+        return client, None
+
+    def charge_prompt(self, request: web.BaseRequest, prompt_tokens: int, now: float) -> web.Response | None:
+        """Take a parsed request's prompt tokens from its key's bucket; the 429 when they
+        are not there (nothing is taken then)."""
+        client = request.get(CLIENT)
+        if client is None:
+            return None
+        bucket = self._buckets[client.name].prompt_tokens
+        if bucket is None or bucket.try_take(now, prompt_tokens):
+            return None
+        wait = bucket.wait_s(now, prompt_tokens)
+        limit = client.limits.prompt_tokens_per_minute
+        self._on_reject(429)
+        if wait == float("inf"):
+            return openai_error(
+                429, f"The prompt ({prompt_tokens} tokens) exceeds key {client.name!r}'s limit of "
+                f"{limit} prompt tokens per minute.", "tokens", "rate_limit_exceeded",
+            )
+        return openai_error(
+            429,
+            f"Rate limit reached for prompt tokens of key {client.name!r}: {limit} per minute.",
+            "tokens",
+            "rate_limit_exceeded",
+            headers={"Retry-After": retry_after_header(wait)},
+        )
+
+    # ------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if path.startswith("/v1/"):
+            client, denied = self.admit(request, self._clock())
+            if denied is not None:
+                self._on_reject(denied.status)
+                return denied
+            request[CLIENT] = client
+            if request.body_exists:
+                timed_out = await self._read_body(request)
+                if timed_out is not None:
+                    return timed_out
+        elif path.startswith("/admin/"):
+            denied = admin_denied(request, self.admin_token)
+            if denied is not None:
+                return denied
+        elif path == "/metrics":
+            denied = metrics_denied(request, self.cfg, self.admin_token)
+            if denied is not None:
+                return denied
+        return await handler(request)
+
+    async def _read_body(self, request: web.Request) -> web.Response | None:
+        """Read the body within ``client_timeouts.body_timeout_s`` (aiohttp keeps it, so
+        the handler's ``request.read()`` returns it at once)."""
+        try:
+            async with asyncio.timeout(self.cfg.client_timeouts.body_timeout_s):
+                await request.read()
+        except TimeoutError:
+            self._on_reject(408)
+            response = openai_error(
+                408,
+                f"the request body did not arrive within {self.cfg.client_timeouts.body_timeout_s:g} s",
+                "invalid_request_error",
+                "request_timeout",
+            )
+            # sent and closed here: aiohttp would otherwise linger reading the rest of the
+            # body (up to lingering_time) for the very client that is too slow to send it
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()  # flushes the 408 first
+            return response
+        except web.HTTPRequestEntityTooLarge:
+            # answered here: a second read would go on from the middle of the body
+            self._on_reject(413)
+            return RequestError(413, f"request body exceeds {self.cfg.policy.max_body_bytes} bytes").response()
+        return None
