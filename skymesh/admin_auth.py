@@ -102,7 +102,9 @@ def admin_denied(request: web.BaseRequest, expected: str | None) -> web.Response
         else "no admin token is configured (set SKYMESH_ADMIN_TOKEN or admin.token_file)"
     )
     return web.json_response(
-        {"error": {"message": message, "type": "authentication_error", "code": "invalid_admin_token"}},
+        # the OpenAI error shape, as every other error skymesh answers
+        {"error": {"message": message, "type": "authentication_error", "param": None,
+                   "code": "invalid_admin_token"}},
         status=401,
         headers={"WWW-Authenticate": 'Bearer realm="skymesh-admin"'},
     )

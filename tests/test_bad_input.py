@@ -31,7 +31,7 @@ from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
 from skymesh.procs import free_port
 from skymesh.prom import parse_samples
-from tests.mesh_helpers import one_region_config
+from tests.mesh_helpers import admin_auth, one_region_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -376,7 +376,7 @@ async def test_an_unexpected_exception_is_a_counted_json_500(balancer: Balancer,
     monkeypatch.setattr(balancer, "admin_status", broken)
     base = f"http://127.0.0.1:{balancer.bound_port}"
     async with aiohttp.ClientSession() as s:
-        async with s.get(base + "/admin/status") as r:
+        async with s.get(base + "/admin/status", headers=admin_auth()) as r:
             assert r.status == 500
             body = await r.read()
             assert error_shape_problem(body) is None
