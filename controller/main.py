@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from skymesh.admin_auth import MissingSecretError
 from skymesh.config import ConfigError, HostPort, load_config
 from skymesh.logging_setup import setup_logging
 from skymesh.procs import READY_HELP, report_ready, serve_until_signal
@@ -56,4 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if bad_ports:
         print("skymesh controller: " + "; ".join(bad_ports), file=sys.stderr)
         return 2
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except MissingSecretError as e:
+        print(f"skymesh controller: {e}", file=sys.stderr)
+        return 2

@@ -23,6 +23,8 @@ from skymesh.config import MeshConfig
 
 DEFAULT_STATE_DIR = Path(".skymesh/run")
 LOCAL_TOKEN_FILE = "admin-token"
+LOCAL_PEER_TOKEN_FILE = "peer-token"
+PEER_TOKEN_ENV = "SKYMESH_PEER_TOKEN"
 
 
 def _read_token(path: Path) -> str | None:
@@ -47,10 +49,11 @@ def resolve_admin_token(cfg: MeshConfig, state_dir: Path | None = DEFAULT_STATE_
     return None
 
 
-def ensure_local_token(state_dir: Path) -> str:
-    """The local mesh's admin token: read from ``state_dir/admin-token``, created (0600,
-    random) the first time, so `skymesh status` finds the one `skymesh up` uses."""
-    path = Path(state_dir) / LOCAL_TOKEN_FILE
+def ensure_local_token(state_dir: Path, name: str = LOCAL_TOKEN_FILE) -> str:
+    """A local mesh's token: read from ``state_dir/name``, created (0600, random) the first
+    time, so `skymesh status` finds the admin token `skymesh up` uses and processes started
+    by hand from the same directory share one peer token."""
+    path = Path(state_dir) / name
     existing = _read_token(path)
     if existing:
         return existing
@@ -61,6 +64,42 @@ def ensure_local_token(state_dir: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+class MissingSecretError(Exception):
+    """A component would serve beyond loopback with no configured secret."""
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_peer_token(
+    cfg: MeshConfig, listen_hosts: tuple[str, ...], state_dir: Path | None = DEFAULT_STATE_DIR
+) -> str:
+    """The mesh's peer token (forwarded requests between balancers, the DNS control API):
+    ``$SKYMESH_PEER_TOKEN``, then ``peer_token`` in the config, then the local-mode file
+    ``<state dir>/peer-token``. Never a value shipped in the code: with none configured, a
+    component listening only on loopback creates the local file (the processes of one
+    local mesh share it); one listening beyond loopback refuses to start."""
+    token = os.environ.get(PEER_TOKEN_ENV, "").strip() or cfg.peer_token
+    if token:
+        return token
+    if state_dir is not None:
+        found = _read_token(Path(state_dir) / LOCAL_PEER_TOKEN_FILE)
+        if found:
+            return found
+        if all(_is_loopback_host(h) for h in listen_hosts):
+            return ensure_local_token(Path(state_dir), LOCAL_PEER_TOKEN_FILE)
+    raise MissingSecretError(
+        f"no peer token: set {PEER_TOKEN_ENV} or peer_token in the config to one long random "
+        "string shared by the mesh's balancers, DNS server and controller"
+    )
 
 
 def admin_headers(token: str | None) -> dict[str, str]:

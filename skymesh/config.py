@@ -567,7 +567,9 @@ class MeshConfig(ConfigModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
-    peer_token: Text = "skymesh-local-peer-token"
+    # the shared secret of forwarded requests and the DNS control API; no default is
+    # shipped: $SKYMESH_PEER_TOKEN, this, or the local-mode file (skymesh/admin_auth.py)
+    peer_token: Annotated[Text, Field(min_length=16)] | None = None
     client_auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     client_timeouts: ClientTimeoutsConfig = Field(default_factory=ClientTimeoutsConfig)

@@ -24,7 +24,12 @@ from typing import Any
 
 import yaml
 
-from skymesh.admin_auth import ensure_local_token, resolve_admin_token
+from skymesh.admin_auth import (
+    PEER_TOKEN_ENV,
+    ensure_local_token,
+    resolve_admin_token,
+    resolve_peer_token,
+)
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.latency_proxy import DelayProxy, proxies_for
 from skymesh.pki import generate_mesh_pki
@@ -71,7 +76,9 @@ class Mesh:
         # generated once in the state dir; the children get it in their environment and
         # `skymesh status --state-dir` reads the same file
         self.admin_token = resolve_admin_token(self.cfg, state_dir=None) or ensure_local_token(self.state_dir)
-        self.child_env = {self.cfg.admin.token_env: self.admin_token}
+        # the peer token likewise: the operator's, else one generated in the state dir
+        self.peer_token = resolve_peer_token(self.cfg, ("127.0.0.1",), state_dir=self.state_dir)
+        self.child_env = {self.cfg.admin.token_env: self.admin_token, PEER_TOKEN_ENV: self.peer_token}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], state_dir: Path, time_scale: float | None = None,

@@ -13,6 +13,8 @@ from moto.server import ThreadedMotoServer
 # every daemon a test starts, in process or as a child, reads this one from the env, and
 # the tests send it (tests.mesh_helpers.ADMIN_HEADERS).
 os.environ.setdefault("SKYMESH_ADMIN_TOKEN", "skymesh-test-admin-token")
+# likewise the mesh's peer token (no default ships), so no test writes a local token file
+os.environ.setdefault("SKYMESH_PEER_TOKEN", "skymesh-test-peer-token")
 
 
 @pytest.fixture

@@ -65,7 +65,7 @@ async def test_dns_control_get_needs_the_admin_token_and_put_the_peer_token() ->
         async with aiohttp.ClientSession() as s:
             async with s.get(url) as r:
                 assert r.status == 401
-            async with s.get(url, headers={"Authorization": f"Bearer {srv.cfg.peer_token}"}) as r:
+            async with s.get(url, headers={"Authorization": f"Bearer {srv.peer_token}"}) as r:
                 assert r.status == 401  # the peer token is not the admin token
             async with s.get(url, headers=admin_auth()) as r:
                 assert r.status == 200
@@ -102,10 +102,12 @@ def test_local_token_is_private_random_and_stable(tmp_path: Path) -> None:
 
 def test_skymesh_up_gives_its_children_the_local_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SKYMESH_ADMIN_TOKEN")
+    monkeypatch.delenv("SKYMESH_PEER_TOKEN", raising=False)
     mesh = Mesh.from_dict(local_config_free_ports(), tmp_path)
     token = (tmp_path / LOCAL_TOKEN_FILE).read_text().strip()
-    assert mesh.admin_token == token
-    assert mesh.child_env == {"SKYMESH_ADMIN_TOKEN": token}
+    peer = (tmp_path / "peer-token").read_text().strip()
+    assert mesh.admin_token == token and token != peer
+    assert mesh.child_env == {"SKYMESH_ADMIN_TOKEN": token, "SKYMESH_PEER_TOKEN": peer}
     # `skymesh status --state-dir` finds the same token
     assert resolve_admin_token(mesh.cfg, state_dir=tmp_path) == token
     # an operator's token wins over a generated one
@@ -143,3 +145,21 @@ async def test_status_sends_the_token_and_says_when_it_is_refused(
         assert status["unauthorized"] == [cfg.regions[0].balancer.listen.http_url + "/admin/status"]
     finally:
         await runner.cleanup()
+
+
+def test_no_peer_token_is_shipped_and_none_beyond_loopback_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skymesh.admin_auth import MissingSecretError, resolve_peer_token
+
+    monkeypatch.delenv("SKYMESH_PEER_TOKEN", raising=False)
+    cfg = config()
+    assert cfg.peer_token is None  # nothing in the code or the local config
+    with pytest.raises(MissingSecretError, match="SKYMESH_PEER_TOKEN"):
+        resolve_peer_token(cfg, ("0.0.0.0",), state_dir=tmp_path)
+    # loopback only: one token is made in the state dir, and every process there shares it
+    made = resolve_peer_token(cfg, ("127.0.0.1",), state_dir=tmp_path)
+    assert len(made) >= 32 and (tmp_path / "peer-token").stat().st_mode & 0o777 == 0o600
+    assert resolve_peer_token(cfg, ("0.0.0.0",), state_dir=tmp_path) == made
+    monkeypatch.setenv("SKYMESH_PEER_TOKEN", "from-the-environment-1234")
+    assert resolve_peer_token(cfg, ("0.0.0.0",), state_dir=tmp_path) == "from-the-environment-1234"

@@ -232,12 +232,12 @@ async def test_residency_holds_on_replicas_adopted_on_failover(fakes: list[FakeR
             # a forwarded request must name a known origin region
             body = {"model": "skymesh-sim", "prompt": "x", "max_tokens": 1}
             async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
-                              headers={HOP_HEADER: "1", TOKEN_HEADER: b.cfg.peer_token,
+                              headers={HOP_HEADER: "1", TOKEN_HEADER: b.peer_token,
                                        ORIGIN_HEADER: "mars-1"}) as r:
                 assert r.status == 400
             # a request forwarded on behalf of us-east-1's clients may run on us0
             async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
-                              headers={HOP_HEADER: "1", TOKEN_HEADER: b.cfg.peer_token,
+                              headers={HOP_HEADER: "1", TOKEN_HEADER: b.peer_token,
                                        ORIGIN_HEADER: "us-east-1"}) as r:
                 assert r.status == 200
     finally:

@@ -159,7 +159,7 @@ async def test_malformed_tcp_frames_and_bad_control_bodies_are_harmless(server: 
         writer.close()
         await writer.wait_closed()
     url = f"http://{host}:{port + 1}/v1/endpoints"
-    auth = {"Authorization": f"Bearer {server.cfg.peer_token}"}
+    auth = {"Authorization": f"Bearer {server.peer_token}"}
     async with aiohttp.ClientSession() as s:
         for body in (b"not json", b'{"a": 1}', b'[{"region": "x"}]', b"[1, 2]"):
             async with s.put(url, data=body, headers=auth) as r:

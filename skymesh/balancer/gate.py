@@ -67,6 +67,7 @@ class ClientGate:
         admin_token: str | None,
         peer_token_header: str,
         hop_header: str,
+        peer_token: str,
         on_reject: Callable[[int], None] = lambda status: None,
         keyring: ClientKeyring | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -75,6 +76,7 @@ class ClientGate:
         self.admin_token = admin_token
         self.keyring = keyring if keyring is not None else ClientKeyring.from_config(cfg.client_auth)
         self._peer_token_header = peer_token_header
+        self._peer_token = peer_token
         self._hop_header = hop_header
         self._on_reject = on_reject
         self._clock = clock
@@ -87,7 +89,7 @@ class ClientGate:
         """Who the client is, or the 401/429 it gets (before its body is read)."""
         if self._hop_header in request.headers:
             presented = request.headers.get(self._peer_token_header, "")
-            if not hmac.compare_digest(presented.encode(), self.cfg.peer_token.encode()):
+            if not hmac.compare_digest(presented.encode(), self._peer_token.encode()):
                 return None, openai_error(
                     401, "forwarded request without a valid peer token", "authentication_error", "invalid_peer_token"
                 )

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from skymesh.admin_auth import MissingSecretError
 from skymesh.config import ConfigError, HostPort, MeshConfig, load_config
 from skymesh.gc_tuning import tune_gc
 from skymesh.logging_setup import setup_logging
@@ -89,4 +90,8 @@ def run(args: argparse.Namespace) -> int:
         print("skymesh balancer: " + "; ".join(bad_ports), file=sys.stderr)
         return 2
     logging.getLogger("skymesh").debug("starting balancer for %s", args.region)
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except MissingSecretError as e:
+        print(f"skymesh balancer: {e}", file=sys.stderr)
+        return 2

@@ -33,7 +33,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from skymesh.admin_auth import resolve_admin_token
+from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.balancer.errors import RequestError, error_response
 from skymesh.balancer.gate import ClientGate, server_options
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
@@ -216,8 +216,9 @@ class Balancer:
         self._own_loop_restarts: dict[str, int] = {}
         self._drained = asyncio.Event()  # set when stopping and the last request ended
         # trust: client keys and limits, the admin token, slow-client bounds (gate.py)
+        self.peer_token = resolve_peer_token(cfg, (self.region_cfg.balancer.listen.host,))
         self.gate = ClientGate(
-            cfg, resolve_admin_token(cfg), TOKEN_HEADER, HOP_HEADER,
+            cfg, resolve_admin_token(cfg), TOKEN_HEADER, HOP_HEADER, self.peer_token,
             on_reject=lambda status: self.metrics.rejections.labels(str(status)).inc(),
         )
         # a peer-supplied origin becomes a metrics label only if it names a configured region
@@ -492,7 +493,7 @@ class Balancer:
             forwarded = HOP_HEADER in request.headers
             # constant time: a timing difference must not spell out the token
             if forwarded and not hmac.compare_digest(
-                request.headers.get(TOKEN_HEADER, "").encode(), self.cfg.peer_token.encode()
+                request.headers.get(TOKEN_HEADER, "").encode(), self.peer_token.encode()
             ):
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
@@ -639,7 +640,7 @@ class Balancer:
 
             return AttemptTarget(info.url + request.path, headers, self._session, local_headers)
         headers[HOP_HEADER] = "1"
-        headers[TOKEN_HEADER] = self.cfg.peer_token
+        headers[TOKEN_HEADER] = self.peer_token
         headers[ORIGIN_HEADER] = self.region
         assert self._egress is not None
 

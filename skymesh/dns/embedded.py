@@ -41,7 +41,13 @@ import dns.rdatatype
 import dns.rrset
 from aiohttp import web
 
-from skymesh.admin_auth import admin_denied, bearer_of, resolve_admin_token, token_matches
+from skymesh.admin_auth import (
+    admin_denied,
+    bearer_of,
+    resolve_admin_token,
+    resolve_peer_token,
+    token_matches,
+)
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint
 
@@ -60,10 +66,9 @@ class MeshDnsServer:
         self.bound_ports: dict[str, int] = {}
         self.zone = dns.name.from_text(cfg.dns.name)
         self.ttl = cfg.dns.ttl_s
-        self.networks = sorted(
-            ((net, r.name) for r in cfg.regions for net in r.source_networks),
-            key=lambda x: -x[0].prefixlen,
-        )
+        self.networks = cfg.source_network_table()
+        assert cfg.dns.listen is not None  # the embedded provider's config requires it
+        self.peer_token = resolve_peer_token(cfg, (cfg.dns.listen.host,))
         self.endpoints: dict[str, BalancerEndpoint] = {}
         for r in cfg.regions:
             adv = r.balancer.advertise
@@ -221,7 +226,7 @@ class MeshDnsServer:
             return web.json_response([asdict(e) for e in self.endpoints.values()])
 
         async def put_endpoints(request: web.Request) -> web.Response:
-            if not token_matches(bearer_of(request), self.cfg.peer_token):
+            if not token_matches(bearer_of(request), self.peer_token):
                 return web.json_response({"error": "bad token"}, status=401)
             try:
                 eps = [BalancerEndpoint(**e) for e in await request.json()]
@@ -307,7 +312,7 @@ class EmbeddedDnsProvider:
     def __init__(self, cfg: MeshConfig) -> None:
         host, port = control_address(cfg)
         self.url = f"http://{host}:{port}/v1/endpoints"
-        self.token = cfg.peer_token
+        self.token = resolve_peer_token(cfg, (host,))
         self._session: aiohttp.ClientSession | None = None
 
     async def sync(self, endpoints: list[BalancerEndpoint]) -> bool:
