@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from skymesh.config import MeshConfig
+from skymesh.pki import is_loopback_host
 
 DEFAULT_STATE_DIR = Path(".skymesh/run")
 LOCAL_TOKEN_FILE = "admin-token"
@@ -70,15 +71,6 @@ class MissingSecretError(Exception):
     """A component would serve beyond loopback with no configured secret."""
 
 
-def _is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def resolve_peer_token(
     cfg: MeshConfig, listen_hosts: tuple[str, ...], state_dir: Path | None = DEFAULT_STATE_DIR
 ) -> str:
@@ -94,7 +86,7 @@ def resolve_peer_token(
         found = _read_token(Path(state_dir) / LOCAL_PEER_TOKEN_FILE)
         if found:
             return found
-        if all(_is_loopback_host(h) for h in listen_hosts):
+        if all(is_loopback_host(h) for h in listen_hosts):
             return ensure_local_token(Path(state_dir), LOCAL_PEER_TOKEN_FILE)
     raise MissingSecretError(
         f"no peer token: set {PEER_TOKEN_ENV} or peer_token in the config to one long random "
