@@ -33,7 +33,7 @@ from skymesh.procs import free_port
 from skymesh.prom import parse_samples
 from tests.mesh_helpers import admin_auth, one_region_config
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.fault]
 
 MODEL = "skymesh-sim"
 GENERATED_CASES = 10_000

@@ -26,7 +26,7 @@ from skymesh.procs import free_port
 from skymesh.prom import parse_samples
 from tests.mesh_helpers import one_region_config
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.fault]
 
 IDLE_METRICS = "vllm:num_requests_running 0.0\nvllm:num_requests_waiting 0.0\n"
 

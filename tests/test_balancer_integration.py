@@ -273,6 +273,7 @@ async def _stream_one(s: aiohttp.ClientSession, base: str, k: int) -> dict[str, 
         return {"status": -1, "started": got_bytes, "done": False, "error_event": False}
 
 
+@pytest.mark.fault
 async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path) -> None:
     procs, b, base = await start_cluster(tmp_path, time_scale=1.0, name="round_robin")
     try:

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from controller.service import ControllerService
-from skymesh.balancer.services import ControllerLink, PeerMesh
+from skymesh.balancer.services import ControllerLink, PeerMesh, rejected_peer_calls
 from skymesh.config import ConfigError, MeshConfig, parse_config
 from skymesh.pki import (
     CONTROLLER_SERVER_NAME,
@@ -35,7 +35,7 @@ from tests.mesh_helpers import free_port, local_config_free_ports
 from tests.test_balancer_services import INTERVAL_S, fake_balancer
 from tests.test_controller import wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.fault]
 
 HUGE_EPOCH = 2**63
 
@@ -275,6 +275,11 @@ async def test_forged_heartbeats_are_rejected(tmp_path: Path) -> None:
                                   fake_beat("eu-west-1"))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "eu-west-1" not in peers
+        # both refusals are counted for /metrics (skymesh_rejected_peer_calls_total{reason})
+        assert rejected_peer_calls([use1]) == {"wrong_region": 1, "not_a_peer": 1}
+        # a made-up region name is counted under "other": no caller grows the map
+        await send_heartbeats(addr, secure_channel(addr, ap, server_name), fake_beat("mars-1"))
+        assert use1.rejected_heartbeats == {"eu-west-1": 1, "other": 1}
     finally:
         await use1.stop()
 

@@ -75,7 +75,7 @@ def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
 
 
 ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts",
-                           "skymesh_internal_errors")
+                           "skymesh_internal_errors", "skymesh_rejected_peer_calls")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -98,6 +98,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         replicas=[ReplicaLoad("r0", 2, 300), ReplicaLoad("r1", 3, 0)],
         peers=[PeerHealth("us-east", 0.5, True), PeerHealth("eu-west", float("inf"), False)],
         transitions={("queued", "placed"): 4}, loop_restarts={"probe": 1}, ejected_replicas=1,
+        rejected_peer_calls={"wrong_region": 2},
     )
     m = BalancerMetrics("us-west", lambda: snapshot)
     m.decision_seconds.observe(3e-5)
@@ -119,6 +120,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_request_transitions_total{from_state="queued",to_state="placed"}': 4.0,
         'skymesh_loop_restarts_total{loop="probe"}': 1.0,
         "skymesh_internal_errors_total": 0.0,
+        'skymesh_rejected_peer_calls_total{reason="wrong_region"}': 2.0,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added
@@ -144,7 +146,7 @@ async def test_balancer_snapshot_reads_the_balancers_load() -> None:
     now = asyncio.get_running_loop().time()
     core.peer_heartbeat("eu", HeartbeatSnapshot(2, 0, 0, 0), now, epoch=1, seq=1)
     b = SimpleNamespace(core=core, offload=core.offload, prefix_hit_ratio=lambda: 0.5,
-                        loop_restart_counts=lambda: {"probe": 2})
+                        loop_restart_counts=lambda: {"probe": 2}, rejected_peer_calls=lambda: {})
     snap = balancer_snapshot(b)  # type: ignore[arg-type]
     assert (snap.queue_length, snap.in_flight, snap.replicas_available, snap.prefix_hit_ratio) == (0, 1, 1, 0.5)
     assert snap.replicas == [ReplicaLoad("r0", 1, 64)]

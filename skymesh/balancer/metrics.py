@@ -55,6 +55,8 @@ class BalancerSnapshot:
     # supervised background loops restarted after an exception: loop name -> count
     loop_restarts: Mapping[str, int] = field(default_factory=dict)
     ejected_replicas: int = 0
+    # peer heartbeat traffic refused (mesh identity), by reason
+    rejected_peer_calls: Mapping[str, int] = field(default_factory=dict)
 
 
 def balancer_snapshot(b: Balancer) -> BalancerSnapshot:
@@ -72,6 +74,7 @@ def balancer_snapshot(b: Balancer) -> BalancerSnapshot:
         transitions=dict(b.core.transitions),
         loop_restarts=b.loop_restart_counts(),
         ejected_replicas=b.core.ejected_count(),
+        rejected_peer_calls=b.rejected_peer_calls(),
     )
 
 
@@ -117,6 +120,12 @@ class _LoadCollector:
         for (frm, to), n in sorted(s.transitions.items()):
             transitions.add_metric((frm, to), n)
         yield transitions
+        refused = CounterMetricFamily(
+            "skymesh_rejected_peer_calls", "Peer heartbeats or streams refused by mesh identity.",
+            labels=("reason",))
+        for reason, n in sorted(s.rejected_peer_calls.items()):
+            refused.add_metric((reason,), n)
+        yield refused
         restarts = CounterMetricFamily(
             "skymesh_loop_restarts", "Background loops restarted after an exception.", labels=("loop",))
         for loop, n in sorted(s.loop_restarts.items()):

@@ -249,6 +249,11 @@ class Balancer:
     def _loop_restarted(self, name: str, exc: BaseException) -> None:
         self._own_loop_restarts[name] = self._own_loop_restarts.get(name, 0) + 1
 
+    def rejected_peer_calls(self) -> dict[str, int]:
+        from skymesh.balancer.services import rejected_peer_calls
+
+        return rejected_peer_calls(self.extra_services)
+
     def loop_restart_counts(self) -> dict[str, int]:
         """Restarts of this balancer's supervised loops and its services' (by loop name)."""
         from skymesh.balancer.services import loop_restart_counts

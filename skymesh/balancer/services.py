@@ -27,7 +27,7 @@ from skymesh.pki import (
     require_credentials_off_loopback,
     secure_channel,
 )
-from skymesh.procs import cancel_tasks
+from skymesh.procs import cancel_tasks, wait_event
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.region import HeartbeatSnapshot
 from skymesh.supervise import RestartHook, SupervisedLoop
@@ -56,6 +56,21 @@ class SupervisedService:
                     max_backoff_s: float) -> asyncio.Task[None]:
         return SupervisedLoop(name, body, on_restart=self._loop_restarted, logger=log,
                                       backoff_s=backoff_s, max_backoff_s=max_backoff_s).start()
+
+
+def rejected_peer_calls(services: Iterable[object]) -> dict[str, int]:
+    """Peer heartbeat traffic refused by ``services``' PeerMesh, by reason: a heartbeat
+    claiming another region than its stream authenticated as, or a stream from a mesh
+    identity that is no peer balancer."""
+    out: dict[str, int] = {}
+    for svc in services:
+        if isinstance(svc, PeerMesh):
+            wrong = sum(svc.rejected_heartbeats.values())
+            if wrong:
+                out["wrong_region"] = out.get("wrong_region", 0) + wrong
+            if svc.refused_streams:
+                out["not_a_peer"] = out.get("not_a_peer", 0) + svc.refused_streams
+    return out
 
 
 def loop_restart_counts(services: Iterable[object]) -> dict[str, int]:
@@ -94,6 +109,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         # heartbeats dropped because they claimed a region the stream is not authenticated
         # as, by claimed region
         self.rejected_heartbeats: dict[str, int] = {}
+        self.refused_streams = 0  # heartbeat streams from a mesh identity that is no peer
 
     # ------------------------------------------------------------------ what we send
 
@@ -130,8 +146,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         try:
             while True:
                 yield self.heartbeat()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(ev.wait(), timeout=self.interval)
+                await wait_event(ev, self.interval)  # not wait_for: see procs.wait_event
                 ev.clear()
         finally:
             self._subscribers.discard(ev)
@@ -142,7 +157,10 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         """``stream_region``: the region the stream's peer authenticated as (None only
         without TLS). A heartbeat claiming any other region is dropped and counted."""
         if self.creds is not None and hb.region != stream_region:
-            self.rejected_heartbeats[hb.region] = self.rejected_heartbeats.get(hb.region, 0) + 1
+            # keyed by the claimed region only when it is a configured one: a caller must
+            # not grow this map (or a metrics label) with names of its own choosing
+            claimed = hb.region if hb.region in self.b.peers or hb.region == self.b.region else "other"
+            self.rejected_heartbeats[claimed] = self.rejected_heartbeats.get(claimed, 0) + 1
             log.warning("dropped a heartbeat claiming another region",
                         extra={"claimed": hb.region, "authenticated": stream_region or "none"})
             return
@@ -184,6 +202,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         stream_region = region_of_identity(peer_identity(context))
         if self.creds is not None and (stream_region is None or stream_region not in self.b.peers):
             # the mesh CA signed it, but it is no peer balancer's certificate
+            self.refused_streams += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only peer balancers may send heartbeats")
 
         async def read() -> None:
