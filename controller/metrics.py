@@ -21,6 +21,14 @@ class ControllerMetrics:
         )
         for loop in LOOPS:
             self.loop_restarts.labels(loop)
+        # gRPC calls refused by mesh identity: a certificate acting for another region, or
+        # a registration naming addresses the config does not give its region
+        self.rejected_calls = Counter(
+            "skymesh_controller_rejected_calls", "Balancer calls refused by mesh identity.", ("reason",),
+            registry=self.registry,
+        )
+        for reason in ("wrong_identity", "wrong_address"):
+            self.rejected_calls.labels(reason)
 
     def loop_restarted(self, name: str, exc: BaseException) -> None:
         """The on_restart hook of the controller's supervised loops."""

@@ -226,6 +226,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         if identity != balancer_identity(region):
             log.warning("rejected a call for another region's balancer",
                         extra={"region": region, "identity": identity or "none"})
+            self.metrics.rejected_calls.labels("wrong_identity").inc()
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"identity {identity or 'none'} may not act for region {region!r}")
 
@@ -239,6 +240,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                                   ("grpc_address", str(region_cfg.balancer.grpc_advertise))):
             claimed = getattr(request, field)
             if claimed and claimed != configured:
+                self.metrics.rejected_calls.labels("wrong_address").inc()
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{field} {claimed!r} is not the configured {configured!r} of {request.region}")
         b = self.balancers[request.region]

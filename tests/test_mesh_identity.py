@@ -178,6 +178,10 @@ async def test_forged_registers_are_rejected_and_change_nothing(tmp_path: Path) 
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert snapshot(svc) == before
         assert svc.balancers["us-east-1"]["http_url"] == cfg.region("us-east-1").balancer.advertise_url
+        # the refusals past the TLS handshake are counted on the controller's /metrics
+        page = svc.metrics.render().decode()
+        assert 'skymesh_controller_rejected_calls_total{reason="wrong_identity"} 2.0' in page.splitlines()
+        assert 'skymesh_controller_rejected_calls_total{reason="wrong_address"} 1.0' in page.splitlines()
 
 
 async def test_the_controller_issues_epochs_and_ignores_the_callers(tmp_path: Path) -> None:
