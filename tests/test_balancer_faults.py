@@ -36,8 +36,9 @@ class FakeReplica:
     completion wait forever (and, with ``freeze_on_request``, its /metrics too)."""
 
     def __init__(self, name: str, *, hang_completions: bool = False, freeze_on_request: bool = False,
-                 answer_after: asyncio.Event | None = None) -> None:
+                 answer_after: asyncio.Event | None = None, service_s: float = 0.0) -> None:
         self.name = name
+        self.service_s = service_s  # how long each completion takes (the replica's work)
         self.answer_after = answer_after  # completions wait for this event when given
         self.hang_completions = hang_completions
         self.freeze_on_request = freeze_on_request
@@ -60,6 +61,8 @@ class FakeReplica:
             await self._never.wait()
         if self.answer_after is not None:
             await self.answer_after.wait()
+        if self.service_s:
+            await asyncio.sleep(self.service_s)
         return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": "skymesh-sim",
                                   "choices": [{"index": 0, "text": self.name, "finish_reason": "length"}]})
 
@@ -79,9 +82,10 @@ class FakeReplica:
             await self.runner.cleanup()
 
 
-async def start_balancer(replicas: list[FakeReplica], **sections: Any) -> Balancer:
+async def start_balancer(replicas: list[FakeReplica], policy: dict[str, Any] | None = None,
+                         **sections: Any) -> Balancer:
     data = one_region_config({r.name: r.url for r in replicas}, free_port(), free_port(),
-                             name="round_robin", probe_interval_s=0.05)
+                             name="round_robin", probe_interval_s=0.05, **(policy or {}))
     data.update(sections)
     b = Balancer(parse_config(data), "us-east-1")
     await b.start(port=0)
@@ -272,3 +276,44 @@ async def test_sigterm_drain_finishes_accepted_requests_and_refuses_new_ones(fak
         assert await asyncio.gather(*accepted) == [(200, "slow")] * 3
         await asyncio.wait_for(stopping, 30)
     assert b.core.active_requests == 0
+
+
+async def test_a_burst_of_ten_times_capacity_gets_only_fast_429s_with_retry_after(
+    fakes: list[FakeReplica],
+) -> None:
+    """2 replicas x dispatch budget 2 in flight + a queue of 40 = 44 requests of capacity;
+    440 arrive at once. Every answer is a 200 or a 429/503 carrying Retry-After (no 5xx,
+    no long wait ending in 504), and the balancer serves normally right after."""
+    fakes += [FakeReplica("a", service_s=0.05), FakeReplica("b", service_s=0.05)]
+    for r in fakes:
+        await r.start()
+    b = await start_balancer(fakes, policy={"queue_bound": 40}, upstream={"max_queue_wait_s": 10})
+    loop = asyncio.get_running_loop()
+    base = f"http://127.0.0.1:{b.bound_port}/v1/completions"
+
+    async def one(s: aiohttp.ClientSession, i: int) -> tuple[int, str | None, float]:
+        t0 = loop.time()
+        body = {"model": "skymesh-sim", "prompt": f"burst {i} " * 8, "max_tokens": 4}
+        async with s.post(base, json=body) as r:
+            await r.read()
+            return r.status, r.headers.get("Retry-After"), loop.time() - t0
+
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            results = await asyncio.gather(*(one(s, i) for i in range(440)))
+            burst_end = loop.time()
+            status, _, _ = await one(s, 10_000)
+            recovered_after = loop.time() - burst_end
+        statuses = sorted({st for st, _, _ in results})
+        refused = [(st, ra, dt) for st, ra, dt in results if st != 200]
+        print(f"\nburst 440 at once: {sum(st == 200 for st, _, _ in results)} served, "
+              f"{sum(st == 429 for st, _, _ in results)} got 429, {sum(st == 503 for st, _, _ in results)} got 503; "
+              f"median time to a refusal {sorted(dt for _, _, dt in refused)[len(refused) // 2] * 1000:.1f} ms; "
+              f"next request served {recovered_after * 1000:.1f} ms after the burst")
+        assert set(statuses) <= {200, 429, 503}, statuses
+        assert refused, "a burst of 10x capacity must be refused in part"
+        assert all(ra is not None and int(ra) >= 1 for _, ra, _ in refused)
+        assert status == 200  # served normally right after
+        assert b.core.active_requests == 0 and b.core.queue_length == 0
+    finally:
+        await b.stop()
