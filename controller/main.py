@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
-from skymesh.admin_auth import MissingSecretError
 from skymesh.config import ConfigError, HostPort, load_config
 from skymesh.logging_setup import setup_logging
-from skymesh.procs import READY_HELP, report_ready, serve_until_signal
+from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,8 +55,4 @@ def run(args: argparse.Namespace) -> int:
     if bad_ports:
         print("skymesh controller: " + "; ".join(bad_ports), file=sys.stderr)
         return 2
-    try:
-        return asyncio.run(serve(args))
-    except MissingSecretError as e:
-        print(f"skymesh controller: {e}", file=sys.stderr)
-        return 2
+    return run_daemon("controller", serve(args))

@@ -58,18 +58,27 @@ class ConfigError(PathError):
     """
 
 
-def region_of_address(
-    table: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]], ip: str
-) -> str | None:
-    """The region whose source network holds ``ip`` (most specific wins), None if none."""
+SourceNetworkTable = list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]]
+
+
+def source_network_of(
+    table: SourceNetworkTable, ip: str
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str] | None:
+    """The (network, region) of ``table`` holding ``ip`` (most specific first), or None."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
         return None
     for net, region in table:
         if addr.version == net.version and addr in net:
-            return region
+            return net, region
     return None
+
+
+def region_of_address(table: SourceNetworkTable, ip: str) -> str | None:
+    """The region whose source network holds ``ip`` (most specific wins), None if none."""
+    found = source_network_of(table, ip)
+    return None if found is None else found[1]
 
 
 # ----------------------------------------------------------------------------- value types
@@ -617,7 +626,7 @@ class MeshConfig(ConfigModel):
         """One-way ms for every pair of distinct regions, keyed (a, b) with a < b."""
         return self._latency_ms
 
-    def source_network_table(self) -> list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]]:
+    def source_network_table(self) -> SourceNetworkTable:
         """(network, region) over every region's source_networks, most specific first."""
         return sorted(((n, r.name) for r in self.regions for n in r.source_networks),
                       key=lambda x: -x[0].prefixlen)

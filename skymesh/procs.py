@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +310,18 @@ async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+
+
+def run_daemon(name: str, main: Coroutine[Any, Any, int]) -> int:
+    """``asyncio.run(main)`` for a daemon's CLI: a missing secret (a component that would
+    listen beyond loopback without one) is one line on stderr and exit code 2."""
+    from skymesh.admin_auth import MissingSecretError
+
+    try:
+        return asyncio.run(main)
+    except MissingSecretError as e:
+        print(f"skymesh {name}: {e}", file=sys.stderr)
+        return 2
 
 
 async def serve_until_signal(start: object, stop: object) -> int:

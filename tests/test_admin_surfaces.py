@@ -155,11 +155,12 @@ def test_no_peer_token_is_shipped_and_none_beyond_loopback_refuses_to_start(
     monkeypatch.delenv("SKYMESH_PEER_TOKEN", raising=False)
     cfg = config()
     assert cfg.peer_token is None  # nothing in the code or the local config
+    # a listen host beyond loopback (a documentation address; nothing is bound here)
     with pytest.raises(MissingSecretError, match="SKYMESH_PEER_TOKEN"):
-        resolve_peer_token(cfg, ("0.0.0.0",), state_dir=tmp_path)
+        resolve_peer_token(cfg, ("192.0.2.10",), state_dir=tmp_path)
     # loopback only: one token is made in the state dir, and every process there shares it
     made = resolve_peer_token(cfg, ("127.0.0.1",), state_dir=tmp_path)
     assert len(made) >= 32 and (tmp_path / "peer-token").stat().st_mode & 0o777 == 0o600
-    assert resolve_peer_token(cfg, ("0.0.0.0",), state_dir=tmp_path) == made
+    assert resolve_peer_token(cfg, ("192.0.2.10",), state_dir=tmp_path) == made
     monkeypatch.setenv("SKYMESH_PEER_TOKEN", "from-the-environment-1234")
-    assert resolve_peer_token(cfg, ("0.0.0.0",), state_dir=tmp_path) == "from-the-environment-1234"
+    assert resolve_peer_token(cfg, ("192.0.2.10",), state_dir=tmp_path) == "from-the-environment-1234"

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
-from skymesh.admin_auth import MissingSecretError
 from skymesh.config import ConfigError, HostPort, MeshConfig, load_config
 from skymesh.gc_tuning import tune_gc
 from skymesh.logging_setup import setup_logging
-from skymesh.procs import READY_HELP, report_ready, serve_until_signal
+from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,8 +88,4 @@ def run(args: argparse.Namespace) -> int:
         print("skymesh balancer: " + "; ".join(bad_ports), file=sys.stderr)
         return 2
     logging.getLogger("skymesh").debug("starting balancer for %s", args.region)
-    try:
-        return asyncio.run(serve(args))
-    except MissingSecretError as e:
-        print(f"skymesh balancer: {e}", file=sys.stderr)
-        return 2
+    return run_daemon("balancer", serve(args))

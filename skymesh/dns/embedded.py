@@ -48,7 +48,7 @@ from skymesh.admin_auth import (
     resolve_peer_token,
     token_matches,
 )
-from skymesh.config import MeshConfig
+from skymesh.config import MeshConfig, source_network_of
 from skymesh.dns.base import BalancerEndpoint
 
 log = logging.getLogger("skymesh.dns")
@@ -85,14 +85,11 @@ class MeshDnsServer:
 
     def locate(self, ip: str) -> tuple[str, int]:
         """(region, matched prefix length) of a client address; default: first region."""
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
+        found = source_network_of(self.networks, ip)
+        if found is None:
             return self.cfg.regions[0].name, 0
-        for net, region in self.networks:
-            if addr.version == net.version and addr in net:
-                return region, net.prefixlen
-        return self.cfg.regions[0].name, 0
+        net, region = found
+        return region, net.prefixlen
 
     def nearest_healthy(self, region: str) -> BalancerEndpoint | None:
         """The client region's balancer if healthy, else the nearest healthy one. With

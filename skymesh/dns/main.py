@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
-from skymesh.admin_auth import MissingSecretError
 from skymesh.config import ConfigError, HostPort, load_config
 from skymesh.logging_setup import setup_logging
-from skymesh.procs import READY_HELP, report_ready, serve_until_signal
+from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,8 +50,4 @@ def run(args: argparse.Namespace) -> int:
     if args.port is not None and not 0 <= args.port <= 65535:
         print(f"skymesh dns: --port must be 0-65535, got {args.port}", file=sys.stderr)
         return 2
-    try:
-        return asyncio.run(serve(args))
-    except MissingSecretError as e:
-        print(f"skymesh dns: {e}", file=sys.stderr)
-        return 2
+    return run_daemon("dns", serve(args))
