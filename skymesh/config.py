@@ -16,7 +16,7 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,6 +56,16 @@ class ConfigError(PathError):
     Validators raise it with a path relative to what they validate; :func:`parse_config`
     raises it with the full path.
     """
+
+
+def _first_repeat(values: Iterable[Hashable]) -> tuple[int, int] | None:
+    """(index, index of its first occurrence) of the first value seen twice, or None."""
+    seen: dict[Hashable, int] = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            return i, seen[value]
+        seen[value] = i
+    return None
 
 
 SourceNetworkTable = list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]]
@@ -309,13 +319,12 @@ class RegionConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> RegionConfig:
-        seen: dict[str, int] = {}
-        for i, rep in enumerate(self.replicas):
-            if rep.id in seen:
-                raise ConfigError(
-                    f"replicas[{i}].id", f"duplicate replica id {rep.id!r} (also at index {seen[rep.id]})"
-                )
-            seen[rep.id] = i
+        repeat = _first_repeat(rep.id for rep in self.replicas)
+        if repeat is not None:
+            i, first = repeat
+            raise ConfigError(
+                f"replicas[{i}].id", f"duplicate replica id {self.replicas[i].id!r} (also at index {first})"
+            )
         if self.egress_source is not None:
             egress = ipaddress.ip_address(self.egress_source)
             if not any(egress in net for net in self.source_networks):
@@ -532,14 +541,15 @@ class ClientAuthConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _unique(self) -> ClientAuthConfig:
-        names: dict[str, int] = {}
-        digests: dict[str, int] = {}
-        for i, key in enumerate(self.keys):
-            if key.name in names:
-                raise ConfigError(f"keys[{i}].name", f"duplicate key name {key.name!r} (also keys[{names[key.name]}])")
-            if key.sha256 in digests:
-                raise ConfigError(f"keys[{i}].sha256", f"the same key as keys[{digests[key.sha256]}]")
-            names[key.name] = digests[key.sha256] = i
+        by_name = _first_repeat(key.name for key in self.keys)
+        by_digest = _first_repeat(key.sha256 for key in self.keys)
+        # the earlier offending key is reported, a name before a digest at the same key
+        if by_name is not None and (by_digest is None or by_name[0] <= by_digest[0]):
+            i, first = by_name
+            raise ConfigError(f"keys[{i}].name", f"duplicate key name {self.keys[i].name!r} (also keys[{first}])")
+        if by_digest is not None:
+            i, first = by_digest
+            raise ConfigError(f"keys[{i}].sha256", f"the same key as keys[{first}]")
         return self
 
 
@@ -591,13 +601,11 @@ class MeshConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MeshConfig:
-        names: dict[str, int] = {}
-        for i, region in enumerate(self.regions):
-            if region.name in names:
-                raise ConfigError(
-                    f"regions[{i}].name", f"duplicate region {region.name!r} (also regions[{names[region.name]}])"
-                )
-            names[region.name] = i
+        names = [region.name for region in self.regions]
+        repeat = _first_repeat(names)
+        if repeat is not None:
+            i, first = repeat
+            raise ConfigError(f"regions[{i}].name", f"duplicate region {names[i]!r} (also regions[{first}])")
         _check_unique_endpoints(self.regions)
         self._latency_ms = _latency_table(self.latencies, self.regions)
         for i, rule in enumerate(self.offload.rules):
