@@ -213,7 +213,7 @@ class Balancer:
         self._egress: aiohttp.ClientSession | None = None
         self._stopping = False
         self.extra_services: list[Any] = []  # peer mesh / controller link (started by main)
-        self._own_loop_restarts: dict[str, int] = {}
+        self._loops: list[SupervisedLoop] = []  # probe and dispatch (they count their restarts)
         self._drained = asyncio.Event()  # set when stopping and the last request ended
         # trust: client keys and limits, the admin token, slow-client bounds (gate.py)
         self.peer_token = resolve_peer_token(cfg, (self.region_cfg.balancer.listen.host,))
@@ -246,9 +246,6 @@ class Balancer:
         # the clock asyncio's loop.time() reads, usable before the loop runs (construction)
         return time.monotonic()
 
-    def _loop_restarted(self, name: str, exc: BaseException) -> None:
-        self._own_loop_restarts[name] = self._own_loop_restarts.get(name, 0) + 1
-
     def rejected_peer_calls(self) -> dict[str, int]:
         from skymesh.balancer.services import rejected_peer_calls
 
@@ -258,7 +255,7 @@ class Balancer:
         """Restarts of this balancer's supervised loops and its services' (by loop name)."""
         from skymesh.balancer.services import loop_restart_counts
 
-        counts = dict(self._own_loop_restarts)
+        counts = {loop.name: loop.restarts for loop in self._loops if loop.restarts}
         for name, n in loop_restart_counts(self.extra_services).items():
             counts[name] = counts.get(name, 0) + n
         return counts
@@ -308,9 +305,9 @@ class Balancer:
         await site.start()
         interval = self.cfg.policy.probe_interval_s
         for name, body in (("probe", self._probe_loop), ("dispatch", self._dispatch_loop)):
-            self._tasks.append(SupervisedLoop(
-                name, body, on_restart=self._loop_restarted, logger=log,
-                backoff_s=interval, max_backoff_s=max(interval, 2.0)).start())
+            loop = SupervisedLoop(name, body, logger=log, backoff_s=interval, max_backoff_s=max(interval, 2.0))
+            self._loops.append(loop)
+            self._tasks.append(loop.start())
         for svc in self.extra_services:
             await svc.start()
         log.info(

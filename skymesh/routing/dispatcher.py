@@ -137,9 +137,6 @@ class BalancerCore:
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._in_flight
 
-    def is_queued(self, request_id: str) -> bool:
-        return request_id in self._queue
-
     def unstarted_on(self, replica_id: str) -> list[str]:
         """Requests dispatched to ``replica_id`` that have not produced a first token."""
         return [
