@@ -111,17 +111,14 @@ async def attempt(
             first = await upstream.content.readany()
         if not first:  # an empty body: nothing was sent, so it counts as a failed attempt
             return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason="empty answer")
-    except TimeoutError:
+    except BaseException as e:
+        # nothing reached the client: drop the connection, whatever ended the attempt
         if upstream is not None:
             upstream.close()
-        return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason="no first byte in time")
-    except (aiohttp.ClientError, OSError) as e:
-        if upstream is not None:
-            upstream.close()
-        return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason=type(e).__name__)
-    except BaseException:
-        if upstream is not None:
-            upstream.close()
+        if isinstance(e, TimeoutError):  # before OSError: TimeoutError is one
+            return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason="no first byte in time")
+        if isinstance(e, aiohttp.ClientError | OSError):
+            return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason=type(e).__name__)
         raise
     try:
         headers = target.client_headers(upstream)
