@@ -21,13 +21,14 @@ class ControllerMetrics:
         )
         for loop in LOOPS:
             self.loop_restarts.labels(loop)
-        # gRPC calls refused by mesh identity: a certificate acting for another region, or
-        # a registration naming addresses the config does not give its region
+        # gRPC calls refused by mesh identity: a certificate acting for another region, a
+        # registration naming addresses the config does not give its region, or a
+        # deregistration from a registration that is not the current one
         self.rejected_calls = Counter(
-            "skymesh_controller_rejected_calls", "Balancer calls refused by mesh identity.", ("reason",),
+            "skymesh_controller_rejected_calls", "Balancer calls refused by mesh identity or registration.", ("reason",),
             registry=self.registry,
         )
-        for reason in ("wrong_identity", "wrong_address"):
+        for reason in ("wrong_identity", "wrong_address", "stale_deregister"):
             self.rejected_calls.labels(reason)
 
     def loop_restarted(self, name: str, exc: BaseException) -> None:

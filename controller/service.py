@@ -182,6 +182,10 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
     async def _set_alive(self, region: str, alive: bool, reason: str) -> None:
         b = self.balancers[region]
+        if alive and b.get("draining"):
+            # a deregistered balancer still answers while it drains: only a new
+            # registration brings its region back
+            return
         if alive:
             self.failures[region] = 0
             b["last_seen_ms"] = _now_ms()
@@ -252,6 +256,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         b["epoch"] = epoch
         await asyncio.to_thread(self.store.save_epoch, request.region, epoch)
         was_alive = b["alive"]
+        b["draining"] = False
         await self._set_alive(request.region, True, f"registered (epoch {epoch})")
         if changed and was_alive:
             # a restarted balancer (new id): persist and push
@@ -284,6 +289,27 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         await asyncio.to_thread(self.store.save_report, request.region, report, now,
                                 request.SerializeToString())
         return mesh_pb2.ReportReply(topology_version=self.version)
+
+    async def Deregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        b = self.balancers.get(request.region)
+        if b is None:
+            return mesh_pb2.DeregisterReply(accepted=False, reason=f"unknown region {request.region!r}",
+                                            topology_version=self.version)
+        await self._authorize_region(request.region, context)
+        if request.epoch != (b["epoch"] or 0) or request.balancer_id != b["balancer_id"]:
+            # only the current registration may take its region out: a stale process (or
+            # a replayed call) must not black out the balancer that replaced it
+            self.metrics.rejected_calls.labels("stale_deregister").inc()
+            return mesh_pb2.DeregisterReply(
+                accepted=False, topology_version=self.version,
+                reason=f"not the current registration of {request.region} (epoch {b['epoch']})")
+        b["draining"] = True
+        self.failures[request.region] = 0
+        reason = request.reason[:200] or "deregistered"
+        await self._set_alive(request.region, False, f"deregistered: {reason}")
+        log.info("balancer deregistered", extra={"region": request.region, "balancer_id": request.balancer_id,
+                                                 "epoch": request.epoch, "reason": reason})
+        return mesh_pb2.DeregisterReply(accepted=True, topology_version=self.version)
 
     async def WatchTopology(self, request: Any, context: Any) -> Any:  # noqa: N802
         # a balancer watches as its own region; an admin (status tool) may watch too
@@ -327,6 +353,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             regions.append({
                 "region": r.name,
                 "balancer_alive": b["alive"],
+                # deregistered (SIGTERM drain): out until it registers again
+                "balancer_draining": bool(b.get("draining")),
                 "balancer_id": b["balancer_id"],
                 "balancer_epoch": b["epoch"],
                 "balancer_url": b["http_url"],

@@ -6,6 +6,8 @@ comes from: the client's source IP is matched against the regions' ``source_netw
 (a client at 127.2.0.5, or a balancer that bound its egress to 127.2.0.1, is in
 eu-west-1), and the delay is ``one_way_ms(source region, this region)``. Unknown sources
 get ``local_latency_ms``. Byte-level, so it carries HTTP (incl. SSE streaming) and gRPC.
+The mesh's proxies connect to the balancer from the client's own address (client IP
+preservation, as an AWS NLB does), so the balancer sees which region a user is in.
 
 Each direction is a queue of (release time, bytes): chunks leave in order at arrival +
 delay, so delays never add up along a stream (no sleep-per-chunk serialisation). The
@@ -114,11 +116,20 @@ class DelayProxy:
 
     def __init__(self, listen: tuple[str, int], target: tuple[str, int], delay: Callable[[str], float],
                  name: str = "", max_buffered: int = DEFAULT_MAX_BUFFERED,
-                 upstream_source: str | None = None) -> None:
+                 upstream_source: str | None = None, region: str = "", kind: str = "",
+                 preserve_client_ip: bool = False) -> None:
         self.listen = listen
+        # what it stands in front of (e.g. "eu-west-1", "grpc"), for fault injection
+        self.region = region
+        self.kind = kind
+        # a cut link: connections from client IPs this says True for are refused (None: none)
+        self.refuse: Callable[[str], bool] | None = None
         self.target = target
         # bind the upstream side to this source address (an egress forwarder, below)
         self.upstream_source = upstream_source
+        # connect upstream from the client's own address (as an AWS NLB preserves client
+        # IPs): the balancer behind it must see where a user is, for residency
+        self.preserve_client_ip = preserve_client_ip
         self.delay = delay
         self.name = name or f"{listen[0]}:{listen[1]}"
         self.max_buffered = max_buffered
@@ -144,6 +155,23 @@ class DelayProxy:
 
     def lines(self) -> list[_DelayLine]:
         return [line for lines in self._lines.values() for line in lines]
+
+    def cut(self, refuse: Callable[[str], bool]) -> int:
+        """Emulate a cut link: from now on, refuse connections from client IPs for which
+        ``refuse(ip)`` is True, and reset those open now. Returns how many were reset."""
+        self.refuse = refuse
+        reset = 0
+        for writers in list(self._conns.values()):
+            peer = writers[0].get_extra_info("peername")
+            if refuse(peer[0] if peer else ""):
+                for w in writers:
+                    w.transport.abort()  # a reset, not a clean close: the link is gone
+                reset += 1
+        return reset
+
+    def mend(self) -> None:
+        """Undo :meth:`cut`."""
+        self.refuse = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.listen[0], self.listen[1], reuse_address=True)
@@ -171,13 +199,18 @@ class DelayProxy:
         task = asyncio.current_task()
         assert task is not None
         self.connections_total += 1
-        writers = self._conns[task] = [cwriter]
         peer = cwriter.get_extra_info("peername")
-        d = self.delay(peer[0] if peer else "")
+        client_ip = peer[0] if peer else ""
+        if self.refuse is not None and self.refuse(client_ip):
+            cwriter.transport.abort()
+            return
+        writers = self._conns[task] = [cwriter]
+        d = self.delay(client_ip)
         try:
             try:
+                source = client_ip if self.preserve_client_ip and client_ip else self.upstream_source
                 ureader, uwriter = await asyncio.open_connection(
-                    *self.target, local_addr=(self.upstream_source, 0) if self.upstream_source else None)
+                    *self.target, local_addr=(source, 0) if source else None)
             except OSError as e:
                 # upstream down: the client sees the connection close, as with a dead host
                 log.debug("delay proxy upstream unreachable", extra={"proxy": self.name, "error": str(e)})
@@ -217,10 +250,12 @@ def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
         d = delay_for(cfg, r.name)
         if b.advertise != b.listen:
             out.append(DelayProxy((b.advertise.host, b.advertise.port), (b.listen.host, b.listen.port), d,
-                                  name=f"{r.name} http {b.advertise}"))
+                                  name=f"{r.name} http {b.advertise}", region=r.name, kind="http",
+                                  preserve_client_ip=True))
         if b.grpc_advertise != b.grpc_listen:
             out.append(DelayProxy((b.grpc_advertise.host, b.grpc_advertise.port),
-                                  (b.grpc_listen.host, b.grpc_listen.port), d, name=f"{r.name} grpc {b.grpc_advertise}"))
+                                  (b.grpc_listen.host, b.grpc_listen.port), d, name=f"{r.name} grpc {b.grpc_advertise}",
+                                  region=r.name, kind="grpc", preserve_client_ip=True))
     return out
 
 

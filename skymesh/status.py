@@ -164,7 +164,7 @@ def render(status: dict[str, Any]) -> str:
     for r in regions:
         rep = r.get("report") or {}
         name = r.get("region", "?")
-        up = "up" if r.get("balancer_alive") else "DOWN"
+        up = "up" if r.get("balancer_alive") else ("DRAINING" if r.get("balancer_draining") else "DOWN")
         lines.append("")
         lines.append(f"== {name}  balancer {up}  {r.get('balancer_url', '')}  {r.get('balancer_id', '')}".rstrip())
         if not r.get("balancer_alive"):

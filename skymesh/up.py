@@ -296,6 +296,25 @@ class Mesh:
         if child is not None:
             await (child.kill() if kill else child.stop())
 
+    def cut_links_into(self, region: str) -> int:
+        """Fault injection: the other regions' balancers can no longer reach ``region``'s
+        (its gRPC delay proxy refuses everyone, its HTTP one the other balancers' egress
+        addresses; its own clients and the controller's probes still get in). Open
+        connections are reset. Returns how many. :meth:`mend_links_into` undoes it."""
+        others = {r.egress_source for r in self.cfg.regions if r.name != region and r.egress_source}
+        reset = 0
+        for p in self.proxies:
+            if p.region == region and p.kind == "grpc":
+                reset += p.cut(lambda ip: True)
+            elif p.region == region and p.kind == "http":
+                reset += p.cut(others.__contains__)
+        return reset
+
+    def mend_links_into(self, region: str) -> None:
+        for p in self.proxies:
+            if p.region == region:
+                p.mend()
+
     # ------------------------------------------------------------------ whole mesh
 
     async def start(self) -> None:

@@ -62,3 +62,12 @@ def local_config_free_ports(time_scale: float = 1.0) -> dict[str, Any]:
     # the DNS control endpoint is the DNS port + 1: both must be free
     data["dns"]["listen"] = f"127.0.0.1:{free_port(span=2)}"
     return data
+
+
+def report_figures(name: str, **figures: Any) -> None:
+    """Print a fault test's figures as one ``FIGURES {json}`` line (seen with ``pytest -s``;
+    docs/reliability.md collects them with the command that made them)."""
+    import json
+
+    rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
+    print(f"\nFIGURES {json.dumps({'test': name, **rounded})}", flush=True)

@@ -524,3 +524,57 @@ async def test_background_loops_restart_after_a_bug_and_count_it(
     finally:
         await svc.stop()
     assert all(t.done() for t in svc._tasks)
+
+
+async def test_deregistration_moves_a_region_at_once_and_only_the_current_registration_may(
+    mesh: tuple[MeshConfig, Path, dict[str, FakeBalancer]],
+) -> None:
+    """A draining balancer deregisters: its region is dead at once (replicas to the nearest
+    live region, DNS told), probes that still find it answering do not revive it, a stale
+    or foreign registration cannot deregister, and a new registration brings it back."""
+    cfg, _, fakes = mesh
+    for f in fakes.values():
+        await f.start()  # every /health answers, all the time
+    rec = RecordingDns()
+    svc = ControllerService(cfg, rec)
+    await svc.start()
+    try:
+        async with channel_as(cfg, "eu-west-1") as ch, channel_as(cfg, "us-east-1") as use1_ch:
+            stub, use1 = mesh_pb2_grpc.ControllerStub(ch), mesh_pb2_grpc.ControllerStub(use1_ch)
+            old = await stub.Register(mesh_pb2.RegisterRequest(region="eu-west-1", balancer_id="euw1-a"), timeout=5)
+            new = await stub.Register(mesh_pb2.RegisterRequest(region="eu-west-1", balancer_id="euw1-b"), timeout=5)
+            assert svc.alive_regions() == {"us-east-1", "eu-west-1", "ap-northeast-1"}
+            # the replaced process (older epoch) and another region's identity are refused
+            stale = await stub.Deregister(mesh_pb2.DeregisterRequest(
+                region="eu-west-1", balancer_id="euw1-a", epoch=old.epoch, reason="draining"), timeout=5)
+            assert not stale.accepted and "eu-west-1" in svc.alive_regions()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await use1.Deregister(mesh_pb2.DeregisterRequest(
+                    region="eu-west-1", balancer_id="euw1-b", epoch=new.epoch), timeout=5)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "eu-west-1" in svc.alive_regions()
+            assert 'skymesh_controller_rejected_calls_total{reason="stale_deregister"} 1.0' in \
+                svc.metrics.render().decode().splitlines()
+            # the current registration deregisters: dead at once, replicas and DNS move
+            v0 = svc.version
+            ok = await stub.Deregister(mesh_pb2.DeregisterRequest(
+                region="eu-west-1", balancer_id="euw1-b", epoch=new.epoch, reason="draining"), timeout=5)
+            assert ok.accepted and ok.topology_version > v0
+            assert "eu-west-1" not in svc.alive_regions()
+            eu_ids = {r.id for r in cfg.region("eu-west-1").replicas}
+            assert {rid for rid, (owner, _) in proto_owners(svc.topology()).items() if owner == "us-east-1"} >= eu_ids
+
+            async def dns_without_eu() -> bool:
+                return bool(rec.calls) and {e.region for e in rec.calls[-1] if not e.healthy} == {"eu-west-1"}
+
+            await wait_until(dns_without_eu, "DNS told that eu-west-1 is out")
+            # it still answers /health and still reports while it drains: it stays out
+            await stub.Report(mesh_pb2.BalancerReport(region="eu-west-1", balancer_id="euw1-b", epoch=new.epoch,
+                                                      admin_json="{}"), timeout=5)
+            await asyncio.sleep(4 * cfg.controller.probe_interval_s)
+            assert "eu-west-1" not in svc.alive_regions()
+            # the restarted balancer registers: back
+            await stub.Register(mesh_pb2.RegisterRequest(region="eu-west-1", balancer_id="euw1-c"), timeout=5)
+            assert "eu-west-1" in svc.alive_regions()
+    finally:
+        await svc.stop()

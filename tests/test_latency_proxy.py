@@ -251,3 +251,44 @@ async def test_egress_forwarder_makes_a_client_that_cannot_bind_look_like_its_re
     assert got == b"heartbeat"
     assert seen == ["127.2.0.1"]
     assert elapsed >= 0.080
+
+
+async def test_client_ip_is_preserved_and_a_cut_link_refuses_and_resets() -> None:
+    """The balancer behind a mesh proxy sees the user's own address (its region decides
+    residency); a cut refuses matching sources, resets their open connections, and leaves
+    the others alone until mended."""
+    seen: list[str] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        seen.append(w.get_extra_info("peername")[0])
+        with contextlib.suppress(ConnectionError):
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = int(srv.sockets[0].getsockname()[1])
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port), lambda ip: 0.0, preserve_client_ip=True)
+    try:
+        async with running(proxy):
+            _, echoed = await round_trip(proxy.port, "127.2.0.9", b"hi")
+            assert echoed == b"hi" and seen == ["127.2.0.9"]
+            # an open connection from the source to be cut, and one from another source
+            r1, w1 = await asyncio.open_connection("127.0.0.1", proxy.port, local_addr=("127.1.0.9", 0))
+            r2, w2 = await asyncio.open_connection("127.0.0.1", proxy.port, local_addr=("127.3.0.9", 0))
+            await until(lambda: proxy.active_connections == 2)
+            assert proxy.cut(lambda ip: ip == "127.1.0.9") == 1
+            with contextlib.suppress(ConnectionError):  # reset: the link is gone (EOF or RST)
+                assert await r1.read(10) == b""
+            w2.write(b"still here")
+            assert await r2.readexactly(10) == b"still here"
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                await round_trip(proxy.port, "127.1.0.9", b"x")
+            proxy.mend()
+            _, echoed = await round_trip(proxy.port, "127.1.0.9", b"back")
+            assert echoed == b"back"
+            for w in (w1, w2):
+                w.close()
+    finally:
+        srv.close()

@@ -91,6 +91,12 @@ def test_render_the_controller_view() -> None:
     assert "eu-west-1 (adopted)" in adopted and adopted.split()[-4:] == ["avail", "1", "0", "25%"]
     assert "peers: ap-northeast-1 avail (2/3, q 0, rtt 160.4 ms); eu-west-1 unavail (0/0, q 0)" in text
     assert "== eu-west-1  balancer DOWN" in text
+    # a deregistered (draining) balancer is told apart from a dead one
+    import copy
+
+    draining = copy.deepcopy(CONTROLLER_VIEW)
+    draining["regions"][1]["balancer_draining"] = True
+    assert "== eu-west-1  balancer DRAINING" in render(draining)
     assert "its replicas are adopted by us-east-1" in text
     # alive, but no report yet: what it owns, from the topology
     assert "owns: apne1-r0" in text

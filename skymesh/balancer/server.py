@@ -325,11 +325,19 @@ class Balancer:
         return self.region_cfg.balancer.listen.port
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop; with ``drain_timeout_s`` > 0 (SIGTERM), drain first: stop accepting new
+        """Stop; with ``drain_timeout_s`` > 0 (SIGTERM), drain first: deregister from the
+        controller (DNS and this region's replicas move now), stop accepting new
         connections, keep probing and dispatching so every accepted request (queued or in
         flight) can finish, for at most that long; then stop the rest."""
         self._stopping = True
         if drain_timeout_s > 0 and self._runner is not None:
+            # deregister first: the controller moves DNS and this region's replicas to the
+            # nearest live balancer while this one still finishes what it accepted
+            for svc in self.extra_services:
+                prepare = getattr(svc, "prepare_drain", None)
+                if prepare is not None:
+                    with contextlib.suppress(Exception):
+                        await prepare()
             for site in list(self._runner.sites):
                 await site.stop()  # the listening socket closes: new clients go elsewhere
             if self.core.active_requests:

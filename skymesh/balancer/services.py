@@ -88,10 +88,14 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     """Bidirectional heartbeat streams to every peer balancer.
 
     Each balancer dials every peer and also answers the peers that dial it, so each pair
-    has two streams; heartbeats carry (epoch, seq), and the receiver drops anything older
-    than what it has, so duplicates are harmless. A heartbeat is sent every interval and
-    at once when this region's availability changes, so a replica filling up is seen by
-    peers within one probe interval plus the one-way latency.
+    has two streams. A heartbeat proves the path it came on: only those answering the
+    stream this balancer dialed make a peer available for offload, since forwarding uses
+    the same direction (this balancer connecting to the peer's address). Heartbeats on a
+    stream a peer dialed are checked (identity) but not applied: with the link into the
+    peer cut, they would keep a peer "available" that no forward can reach. Heartbeats
+    carry (epoch, seq); the receiver drops anything older than what it has. A heartbeat is
+    sent every interval and at once when this region's availability changes, so a replica
+    filling up is seen by peers within one probe interval plus the one-way latency.
     """
 
     def __init__(self, b: Balancer) -> None:
@@ -153,9 +157,10 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
 
     # ------------------------------------------------------------------ what we receive
 
-    def receive(self, hb: Any, stream_region: str | None = None) -> None:
+    def receive(self, hb: Any, stream_region: str | None = None, *, dialed: bool = True) -> None:
         """``stream_region``: the region the stream's peer authenticated as (None only
-        without TLS). A heartbeat claiming any other region is dropped and counted."""
+        without TLS). A heartbeat claiming any other region is dropped and counted.
+        ``dialed``: it came on a stream this balancer opened (only those are applied)."""
         if self.creds is not None and hb.region != stream_region:
             # keyed by the claimed region only when it is a configured one: a caller must
             # not grow this map (or a metrics label) with names of its own choosing
@@ -164,7 +169,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             log.warning("dropped a heartbeat claiming another region",
                         extra={"claimed": hb.region, "authenticated": stream_region or "none"})
             return
-        if hb.region == self.b.region or hb.region not in self.b.peers:
+        if hb.region == self.b.region or hb.region not in self.b.peers or not dialed:
             return
         cfg = self.b.cfg
         delay = 0.0
@@ -207,7 +212,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
 
         async def read() -> None:
             async for hb in request_iterator:
-                self.receive(hb, stream_region)
+                self.receive(hb, stream_region, dialed=False)
 
         reader = asyncio.create_task(read())
         try:
@@ -295,6 +300,35 @@ class ControllerLink(SupervisedService):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+    async def prepare_drain(self, timeout_s: float = 2.0) -> bool:
+        """Before a drain: stop following the controller (a topology that hands this
+        region's replicas away must not pull them from under the requests being drained)
+        and deregister, so the controller moves DNS and the replicas to the nearest live
+        region now instead of after its probes fail. True when the controller accepted."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        if not self.controller_epoch:
+            return False  # never registered (controller down since start): nothing to undo
+        addr = str(self.b.cfg.controller.listen)
+        channel = (grpc.aio.insecure_channel(addr) if self.creds is None
+                   else secure_channel(addr, self.creds, CONTROLLER_SERVER_NAME))
+        try:
+            async with channel:
+                reply = await mesh_pb2_grpc.ControllerStub(channel).Deregister(
+                    mesh_pb2.DeregisterRequest(region=self.b.region, balancer_id=self.b.balancer_id,
+                                               epoch=self.controller_epoch, reason="draining"),
+                    timeout=timeout_s)
+        except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
+            # the controller's probes will find the closed listener instead
+            log.warning("deregistration failed", extra={"region": self.b.region, "error": type(e).__name__})
+            return False
+        if not reply.accepted:
+            log.warning("deregistration refused", extra={"region": self.b.region, "reason": reply.reason})
+        return bool(reply.accepted)
 
     async def _run(self) -> None:
         addr = str(self.b.cfg.controller.listen)

@@ -117,6 +117,11 @@ class ControllerStub:
                 request_serializer=skymesh_dot_v1_dot_mesh__pb2.BalancerReport.SerializeToString,
                 response_deserializer=skymesh_dot_v1_dot_mesh__pb2.ReportReply.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/skymesh.v1.Controller/Deregister',
+                request_serializer=skymesh_dot_v1_dot_mesh__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=skymesh_dot_v1_dot_mesh__pb2.DeregisterReply.FromString,
+                _registered_method=True)
         self.WatchTopology = channel.unary_stream(
                 '/skymesh.v1.Controller/WatchTopology',
                 request_serializer=skymesh_dot_v1_dot_mesh__pb2.WatchRequest.SerializeToString,
@@ -139,6 +144,12 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,6 +179,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=skymesh_dot_v1_dot_mesh__pb2.BalancerReport.FromString,
                     response_serializer=skymesh_dot_v1_dot_mesh__pb2.ReportReply.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=skymesh_dot_v1_dot_mesh__pb2.DeregisterRequest.FromString,
+                    response_serializer=skymesh_dot_v1_dot_mesh__pb2.DeregisterReply.SerializeToString,
             ),
             'WatchTopology': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchTopology,
@@ -234,6 +250,33 @@ class Controller:
             '/skymesh.v1.Controller/Report',
             skymesh_dot_v1_dot_mesh__pb2.BalancerReport.SerializeToString,
             skymesh_dot_v1_dot_mesh__pb2.ReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skymesh.v1.Controller/Deregister',
+            skymesh_dot_v1_dot_mesh__pb2.DeregisterRequest.SerializeToString,
+            skymesh_dot_v1_dot_mesh__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,209 @@
+"""Fault injection on the whole local mesh (real processes on loopback): a balancer killed
+or drained, the links into a region cut. Each test prints one ``FIGURES {json}`` line
+(run with ``-s``); docs/reliability.md collects them with the command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from skymesh.up import Mesh
+from tests.mesh_helpers import report_figures
+from tests.test_mesh_integration import (
+    REGION_SOURCES,
+    admin,
+    burst,
+    client_session,
+    controller_topology,
+    mesh_config,
+    owned,
+    peers_ready,
+    resolve,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.fault]
+
+US, EU, AP = "us-east-1", "eu-west-1", "ap-northeast-1"
+
+
+@contextlib.asynccontextmanager
+async def mesh_with(tmp_path: Path, **controller: Any) -> Any:
+    data = mesh_config(tmp_path)
+    data["controller"].update(controller)
+    mesh = Mesh.from_dict(data, tmp_path / "run")
+    await mesh.start()
+    try:
+        await wait_for(lambda: peers_ready(mesh), 20, "peer heartbeats")
+        yield mesh
+    finally:
+        await mesh.stop()
+
+
+def advertised_url(mesh: Mesh, ip: str) -> str:
+    port = next(r.balancer.advertise.port for r in mesh.cfg.regions if r.balancer.advertise.host == ip)
+    return f"http://{ip}:{port}"
+
+
+async def ask(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 8,
+              stream: bool = False) -> dict[str, Any]:
+    """One completion; a connection that fails or breaks is a result too (status 0)."""
+    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    try:
+        async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
+            data = await r.read()
+            return {"status": r.status, "region": r.headers.get("X-Skymesh-Region", ""),
+                    "replica": r.headers.get("X-Skymesh-Replica", ""), "path": r.headers.get("X-Skymesh-Path", ""),
+                    "done": (b"[DONE]" in data) if stream else r.status == 200}
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return {"status": 0, "error": type(e).__name__, "region": "", "replica": "", "path": "", "done": False}
+
+
+class Client:
+    """A user in one region who resolves the mesh name (TTL 1 s, re-resolved every
+    request as a resolver with that TTL would at worst) and, like the OpenAI SDK, retries a
+    request whose connection failed, after resolving again. Bounded: ``n`` requests."""
+
+    def __init__(self, mesh: Mesh, region: str, n: int, pause_s: float = 0.05) -> None:
+        self.mesh, self.region, self.n, self.pause_s = mesh, region, n, pause_s
+        self.results: list[dict[str, Any]] = []
+        self.connection_failures: list[float] = []  # when each failed attempt happened
+
+    async def run(self) -> None:
+        source = REGION_SOURCES[self.region]
+        async with client_session(source) as s:
+            for i in range(self.n):
+                for _attempt in range(20):
+                    ip = await asyncio.to_thread(resolve, self.mesh, source)
+                    res = await ask(s, advertised_url(self.mesh, ip), f"{self.region} user {i % 7} asks {i}")
+                    res["balancer_ip"], res["at"] = ip, time.monotonic()
+                    if res["status"] != 0:
+                        break
+                    self.connection_failures.append(time.monotonic())
+                    await asyncio.sleep(0.2)
+                self.results.append(res)
+                await asyncio.sleep(self.pause_s)
+
+
+async def test_a_killed_balancer_fails_over_dns_moves_and_residency_holds(tmp_path: Path) -> None:
+    async with mesh_with(tmp_path, probe_interval_s=0.5, failure_threshold=3) as mesh:
+        eu_replicas = {r.id for r in mesh.cfg.region(EU).replicas}
+        eu_ip, us_ip = mesh.cfg.region(EU).balancer.advertise.host, mesh.cfg.region(US).balancer.advertise.host
+        eu_users, us_users = Client(mesh, EU, 120), Client(mesh, US, 120)
+        load = asyncio.gather(eu_users.run(), us_users.run())
+        await asyncio.sleep(1.0)
+        t_kill = time.monotonic()
+        await mesh.stop_balancer(EU, kill=True)
+
+        async def dns_moved() -> bool:
+            return await asyncio.to_thread(resolve, mesh, REGION_SOURCES[EU]) == us_ip
+
+        dns_s = await wait_for(dns_moved, 30, "the EU clients' DNS answer moving to us-east-1")
+
+        async def adopted() -> bool:
+            st = await admin(mesh, US)
+            return st is not None and eu_replicas <= set(st["replicas"])
+
+        adopt_s = await wait_for(adopted, 30, "us-east-1 serving the adopted EU replicas") + dns_s
+        await load
+        eu_ok = [r for r in eu_users.results if r["status"] == 200]
+        moved = [r for r in eu_ok if r["balancer_ip"] == us_ip]
+        # every EU user's request was answered in the end (after retries on a refused
+        # connection), and those answered through us-east-1 ran on EU replicas only
+        assert len(eu_ok) == len(eu_users.results) == 120, [r for r in eu_users.results if r["status"] != 200]
+        assert moved, "no EU request went through us-east-1 after the failover"
+        assert {r["replica"] for r in moved} <= eu_replicas, {r["replica"] for r in moved}
+        assert all(r["status"] == 200 for r in us_users.results)
+        first_served = min(r["at"] for r in moved) - t_kill
+        # and back: the restarted balancer takes its replicas and its clients again
+        await mesh.start_balancer(EU)
+
+        async def handed_back() -> bool:
+            topo = await controller_topology(mesh)
+            return (topo is not None and owned(topo, EU) == eu_replicas
+                    and await asyncio.to_thread(resolve, mesh, REGION_SOURCES[EU]) == eu_ip)
+
+        back_s = await wait_for(handed_back, 30, "replicas and DNS back to eu-west-1")
+        report_figures("balancer_killed", dns_moved_s=dns_s, replicas_adopted_s=adopt_s,
+                       first_eu_request_served_after_kill_s=first_served,
+                       eu_requests=len(eu_users.results), eu_served_via_us_east_1=len(moved),
+                       eu_connection_failures_retried=len(eu_users.connection_failures),
+                       residency_violations=sum(r["replica"] not in eu_replicas for r in moved),
+                       us_requests_failed=sum(r["status"] != 200 for r in us_users.results),
+                       handed_back_after_restart_s=back_s, controller_probe="0.5 s x 3", dns_ttl_s=1)
+
+
+async def test_a_draining_balancer_deregisters_so_dns_moves_before_it_exits(tmp_path: Path) -> None:
+    # probes this slow would find the balancer gone only ~6 s after its listener closed:
+    # DNS moving while it still drains can only come from the deregistration
+    async with mesh_with(tmp_path, probe_interval_s=2.0, failure_threshold=3) as mesh:
+        eu_replicas = {r.id for r in mesh.cfg.region(EU).replicas}
+        us_ip = mesh.cfg.region(US).balancer.advertise.host
+        eu_url = mesh.cfg.region(EU).balancer.advertise_url
+        async with client_session(REGION_SOURCES[EU]) as s:
+            # long streams, in flight when SIGTERM comes
+            streams = [asyncio.create_task(ask(s, eu_url, f"long story {i}", max_tokens=1200, stream=True))
+                       for i in range(6)]
+
+            async def streaming() -> bool:
+                st = await admin(mesh, EU)
+                return st is not None and st["in_flight"] >= 6
+
+            await wait_for(streaming, 20, "six streams in flight at eu-west-1")
+            child = mesh.balancers[EU]
+            t_term = time.monotonic()
+            child.signal_group(signal.SIGTERM)
+
+            async def dns_moved() -> bool:
+                return await asyncio.to_thread(resolve, mesh, REGION_SOURCES[EU]) == us_ip
+
+            dns_s = await wait_for(dns_moved, 30, "DNS moving off the draining balancer")
+            still_draining = child.running()
+            results = await asyncio.gather(*streams)
+        await asyncio.to_thread(child.proc.wait, 30)  # type: ignore[union-attr]
+        exit_s = time.monotonic() - t_term
+        topo = await controller_topology(mesh)
+        assert topo is not None
+        assert still_draining, "DNS moved only after the balancer had exited (no deregistration?)"
+        assert all(r["status"] == 200 and r["done"] for r in results), results  # the drain finished them
+        assert child.returncode == 0
+        assert eu_replicas <= owned(topo, US)  # handed to the nearest live region at once
+        report_figures("balancer_drained", dns_moved_after_sigterm_s=dns_s, exited_after_sigterm_s=exit_s,
+                       streams_in_flight=len(results), streams_completed=sum(r["done"] for r in results),
+                       controller_probe="2.0 s x 3 (would need ~6 s)")
+
+
+async def test_links_cut_into_a_region_peers_stop_offloading_there_and_resume(tmp_path: Path) -> None:
+    async with mesh_with(tmp_path) as mesh:
+        staleness_s = mesh.cfg.offload.heartbeat_interval_s * mesh.cfg.offload.heartbeat_miss_limit
+
+        async def eu_seen_by(region: str, available: bool) -> bool:
+            st = await admin(mesh, region)
+            return st is not None and st["peers"][EU]["available"] is available
+
+        reset = mesh.cut_links_into(EU)
+        down_s = await wait_for(lambda: eu_seen_by(US, False), 20, "us-east-1 marking eu-west-1 unavailable")
+        await wait_for(lambda: eu_seen_by(AP, False), 20, "ap-northeast-1 marking eu-west-1 unavailable")
+        # local serving goes on everywhere; us-east-1's overflow goes to ap-northeast-1 only
+        during_us, during_eu = await asyncio.gather(burst(mesh, US, 60), burst(mesh, EU, 12))
+        assert all(r["status"] == 200 for r in during_us + during_eu)
+        assert not any("eu-west-1" in r["path"] for r in during_us)
+        offloaded_during = sum(r["offloaded"] == "1" for r in during_us)
+        mesh.mend_links_into(EU)
+        up_s = await wait_for(lambda: eu_seen_by(US, True), 20, "us-east-1 seeing eu-west-1 again")
+        after_us = await burst(mesh, US, 60)
+        assert all(r["status"] == 200 for r in after_us)
+        # the nearest peer takes us-east-1's overflow again
+        to_eu = sum(r["path"] == "us-east-1>eu-west-1" for r in after_us)
+        assert to_eu > 0
+        report_figures("links_cut_into_eu_west_1", connections_reset=reset, staleness_bound_s=staleness_s,
+                       marked_unavailable_after_s=down_s, us_requests_during=len(during_us),
+                       us_offloaded_during=offloaded_during, failed_during=0,
+                       available_again_after_mend_s=up_s, us_offloaded_to_eu_after=to_eu)
