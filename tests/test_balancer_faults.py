@@ -24,7 +24,7 @@ from skymesh.balancer.server import (
 from skymesh.config import parse_config
 from skymesh.procs import free_port
 from skymesh.prom import parse_samples
-from tests.mesh_helpers import one_region_config
+from tests.mesh_helpers import one_region_config, report_figures
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.fault]
 
@@ -131,6 +131,9 @@ async def test_a_frozen_replica_is_ejected_and_its_unstarted_requests_go_elsewhe
         assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
         snap = b.core.snapshot()
         assert snap["transitions"].get("placed>queued", 0) >= 1  # abandoned, queued again
+        report_figures("replica_frozen", requests=len(results), served=sum(st == 200 for st, _ in results),
+                       sent_to_frozen=frozen.received, requeued=snap["transitions"]["placed>queued"],
+                       first_byte_timeout_s=3000)
     finally:
         await b.stop()
 

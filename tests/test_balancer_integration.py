@@ -16,7 +16,7 @@ from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
 from skymesh.procs import Child, free_port, start_sim_replicas
 from skymesh.prom import parse_samples
-from tests.mesh_helpers import one_region_config
+from tests.mesh_helpers import one_region_config, report_figures
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -294,6 +294,10 @@ async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path
             assert r["done"] or (r["started"] and r["error_event"]), r
         assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
         assert b.core.queue_length == 0
+        report_figures("replica_killed", requests=len(results), completed=sum(r["done"] for r in results),
+                       cut_mid_stream_with_sse_error=sum(not r["done"] and r["error_event"] for r in results),
+                       unstarted_lost=len(unstarted_failures),
+                       retried=b.core.transitions[("placed", "queued")])
     finally:
         await b.stop()
         await asyncio.gather(*(p.stop() for p in procs.values()))

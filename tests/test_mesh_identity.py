@@ -31,7 +31,7 @@ from skymesh.pki import (
     secure_channel,
 )
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from tests.mesh_helpers import free_port, local_config_free_ports
+from tests.mesh_helpers import free_port, local_config_free_ports, report_figures
 from tests.test_balancer_services import INTERVAL_S, fake_balancer
 from tests.test_controller import wait_until
 
@@ -176,12 +176,28 @@ async def test_forged_registers_are_rejected_and_change_nothing(tmp_path: Path) 
                 await mesh_pb2_grpc.ControllerStub(ch).Report(
                     mesh_pb2.BalancerReport(region="us-east-1", epoch=HUGE_EPOCH, admin_json="{}"), timeout=5)
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # a deregistration (it would black the region out): without a certificate, with
+        # another region's, and with the region's own but not its current registration
+        forged_out = mesh_pb2.DeregisterRequest(region="us-east-1", balancer_id="", epoch=0, reason="forged")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await mesh_pb2_grpc.ControllerStub(grpc.aio.insecure_channel(addr)).Deregister(forged_out, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with secure_channel(addr, eu, CONTROLLER_SERVER_NAME) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mesh_pb2_grpc.ControllerStub(ch).Deregister(forged_out, timeout=5)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        async with secure_channel(addr, use1, CONTROLLER_SERVER_NAME) as ch:
+            reply = await mesh_pb2_grpc.ControllerStub(ch).Deregister(
+                mesh_pb2.DeregisterRequest(region="us-east-1", balancer_id="not-the-one", epoch=HUGE_EPOCH), timeout=5)
+            assert not reply.accepted
         assert snapshot(svc) == before
         assert svc.balancers["us-east-1"]["http_url"] == cfg.region("us-east-1").balancer.advertise_url
         # the refusals past the TLS handshake are counted on the controller's /metrics
         page = svc.metrics.render().decode()
-        assert 'skymesh_controller_rejected_calls_total{reason="wrong_identity"} 2.0' in page.splitlines()
+        assert 'skymesh_controller_rejected_calls_total{reason="wrong_identity"} 3.0' in page.splitlines()
         assert 'skymesh_controller_rejected_calls_total{reason="wrong_address"} 1.0' in page.splitlines()
+        assert 'skymesh_controller_rejected_calls_total{reason="stale_deregister"} 1.0' in page.splitlines()
+        report_figures("forged_controller_calls", forged=9, rejected=9, state_changed=snapshot(svc) != before)
 
 
 async def test_the_controller_issues_epochs_and_ignores_the_callers(tmp_path: Path) -> None:

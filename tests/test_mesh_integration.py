@@ -16,7 +16,7 @@ import dns.query
 import pytest
 
 from skymesh.up import Mesh
-from tests.mesh_helpers import admin_auth, local_config_free_ports
+from tests.mesh_helpers import admin_auth, local_config_free_ports, report_figures
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -199,6 +199,7 @@ async def test_balancer_death_moves_replicas_and_dns_then_hands_back(tmp_path: P
         await wait_for(dns_back, 15, "DNS answer back")
 
 
+@pytest.mark.fault
 async def test_controller_down_under_load_fails_nothing_and_recovers_state(tmp_path: Path) -> None:
     async with running_mesh(tmp_path) as mesh:
         topo_before = await controller_topology(mesh)
@@ -216,8 +217,12 @@ async def test_controller_down_under_load_fails_nothing_and_recovers_state(tmp_p
         loader = asyncio.create_task(load())
         await asyncio.sleep(0.5)
         await mesh.stop_controller(kill=True)
+        t_kill = time.monotonic()
+        served_before = len(results)
         await asyncio.sleep(3)  # the data plane runs without it
+        served_while_down = len(results) - served_before
         await mesh.start_controller()
+        down_s = time.monotonic() - t_kill
         await loader
         assert len(results) == 120
         assert all(r["status"] == 200 for r in results)
@@ -226,5 +231,8 @@ async def test_controller_down_under_load_fails_nothing_and_recovers_state(tmp_p
         assert topo_after["version"] > topo_before["version"]  # monotonic across restarts
         for r in mesh.cfg.regions:
             assert owned(topo_after, r.name) == owned(topo_before, r.name)
+        report_figures("controller_killed", requests=len(results), failed=sum(r["status"] != 200 for r in results),
+                       controller_down_s=down_s, served_while_down=served_while_down,
+                       topology_version_before=topo_before["version"], topology_version_after=topo_after["version"])
 
 
