@@ -17,6 +17,16 @@ os.environ.setdefault("SKYMESH_ADMIN_TOKEN", "skymesh-test-admin-token")
 os.environ.setdefault("SKYMESH_PEER_TOKEN", "skymesh-test-peer-token")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The soak runs only when asked for by marker (``-m soak``): it takes ten minutes."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the soak runs only with -m soak")
+    for item in items:
+        if item.get_closest_marker("soak") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def moto_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A Route53 emulator (moto) server on loopback, empty, with test credentials."""
