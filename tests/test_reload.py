@@ -16,7 +16,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from controller.reload import controller_reload_plan
 from skymesh.balancer.auth import ClientKeyring
-from skymesh.balancer.gate import ClientGate
+from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.reload import reload_plan
 from skymesh.config import MeshConfig, load_config_digest, parse_config
 from skymesh.reload import ReloadPlan, changed_paths, path_text
@@ -234,26 +234,35 @@ def bearer(key: str) -> Any:
     return make_mocked_request("POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"})
 
 
+def answer(gate: ClientGate, key: str, now: float) -> int:
+    """The gate's word on a request with ``key``: 200 (let through), or its error status."""
+    denied = gate.admit(bearer(key), now)[1]
+    return 200 if denied is None else denied.status
+
+
 def test_a_reloaded_gate_keeps_the_buckets_of_unchanged_keys() -> None:
     limited = {"requests_per_second": 1.0, "request_burst": 1}
     keys = [{"name": "alice", "sha256": sha("sk-alice"), "limits": limited},
-            {"name": "bob", "sha256": sha("sk-bob"), "limits": limited}]
+            {"name": "bob", "sha256": sha("sk-bob"), "limits": {**limited, "prompt_tokens_per_minute": 10}}]
     cfg = edited(BASE, **{"client_auth.keys": keys})
     gate = gate_for(cfg)
-    for key in ("sk-alice", "sk-bob"):
-        assert gate.admit(bearer(key), 0.0)[1] is None  # each spends its one token
+    assert [answer(gate, k, 0.0) for k in ("sk-alice", "sk-bob", "sk-carol")] == [200, 200, 401]
+    admitted_bob = bearer("sk-bob")  # admitted before the reload, its body still to come
+    admitted_bob[CLIENT] = gate.keyring.authenticate("sk-bob")
     new_keys = [keys[0], {"name": "bob", "sha256": sha("sk-bob"), "limits": {"requests_per_second": 1.0,
                                                                              "request_burst": 5}},
                 {"name": "carol", "sha256": sha("sk-carol")}]
     new = edited(BASE, **{"client_auth.keys": new_keys})
     gate.reconfigure(new, ClientKeyring.from_config(new.client_auth, environ={}), "new-admin-token")
-    assert gate.admit(bearer("sk-alice"), 0.1)[1].status == 429  # unchanged: still spent
-    assert gate.admit(bearer("sk-bob"), 0.1)[1] is None  # new limits: a new bucket
-    assert gate.admit(bearer("sk-carol"), 0.1)[1] is None  # added
+    assert answer(gate, "sk-alice", 0.1) == 429  # unchanged: its one token is still spent
+    assert answer(gate, "sk-bob", 0.1) == 200  # new limits: a new bucket
+    assert answer(gate, "sk-carol", 0.1) == 200  # added
+    assert gate.admin_token == "new-admin-token"
     gate.reconfigure(cfg, ClientKeyring.from_config(edited(BASE, **{"client_auth.keys": keys[:1]}).client_auth,
                                                     environ={}), None)
-    assert gate.admit(bearer("sk-bob"), 0.2)[1].status == 401  # removed
-    assert gate.admin_token is None
+    assert answer(gate, "sk-bob", 0.2) == 401  # removed
+    # a request admitted under the removed key goes on (no bucket to charge any more)
+    assert gate.charge_prompt(admitted_bob, 1000, 0.2) is None
 
 
 @pytest.mark.parametrize("bad", ["policy: [unclosed", "regions: []", "model: 1\n"])
