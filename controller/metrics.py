@@ -30,6 +30,14 @@ class ControllerMetrics:
         )
         for reason in ("wrong_identity", "wrong_address", "stale_deregister"):
             self.rejected_calls.labels(reason)
+        # config reloads on SIGHUP (controller/reload.py): ok, or error (an invalid file, or
+        # one changing settings that need a restart; the running config stayed)
+        self.config_reloads = Counter(
+            "skymesh_controller_config_reloads", "Config reloads (SIGHUP) by result.", ("result",),
+            registry=self.registry,
+        )
+        for result in ("ok", "error"):
+            self.config_reloads.labels(result)
 
     def loop_restarted(self, name: str, exc: BaseException) -> None:
         """The on_restart hook of the controller's supervised loops."""

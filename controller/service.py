@@ -44,6 +44,7 @@ from skymesh.pki import (
 )
 from skymesh.procs import cancel_tasks
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.reload import ReloadStatus
 from skymesh.supervise import SupervisedLoop
 
 log = logging.getLogger("skymesh.controller")
@@ -56,9 +57,15 @@ def _now_ms() -> int:
 
 
 class ControllerService(mesh_pb2_grpc.ControllerServicer):
-    def __init__(self, cfg: MeshConfig, dns: DnsProvider | None = None) -> None:
+    def __init__(self, cfg: MeshConfig, dns: DnsProvider | None = None, *, config_sha256: str | None = None) -> None:
         self.cfg = cfg
         self.dns = dns
+        # the loaded config file: its SHA-256 (None: not from a file), when it was loaded,
+        # and the last SIGHUP reload (controller/reload.py)
+        self.config_sha256 = config_sha256
+        self.config_loaded_unix = time.time()
+        self.reload_status = ReloadStatus()
+        self.admin_token = resolve_admin_token(cfg)
         # mesh identity: mTLS credentials (None: loopback-only, no TLS; refused off loopback)
         self.creds: Credentials | None = load_credentials(cfg, "controller")
         require_credentials_off_loopback(cfg.controller.listen.host, self.creds, "the controller")
@@ -141,6 +148,28 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                                                  "alive": sorted(self.alive_regions())})
         self._dns_dirty.set()
 
+    async def apply_config(self, cfg: MeshConfig, admin_token: str | None, *, config_sha256: str | None,
+                           push: bool = True) -> None:
+        """Take a reloaded config whose changes are all live ones (controller/reload.py
+        checks that first): membership (each region's replicas), the DNS settings the
+        controller applies (public IPs, AWS regions, the Route53 TTL), probe settings,
+        latencies (who adopts whom) and the admin token. With ``push``, the topology
+        version goes up, the new topology is pushed to every watcher and DNS is synced."""
+        # config and ownership change together: topology() must never see a replica
+        # that one of them lacks
+        self.cfg = cfg
+        self.owners = assign_owners(cfg, self.alive_regions())
+        self.admin_token = admin_token
+        self.config_sha256 = config_sha256
+        self.config_loaded_unix = time.time()
+        if cfg.dns.provider == "route53":
+            from skymesh.dns.route53 import Route53Provider
+
+            if isinstance(self.dns, Route53Provider):
+                self.dns.ttl = cfg.dns.ttl_s
+        if push:
+            await self._changed("config reloaded")
+
     def endpoints(self) -> list[BalancerEndpoint]:
         eps = []
         for r in self.cfg.regions:
@@ -193,24 +222,26 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             b["alive"] = alive
             await self._changed(f"{region} {'recovered' if alive else 'dead'}: {reason}")
 
+    async def _probe(self, region: str, limit: aiohttp.ClientTimeout) -> tuple[str, bool, str]:
+        """(region, its balancer answered /health with 200, why not)."""
+        assert self._session is not None
+        url = self.balancers[region]["http_url"] + "/health"
+        try:
+            async with self._session.get(url, timeout=limit) as r:
+                return region, r.status == 200, f"HTTP {r.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            return region, False, type(e).__name__
+
     async def _probe_loop(self) -> None:
-        interval = self.cfg.controller.probe_interval_s
-        timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, interval)))
         assert self._session is not None
         while True:
             started = time.monotonic()
-
-            async def probe(region: str) -> tuple[str, bool, str]:
-                url = self.balancers[region]["http_url"] + "/health"
-                try:
-                    async with self._session.get(url, timeout=timeout) as r:  # type: ignore[union-attr]
-                        return region, r.status == 200, f"HTTP {r.status}"
-                except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                    return region, False, type(e).__name__
+            interval = self.cfg.controller.probe_interval_s  # read each round: a reload may change it
+            limit = aiohttp.ClientTimeout(total=max(0.5, min(2.0, interval)))
 
             # a failed round (e.g. the state disk is full) raises to the supervisor, which
             # logs it (rate-limited), counts it and probes again after a short backoff
-            for region, ok, why in await asyncio.gather(*(probe(r) for r in self.balancers)):
+            for region, ok, why in await asyncio.gather(*(self._probe(r, limit) for r in self.balancers)):
                 if ok:
                     await self._set_alive(region, True, "probe ok")
                 else:
@@ -369,14 +400,18 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             })
         return {
             "source": "controller",
-            "controller": {"started_unix_ms": self.started_ms, "topology_version": self.version},
+            "controller": {
+                "started_unix_ms": self.started_ms, "topology_version": self.version,
+                "config": {"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
+                           "last_reload": self.reload_status.as_json()},
+            },
             "policy": self.cfg.policy.name,
             "regions": regions,
         }
 
     def make_app(self) -> web.Application:
         # the status/topology API and /metrics need the admin token (/health stays open)
-        app = web.Application(middlewares=[admin_middleware(resolve_admin_token(self.cfg), ("/v1/",), self.cfg)])
+        app = web.Application(middlewares=[admin_middleware(lambda: self.admin_token, ("/v1/",), lambda: self.cfg)])
 
         async def health(_: web.Request) -> web.Response:
             return web.Response(text="ok")

@@ -14,6 +14,7 @@ import hmac
 import ipaddress
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -149,19 +150,22 @@ def metrics_denied(request: web.BaseRequest, cfg: MeshConfig, expected: str | No
     return admin_denied(request, expected)
 
 
-def admin_middleware(expected: str | None, prefixes: tuple[str, ...], cfg: MeshConfig | None = None) -> Middleware:
+def admin_middleware(
+    expected: Callable[[], str | None], prefixes: tuple[str, ...], cfg: Callable[[], MeshConfig] | None = None
+) -> Middleware:
     """An aiohttp middleware that guards the paths under ``prefixes`` with the admin token
-    (and /metrics by ``admin.metrics_access`` when ``cfg`` is given). /health stays open:
-    it is what liveness checks and `skymesh up` poll."""
+    (and /metrics by ``admin.metrics_access`` when ``cfg`` is given). Both are read on
+    every request, so a config reload changes them. /health stays open: it is what
+    liveness checks and `skymesh up` poll."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         denied: web.Response | None = None
         if path == "/metrics" and cfg is not None:
-            denied = metrics_denied(request, cfg, expected)
+            denied = metrics_denied(request, cfg(), expected())
         elif path.startswith(prefixes):
-            denied = admin_denied(request, expected)
+            denied = admin_denied(request, expected())
         if denied is not None:
             return denied
         return await handler(request)

@@ -14,6 +14,7 @@ address defaulting to the listen address) are filled in by the models' validator
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import ipaddress
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -726,18 +727,28 @@ def config_schema() -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None) -> MeshConfig:
     """Load a YAML file; ``None`` loads the embedded local 3-region default."""
+    return load_config_digest(path)[0]
+
+
+def load_config_digest(path: str | Path | None = None) -> tuple[MeshConfig, str]:
+    """:func:`load_config`, and the SHA-256 (hex) of the bytes it parsed: what a daemon
+    names its loaded config by (/admin/status, the controller's status, reload logs)."""
     if path is None:
-        text = resources.files("skymesh").joinpath("local.yaml").read_text()
+        raw = resources.files("skymesh").joinpath("local.yaml").read_bytes()
         src = "<embedded local.yaml>"
     else:
         p = Path(path)
         try:
-            text = p.read_text()
+            raw = p.read_bytes()
         except OSError as e:
             raise ConfigError("", f"cannot read config {p}: {e.strerror}") from None
         src = str(p)
     try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"{src} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("", f"{src} is not valid YAML: {e}") from None
-    return parse_config(data)
+    return parse_config(data), hashlib.sha256(raw).hexdigest()

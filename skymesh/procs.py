@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -324,15 +324,41 @@ def run_daemon(name: str, main: Coroutine[Any, Any, int]) -> int:
         return 2
 
 
-async def serve_until_signal(start: object, stop: object) -> int:
-    """Run a service: await ``start()``, wait for SIGINT/SIGTERM, then await ``stop()``."""
+async def serve_until_signal(
+    start: Callable[[], Awaitable[None]],
+    stop: Callable[[], Awaitable[None]],
+    reload: Callable[[], Awaitable[None]] | None = None,
+) -> int:
+    """Run a service: await ``start()``, wait for SIGINT/SIGTERM, then await ``stop()``.
+    With ``reload``, each SIGHUP runs ``reload()`` once the service has started, one at a
+    time (a SIGHUP during a reload queues another); it must log and swallow its own errors.
+    Without it, SIGHUP keeps its default action."""
     ev = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, ev.set)
-    await start()  # type: ignore[operator]
+    started = asyncio.Event()
+    reloads: set[asyncio.Task[None]] = set()
+    if reload is not None:
+        one_at_a_time = asyncio.Lock()
+
+        async def reload_when_started() -> None:
+            await started.wait()
+            async with one_at_a_time:
+                await reload()
+
+        def on_hup() -> None:
+            task = loop.create_task(reload_when_started())
+            reloads.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(reloads.discard)
+
+        # installed before start(): a SIGHUP while starting must not kill the process
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    await start()
+    started.set()
     try:
         await ev.wait()
     finally:
-        await stop()  # type: ignore[operator]
+        await cancel_tasks(reloads)
+        await stop()
     return 0

@@ -75,7 +75,7 @@ def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
 
 
 ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts",
-                           "skymesh_internal_errors", "skymesh_rejected_peer_calls")
+                           "skymesh_internal_errors", "skymesh_rejected_peer_calls", "skymesh_config_reloads")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -113,7 +113,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
     page = generate_latest(m.registry).decode()
     golden_samples, golden_headers = samples_and_headers((GOLDEN / "balancer_metrics.txt").read_text())
     samples, headers = samples_and_headers(page)
-    # families added after the golden was taken (lifecycle, supervision, ejection)
+    # families added after the golden was taken (lifecycle, supervision, ejection, reloads)
     added = {k: v for k, v in samples.items() if k.startswith(ADDED_BALANCER_FAMILIES)}
     assert added == {
         'skymesh_replicas_ejected{region="us-west"}': 1.0,
@@ -121,6 +121,8 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_loop_restarts_total{loop="probe"}': 1.0,
         "skymesh_internal_errors_total": 0.0,
         'skymesh_rejected_peer_calls_total{reason="wrong_region"}': 2.0,
+        'skymesh_config_reloads_total{result="ok"}': 0.0,
+        'skymesh_config_reloads_total{result="error"}': 0.0,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added

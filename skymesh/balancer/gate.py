@@ -83,6 +83,17 @@ class ClientGate:
         # per key name; bounded by the configured keys
         self._buckets = {k.name: _buckets(k.limits) for k in self.keyring.keys}
 
+    def reconfigure(self, cfg: MeshConfig, keyring: ClientKeyring, admin_token: str | None) -> None:
+        """A reloaded config: its keys, limits, admin token and metrics access apply to the
+        next request. A key whose name and limits did not change keeps its token buckets
+        (what it spent stays spent); a removed key is refused from now on."""
+        old_limits = {k.name: k.limits for k in self.keyring.keys}
+        self._buckets = {
+            k.name: self._buckets[k.name] if old_limits.get(k.name) == k.limits else _buckets(k.limits)
+            for k in keyring.keys
+        }
+        self.cfg, self.keyring, self.admin_token = cfg, keyring, admin_token
+
     # ------------------------------------------------------------------ checks
 
     def admit(self, request: web.BaseRequest, now: float) -> tuple[ClientKey | None, web.Response | None]:
@@ -120,7 +131,9 @@ class ClientGate:
         client = request.get(CLIENT)
         if client is None:
             return None
-        bucket = self._buckets[client.name].prompt_tokens
+        # a key removed by a reload after this request was admitted: it is let through
+        buckets = self._buckets.get(client.name)
+        bucket = buckets.prompt_tokens if buckets is not None else None
         if bucket is None or bucket.try_take(now, prompt_tokens):
             return None
         wait = bucket.wait_s(now, prompt_tokens)

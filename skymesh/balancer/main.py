@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from skymesh.config import ConfigError, HostPort, MeshConfig, load_config
+from skymesh.config import ConfigError, HostPort, MeshConfig, load_config, load_config_digest
 from skymesh.gc_tuning import tune_gc
 from skymesh.logging_setup import setup_logging
 from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: stop accepting, let accepted requests finish for at most this long")
     p.add_argument("--log-level", default="INFO")
+    p.description = ("SIGHUP reloads the config file: client keys and limits, the admin token, timeouts, "
+                     "health, queue and retry bounds, offload rules (and the replica list with "
+                     "--no-controller) apply live; a file changing anything else is refused as a whole "
+                     "(see docs/deploy.md).")
 
 
 def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_port: int | None) -> MeshConfig:
@@ -49,11 +53,16 @@ def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from skymesh.balancer.reload import reload_balancer
     from skymesh.balancer.server import Balancer
     from skymesh.balancer.services import attach_services
 
-    cfg = with_listen_ports(load_config(args.config), args.region, args.http_port, args.grpc_port)
-    balancer = Balancer(cfg, args.region, balancer_id=args.balancer_id, policy_name=args.policy)
+    def prepare(cfg: MeshConfig) -> MeshConfig:  # the command line's overrides, at start and on reload
+        return with_listen_ports(cfg, args.region, args.http_port, args.grpc_port)
+
+    cfg, digest = load_config_digest(args.config)
+    balancer = Balancer(prepare(cfg), args.region, balancer_id=args.balancer_id, policy_name=args.policy,
+                        config_sha256=digest)
     attach_services(balancer, peers=not args.no_peers, controller=not args.no_controller)
 
     async def start() -> None:
@@ -68,7 +77,10 @@ async def serve(args: argparse.Namespace) -> int:
     async def stop() -> None:
         await balancer.stop(drain_timeout_s=args.drain_timeout_s)
 
-    return await serve_until_signal(start, stop)
+    async def reload() -> None:  # SIGHUP; without a controller the file's replica list is ours
+        await reload_balancer(balancer, args.config, prepare, own_replicas=args.no_controller)
+
+    return await serve_until_signal(start, stop, reload)
 
 
 def run(args: argparse.Namespace) -> int:

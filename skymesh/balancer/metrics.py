@@ -189,11 +189,18 @@ class BalancerMetrics:
             "skymesh_internal_errors_total", "Requests answered 500 because a handler raised unexpectedly.",
             registry=None,
         )
+        # config reloads on SIGHUP (skymesh/balancer/reload.py): ok, or error (the file was
+        # invalid or changed settings that need a restart; the running config stayed)
+        self.config_reloads = Counter(
+            "skymesh_config_reloads_total", "Config reloads (SIGHUP) by result.", ("result",), registry=None,
+        )
+        for result in ("ok", "error"):
+            self.config_reloads.labels(result)
         # registration order is the page's order: request-path metrics, then the load gauges
         self.registry.register(_WithoutCreatedSamples([
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
-            self.internal_errors,
+            self.internal_errors, self.config_reloads,
         ]))
         self.registry.register(_LoadCollector(region, snapshot))
 

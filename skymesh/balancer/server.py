@@ -34,6 +34,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
+from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.errors import RequestError, error_response
 from skymesh.balancer.gate import ClientGate, server_options
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
@@ -42,6 +43,7 @@ from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, Upstr
 from skymesh.balancer.requests import parse_body
 from skymesh.config import MeshConfig, ReplicaConfig, region_of_address
 from skymesh.procs import cancel_tasks, wait_event
+from skymesh.reload import ReloadStatus
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
 from skymesh.routing.offload import OffloadRouter
@@ -143,7 +145,12 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         trie_max_nodes=max(1000, cfg.policy.trie_max_nodes // 4),
         enabled=cfg.offload.enabled,
     )
-    settings = RegionSettings(
+    return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg))
+
+
+def region_settings(cfg: MeshConfig) -> RegionSettings:
+    """The region core's settings from the mesh config (at start and on a reload)."""
+    return RegionSettings(
         queue_bound=cfg.policy.queue_bound,
         dispatch_budget=cfg.policy.options.dispatch_budget,
         max_retries=cfg.policy.max_retries,
@@ -154,7 +161,6 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
             healthy_threshold=cfg.health.healthy_threshold,
         ),
     )
-    return RegionCore(region, make_policy(policy_name, ctx), offload, settings)
 
 
 class _Waiter:
@@ -179,8 +185,13 @@ class Balancer:
         *,
         balancer_id: str | None = None,
         policy_name: str | None = None,
+        config_sha256: str | None = None,
     ) -> None:
         self.cfg = cfg
+        # the loaded config file: its SHA-256 (None: not from a file) and when it was loaded
+        self.config_sha256 = config_sha256
+        self.config_loaded_unix = time.time()
+        self.reload_status = ReloadStatus()  # the last SIGHUP reload (skymesh/balancer/reload.py)
         self.region_cfg = cfg.region(region)
         self.region = region
         self.balancer_id = balancer_id or f"{region}-{uuid.uuid4().hex[:8]}"
@@ -240,6 +251,30 @@ class Balancer:
         homes = {rid: info.home_region for rid, info in self.replicas.items()}
         self._apply(self.core.set_replicas(list(self.replicas), self._now(), homes))
         self.wake.set()
+
+    def apply_config(self, cfg: MeshConfig, keyring: ClientKeyring, admin_token: str | None, *,
+                     own_replicas: bool, config_sha256: str | None) -> None:
+        """Take a reloaded config whose changes are all live ones (see
+        skymesh/balancer/reload.py, which checks that first). Requests in flight and queued
+        keep going: a request already in an attempt keeps that attempt's timeouts, and
+        every later decision uses the new settings. ``own_replicas``: this balancer owns its
+        replica list (no controller); with a controller the topology decides membership."""
+        self.gate.reconfigure(cfg, keyring, admin_token)
+        self.core.reconfigure(
+            region_settings(cfg),
+            allowed=cfg.offload.allowed,
+            max_remote_queue=cfg.offload.max_remote_queue,
+            miss_limit=cfg.offload.heartbeat_miss_limit,
+        )
+        region_cfg = cfg.region(self.region)
+        self.timeouts = upstream_timeouts(cfg, region_cfg.replicas)
+        self._source_networks = cfg.source_network_table()
+        self.cfg, self.region_cfg = cfg, region_cfg
+        self.config_sha256 = config_sha256
+        self.config_loaded_unix = time.time()
+        if own_replicas:
+            self.set_replicas([ReplicaInfo(r.id, r.url, self.region) for r in region_cfg.replicas])
+        self.wake.set()  # queued requests: a placement round under the new settings
 
     @staticmethod
     def _now() -> float:
@@ -476,6 +511,8 @@ class Balancer:
             "epoch": self.epoch,
             "version": VERSION,
             "policy": self.policy_name,
+            "config": {"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
+                       "last_reload": self.reload_status.as_json()},
             "queue_length": snap["queue_length"],
             "in_flight": snap["in_flight"],
             "offloaded_out": self.offloaded_out,

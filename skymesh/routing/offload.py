@@ -58,6 +58,15 @@ class OffloadRouter:
         self.peers: dict[str, PeerState] = {}
         self.snapshot = BoundedPrefixTrie(trie_max_nodes)
 
+    def reconfigure(
+        self, *, allowed: Callable[[str, str], bool], max_remote_queue: int, miss_limit: int
+    ) -> None:
+        """New rules and bounds (a config reload); every choice from now on uses them. The
+        peers' last heartbeats and the snapshot trie are kept."""
+        self.allowed = allowed
+        self.max_remote_queue = max_remote_queue
+        self.miss_limit = miss_limit
+
     def update_peer(
         self,
         region: str,

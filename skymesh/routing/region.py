@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -378,6 +378,30 @@ class RegionCore:
         t.queue_deadline = since + self.settings.max_queue_wait_s
         self._deadline_seq += 1
         heapq.heappush(self._deadlines, (t.queue_deadline, self._deadline_seq, t.req.request_id))
+
+    def reconfigure(
+        self,
+        settings: RegionSettings,
+        *,
+        allowed: Callable[[str, str], bool],
+        max_remote_queue: int,
+        miss_limit: int,
+    ) -> None:
+        """New settings and offload rules (a config reload). Nothing already decided moves:
+        requests placed or streaming keep their replica or peer, queued ones keep their
+        place and their queue-wait deadline. Every decision from now on uses the new
+        values: admission (queue bound, wait bound), retries, health thresholds, and each
+        placement, queued requests included, is checked against the new residency rules
+        (``allowed(origin, region)``)."""
+        self.settings = settings
+        local = self.local
+        local.queue_bound = settings.queue_bound
+        local.dispatch_budget = settings.dispatch_budget
+        local.lookahead = settings.lookahead
+        local.rebalance_interval_s = settings.rebalance_interval_s
+        local.max_retries = settings.max_retries
+        self.offload.reconfigure(allowed=allowed, max_remote_queue=max_remote_queue, miss_limit=miss_limit)
+        self._forbidden_cache.clear()  # computed from the old rules
 
     # ------------------------------------------------------------------ events in
 

@@ -116,6 +116,7 @@ resource "aws_instance" "this" {
           After=network-online.target
           [Service]
           ExecStart=/opt/skymesh/bin/skymesh controller --config /etc/skymesh/mesh.yaml
+          ExecReload=/bin/kill -HUP $MAINPID
           Restart=always
           [Install]
           WantedBy=multi-user.target

@@ -177,6 +177,7 @@ resource "aws_instance" "balancer" {
           After=network-online.target
           [Service]
           ExecStart=/opt/skymesh/bin/skymesh balancer --config /etc/skymesh/mesh.yaml --region ${var.name}
+          ExecReload=/bin/kill -HUP $MAINPID
           Restart=always
           RestartSec=2
           LimitNOFILE=65536

@@ -32,6 +32,10 @@ run "hardened_instances_and_vllm_with_prefix_caching" {
     condition     = strcontains(aws_instance.balancer.user_data, "skymesh balancer --config /etc/skymesh/mesh.yaml --region eu-west-1")
     error_message = "the balancer runs skymesh balancer for its region"
   }
+  assert {
+    condition     = strcontains(aws_instance.balancer.user_data, "ExecReload=/bin/kill -HUP $MAINPID")
+    error_message = "systemctl reload skymesh-balancer sends SIGHUP (a config reload)"
+  }
 }
 
 run "replica_port_only_from_balancer_and_peers" {
