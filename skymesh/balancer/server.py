@@ -371,8 +371,10 @@ class Balancer:
             for svc in self.extra_services:
                 prepare = getattr(svc, "prepare_drain", None)
                 if prepare is not None:
-                    with contextlib.suppress(Exception):
+                    try:
                         await prepare()
+                    except Exception:  # a bug there must not stop the drain itself
+                        log.exception("preparing the drain failed", extra={"region": self.region})
             for site in list(self._runner.sites):
                 await site.stop()  # the listening socket closes: new clients go elsewhere
             if self.core.active_requests:
