@@ -574,8 +574,28 @@ class ClientTimeoutsConfig(ConfigModel):
     body_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 30.0
 
 
+class TokenizerConfig(ConfigModel):
+    """How the balancer counts and hashes prompts (skymesh/prompt_tokens.py). Local files
+    only, read when the balancer starts; never fetched."""
+
+    # the model's HF tokenizer.json; without it, prompts are hashed as UTF-8 bytes
+    path: Text | None = None
+    # the model's chat template (jinja2) for chat requests; needs ``path``
+    chat_template: Text | None = None
+    # the fallback's estimate of UTF-8 bytes per token (and chunk size in bytes per token)
+    bytes_per_token: Annotated[Float, Field(gt=0, le=16)] = 4.0
+
+    @model_validator(mode="after")
+    def _template_needs_tokenizer(self) -> TokenizerConfig:
+        if self.chat_template is not None and self.path is None:
+            raise ConfigError("chat_template", "a chat template needs the tokenizer (tokenizer.path) too")
+        return self
+
+
 class MeshConfig(ConfigModel):
     model: Text = "skymesh-sim"
+    # the model's tokenizer for token-true prefix hashing (default: UTF-8 byte chunks)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     regions: Annotated[tuple[RegionConfig, ...], Field(min_length=1)]
     # one-way latency for every pair of distinct regions
     latencies: tuple[LatencyConfig, ...] = ()

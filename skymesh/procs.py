@@ -314,13 +314,18 @@ async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
 
 def run_daemon(name: str, main: Coroutine[Any, Any, int]) -> int:
     """``asyncio.run(main)`` for a daemon's CLI: a missing secret (a component that would
-    listen beyond loopback without one) is one line on stderr and exit code 2."""
+    listen beyond loopback without one) or a file the config names that cannot be read is
+    one line on stderr and exit code 2."""
     from skymesh.admin_auth import MissingSecretError
+    from skymesh.config import ConfigError
 
     try:
         return asyncio.run(main)
     except MissingSecretError as e:
         print(f"skymesh {name}: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"skymesh {name}: config error: {e}", file=sys.stderr)
         return 2
 
 

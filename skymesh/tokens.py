@@ -9,8 +9,10 @@ the benchmark harness.
   ``block_text(h)``: 512 words that are unique to ``h``; equal ids give equal text, so
   requests whose ``hash_ids`` share a prefix get prompts sharing that text prefix.
 
-Real vLLM uses a BPE tokenizer, so counts differ there; the balancer only needs prefix
-*identity*, which any deterministic split preserves.
+The balancer does not count or hash prompts this way: it uses the model's tokenizer, or
+UTF-8 byte chunks without one (skymesh/prompt_tokens.py), since whitespace words make a
+Japanese or Chinese prompt one "token". This module is the stand-in's and the trace
+replay's word model, and the chat flattening both sides share.
 """
 
 from __future__ import annotations

@@ -188,8 +188,9 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def body(words: int = 8) -> dict[str, Any]:
-    return {"model": "skymesh-sim", "prompt": "hello " * words, "max_tokens": 4}
+def body(tokens: int = 8) -> dict[str, Any]:
+    # without a tokenizer the balancer counts 4 UTF-8 bytes as one token
+    return {"model": "skymesh-sim", "prompt": "abcd" * tokens, "max_tokens": 4}
 
 
 async def post(b: Balancer, headers: dict[str, str] | None = None, payload: dict[str, Any] | None = None
@@ -250,13 +251,13 @@ async def test_requests_per_second_limit_gives_429_with_retry_after(replica: Fak
 async def test_prompt_tokens_per_minute_limit_gives_429(replica: FakeReplica) -> None:
     b = await start_balancer([replica], client_auth=keyed({"prompt_tokens_per_minute": 60}))
     try:
-        status, _, _ = await post(b, bearer(KEY), body(words=40))  # ~40 of 60 tokens
+        status, _, _ = await post(b, bearer(KEY), body(tokens=40))  # 40 of 60 tokens
         assert status == 200
-        status, doc, headers = await post(b, bearer(KEY), body(words=40))
+        status, doc, headers = await post(b, bearer(KEY), body(tokens=40))
         assert status == 429 and doc["error"]["type"] == "tokens"
         # ~20 tokens left, 1 token/s: the next 40-token prompt fits in about 20 s
         assert 10 <= int(headers["Retry-After"]) <= 30
-        status, doc, headers = await post(b, bearer(KEY), body(words=500))  # can never fit
+        status, doc, headers = await post(b, bearer(KEY), body(tokens=500))  # can never fit
         assert status == 429 and "Retry-After" not in headers
         assert replica.received == 1
     finally:

@@ -39,14 +39,30 @@ DEFAULT_MAX_TOKENS = 16
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+# a token id must fit vLLM's (unsigned 32-bit) vocabulary index; the replica checks it
+# against the real vocabulary size
+MAX_TOKEN_ID = (1 << 32) - 1
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     kind: str  # "completions" | "chat"
+    # the text routed on: a completion's (first) prompt, or a chat flattened
+    # (skymesh.tokens.chat_prompt); "" for a token-id prompt
     prompt: str
     model: str
     max_tokens: int
     stream: bool
     user: str | None
+    # a token-id prompt (vLLM accepts ``prompt`` as a list of ints): routed by its ids
+    prompt_ids: list[int] | None = None
+    # chat: the messages as sent (a configured chat template renders them)
+    messages: list[Any] | None = None
+    # completions: how many prompts the request carries (a batch is one request to one
+    # replica); the prompts after the first count for load only
+    batch_size: int = 1
+    # the characters (or ids) of the prompts after the first, for the token estimate
+    extra_prompts: list[str | list[int]] | None = None
 
 
 class _NonFiniteNumber(ValueError):
@@ -128,14 +144,12 @@ def parse_body(raw: bytes, kind: str, model: str) -> ParsedRequest:
         legacy_limit = _token_limit(body, "max_tokens")
         limit = completion_limit if completion_limit is not None else legacy_limit
     else:
-        p = body.get("prompt")
-        if p is None:
-            _bad("missing required field 'prompt'", "prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if not isinstance(p, str):
-            _bad("'prompt' must be a string (or a list of one string)", "prompt")
-        prompt = p
+        prompts = _completion_prompts(body.get("prompt"))
+        first = prompts[0]
+        prompt = first if isinstance(first, str) else ""
+        prompt_ids = None if isinstance(first, str) else first
+        batch = len(prompts)
+        extra = prompts[1:] or None
         limit = _token_limit(body, "max_tokens")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -143,6 +157,40 @@ def parse_body(raw: bytes, kind: str, model: str) -> ParsedRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         _bad("'user' must be a string", "user")
+    if kind == "chat":
+        return ParsedRequest(kind=kind, prompt=prompt, model=m,
+                             max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,
+                             stream=bool(stream), user=user, messages=msgs)
     return ParsedRequest(kind=kind, prompt=prompt, model=m,
                          max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,
-                         stream=bool(stream), user=user)
+                         stream=bool(stream), user=user, prompt_ids=prompt_ids, batch_size=batch,
+                         extra_prompts=extra)
+
+
+def _token_ids(value: list[Any], where: str) -> list[int]:
+    if not value:
+        _bad(f"{where} must not be empty", "prompt")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            _bad(f"{where}[{i}] must be a token id (an integer 0-{MAX_TOKEN_ID})", "prompt")
+    return value
+
+
+def _completion_prompts(p: Any) -> list[str | list[int]]:
+    """The prompts of a completions request, as vLLM accepts them: a string, a list of
+    strings, a list of token ids, or a list of lists of token ids."""
+    if p is None:
+        _bad("missing required field 'prompt'", "prompt")
+    if isinstance(p, str):
+        return [p]
+    if not isinstance(p, list) or not p:
+        _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+             "prompt")
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return [_token_ids(p, "prompt")]
+    if all(isinstance(x, list) for x in p):
+        return [_token_ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
+    _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+         "prompt")

@@ -40,12 +40,12 @@ from skymesh.balancer.gate import ClientGate, server_options
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
-from skymesh.balancer.requests import parse_body
-from skymesh.config import MeshConfig, ReplicaConfig, region_of_address
+from skymesh.balancer.requests import ParsedRequest, parse_body
+from skymesh.config import ConfigError, MeshConfig, ReplicaConfig, region_of_address
 from skymesh.procs import cancel_tasks, wait_event
+from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
 from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.hashing import prompt_chunk_hashes
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import (
     AbandonAttempt,
@@ -60,7 +60,6 @@ from skymesh.routing.region import (
 )
 from skymesh.routing.registry import make_policy
 from skymesh.supervise import SupervisedLoop
-from skymesh.tokens import count_tokens
 
 log = logging.getLogger("skymesh.balancer")
 
@@ -163,6 +162,37 @@ def region_settings(cfg: MeshConfig) -> RegionSettings:
     )
 
 
+def build_encoder(cfg: MeshConfig) -> PromptEncoder:
+    """The prompt encoder of ``tokenizer:``; a file that cannot be read is a startup error
+    naming its config key."""
+    t = cfg.tokenizer
+    for key, path in (("tokenizer.path", t.path), ("tokenizer.chat_template", t.chat_template)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(key, f"no such file: {path}")
+    try:
+        return PromptEncoder.from_files(cfg.policy.chunk_tokens, t.path, t.chat_template, t.bytes_per_token)
+    except Exception as e:  # the tokenizers / jinja2 parse errors of a broken file
+        raise ConfigError("tokenizer", f"cannot load the tokenizer or chat template: {e}") from None
+
+
+def encode_request(encoder: PromptEncoder, parsed: ParsedRequest) -> EncodedPrompt:
+    """What routing needs of a parsed request (400 when the chat template refuses it)."""
+    if parsed.prompt_ids is not None:
+        encoded = encoder.encode_ids(parsed.prompt_ids)
+    elif parsed.messages is not None and encoder.chat_template is not None:
+        try:
+            text = encoder.chat_template.render(parsed.messages)
+        except Exception as e:  # the template's own raise_exception, or content it cannot render
+            raise RequestError(400, f"the chat template cannot render these messages: {e}", "messages") from None
+        encoded = encoder.encode_text(text, chat=True)
+    else:
+        encoded = encoder.encode_text(parsed.prompt, chat=parsed.messages is not None)
+    if not parsed.extra_prompts:
+        return encoded
+    extra = sum(len(x) if isinstance(x, list) else encoder.encode_text(x).tokens for x in parsed.extra_prompts)
+    return EncodedPrompt(encoded.chunk_hashes, encoded.tokens + extra)
+
+
 class _Waiter:
     """Where one request's handler waits for the core's next word on it."""
 
@@ -202,6 +232,8 @@ class Balancer:
         self.policy = self.core.policy
         self.offload = self.core.offload
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
+        # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
+        self.encoder = build_encoder(cfg)
         self._source_networks = cfg.source_network_table()
         self.replicas: dict[str, ReplicaInfo] = {}
         self.wake = asyncio.Event()
@@ -547,14 +579,15 @@ class Balancer:
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
             origin = self._origin_of(request, forwarded)
+            encoded = await self._encode(parsed)
         except RequestError as e:
             self.metrics.rejections.labels(str(e.status)).inc()
             return e.response()
         now = loop.time()
         req = RoutingRequest(
             request_id=f"{self.region}-{next(self._ids)}-{os.getpid()}",
-            chunk_hashes=prompt_chunk_hashes(parsed.prompt, self.cfg.policy.chunk_tokens),
-            prompt_tokens=count_tokens(parsed.prompt),
+            chunk_hashes=encoded.chunk_hashes,
+            prompt_tokens=encoded.tokens,
             arrival=now,
             max_tokens=parsed.max_tokens,
             session_key=request.headers.get("X-Session-ID") or parsed.user,
@@ -580,6 +613,15 @@ class Balancer:
             self.wake.set()
             if self._stopping and not self.core.active_requests:
                 self._drained.set()
+
+    async def _encode(self, parsed: ParsedRequest) -> EncodedPrompt:
+        """Token count and chunk hashes of the request's prompt (long ones encoded in a
+        worker thread, off the event loop). A batch routes on its first prompt; the
+        others add to its token count."""
+        size = len(parsed.prompt) + sum(len(x) for x in parsed.extra_prompts or ())
+        if size > OFF_LOOP_CHARS or (parsed.messages is not None and len(parsed.prompt) > OFF_LOOP_CHARS // 2):
+            return await asyncio.to_thread(encode_request, self.encoder, parsed)
+        return encode_request(self.encoder, parsed)
 
     def _origin_of(self, request: web.Request, forwarded: bool) -> str | None:
         """The region whose residency rules bind this request: for a forwarded one, the
