@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +133,7 @@ def mutated_body(draw: st.DrawFn) -> tuple[str, str, bytes]:
     elif how == "nonfinite":
         text = text.replace(f'"{placeholder}"', draw(st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999"])))
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    return f"mutated:{name}:{how}", path, text.encode()
+    return f"{name}:{how}", path, text.encode()
 
 
 @st.composite
@@ -161,7 +163,22 @@ content_types = st.sampled_from(["application/json", "text/plain", "application/
 paths = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                          "/admin/status", "/", "/v1", "/v1/embeddings", "/v1/completions/x", "//v1/completions"]) | (
     st.text(st.sampled_from("abcxyz019-._~/"), max_size=20).map(lambda p: "/" + p))
+content_encodings = st.sampled_from(["gzip", "deflate", "br", "zstd", "identity", "x-gzip", "gzip, br",
+                                     "compress", "*"]) | header_text
 methods = st.sampled_from(["POST", "POST", "POST", "GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+
+
+def encoded(draw: st.DrawFn, encoding: str, label: str, body: bytes) -> tuple[str, bytes]:
+    """The body as sent under ``encoding``: unchanged, or compressed by gzip or zlib whole
+    or cut short (a stream that decodes so far and then ends early)."""
+    how = draw(st.sampled_from(["plain", "gzip", "zlib", "raw-deflate", "cut-gzip", "cut-zlib"]))
+    if how != "plain":
+        wbits = {"gzip": 31, "zlib": 15, "raw-deflate": -15}[how.removeprefix("cut-")]
+        packer = zlib.compressobj(wbits=wbits)
+        body = packer.compress(body) + packer.flush()
+        if how.startswith("cut-"):
+            body = body[: draw(st.integers(0, max(0, len(body) - 1)))]
+    return f"{label}:ce={encoding}:{how}", body
 
 
 @st.composite
@@ -172,19 +189,26 @@ def cases(draw: st.DrawFn) -> Case:
     if draw(st.integers(0, 19)) == 0:  # a "forwarded" request, with or without the token
         headers["X-Skymesh-Hop"] = "1"
         headers["X-Skymesh-Peer-Token"] = draw(header_text)
-    # no Content-Encoding: a body that does not decode is a JSON 400 where a handler reads
-    # it, but on a route that does not, aiohttp's after-response drain answers a second,
-    # text/plain 400 on the same connection (docs/reliability.md, "Not covered")
+    if draw(st.integers(0, 9)) == 0:  # one that aiohttp decodes, one it has no decoder for, or nonsense
+        headers["Content-Encoding"] = draw(content_encodings)
     kind = draw(st.sampled_from(["mutated", "mutated", "raw", "odd"]))
     if kind == "mutated":
         label, path, body = draw(mutated_body())
-        return Case(label, "POST", path, body, headers)
-    if kind == "raw":
+        method = "POST"
+    elif kind == "raw":
         label, body = draw(raw_body())
-        path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-        return Case(f"raw:{label}", "POST", path, body, headers)
-    label, body = draw(raw_body())
-    return Case(f"odd:{label}", draw(methods), draw(paths), body, headers)
+        method, path = "POST", draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    else:
+        label, body = draw(raw_body())
+        method, path = draw(methods), draw(paths)
+    if method == "HEAD":
+        # a HEAD the parser rejects (an unsupported coding, a body that does not decode)
+        # gets its error body: the parser does not say which method it read
+        # (docs/reliability.md, "Not covered"); aiohttp's client calls that data after the end
+        headers.pop("Content-Encoding", None)
+    if "Content-Encoding" in headers:
+        label, body = encoded(draw, headers["Content-Encoding"], label, body)
+    return Case(f"{kind}:{label}", method, path, body, headers)
 
 
 def generate_cases(n: int) -> list[Case]:
@@ -299,6 +323,18 @@ async def send(s: aiohttp.ClientSession, base: str, case: Case) -> str | None:
     return None
 
 
+class ErrorRecords(logging.Handler):
+    """Collects the messages of the error records it is given (with or without pytest's
+    logging plugin)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 async def internal_errors(s: aiohttp.ClientSession, base: str) -> float:
     async with s.get(base + "/metrics") as r:
         page = await r.text()
@@ -391,16 +427,21 @@ async def test_generated_bad_input_never_gets_a_5xx(balancer: Balancer) -> None:
     base = f"http://127.0.0.1:{balancer.bound_port}"
     problems: list[str] = []
     timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        await asyncio.gather(*(send(s, base, c) for c in generated[:BATCH]))  # warm-up
-        rss_before = rss_mb()
-        t1 = time.perf_counter()
-        for i in range(0, len(generated), BATCH):
-            answers = await asyncio.gather(*(send(s, base, c) for c in generated[i:i + BATCH]))
-            problems += [a for a in answers if a is not None]
-        sending_s = time.perf_counter() - t1
-        rss_after = rss_mb()
-        counted = await internal_errors(s, base)
+    aiohttp_errors = ErrorRecords()  # aiohttp's own error log ("Unhandled exception"): none
+    logging.getLogger("aiohttp").addHandler(aiohttp_errors)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            await asyncio.gather(*(send(s, base, c) for c in generated[:BATCH]))  # warm-up
+            rss_before = rss_mb()
+            t1 = time.perf_counter()
+            for i in range(0, len(generated), BATCH):
+                answers = await asyncio.gather(*(send(s, base, c) for c in generated[i:i + BATCH]))
+                problems += [a for a in answers if a is not None]
+            sending_s = time.perf_counter() - t1
+            rss_after = rss_mb()
+            counted = await internal_errors(s, base)
+    finally:
+        logging.getLogger("aiohttp").removeHandler(aiohttp_errors)
     labels = {c.label.split(":")[0] for c in generated}
     print(f"\nbad input: {len(generated)} generated ({generation_s:.1f} s), sent in {sending_s:.1f} s, "
           f"{len(problems)} problems, internal errors {counted:.0f}, "
@@ -409,6 +450,7 @@ async def test_generated_bad_input_never_gets_a_5xx(balancer: Balancer) -> None:
     assert labels == {"mutated", "raw", "odd"}
     assert problems == [], f"{len(problems)} bad answers, first ones: {problems[:10]}"
     assert counted == 0
+    assert aiohttp_errors.messages == []
     assert balancer.loop_restart_counts() == {}
     assert balancer.core.active_requests == 0
     assert rss_after - rss_before < RSS_GROWTH_BOUND_MB

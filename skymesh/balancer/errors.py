@@ -11,7 +11,9 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_exceeded",
+    431: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout_error",
@@ -37,6 +39,17 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
+
+
+_DESCRIPTION_CHARS = 300
+
+
+def describe_http_error(exc: BaseException) -> str:
+    """aiohttp's own description of an HTTP parse error on one line (its messages span
+    lines to point at the offending byte), bounded in length: for an error message."""
+    text = str(getattr(exc, "message", "") or exc)
+    text = " ".join(text.split())
+    return text if len(text) <= _DESCRIPTION_CHARS else text[: _DESCRIPTION_CHARS - 3] + "..."
 
 
 def sse_error_event(message: str, code: str = "upstream_error") -> bytes:

@@ -4,7 +4,9 @@
   a malformed body 400) become ``{"error": {...}}`` with the same status (and the same
   headers, e.g. ``Allow`` on a 405) instead of aiohttp's text/plain pages.
 * A body aiohttp cannot read (bad chunked framing, a Content-Encoding that does not
-  decode) is the client's fault: a 400, not the 500 aiohttp would make of it.
+  decode) is the client's fault: a 400 with ``Connection: close``, not the 500 aiohttp
+  would make of it. What the parser rejects before the app has a request is answered by
+  the server itself (http_server.py), in the same JSON.
 * Anything else a handler raises is a bug: one log line with a request id, a count in
   ``skymesh_internal_errors_total``, and a JSON 500 naming that id. Bad input must
   never get here (tests/test_bad_input.py), so the counter is an alarm, not a gauge.
@@ -22,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import http_exceptions, web
 
-from skymesh.balancer.errors import error_response
+from skymesh.balancer.errors import describe_http_error, error_response
 from skymesh.balancer.metrics import BalancerMetrics
 
 log = logging.getLogger("skymesh.balancer")
@@ -37,6 +39,13 @@ _CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 def _http_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return error_response(status, message, code=_CODES.get(status), headers=headers or None)
+
+
+def http_exception_response(e: web.HTTPException) -> web.Response:
+    """aiohttp's own HTTP error (status >= 400) as JSON: the same status and headers."""
+    headers = {k: v for k, v in e.headers.items() if k.lower() not in _BODY_HEADERS}
+    message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+    return _http_error_response(e.status, message, headers)
 
 
 def _started_sending(request: web.Request) -> bool:
@@ -57,15 +66,14 @@ def make_error_middleware(metrics: BalancerMetrics) -> Callable[[web.Request, Ha
             if e.status < 400:  # redirects and the like are answers, not errors
                 raise
             metrics.rejections.labels(str(e.status)).inc()
-            headers = {k: v for k, v in e.headers.items() if k.lower() not in _BODY_HEADERS}
-            message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-            return _http_error_response(e.status, message, headers)
+            return http_exception_response(e)
         except (http_exceptions.HttpProcessingError, web.RequestPayloadError) as e:
             # raised by request.read() for a body whose framing or Content-Encoding is
             # broken (RequestPayloadError wraps the parser's error): the client's fault
             metrics.rejections.labels("400").inc()
-            reason = " ".join(str(e.__cause__ or e).split())  # aiohttp's text spans lines
-            return _http_error_response(400, f"request body could not be read: {reason}")
+            response = _http_error_response(400, f"request body could not be read: {describe_http_error(e.__cause__ or e)}")
+            response.force_close()  # the parser stopped in the body: nothing more to read here
+            return response
         except Exception:
             request_id = f"err-{uuid.uuid4().hex[:16]}"
             metrics.internal_errors.inc()

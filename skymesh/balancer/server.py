@@ -37,6 +37,7 @@ from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.errors import RequestError, error_response
 from skymesh.balancer.gate import ClientGate, server_options
+from skymesh.balancer.http_server import JsonErrorAppRunner
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
@@ -251,7 +252,7 @@ class Balancer:
         self.topology_version = 0
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._runner: web.AppRunner | None = None
+        self._runner: JsonErrorAppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._egress: aiohttp.ClientSession | None = None
         self._stopping = False
@@ -360,10 +361,11 @@ class Balancer:
             limit=0, local_addr=(egress_addr, 0) if egress_addr else None
         )
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
-        # handler_cancellation: a client that goes away frees its queue slot or replica at once
-        self._runner = web.AppRunner(
-            self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True,
-            **server_options(self.cfg),
+        # handler_cancellation: a client that goes away frees its queue slot or replica at once;
+        # JsonErrorAppRunner: what aiohttp's HTTP parser rejects gets JSON too (http_server.py)
+        self._runner = JsonErrorAppRunner(
+            self.make_app(), metrics=self.metrics, access_log=None, handle_signals=False,
+            handler_cancellation=True, **server_options(self.cfg),
         )
         await self._runner.setup()
         site = web.TCPSite(
