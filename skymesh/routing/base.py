@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from skymesh.routing.options import PolicyOptions
+
+if TYPE_CHECKING:
+    from skymesh.routing.kv_index import KvIndexes
 
 
 @dataclass(slots=True)
@@ -86,6 +89,8 @@ class PolicyContext:
     # the policy's validated options model; a raw mapping (a test, ``skymesh sim``) is
     # validated by ``make_policy`` / the policy against the policy's own options model
     options: PolicyOptions | Mapping[str, Any] = field(default_factory=PolicyOptions)
+    # the replicas' KV-event indexes (exact cache state); None: routing history only
+    kv_indexes: KvIndexes | None = None
 
 
 @runtime_checkable

@@ -36,6 +36,7 @@ from typing import Any
 
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
+from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter
 
 
@@ -200,8 +201,11 @@ class RegionCore:
         policy: Policy,
         offload: OffloadRouter,
         settings: RegionSettings | None = None,
+        kv_indexes: KvIndexes | None = None,
     ) -> None:
         self.region = region
+        # the replicas' KV-event indexes (the same object the policy's CacheView reads)
+        self.kv_indexes = kv_indexes
         self.settings = s = settings or RegionSettings()
         self.local = BalancerCore(
             policy,
@@ -421,10 +425,31 @@ class RegionCore:
             if rid not in wanted:
                 actions.extend(self._abandon_unstarted(rid, now))
                 self._health.pop(rid, None)
+                if self.kv_indexes is not None:
+                    self.kv_indexes.forget(rid)
         self.local.set_replicas(replica_ids)
         for rid in replica_ids:
             self._health.setdefault(rid, _Health())
         return actions
+
+    def kv_events(self, replica_id: str, events: Sequence[KvEvent], now: float,
+                  max_blocks: int | None = None) -> None:
+        """A replica's KV events (a decoded batch, in sequence order; the subscriber has
+        replayed any gap it could). From the first batch on, the policy reads this
+        replica's cache from its index instead of the routing history."""
+        if self.kv_indexes is None or replica_id not in self.local.replicas:
+            return
+        idx = self.kv_indexes.index(replica_id, max_blocks)
+        idx.apply(events, now)
+        idx.in_step = True
+
+    def kv_stream_reset(self, replica_id: str) -> None:
+        """The replica's event stream started over (its sequence went back: a restarted
+        vLLM, whose cache is empty): the index starts over too."""
+        if self.kv_indexes is not None:
+            idx = self.kv_indexes.by_replica.get(replica_id)
+            if idx is not None:
+                idx.clear()
 
     def submit(self, req: RoutingRequest, now: float, *, front: bool = False) -> list[Action]:
         if req.request_id in self._requests:

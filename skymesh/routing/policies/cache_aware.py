@@ -42,7 +42,7 @@ class CacheAwarePolicy(CacheTrackingPolicy):
         self.tree_tokens = {r: self.tree_tokens.get(r, 0) for r in replica_ids}
 
     def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
-        matched, _ = self.trie.longest_match(req.chunk_hashes, (replica_id,))
+        matched, _ = self.cache.longest_match(req.chunk_hashes, (replica_id,))
         new_tokens = max(0, req.prompt_tokens - self.hit_tokens(req, matched))
         self.tree_tokens[replica_id] = self.tree_tokens.get(replica_id, 0) + new_tokens
         super().on_dispatch(req, replica_id, now)

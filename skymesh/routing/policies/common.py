@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.kv_index import CacheView
 from skymesh.routing.trie import BoundedPrefixTrie
 
 
@@ -68,12 +69,15 @@ class BasePolicy:
 
 
 class CacheTrackingPolicy(BasePolicy):
-    """A policy that remembers which replica was sent which prefix (its view of their KV
-    caches) in a bounded prefix trie."""
+    """A policy that remembers which replica was sent which prefix in a bounded prefix trie
+    and reads each replica's cache through :class:`CacheView` (the replica's KV events when
+    they flow, that trie otherwise)."""
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         self.trie = BoundedPrefixTrie(ctx.trie_max_nodes)
+        # what the policy reads: each replica's KV-event index while live, else the trie
+        self.cache = CacheView(self.trie, ctx.kv_indexes)
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:
         gone = set(self.replica_ids) - set(replica_ids)
@@ -89,7 +93,7 @@ class CacheTrackingPolicy(BasePolicy):
 
     def best_prefix(self, req: RoutingRequest, views: list[ReplicaView]) -> tuple[int, list[ReplicaView]]:
         """Matched tokens of the longest cached prefix among ``views``, and its holders."""
-        chunks, owners = self.trie.longest_match(req.chunk_hashes, (v.replica_id for v in views))
+        chunks, owners = self.cache.longest_match(req.chunk_hashes, (v.replica_id for v in views))
         return self.hit_tokens(req, chunks), [v for v in views if v.replica_id in owners]
 
     def stats(self) -> dict[str, Any]:

@@ -90,7 +90,7 @@ class DualMapPolicy(EstimatingPolicy):
             return Decision(None, "no replicas")
         self.hotness.expire(now, len(self.ring))
         c1, c2 = self.candidates(req)
-        per = self.trie.match_per_target(req.chunk_hashes, (c1, c2))
+        per = self.cache.match_per_target(req.chunk_hashes, (c1, c2))
         cands = []
         for rid in dict.fromkeys((c1, c2)):
             v = replicas.get(rid)
@@ -134,7 +134,7 @@ class DualMapPolicy(EstimatingPolicy):
             return Decision(None, "none available")
         # spilling: among the holders of the longest cached prefix (all hit the same
         # tokens), or among everyone (no hits), the lowest estimate = the least pending
-        chunks, owner_ids = self.trie.longest_match(req.chunk_hashes, {v.replica_id for v in views})
+        chunks, owner_ids = self.cache.longest_match(req.chunk_hashes, {v.replica_id for v in views})
         if chunks:
             pick = least_loaded(replicas[rid] for rid in owner_ids)
         else:
@@ -179,7 +179,7 @@ class DualMapPolicy(EstimatingPolicy):
             if vj is None or not vj.healthy or other == target:
                 backlog[target] = backlog.get(target, 0) + req.prompt_tokens
                 continue
-            per = self.trie.match_per_target(req.chunk_hashes, (target, other))
+            per = self.cache.match_per_target(req.chunk_hashes, (target, other))
             hit_i = self.hit_tokens(req, per.get(target, 0))
             hit_j = self.hit_tokens(req, per.get(other, 0))
             ahead_i = (vi.pending_prefill_tokens if vi else 0) + backlog.get(target, 0)

@@ -36,7 +36,7 @@ class EstimatingPolicy(CacheTrackingPolicy):
         integers, without evaluating the model per replica (this runs over all replicas).
         Ties: fewer in flight, then replica id.
         """
-        per = self.trie.match_per_target(req.chunk_hashes, [v.replica_id for v in views])
+        per = self.cache.match_per_target(req.chunk_hashes, [v.replica_id for v in views])
         prompt = req.prompt_tokens
         chunk = self.ctx.chunk_tokens
         best = views[0]
