@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from skymesh.replica_sim.profiles import Profile
+from skymesh.replica_sim.profiles import Profile, prefill_pairs
 
 WAITING, RUNNING, DONE = 0, 1, 2
 
@@ -348,8 +348,8 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
 
-    def _step_cost(self, prefill_tokens: int, decodes: int, context: int) -> float:
-        return self.profile.step_time_s(prefill_tokens, decodes, context) * self.time_scale
+    def _step_cost(self, prefill_tokens: int, decodes: int, context: int, pairs: int) -> float:
+        return self.profile.step_time_s(prefill_tokens, decodes, context, pairs) * self.time_scale
 
     def step(self, now: float) -> StepOutput:
         """One scheduler iteration starting at ``now``; its tokens exist at ``now +
@@ -407,14 +407,14 @@ class Engine:
             out.steps = 0
             return out
         prefill_tokens = 0
-        context = 0
+        context = 0  # KV tokens the decodes read
+        pairs = 0  # query-key pairs of the prefill chunks (causal)
         for r in decode:
             context += r.num_computed
         for r, n in prefill:
             prefill_tokens += n
-            # a chunk attends to the cached context and, on average, half of itself
-            context += r.num_computed + n // 2
-        out.duration_s = dur = self._step_cost(prefill_tokens, len(decode), context)
+            pairs += prefill_pairs(n, r.num_computed)
+        out.duration_s = dur = self._step_cost(prefill_tokens, len(decode), context, pairs)
         out.prefill_tokens = prefill_tokens
         end = now + dur
         tokens = out.tokens
@@ -493,7 +493,9 @@ class Engine:
         as the bisection in run_until calls it several times)."""
         p = self.profile
         n = len(self.running)
-        per_step = p.step_fixed_s + p.decode_s_per_seq * n
+        # a decode-only step: n tokens through the linear layers, n sequences' overhead,
+        # and the KV read that grows by one token per sequence per step
+        per_step = p.linear_time_s(n) + p.decode_s_per_seq * n
         ctx0 = sum(r.num_computed for r in self.running)
         a = p.attn_s_per_context_token
         ts = self.time_scale
