@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from skymesh.replica_sim.engine import Engine, StepOutput, chained_block_hashes
 from skymesh.replica_sim.profiles import PROFILES, Profile, prefill_pairs, vllm_batch_defaults
+from skymesh.tokens import filler_tokens
 
 TINY = PROFILES["tiny-test"]
 BS = 16
@@ -19,7 +20,10 @@ def words(prefix: str, n: int) -> list[str]:
 
 
 def add(e: Engine, rid: str, prefix: str, prompt_len: int, max_tokens: int, now: float = 0.0) -> None:
-    e.add_request(rid, prompt_len, chained_block_hashes(words(prefix, prompt_len), e.block_size), max_tokens, now)
+    # the hashes cover the prompt and the output the stand-in will generate, as the
+    # server passes them
+    seq = words(prefix, prompt_len) + filler_tokens(max_tokens)
+    e.add_request(rid, prompt_len, chained_block_hashes(seq, e.block_size), max_tokens, now)
 
 
 class Trace:
@@ -75,6 +79,32 @@ def test_second_identical_prompt_hits_cache_and_is_faster() -> None:
     # still leaves all 37 (592 tokens) as hits
     assert e.prefix_cache_hits == 37 * BS
     assert e.prefix_cache_queries == 1200
+
+
+def test_full_blocks_of_generated_tokens_are_cached_too() -> None:
+    # vLLM caches every full block whose KV exists, generated tokens included: a next
+    # turn whose prompt holds the previous prompt and answer hits on both
+    e = Engine(TINY)
+    add(e, "a", "w", 40, 30)  # KV of 40 + 29 tokens (the last token is never computed)
+    t, _ = drain(e)
+    assert e.num_cached_blocks == 69 // BS
+    nxt = words("w", 40) + filler_tokens(30) + words("more", 10)
+    e.add_request("b", len(nxt), chained_block_hashes(nxt + filler_tokens(2), BS), 2, t)
+    drain(e, t)
+    assert e.prefix_cache_hits == 4 * BS  # blocks 0-1 prompt, 2 prompt + answer, 3 answer
+
+
+def test_a_preempted_request_looks_up_its_own_generated_blocks() -> None:
+    e = Engine(TINY)
+    add(e, "a", "w", 20, 40)
+    for _ in range(30):  # prefill, then 29 decodes: 49 tokens of KV, 3 full blocks
+        e.step(0.0)
+    r = e.requests["a"]
+    assert e.num_cached_blocks == 3 and r.output_tokens == 30
+    e._preempt_last(StepOutput())
+    # readmission may reuse the prompt and output blocks cached before (not the last
+    # token, which is recomputed)
+    assert len(e._lookup(r)) == min(3, (20 + 30 - 1) // BS)
 
 
 def test_prompt_of_whole_blocks_recomputes_its_last_block() -> None:

@@ -78,6 +78,27 @@ async def test_same_long_prompt_twice_hits_the_prefix_cache(replica: ReplicaServ
     assert m2[f"vllm:prefix_cache_queries_total{L}"] - m1[f"vllm:prefix_cache_queries_total{L}"] == 2000
 
 
+async def test_next_chat_turn_hits_the_previous_answers_blocks(replica: ReplicaServer) -> None:
+    # vLLM caches full blocks of generated tokens too: the next turn, whose prompt holds
+    # the previous prompt and the answer the stand-in returned, hits on both
+    hits = f"vllm:prefix_cache_hits_total{L}"
+    first = [{"role": "user", "content": " ".join(f"q{i}" for i in range(40))}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(replica.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": first, "max_tokens": 40}) as r:
+            answer = (await r.json())["choices"][0]["message"]["content"]
+        m0 = await scrape(s, replica.url)
+        second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then"}]
+        async with s.post(replica.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": second, "max_tokens": 2}) as r:
+            out = await r.json()
+        m1 = await scrape(s, replica.url)
+    # turn 1: <|user|> + 40 words + <|assistant|> = 42 tokens, then 40 generated; KV
+    # exists for 81 of them (the last token is never fed back): 5 full blocks
+    assert out["usage"]["prompt_tokens"] == 42 + 40 + 3 + 1
+    assert m1[hits] - m0[hits] == 5 * 16
+
+
 async def test_overload_waits_evicts_and_completes_everything() -> None:
     # 80 blocks: each 300-token request holds 19-21 blocks, so about 3 run at once
     srv = await start_replica(profile="tiny-test", time_scale=2.0, num_gpu_blocks=80)

@@ -264,20 +264,30 @@ class Engine:
         r.blocks = []
 
     def _register_computed(self, r: EngineRequest, before: int) -> None:
-        """Publish the hashes of prompt blocks that became fully computed."""
+        """Publish the hashes of the blocks that became fully computed since ``before``
+        computed tokens: prompt blocks and, as vLLM caches them too (``cache_blocks`` up to
+        the tokens whose KV exists), blocks of generated tokens."""
         bs = self.block_size
-        last = min(r.num_computed, r.prompt_len) // bs
+        last = r.num_computed // bs
         for i in range(before // bs, min(last, len(r.block_hashes), len(r.blocks))):
-            h = r.block_hashes[i]
-            if h not in self._cached:
-                b = r.blocks[i]
-                self._hash[b] = h
-                self._cached[h] = b
+            self._register_block(r, i)
+
+    def _register_block(self, r: EngineRequest, i: int) -> None:
+        h = r.block_hashes[i]
+        if h not in self._cached:
+            b = r.blocks[i]
+            self._hash[b] = h
+            self._cached[h] = b
+
+    @staticmethod
+    def _max_hit_blocks(r: EngineRequest, bs: int) -> int:
+        """Full blocks a lookup may reuse: at least one token is always recomputed, as vLLM
+        needs its logits; a preempted request looks up its output so far too."""
+        return min(len(r.block_hashes), (r.prompt_len + r.output_tokens - 1) // bs)
 
     def _lookup(self, r: EngineRequest) -> list[int]:
         """Blocks of the longest cached prefix of ``r`` (full blocks only)."""
-        # at least one prompt token is always recomputed: vLLM needs its logits
-        max_hit_blocks = min(len(r.block_hashes), (r.prompt_len - 1) // self.block_size)
+        max_hit_blocks = self._max_hit_blocks(r, self.block_size)
         hits: list[int] = []
         cached = self._cached
         for h in r.block_hashes[:max_hit_blocks]:
@@ -299,7 +309,7 @@ class Engine:
         """Cheap test (no prefix lookup): even if every full prompt block were a cache
         hit, ``r`` would not fit. Lets a blocked queue head cost O(1) per step."""
         bs = self.block_size
-        max_hits = min(len(r.block_hashes), (r.prompt_len - 1) // bs)
+        max_hits = self._max_hit_blocks(r, bs)
         total = -(-(r.prompt_len + r.output_tokens + 1) // bs)
         return total - max_hits > self.num_free_blocks
 
@@ -421,6 +431,8 @@ class Engine:
         any_finished = False
         for r in decode:
             r.num_computed += 1
+            if not r.num_computed % bs and r.num_computed // bs <= len(r.block_hashes):
+                self._register_block(r, r.num_computed // bs - 1)  # a generated block filled up
             r.output_tokens += 1
             tokens.append((r.request_id, 1))
             if r.output_tokens >= r.max_tokens:
@@ -553,12 +565,29 @@ class Engine:
         out = StepOutput(steps=k, duration_s=duration(k))
         tokens = out.tokens
         any_finished = False
-        # every block of the k steps is taken before any finisher releases its own, as
-        # in single steps, so eviction order and counts match
-        for r in running:
-            missing = (r.num_computed + k - 1) // bs + 1 - len(r.blocks)
-            if missing > 0:
-                self._alloc_many(missing, r.blocks)  # bounded by extra_blocks(k) <= free
+        # the k steps' block events in the order single steps meet them: by step, then
+        # each step's allocations before the blocks it fills are published, each in batch
+        # order; every block is taken before any finisher releases its own. Evictions and
+        # publications therefore interleave as in single steps (a block's hash is only
+        # published if no other block holds it at that moment).
+        events: list[tuple[int, int, int, int]] = []  # (step, 0 alloc / 1 publish, position, block)
+        for pos, r in enumerate(running):
+            nc = r.num_computed
+            for m in range(len(r.blocks), (nc + k - 1) // bs + 1):
+                events.append((max(0, m * bs - nc), 0, pos, m))
+            q, nh = nc // bs, len(r.block_hashes)
+            while q < nh and (j := (q + 1) * bs - nc - 1) < k:
+                events.append((j, 1, pos, q))
+                q += 1
+        events.sort()
+        for _, kind, pos, q in events:
+            r = running[pos]
+            if kind == 0:
+                b = self._alloc()  # bounded by extra_blocks(k) <= free
+                assert b is not None
+                r.blocks.append(b)
+            else:
+                self._register_block(r, q)
         for r in running:
             r.num_computed += k
             r.output_tokens += k
