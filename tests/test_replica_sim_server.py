@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -405,6 +406,28 @@ async def test_metrics_names_types_labels_and_buckets(replica: ReplicaServer) ->
     assert m[f"vllm:time_to_first_token_seconds_count{L}"] == 1
     assert m[f"vllm:inter_token_latency_seconds_count{L}"] == 2  # 3 tokens, 2 gaps
     assert m[f"vllm:e2e_request_latency_seconds_count{L}"] == 1
+
+
+async def test_cache_config_info_is_exposed_as_vllm_does() -> None:
+    # vLLM's info gauge (v1/metrics/loggers.py log_metrics_info): constant 1, CacheConfig's
+    # fields as labels plus engine, no model_name
+    srv = await start_replica(profile="tiny-test", time_scale=2.0, num_gpu_blocks=80)
+    try:
+        async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
+            text = await r.text()
+    finally:
+        await srv.close()
+    assert "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig" in text
+    assert "# TYPE vllm:cache_config_info gauge" in text
+    [line] = [ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")]
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert line.endswith("} 1.0")
+    assert "model_name" not in labels and labels["engine"] == "0"
+    assert (labels["num_gpu_blocks"], labels["block_size"], labels["num_gpu_blocks_override"]) == ("80", "16", "80")
+    assert labels["enable_prefix_caching"] == "True" and labels["gpu_memory_utilization"] == "0.92"
+    # 80 blocks of 16 against a 4096-token context: 0.3125 requests at max_model_len
+    assert (labels["kv_cache_size_tokens"], labels["kv_cache_max_concurrency"]) == ("1280", "0.3125")
+    assert len(labels) == 37
 
 
 async def test_client_disconnect_aborts_and_frees_kv(replica: ReplicaServer) -> None:

@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
-from skymesh.replica_sim.metrics import ReplicaMetrics
+from skymesh.replica_sim.metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.supervise import SupervisedLoop
 from skymesh.tokens import (
@@ -142,7 +142,11 @@ class ReplicaServer:
         self.profile = profile
         self.model = model
         self.engine = Engine(profile, time_scale=time_scale, **engine_overrides)
-        self.metrics = ReplicaMetrics(self.engine, model, profile.max_model_len)
+        self.metrics = ReplicaMetrics(self.engine, model, profile.max_model_len, cache_config_info=vllm_cache_config_info(
+            num_gpu_blocks=self.engine.num_blocks, block_size=self.engine.block_size,
+            max_model_len=profile.max_model_len, gpu_memory_utilization=profile.gpu_memory_utilization,
+            num_gpu_blocks_override=engine_overrides.get("num_gpu_blocks"),
+            user_specified_block_size=engine_overrides.get("block_size") is not None))
         self.streams: dict[str, _Stream] = {}
         self._work = asyncio.Event()
         self.engine_loop = SupervisedLoop(ENGINE_LOOP_NAME, self._run_engine, on_restart=self._engine_restarted,
