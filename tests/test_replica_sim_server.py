@@ -235,6 +235,13 @@ async def test_errors_are_vllm_shaped(replica: ReplicaServer, path: str, body: d
     assert not replica.engine.has_work()
 
 
+async def test_unknown_model_404_names_the_served_model(replica: ReplicaServer) -> None:
+    async with aiohttp.ClientSession() as s:
+        status, out = await post(s, replica.url, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404
+    assert out["error"]["message"] == "The model `nope` does not exist. Valid aliases: skymesh-sim."
+
+
 async def test_bad_json_is_a_400(replica: ReplicaServer) -> None:
     async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions", data=b"{oops") as r:
         assert r.status == 400

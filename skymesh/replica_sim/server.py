@@ -337,7 +337,8 @@ class ReplicaServer:
         include_usage = bool(so and _bool_param(so, "include_usage", False))
         model = body.get("model")
         if model is not None and model != self.model:  # vLLM serves a missing model too
-            raise ApiError(f"The model `{model}` does not exist.", "model", 404)
+            # vLLM 0.32 (entrypoints/serve/engine/serving.py _check_model) names what it serves
+            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.model}.", "model", 404)
         # the renderer's TokenizeParams (vllm/renderers/params.py): an output budget
         # longer than the whole context is refused before any prompt is looked at
         if requested is not None and requested > max_len:
