@@ -121,8 +121,8 @@ _L4_FLOPS, _L4_BW, _L4_MFU = 121e12, 300e9, 0.60
 _H100_FLOPS, _H100_BW, _H100_MFU = 989e12, 3.35e12, 0.50
 # Llama-3.1-8B: 8.03 B params, 32 layers, 32 query heads x 128, 8 KV heads
 _LLAMA8B_PARAMS, _LLAMA8B_LAYERS, _LLAMA8B_QDIM, _LLAMA8B_KV_BYTES = 8.03e9, 32, 4096, 32 * 8 * 128 * 2 * 2
-# Qwen2.5-7B: 7.62 B params, 28 layers, 28 query heads x 128, 4 KV heads
-_QWEN7B_PARAMS, _QWEN7B_LAYERS, _QWEN7B_QDIM, _QWEN7B_KV_BYTES = 7.62e9, 28, 3584, 28 * 4 * 128 * 2 * 2
+# Qwen2.5-7B: 7.61 B params, 28 layers, 28 query heads x 128, 4 KV heads
+_QWEN7B_PARAMS, _QWEN7B_LAYERS, _QWEN7B_QDIM, _QWEN7B_KV_BYTES = 7.61e9, 28, 3584, 28 * 4 * 128 * 2 * 2
 
 
 def _pair_flop(layers: int, qdim: int) -> float:
@@ -147,7 +147,7 @@ PROFILES: dict[str, Profile] = {
             weight_read_s=0.055,
             # 2 x 8.03 GFLOP per token at 60% of 121 TFLOPS ≈ 0.22 ms per token
             compute_s_per_token=2 * _LLAMA8B_PARAMS / (_L4_FLOPS * _L4_MFU),
-            # 524k FLOP per query-key pair at 60% of 121 TFLOPS ≈ 7.2 ps
+            # 524k FLOP per query-key pair at 60% of 121 TFLOPS ≈ 7.2 ns
             prefill_attn_s_per_pair=_pair_flop(_LLAMA8B_LAYERS, _LLAMA8B_QDIM) / (_L4_FLOPS * _L4_MFU),
             # 128 KiB of KV per context token read at 300 GB/s ≈ 0.44 µs per step
             attn_s_per_context_token=_LLAMA8B_KV_BYTES / _L4_BW,
@@ -170,9 +170,9 @@ PROFILES: dict[str, Profile] = {
             gpu_memory_utilization=0.9,
             # 15.2 GB at 3.35 TB/s ≈ 4.5 ms per memory-bound step (5 ms with overhead)
             weight_read_s=0.005,
-            # 2 x 7.62 GFLOP per token at 50% of 989 TFLOPS ≈ 31 µs per token
+            # 2 x 7.61 GFLOP per token at 50% of 989 TFLOPS ≈ 31 µs per token
             compute_s_per_token=2 * _QWEN7B_PARAMS / (_H100_FLOPS * _H100_MFU),
-            # 401k FLOP per query-key pair at 50% of 989 TFLOPS ≈ 0.81 ps
+            # 401k FLOP per query-key pair at 50% of 989 TFLOPS ≈ 0.81 ns
             prefill_attn_s_per_pair=_pair_flop(_QWEN7B_LAYERS, _QWEN7B_QDIM) / (_H100_FLOPS * _H100_MFU),
             # 56 KiB/token of KV at 3.35 TB/s ≈ 17 ns per context token per step
             attn_s_per_context_token=_QWEN7B_KV_BYTES / _H100_BW,
@@ -180,7 +180,7 @@ PROFILES: dict[str, Profile] = {
             max_model_len=32768,
             sources=(
                 "NVIDIA H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS bf16 tensor dense",
-                "Qwen2.5-7B config.json: 28 layers, 28 heads, 4 KV heads (GQA), head dim 128; 7.62 B params",
+                "Qwen2.5-7B config.json: 28 layers, 28 heads, 4 KV heads (GQA), head dim 128; 7.61 B params",
                 "vLLM 0.32 engine/arg_utils.py get_batch_defaults: >= 70 GiB → max_num_seqs 1024, 8192 tokens",
             ),
         ),
