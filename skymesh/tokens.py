@@ -5,6 +5,10 @@ the benchmark harness.
 * A chat request is flattened to one prompt: for each message ``<|role|>`` followed by
   its content words, in order (so ``<|system|> You are ...`` shares a prefix with every
   request carrying the same system prompt).
+* The stand-in replica ends a chat prompt with ``GENERATION_PROMPT`` (``<|assistant|>``),
+  as vLLM's chat templates do with ``add_generation_prompt``, and its answer follows: a
+  next turn carrying that answer flattens to this turn's prompt plus the answer, so it
+  shares their prefix. The balancer hashes ``chat_prompt`` alone, a prefix of it.
 * Trace replay: hash id ``h`` of a Mooncake trace (a 512-token block) becomes
   ``block_text(h)``: 512 words that are unique to ``h``; equal ids give equal text, so
   requests whose ``hash_ids`` share a prefix get prompts sharing that text prefix.
@@ -21,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 TRACE_BLOCK_TOKENS = 512
+GENERATION_PROMPT = "<|assistant|>"
 
 
 def split_tokens(text: str) -> list[str]:

@@ -24,7 +24,7 @@ from skymesh.balancer.metrics import (
 )
 from skymesh.balancer.prober import parse_probe, probe_replica
 from skymesh.prom import parse_samples
-from skymesh.replica_sim.metrics import ReplicaMetrics
+from skymesh.replica_sim.metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.routing.base import Decision, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import HeartbeatSnapshot, ProbeSample, RegionCore
@@ -45,7 +45,9 @@ def test_stand_in_page_is_byte_identical_to_the_vllm_format_golden() -> None:
     engine = SimpleNamespace(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=1234567,
                              prefix_cache_hits=1000, num_preemptions=0, prompt_tokens_total=4100,
                              generation_tokens_total=77)
-    m = ReplicaMetrics(engine, "meta-llama/Llama-3.1-8B-Instruct", 2_000_000)
+    info = vllm_cache_config_info(num_gpu_blocks=2816, block_size=16, max_model_len=2_000_000,
+                                  gpu_memory_utilization=0.95)
+    m = ReplicaMetrics(engine, "meta-llama/Llama-3.1-8B-Instruct", 2_000_000, cache_config_info=info)
     for v in (0.0005, 0.05, 3.0, 10000.0):
         m.ttft.observe(v)
     m.itl.observe(0.02)

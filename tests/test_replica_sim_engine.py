@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skymesh.replica_sim.engine import Engine, StepOutput, chained_block_hashes
-from skymesh.replica_sim.profiles import PROFILES
+from skymesh.replica_sim.profiles import PROFILES, Profile, prefill_pairs, vllm_batch_defaults
+from skymesh.tokens import filler_tokens
 
 TINY = PROFILES["tiny-test"]
 BS = 16
@@ -19,7 +20,10 @@ def words(prefix: str, n: int) -> list[str]:
 
 
 def add(e: Engine, rid: str, prefix: str, prompt_len: int, max_tokens: int, now: float = 0.0) -> None:
-    e.add_request(rid, prompt_len, chained_block_hashes(words(prefix, prompt_len), e.block_size), max_tokens, now)
+    # the hashes cover the prompt and the output the stand-in will generate, as the
+    # server passes them
+    seq = words(prefix, prompt_len) + filler_tokens(max_tokens)
+    e.add_request(rid, prompt_len, chained_block_hashes(seq, e.block_size), max_tokens, now)
 
 
 class Trace:
@@ -77,6 +81,32 @@ def test_second_identical_prompt_hits_cache_and_is_faster() -> None:
     assert e.prefix_cache_queries == 1200
 
 
+def test_full_blocks_of_generated_tokens_are_cached_too() -> None:
+    # vLLM caches every full block whose KV exists, generated tokens included: a next
+    # turn whose prompt holds the previous prompt and answer hits on both
+    e = Engine(TINY)
+    add(e, "a", "w", 40, 30)  # KV of 40 + 29 tokens (the last token is never computed)
+    t, _ = drain(e)
+    assert e.num_cached_blocks == 69 // BS
+    nxt = words("w", 40) + filler_tokens(30) + words("more", 10)
+    e.add_request("b", len(nxt), chained_block_hashes(nxt + filler_tokens(2), BS), 2, t)
+    drain(e, t)
+    assert e.prefix_cache_hits == 4 * BS  # blocks 0-1 prompt, 2 prompt + answer, 3 answer
+
+
+def test_a_preempted_request_looks_up_its_own_generated_blocks() -> None:
+    e = Engine(TINY)
+    add(e, "a", "w", 20, 40)
+    for _ in range(30):  # prefill, then 29 decodes: 49 tokens of KV, 3 full blocks
+        e.step(0.0)
+    r = e.requests["a"]
+    assert e.num_cached_blocks == 3 and r.output_tokens == 30
+    e._preempt_last(StepOutput())
+    # readmission may reuse the prompt and output blocks cached before (not the last
+    # token, which is recomputed)
+    assert len(e._lookup(r)) == min(3, (20 + 30 - 1) // BS)
+
+
 def test_prompt_of_whole_blocks_recomputes_its_last_block() -> None:
     e = Engine(TINY)
     add(e, "a", "w", 64, 1)
@@ -99,7 +129,7 @@ def test_step_duration_follows_the_cost_model() -> None:
     e = Engine(TINY, time_scale=3.0)
     add(e, "a", "w", 200, 5)
     out = e.step(0.0)
-    assert out.duration_s == pytest.approx(3.0 * TINY.step_time_s(200, 0, 100))
+    assert out.duration_s == pytest.approx(3.0 * TINY.step_time_s(200, 0, 0, prefill_pairs(200, 0)))
     out = e.step(out.duration_s)  # one decode over a context of 200 tokens
     assert out.duration_s == pytest.approx(3.0 * TINY.step_time_s(0, 1, 200))
     # the profile's TTFT seed equals what the engine does for a lone prompt
@@ -109,8 +139,44 @@ def test_step_duration_follows_the_cost_model() -> None:
     assert tr.first["x"] == pytest.approx(TINY.prefill_time_s(1300))
 
 
-def test_l4_profile_matches_skywalker_512_token_prefill() -> None:
-    assert PROFILES["l4-llama3.1-8b"].prefill_time_s(512) == pytest.approx(0.3, rel=0.05)
+def test_prefill_is_a_roofline_with_a_quadratic_attention_term() -> None:
+    # max(weight read, compute): a short prompt costs the weight read, a long one compute
+    for p in PROFILES.values():
+        assert p.step_time_s(1, 0, 0) == pytest.approx(p.weight_read_s + p.prefill_attn_s_per_pair)
+        big = p.max_num_batched_tokens
+        assert p.step_time_s(big, 0, 0) == pytest.approx(max(p.weight_read_s, p.compute_s_per_token * big))
+        # attention grows with the square of the length: doubling a long prompt more
+        # than doubles its prefill
+        assert p.prefill_time_s(16384) > 2 * p.prefill_time_s(8192)
+    assert prefill_pairs(4, 0) == 1 + 2 + 3 + 4 and prefill_pairs(2, 10) == 11 + 12
+
+
+def per_token_ms(p: Profile, n: int) -> float:
+    return 1e3 * (p.prefill_time_s(2 * n) - p.prefill_time_s(n)) / n
+
+
+def test_profiles_prefill_cost_per_token_matches_the_roofline() -> None:
+    # docs/replica-sim.md: an 8B model on an L4 prefills at ~0.2-0.25 ms per token at
+    # moderate lengths; Qwen2.5-7B on an H100 at ~30 µs per token
+    l4, h100 = PROFILES["l4-llama3.1-8b"], PROFILES["h100-qwen2.5-7b"]
+    for n in (512, 1024, 2048):
+        assert 0.2 <= per_token_ms(l4, n) <= 0.25, n
+        assert 0.027 <= per_token_ms(h100, n) <= 0.034, n
+    # a 512-token prompt is compute bound on both (past the roofline's knee)
+    assert l4.prefill_time_s(512) == pytest.approx(0.114, rel=0.05)
+    assert h100.prefill_time_s(512) == pytest.approx(0.0159, rel=0.05)
+
+
+def test_batch_limits_follow_vllm_0_32_defaults() -> None:
+    # vLLM 0.32 (engine/arg_utils.py, get_batch_defaults), OpenAI server context
+    assert vllm_batch_defaults(22.5, "NVIDIA L4") == (256, 2048)
+    assert vllm_batch_defaults(79.6, "NVIDIA H100 80GB HBM3") == (1024, 8192)
+    assert vllm_batch_defaults(79.2, "NVIDIA A100-SXM4-80GB") == (256, 2048)
+    assert vllm_batch_defaults(178.4, "NVIDIA B200") == (1024, 16384)
+    l4, h100 = PROFILES["l4-llama3.1-8b"], PROFILES["h100-qwen2.5-7b"]
+    assert (l4.max_num_seqs, l4.max_num_batched_tokens) == (256, 2048)
+    assert (h100.max_num_seqs, h100.max_num_batched_tokens) == (1024, 8192)
+    assert Engine(h100).max_num_seqs == 1024
 
 
 def test_waiting_when_kv_full_and_everything_completes() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -78,6 +79,27 @@ async def test_same_long_prompt_twice_hits_the_prefix_cache(replica: ReplicaServ
     assert m2[f"vllm:prefix_cache_queries_total{L}"] - m1[f"vllm:prefix_cache_queries_total{L}"] == 2000
 
 
+async def test_next_chat_turn_hits_the_previous_answers_blocks(replica: ReplicaServer) -> None:
+    # vLLM caches full blocks of generated tokens too: the next turn, whose prompt holds
+    # the previous prompt and the answer the stand-in returned, hits on both
+    hits = f"vllm:prefix_cache_hits_total{L}"
+    first = [{"role": "user", "content": " ".join(f"q{i}" for i in range(40))}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(replica.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": first, "max_tokens": 40}) as r:
+            answer = (await r.json())["choices"][0]["message"]["content"]
+        m0 = await scrape(s, replica.url)
+        second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then"}]
+        async with s.post(replica.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": second, "max_tokens": 2}) as r:
+            out = await r.json()
+        m1 = await scrape(s, replica.url)
+    # turn 1: <|user|> + 40 words + <|assistant|> = 42 tokens, then 40 generated; KV
+    # exists for 81 of them (the last token is never fed back): 5 full blocks
+    assert out["usage"]["prompt_tokens"] == 42 + 40 + 3 + 1
+    assert m1[hits] - m0[hits] == 5 * 16
+
+
 async def test_overload_waits_evicts_and_completes_everything() -> None:
     # 80 blocks: each 300-token request holds 19-21 blocks, so about 3 run at once
     srv = await start_replica(profile="tiny-test", time_scale=2.0, num_gpu_blocks=80)
@@ -137,9 +159,10 @@ async def test_chat_streaming_format_usage_and_done(replica: ReplicaServer) -> N
     content = chunks[1:-1]
     assert "".join(c["choices"][0]["delta"]["content"] for c in content) == " tok0 tok1 tok2"
     assert [c["choices"][0]["finish_reason"] for c in content] == [None, None, "length"]
-    # <|system|> be brief <|user|> hi there = 6 tokens under the tokenizer contract
+    # <|system|> be brief <|user|> hi there <|assistant|> = 7 tokens under the tokenizer
+    # contract: the flattened messages and the generation prompt vLLM's templates append
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "total_tokens": 9, "completion_tokens": 3,
+    assert chunks[-1]["usage"] == {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3,
                                    "prompt_tokens_details": None}
 
 
@@ -158,7 +181,7 @@ async def test_non_streaming_shapes(replica: ReplicaServer) -> None:
     async with aiohttp.ClientSession() as s:
         out = await complete(s, replica.url, "x y z", 5, ignore_eos=True, min_tokens=5)
         async with s.post(replica.url + "/v1/chat/completions",
-                          json={"messages": [{"role": "user", "content": "hello"}]}) as r:
+                          json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}) as r:
             chat = await r.json()  # no model given: vLLM serves its only model
         async with s.get(replica.url + "/v1/models") as r:
             models = await r.json()
@@ -171,7 +194,7 @@ async def test_non_streaming_shapes(replica: ReplicaServer) -> None:
                             "prompt_tokens_details": None}
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    assert chat["usage"]["completion_tokens"] == 16  # vLLM's default max_tokens here
+    assert chat["usage"]["completion_tokens"] == 16
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
 
 
@@ -182,14 +205,19 @@ async def test_non_streaming_shapes(replica: ReplicaServer) -> None:
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "BadRequestError", "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "9"}, 400, "BadRequestError", "max_tokens"),
+        # vLLM's SamplingParams names no parameter for min_tokens
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400,
-         "BadRequestError", "min_tokens"),
+         "BadRequestError", None),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
          "BadRequestError", "stream_options"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "BadRequestError", "stream"),
         ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "NotFoundError", "model"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x " * 4000, "max_tokens": 100}, 400,
-         "BadRequestError", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x " * 5000, "max_tokens": 100}, 400,
+         "BadRequestError", "input_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400,
+         "BadRequestError", "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "BadRequestError", "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[1], [-2]]}, 400, "BadRequestError", "prompt"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "BadRequestError", "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400,
          "BadRequestError", "messages"),
@@ -207,17 +235,142 @@ async def test_errors_are_vllm_shaped(replica: ReplicaServer, path: str, body: d
     assert not replica.engine.has_work()
 
 
+async def test_unknown_model_404_names_the_served_model(replica: ReplicaServer) -> None:
+    async with aiohttp.ClientSession() as s:
+        status, out = await post(s, replica.url, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404
+    assert out["error"]["message"] == "The model `nope` does not exist. Valid aliases: skymesh-sim."
+
+
 async def test_bad_json_is_a_400(replica: ReplicaServer) -> None:
     async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions", data=b"{oops") as r:
         assert r.status == 400
         assert (await r.json())["error"]["type"] == "BadRequestError"
 
 
-async def test_context_length_message(replica: ReplicaServer) -> None:
-    body = {"model": MODEL, "prompt": "x " * 4000, "max_tokens": 100}
-    async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions", json=body) as r:
-        msg = (await r.json())["error"]["message"]
-    assert msg.startswith("This model's maximum context length is 4096 tokens. However, you requested 4100 tokens")
+async def post(s: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with s.post(url + path, json=body) as r:
+        return r.status, await r.json()
+
+
+def words(n: int, prefix: str = "w") -> str:
+    return " ".join(f"{prefix}{i}" for i in range(n))
+
+
+async def test_prompt_plus_max_tokens_over_the_context_is_clamped_and_served(replica: ReplicaServer) -> None:
+    # vLLM 0.32 (entrypoints/serve/utils/api_utils.py get_max_tokens): only the prompt
+    # must fit; max_tokens is cut to the context it leaves. tiny-test: max_model_len 4096
+    async with aiohttp.ClientSession() as s:
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": words(4000), "max_tokens": 500})
+        assert status == 200, out
+        assert out["usage"] == {"prompt_tokens": 4000, "completion_tokens": 96, "total_tokens": 4096,
+                                "prompt_tokens_details": None}
+        assert out["choices"][0]["finish_reason"] == "length"
+        # the chat endpoint clamps max_completion_tokens the same way (4093 + 3 = 4096)
+        msgs = [{"role": "user", "content": words(4091)}]
+        status, out = await post(s, replica.url, "/v1/chat/completions",
+                                 {"model": MODEL, "messages": msgs, "max_completion_tokens": 50})
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens"] == 4093 and out["usage"]["completion_tokens"] == 3
+
+
+async def test_only_a_prompt_longer_than_the_context_is_refused_with_vllms_message(replica: ReplicaServer) -> None:
+    head = "This model's maximum context length is 4096 tokens. However, your prompt contains "
+    tail = (" input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.")
+    async with aiohttp.ClientSession() as s:
+        # text is tokenized with truncation at max_model_len + 1: the count stops there
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": words(5000), "max_tokens": 1})
+        assert status == 400
+        assert out["error"] == {"message": f"{head}at least 4097{tail} (parameter=input_tokens, value=4097)",
+                                "type": "BadRequestError", "param": "input_tokens", "code": 400}
+        # token ids are counted as given
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": list(range(4100)), "max_tokens": 1})
+        assert (status, out["error"]["message"]) == (400, f"{head}4100{tail} (parameter=input_tokens, value=4100)")
+        msgs = [{"role": "user", "content": words(4100)}]
+        status, out = await post(s, replica.url, "/v1/chat/completions", {"model": MODEL, "messages": msgs})
+        assert (status, out["error"]["param"]) == (400, "input_tokens")
+        assert out["error"]["message"].startswith(f"{head}at least 4097 input tokens")
+        # an output budget longer than the whole context is refused whatever the prompt
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": "a b", "max_tokens": 4097})
+        assert (status, out["error"]["param"]) == (400, "max_tokens")
+        assert out["error"]["message"] == ("max_tokens=4097 cannot be greater than max_model_len=4096. Please "
+                                           "request fewer output tokens. (parameter=max_tokens, value=4097)")
+        status, out = await post(s, replica.url, "/v1/chat/completions",
+                                 {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                  "max_completion_tokens": 5000})
+        assert (status, out["error"]["param"]) == (400, "max_completion_tokens")
+        # a prompt that fills the context leaves no token to generate
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": list(range(4096))})
+        assert (status, out["error"]["param"]) == (400, "max_tokens")
+        assert out["error"]["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    assert not replica.engine.has_work()
+
+
+async def test_default_max_tokens_is_vllms_per_endpoint(replica: ReplicaServer) -> None:
+    async with aiohttp.ClientSession() as s:
+        # chat: no default but the context, max_model_len - prompt tokens (4090 here)
+        msgs = [{"role": "user", "content": words(4088)}]
+        status, out = await post(s, replica.url, "/v1/chat/completions", {"model": MODEL, "messages": msgs})
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens"] == 4090 and out["usage"]["completion_tokens"] == 6
+        # completions: 16, also for an explicit null
+        for extra in ({}, {"max_tokens": None}):
+            status, out = await post(s, replica.url, "/v1/completions", {"model": MODEL, "prompt": "a b", **extra})
+            assert (status, out["usage"]["completion_tokens"]) == (200, 16)
+
+
+async def test_batched_and_token_id_prompts_get_one_choice_each(replica: ReplicaServer) -> None:
+    async with aiohttp.ClientSession() as s:
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": ["a b", "c d e"], "max_tokens": 3})
+        assert status == 200, out
+        assert [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]] == [
+            (0, " tok0 tok1 tok2", "length"), (1, " tok0 tok1 tok2", "length")]
+        assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                                "prompt_tokens_details": None}
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 200 and len(out["choices"]) == 1
+        assert out["usage"]["prompt_tokens"] == 3
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": [[5, 6], [7, 8, 9], [1]], "max_tokens": 2})
+        assert status == 200
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12,
+                                "prompt_tokens_details": None}
+        # each prompt is clamped to its own context: the long one gets what it leaves
+        status, out = await post(s, replica.url, "/v1/completions",
+                                 {"model": MODEL, "prompt": ["a", words(4094)], "max_tokens": 5})
+        assert status == 200
+        assert [c["text"].split()[-1] for c in out["choices"]] == ["tok4", "tok1"]
+        # an empty batch is served with no choice, as vLLM does
+        status, out = await post(s, replica.url, "/v1/completions", {"model": MODEL, "prompt": []})
+        assert (status, out["choices"], out["usage"]["total_tokens"]) == (200, [], 0)
+        # streamed: each chunk carries one choice with its prompt's index; usage is summed
+        body = {"model": MODEL, "prompt": ["a b", "c"], "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with s.post(replica.url + "/v1/completions", json=body) as r:
+            events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for c in chunks[:-1]:
+        assert len(c["choices"]) == 1
+        by_index.setdefault(c["choices"][0]["index"], []).append(c["choices"][0])
+    assert sorted(by_index) == [0, 1]
+    for choices in by_index.values():
+        assert "".join(c["text"] for c in choices) == " tok0 tok1"
+        assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 3
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    # token-id prompts share prefixes in the cache like text does
+    assert replica.engine.prefix_cache_queries > 0
 
 
 async def test_metrics_names_types_labels_and_buckets(replica: ReplicaServer) -> None:
@@ -260,6 +413,28 @@ async def test_metrics_names_types_labels_and_buckets(replica: ReplicaServer) ->
     assert m[f"vllm:time_to_first_token_seconds_count{L}"] == 1
     assert m[f"vllm:inter_token_latency_seconds_count{L}"] == 2  # 3 tokens, 2 gaps
     assert m[f"vllm:e2e_request_latency_seconds_count{L}"] == 1
+
+
+async def test_cache_config_info_is_exposed_as_vllm_does() -> None:
+    # vLLM's info gauge (v1/metrics/loggers.py log_metrics_info): constant 1, CacheConfig's
+    # fields as labels plus engine, no model_name
+    srv = await start_replica(profile="tiny-test", time_scale=2.0, num_gpu_blocks=80)
+    try:
+        async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
+            text = await r.text()
+    finally:
+        await srv.close()
+    assert "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig" in text
+    assert "# TYPE vllm:cache_config_info gauge" in text
+    [line] = [ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")]
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert line.endswith("} 1.0")
+    assert "model_name" not in labels and labels["engine"] == "0"
+    assert (labels["num_gpu_blocks"], labels["block_size"], labels["num_gpu_blocks_override"]) == ("80", "16", "80")
+    assert labels["enable_prefix_caching"] == "True" and labels["gpu_memory_utilization"] == "0.92"
+    # 80 blocks of 16 against a 4096-token context: 0.3125 requests at max_model_len
+    assert (labels["kv_cache_size_tokens"], labels["kv_cache_max_concurrency"]) == ("1280", "0.3125")
+    assert len(labels) == 37
 
 
 async def test_client_disconnect_aborts_and_frees_kv(replica: ReplicaServer) -> None:

@@ -24,7 +24,7 @@ import heapq
 import itertools
 import math
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,6 +82,27 @@ class SimConfig:
 
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def output_block_chain(prompt_blocks: list[int], hash_ids: Sequence[int], input_len: int, output_len: int,
+                       block_size: int) -> list[int]:
+    """Engine block hashes of the full blocks after the prompt's full blocks: the block
+    the prompt's tail shares with the first output tokens, then output only. The stand-in
+    generates the same filler for every request, so these depend only on the prompt (its
+    full-block chain, and the tail's trace block and length) and the position, as the live
+    stand-in's text hashes do; the engine caches them as vLLM caches generated blocks."""
+    full = input_len // block_size
+    if len(prompt_blocks) != full:
+        return []  # the trace's ids do not cover the prompt: no hash to chain from
+    tail = input_len % block_size
+    tail_block = (full * block_size) // TRACE_BLOCK_TOKENS
+    tail_id = hash_ids[tail_block] if tail and tail_block < len(hash_ids) else -1
+    prev = prompt_blocks[-1] if prompt_blocks else 0
+    out: list[int] = []
+    for q in range(full, (input_len + output_len) // block_size):
+        prev = hash((prev, tail_id, tail, q, 2)) & _MASK
+        out.append(prev)
+    return out
 
 
 def block_chains(hash_ids: Iterable[int], input_len: int, block_size: int,
@@ -282,6 +303,7 @@ class Simulator:
                 more = pull()
                 rid = str(i)
                 blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.chunk_tokens)
+                blocks += output_block_chain(blocks, r.hash_ids, in_len, out_len, cfg.block_size)
                 self._engine_args[rid] = (in_len, blocks, out_len)
                 self._origin[rid] = region
                 rreq = RoutingRequest(rid, chunks, in_len, r.arrival_s, max_tokens=out_len,

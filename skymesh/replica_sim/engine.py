@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from skymesh.replica_sim.profiles import Profile
+from skymesh.replica_sim.profiles import Profile, prefill_pairs
 
 WAITING, RUNNING, DONE = 0, 1, 2
 
@@ -264,20 +264,30 @@ class Engine:
         r.blocks = []
 
     def _register_computed(self, r: EngineRequest, before: int) -> None:
-        """Publish the hashes of prompt blocks that became fully computed."""
+        """Publish the hashes of the blocks that became fully computed since ``before``
+        computed tokens: prompt blocks and, as vLLM caches them too (``cache_blocks`` up to
+        the tokens whose KV exists), blocks of generated tokens."""
         bs = self.block_size
-        last = min(r.num_computed, r.prompt_len) // bs
+        last = r.num_computed // bs
         for i in range(before // bs, min(last, len(r.block_hashes), len(r.blocks))):
-            h = r.block_hashes[i]
-            if h not in self._cached:
-                b = r.blocks[i]
-                self._hash[b] = h
-                self._cached[h] = b
+            self._register_block(r, i)
+
+    def _register_block(self, r: EngineRequest, i: int) -> None:
+        h = r.block_hashes[i]
+        if h not in self._cached:
+            b = r.blocks[i]
+            self._hash[b] = h
+            self._cached[h] = b
+
+    @staticmethod
+    def _max_hit_blocks(r: EngineRequest, bs: int) -> int:
+        """Full blocks a lookup may reuse: at least one token is always recomputed, as vLLM
+        needs its logits; a preempted request looks up its output so far too."""
+        return min(len(r.block_hashes), (r.prompt_len + r.output_tokens - 1) // bs)
 
     def _lookup(self, r: EngineRequest) -> list[int]:
         """Blocks of the longest cached prefix of ``r`` (full blocks only)."""
-        # at least one prompt token is always recomputed: vLLM needs its logits
-        max_hit_blocks = min(len(r.block_hashes), (r.prompt_len - 1) // self.block_size)
+        max_hit_blocks = self._max_hit_blocks(r, self.block_size)
         hits: list[int] = []
         cached = self._cached
         for h in r.block_hashes[:max_hit_blocks]:
@@ -299,7 +309,7 @@ class Engine:
         """Cheap test (no prefix lookup): even if every full prompt block were a cache
         hit, ``r`` would not fit. Lets a blocked queue head cost O(1) per step."""
         bs = self.block_size
-        max_hits = min(len(r.block_hashes), (r.prompt_len - 1) // bs)
+        max_hits = self._max_hit_blocks(r, bs)
         total = -(-(r.prompt_len + r.output_tokens + 1) // bs)
         return total - max_hits > self.num_free_blocks
 
@@ -348,8 +358,8 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
 
-    def _step_cost(self, prefill_tokens: int, decodes: int, context: int) -> float:
-        return self.profile.step_time_s(prefill_tokens, decodes, context) * self.time_scale
+    def _step_cost(self, prefill_tokens: int, decodes: int, context: int, pairs: int) -> float:
+        return self.profile.step_time_s(prefill_tokens, decodes, context, pairs) * self.time_scale
 
     def step(self, now: float) -> StepOutput:
         """One scheduler iteration starting at ``now``; its tokens exist at ``now +
@@ -407,20 +417,22 @@ class Engine:
             out.steps = 0
             return out
         prefill_tokens = 0
-        context = 0
+        context = 0  # KV tokens the decodes read
+        pairs = 0  # query-key pairs of the prefill chunks (causal)
         for r in decode:
             context += r.num_computed
         for r, n in prefill:
             prefill_tokens += n
-            # a chunk attends to the cached context and, on average, half of itself
-            context += r.num_computed + n // 2
-        out.duration_s = dur = self._step_cost(prefill_tokens, len(decode), context)
+            pairs += prefill_pairs(n, r.num_computed)
+        out.duration_s = dur = self._step_cost(prefill_tokens, len(decode), context, pairs)
         out.prefill_tokens = prefill_tokens
         end = now + dur
         tokens = out.tokens
         any_finished = False
         for r in decode:
             r.num_computed += 1
+            if not r.num_computed % bs and r.num_computed // bs <= len(r.block_hashes):
+                self._register_block(r, r.num_computed // bs - 1)  # a generated block filled up
             r.output_tokens += 1
             tokens.append((r.request_id, 1))
             if r.output_tokens >= r.max_tokens:
@@ -493,7 +505,9 @@ class Engine:
         as the bisection in run_until calls it several times)."""
         p = self.profile
         n = len(self.running)
-        per_step = p.step_fixed_s + p.decode_s_per_seq * n
+        # a decode-only step: n tokens through the linear layers, n sequences' overhead,
+        # and the KV read that grows by one token per sequence per step
+        per_step = p.linear_time_s(n) + p.decode_s_per_seq * n
         ctx0 = sum(r.num_computed for r in self.running)
         a = p.attn_s_per_context_token
         ts = self.time_scale
@@ -551,12 +565,29 @@ class Engine:
         out = StepOutput(steps=k, duration_s=duration(k))
         tokens = out.tokens
         any_finished = False
-        # every block of the k steps is taken before any finisher releases its own, as
-        # in single steps, so eviction order and counts match
-        for r in running:
-            missing = (r.num_computed + k - 1) // bs + 1 - len(r.blocks)
-            if missing > 0:
-                self._alloc_many(missing, r.blocks)  # bounded by extra_blocks(k) <= free
+        # the k steps' block events in the order single steps meet them: by step, then
+        # each step's allocations before the blocks it fills are published, each in batch
+        # order; every block is taken before any finisher releases its own. Evictions and
+        # publications therefore interleave as in single steps (a block's hash is only
+        # published if no other block holds it at that moment).
+        events: list[tuple[int, int, int, int]] = []  # (step, 0 alloc / 1 publish, position, block)
+        for pos, r in enumerate(running):
+            nc = r.num_computed
+            for m in range(len(r.blocks), (nc + k - 1) // bs + 1):
+                events.append((max(0, m * bs - nc), 0, pos, m))
+            q, nh = nc // bs, len(r.block_hashes)
+            while q < nh and (j := (q + 1) * bs - nc - 1) < k:
+                events.append((j, 1, pos, q))
+                q += 1
+        events.sort()
+        for _, kind, pos, q in events:
+            r = running[pos]
+            if kind == 0:
+                b = self._alloc()  # bounded by extra_blocks(k) <= free
+                assert b is not None
+                r.blocks.append(b)
+            else:
+                self._register_block(r, q)
         for r in running:
             r.num_computed += k
             r.output_tokens += k

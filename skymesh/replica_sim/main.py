@@ -23,8 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="skymesh-sim", help="model name served (must match the config's)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="override the KV cache size in blocks")
     p.add_argument("--block-size", type=int, default=None, help="override the KV block size in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="override the batch size limit")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="override the step token budget")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="override the batch size limit (default: vLLM 0.32's for the profile's GPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="override the step token budget (default: vLLM 0.32's for the profile's GPU)")
     p.add_argument("--log-level", default="WARNING")
 
 

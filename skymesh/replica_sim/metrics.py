@@ -11,15 +11,20 @@ drops its own ``_created`` samples per registry, never through the process-wide 
 
 Engine gauges and token counters are read from the engine at scrape time by a custom
 collector, so the request path only touches the histograms and the finish-reason counter.
+
+``vllm:cache_config_info`` is vLLM's info-style gauge (``log_metrics_info`` in
+``vllm/v1/metrics/loggers.py``): constant 1, one label per field of vLLM's ``CacheConfig``
+(``metrics_info()``: every field of its ``__dict__``, as ``str()``) plus ``engine``, and no
+``model_name``; vLLM registers it once the engine is up, after its other metrics.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # bucket boundaries of vLLM v1 (vllm/v1/metrics/loggers.py)
@@ -52,6 +57,59 @@ def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
                 return tuple(out)
             out.append(float(v))
         exp += 1
+
+
+def vllm_cache_config_info(*, num_gpu_blocks: int, block_size: int, max_model_len: int,
+                           gpu_memory_utilization: float, num_gpu_blocks_override: int | None = None,
+                           user_specified_block_size: bool = False) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` as vLLM 0.32's API server exposes them for
+    a full-attention model (Llama, Qwen2.5) with default cache flags: ``CacheConfig``'s
+    fields in declaration order (``vllm/config/cache.py``), each ``str()``'d. The front
+    end's copy holds what the engine core reported back (``core_client.py``
+    ``_apply_ready_response``: blocks, block size, KV capacity in tokens and concurrency
+    at ``max_model_len``); the fields only the engine core resolves (KV layout, hash block
+    size, CPU blocks) stay ``None`` there."""
+    per_request_blocks = -(-max_model_len // block_size)
+    concurrency = num_gpu_blocks / per_request_blocks  # get_max_concurrency_for_kv_cache_config
+    fields: dict[str, object] = {
+        "block_size": block_size,
+        "user_specified_block_size": user_specified_block_size,
+        "kv_cache_layout": None,
+        "prefix_match_unit": None,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "cache_dtype": "auto",
+        "is_attention_free": False,
+        "num_gpu_blocks_override": num_gpu_blocks_override,
+        "sliding_window": None,
+        "enable_prefix_caching": True,
+        "prefix_caching_hash_algo": "sha256",
+        "prefix_cache_retention_interval": 0,
+        "kv_cache_dtype_skip_layers": [],
+        "mamba_page_size_padded": None,
+        "skip_page_size_padded": None,
+        "mamba_block_size": None,
+        "mamba_cache_dtype": "auto",
+        "mamba_ssm_cache_dtype": "auto",
+        "mamba_cache_mode": "none",
+        "enable_mamba_shared_prefix_checkpoint": False,
+        "replayssm_buffer_len": 16,
+        "use_replayssm": False,
+        "use_kda_recoverssm": False,
+        "num_gpu_blocks": num_gpu_blocks,
+        "num_cpu_blocks": None,
+        "effective_attention_block_size": block_size,
+        "kv_cache_size_tokens": int(concurrency * max_model_len),
+        "kv_cache_max_concurrency": concurrency,
+        "hash_block_size": None,
+        "cache_hit_alignment_tokens": None,
+        "kv_sharing_fast_prefill": False,
+        "swa_bounded_replay": True,
+        "kv_cache_memory_bytes": None,
+        "kv_offloading_size": None,
+        "kv_offloading_backend": "native",
+        "_block_size_resolved": True,  # a pydantic dataclass's private field, in __dict__ too
+    }
+    return {k: str(v) for k, v in fields.items()}
 
 
 class EngineStats(Protocol):
@@ -117,7 +175,8 @@ class ReplicaMetrics:
     """The vLLM metric set of one stand-in replica, in its own registry (several replicas
     share a process in tests and benchmarks)."""
 
-    def __init__(self, engine: EngineStats, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: EngineStats, model_name: str, max_model_len: int, *,
+                 cache_config_info: Mapping[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
         # registration order is the page's order: engine gauges and counters first, as before
         self.registry.register(EngineCollector(engine, model_name))
@@ -151,6 +210,12 @@ class ReplicaMetrics:
                                  "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
         self.decode_time = hist("vllm:request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        if cache_config_info is not None:
+            # registered last of vLLM's, as vLLM registers it once its engine is up
+            labels = {**cache_config_info, "engine": ENGINE_INDEX}
+            info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels),
+                         registry=self.registry)
+            info.labels(**labels).set(1)
         # not a vLLM metric: the stand-in's own supervision counter, a family of its own
         # after vLLM's so the vLLM lines above are unchanged
         self.loop_restarts = Counter("skymesh_loop_restarts", "Background loops restarted after an exception.",

@@ -22,14 +22,24 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
-from skymesh.replica_sim.metrics import ReplicaMetrics
+from skymesh.replica_sim.metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.supervise import SupervisedLoop
-from skymesh.tokens import ChatContentError, chat_prompt, filler_tokens, split_tokens
+from skymesh.tokens import (
+    GENERATION_PROMPT,
+    ChatContentError,
+    chat_prompt,
+    filler_tokens,
+    split_tokens,
+)
 
 log = logging.getLogger("skymesh.replica_sim")
 
+# vLLM 0.32's CompletionRequest.max_tokens default (a null max_tokens is read as it too);
+# a chat request has no default: it may fill the context (max_model_len - prompt tokens)
 DEFAULT_MAX_TOKENS = 16
+# vLLM's VLLM_MAX_COMPLETION_PROMPTS: the longest batch of prompts one completion takes
+MAX_COMPLETION_PROMPTS = 1024
 # if the event loop falls this far behind the virtual clock (a stalled machine), the
 # clock is re-anchored instead of running the backlog of steps back to back
 MAX_CLOCK_LAG_S = 0.25
@@ -47,6 +57,15 @@ class ApiError(Exception):
         self.message, self.param, self.status = message, param, status
 
 
+def validation_error(message: str, parameter: str | None = None, value: Any = None) -> ApiError:
+    """A 400 as vLLM 0.32 answers a ``VLLMValidationError``: the body's message is the
+    exception's ``str()``, which appends ``(parameter=..., value=...)`` for whichever of
+    the two is set, and ``param`` is the parameter (vllm/exceptions.py,
+    entrypoints/serve/exception_handling/error_response.py)."""
+    extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
+    return ApiError(f"{message} ({', '.join(extras)})" if extras else message, parameter)
+
+
 def vllm_error(status: int, message: str, param: str | None = None) -> web.Response:
     """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     kind = _ERROR_TYPES.get(status, "InternalServerError")
@@ -57,35 +76,55 @@ def vllm_error(status: int, message: str, param: str | None = None) -> web.Respo
 
 @dataclass
 class GenRequest:
-    """A validated generation request."""
+    """A validated generation request: one engine request per prompt (a completion may
+    carry a batch of prompts; a chat carries one)."""
 
-    prompt_tokens: list[str]
-    max_tokens: int
+    prompts: list[list[str]]
+    max_tokens: list[int]  # per prompt, after vLLM's clamp to the context left
     stream: bool
     include_usage: bool
+
+    @property
+    def prompt_tokens(self) -> list[str]:
+        """The (first) prompt's tokens."""
+        return self.prompts[0]
+
+
+# what the engine loop hands a handler: (kind, tokens, time, prompt index) with kind
+# "tokens", "finished" or "error"
+_Event = tuple[str, int, float, int]
 
 
 @dataclass
 class _Stream:
-    """What the engine loop hands one handler: ("tokens", n, t) / ("finished", 0, t) /
-    ("error", 0, t)."""
+    """One engine request's link to its handler: the handler's queue (shared by all the
+    prompts of one request) and the prompt's index in it."""
 
-    queue: asyncio.Queue[tuple[str, int, float]] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[_Event] = field(default_factory=asyncio.Queue)
+    index: int = 0
 
 
 def _dumps(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
-def _int_param(body: dict[str, Any], key: str, default: int | None, lo: int) -> int | None:
+def _int_param(body: dict[str, Any], key: str, default: int | None) -> int | None:
+    """An integer field (its type only: vLLM checks the bounds later, in its own order)."""
     v = body.get(key)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
         raise ApiError(f"{key} must be an integer, got {type(v).__name__}", key)
-    if v < lo:
-        raise ApiError(f"{key} must be at least {lo}, got {v}.", key)
     return v
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+class _TextTokens(list[str]):
+    """The tokens of a text prompt (vLLM tokenizes text with truncation, which changes how
+    an over-long prompt's length is reported); token-id prompts are plain lists."""
 
 
 def _bool_param(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -103,7 +142,11 @@ class ReplicaServer:
         self.profile = profile
         self.model = model
         self.engine = Engine(profile, time_scale=time_scale, **engine_overrides)
-        self.metrics = ReplicaMetrics(self.engine, model, profile.max_model_len)
+        self.metrics = ReplicaMetrics(self.engine, model, profile.max_model_len, cache_config_info=vllm_cache_config_info(
+            num_gpu_blocks=self.engine.num_blocks, block_size=self.engine.block_size,
+            max_model_len=profile.max_model_len, gpu_memory_utilization=profile.gpu_memory_utilization,
+            num_gpu_blocks_override=engine_overrides.get("num_gpu_blocks"),
+            user_specified_block_size=engine_overrides.get("block_size") is not None))
         self.streams: dict[str, _Stream] = {}
         self._work = asyncio.Event()
         self.engine_loop = SupervisedLoop(ENGINE_LOOP_NAME, self._run_engine, on_restart=self._engine_restarted,
@@ -160,11 +203,11 @@ class ReplicaServer:
             for rid, n in out.tokens:
                 s = streams.get(rid)
                 if s is not None:
-                    s.queue.put_nowait(("tokens", n, delivered))
+                    s.queue.put_nowait(("tokens", n, delivered, s.index))
             for rid in out.finished:
                 s = streams.get(rid)
                 if s is not None:
-                    s.queue.put_nowait(("finished", 0, delivered))
+                    s.queue.put_nowait(("finished", 0, delivered, s.index))
 
     def _fail_all(self) -> None:
         """Answer every open request with an error and start the engine over empty.
@@ -175,7 +218,7 @@ class ReplicaServer:
         500 and returns; its ``abort`` then finds nothing, so nothing is counted twice."""
         self.engine.drop_all_requests()
         for s in self.streams.values():
-            s.queue.put_nowait(("error", 0, 0.0))
+            s.queue.put_nowait(("error", 0, 0.0, s.index))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -246,12 +289,12 @@ class ReplicaServer:
     # ------------------------------------------------------------------ generation
 
     def parse(self, body: Any, chat: bool) -> GenRequest:
-        """Validate a request body the way vLLM does (same params, same error shape)."""
+        """Validate a request body the way vLLM 0.32 does, in its order: the request's own
+        fields, the model, the output budget against the context, each prompt's length,
+        then the sampling parameters with ``max_tokens`` clamped to the context left."""
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model:  # vLLM serves a missing model too
-            raise ApiError(f"The model `{model}` does not exist.", "model", 404)
+        max_len = self.profile.max_model_len
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
@@ -259,25 +302,29 @@ class ReplicaServer:
             ):
                 raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
             try:
-                tokens = split_tokens(chat_prompt(msgs))
+                text = chat_prompt(msgs)
             except ChatContentError as e:  # a content part vLLM would refuse too
                 raise ApiError(str(e), e.param) from None
-            max_tokens = _int_param(body, "max_completion_tokens", None, 1)
-            if max_tokens is None:
-                max_tokens = _int_param(body, "max_tokens", DEFAULT_MAX_TOKENS, 1)
+            # vLLM's chat templates end the prompt with the assistant's header
+            # (add_generation_prompt, on by default), so the answer follows it: the next
+            # turn's prompt, which holds the answer after that header, starts with this
+            # turn's prompt and answer
+            if _bool_param(body, "add_generation_prompt", True):
+                text = f"{text} {GENERATION_PROMPT}" if text else GENERATION_PROMPT
+            prompts = [split_tokens(text)]
+            # max_completion_tokens first, max_tokens when it is null; none: no limit
+            # but the context (vLLM's chat default)
+            budget_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+                else "max_tokens"
+            requested = _int_param(body, budget_param, None)
         else:
-            tokens = self._prompt_tokens(body.get("prompt"))
-            max_tokens = _int_param(body, "max_tokens", DEFAULT_MAX_TOKENS, 1)
-        assert max_tokens is not None
-        if not tokens:
-            raise ApiError("The prompt cannot be empty.", "messages" if chat else "prompt")
-        min_tokens = _int_param(body, "min_tokens", 0, 0)
+            prompts = self._prompts(body.get("prompt"))
+            budget_param = "max_tokens"
+            requested = _int_param(body, "max_tokens", DEFAULT_MAX_TOKENS)
+        min_tokens = _int_param(body, "min_tokens", 0)
         assert min_tokens is not None
-        if min_tokens > max_tokens:
-            raise ApiError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-                           f"got {min_tokens}.", "min_tokens")
         _bool_param(body, "ignore_eos", False)  # the filler never emits EOS: lengths are exact
-        n = _int_param(body, "n", 1, 1)
+        n = _int_param(body, "n", 1)
         if n != 1:
             raise ApiError("the stand-in serves n=1 only", "n")
         stream = _bool_param(body, "stream", False)
@@ -288,26 +335,75 @@ class ReplicaServer:
             if not isinstance(so, dict):
                 raise ApiError("stream_options must be an object", "stream_options")
         include_usage = bool(so and _bool_param(so, "include_usage", False))
-        total = len(tokens) + max_tokens
-        if total > self.profile.max_model_len:
-            raise ApiError(
-                f"This model's maximum context length is {self.profile.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(tokens)} in the messages, {max_tokens} in the "
-                f"completion). Please reduce the length of the messages or completion."
-            )
-        return GenRequest(tokens, max_tokens, stream, include_usage)
+        model = body.get("model")
+        if model is not None and model != self.model:  # vLLM serves a missing model too
+            # vLLM 0.32 (entrypoints/serve/engine/serving.py _check_model) names what it serves
+            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.model}.", "model", 404)
+        # the renderer's TokenizeParams (vllm/renderers/params.py): an output budget
+        # longer than the whole context is refused before any prompt is looked at
+        if requested is not None and requested > max_len:
+            raise validation_error(f"{budget_param}={requested} cannot be greater than max_model_len="
+                                   f"{max_len}. Please request fewer output tokens.", budget_param, requested)
+        for tokens in prompts:
+            self._check_prompt_length(tokens, text_prompt=chat or isinstance(tokens, _TextTokens))
+        budgets: list[int] = []
+        for tokens in prompts:
+            # vllm/entrypoints/serve/utils/api_utils.py get_max_tokens: the request's
+            # budget (or the default) never past the context the prompt leaves
+            left = max_len - len(tokens)
+            budget = left if requested is None else min(left, requested)
+            # SamplingParams: the clamped budget is what is checked
+            if budget < 1:
+                raise validation_error(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
+            if min_tokens < 0:
+                raise ApiError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+            if min_tokens > budget:
+                raise ApiError(f"min_tokens must be less than or equal to max_tokens={budget}, got {min_tokens}.")
+            budgets.append(budget)
+        return GenRequest(prompts, budgets, stream, include_usage)
+
+    def _check_prompt_length(self, tokens: list[str], text_prompt: bool) -> None:
+        """vLLM 0.32 refuses a prompt only when it alone is longer than the context
+        (TokenizeParams._token_len_check). A text prompt is tokenized with truncation at
+        max_model_len + 1, so its count stops there and reads "at least"; token ids are
+        counted as given."""
+        max_len = self.profile.max_model_len
+        if len(tokens) <= max_len:
+            if not tokens:
+                raise ApiError("The decoder prompt cannot be empty")
+            return
+        count = min(len(tokens), max_len + 1) if text_prompt else len(tokens)
+        qualifier = "at least " if count == max_len + 1 else ""
+        raise validation_error(
+            f"This model's maximum context length is {max_len} tokens. However, your prompt contains "
+            f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.", "input_tokens", count)
 
     @staticmethod
-    def _prompt_tokens(prompt: Any) -> list[str]:
-        # a one-element batch is the same prompt; token-id prompts keep their identity as
-        # words so prefix caching still sees equal prefixes
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+    def _prompts(prompt: Any) -> list[list[str]]:
+        """The prompts of a completion request, as vLLM's ``CompletionRequest.prompt``
+        takes them: a string, a list of strings, a list of token ids, or a list of lists of
+        token ids (one prompt each). Token ids keep their identity as words (``"17"``), so
+        prefix caching still sees equal prefixes."""
+        if prompt is None or prompt == "":
+            raise validation_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         if isinstance(prompt, str):
-            return split_tokens(prompt)
-        if isinstance(prompt, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
-            return [str(x) for x in prompt]
-        raise ApiError("prompt must be a string, a list of token ids, or a list with one of those", "prompt")
+            return [_TextTokens(split_tokens(prompt))]
+        if not isinstance(prompt, list):
+            raise ApiError("prompt must be a string, a list of strings, a list of token ids, "
+                           "or a list of lists of token ids", "prompt")
+        if prompt and all(_is_token_id(x) for x in prompt):
+            return [[str(x) for x in prompt]]
+        if len(prompt) > MAX_COMPLETION_PROMPTS:
+            raise validation_error(f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
+                                   f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the "
+                                   "VLLM_MAX_COMPLETION_PROMPTS environment variable.", "prompt")
+        if all(isinstance(x, str) for x in prompt):
+            return [_TextTokens(split_tokens(x)) for x in prompt]
+        if all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in prompt):
+            return [[str(t) for t in x] for x in prompt]
+        raise ApiError("prompt must be a string, a list of strings, a list of token ids (>= 0), "
+                       "or a list of lists of token ids", "prompt")
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -321,25 +417,35 @@ class ReplicaServer:
             return vllm_error(e.status, e.message, e.param)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         arrival = loop.time()
-        n_prompt = len(g.prompt_tokens)
+        queue: asyncio.Queue[_Event] = asyncio.Queue()
+        # one engine request per prompt, as vLLM schedules a batch ("{id}-{i}")
+        erids = [f"{rid}-{i}" for i in range(len(g.prompts))]
+        ereqs: list[EngineRequest] = []
+        bs = self.engine.block_size
         try:
-            self.engine.add_request(rid, n_prompt, chained_block_hashes(g.prompt_tokens, self.engine.block_size),
-                                    g.max_tokens, arrival)
-        except ValueError as e:  # longer than the whole KV cache
-            return vllm_error(400, str(e))
-        ereq = self.engine.requests[rid]
-        st = self.streams[rid] = _Stream()
-        self._work.set()
-        try:
-            return await self._respond(request, rid, chat, g, st, ereq, arrival)
+            try:
+                for i, (tokens, budget) in enumerate(zip(g.prompts, g.max_tokens, strict=True)):
+                    # the hashes cover the prompt and the output the filler will produce, so
+                    # the engine caches full blocks of generated tokens too, as vLLM does
+                    self.engine.add_request(erids[i], len(tokens),
+                                            chained_block_hashes([*tokens, *filler_tokens(budget)], bs),
+                                            budget, arrival)
+                    ereqs.append(self.engine.requests[erids[i]])
+                    self.streams[erids[i]] = _Stream(queue, i)
+            except ValueError as e:  # longer than the whole KV cache
+                return vllm_error(400, str(e))
+            self._work.set()
+            return await self._respond(request, rid, chat, g, queue, ereqs, arrival)
         finally:
-            self.streams.pop(rid, None)
-            if self.engine.abort(rid):  # still in the engine: the client went away
-                self.metrics.finished("abort", 0.0, 0.0, 0.0, 0.0, n_prompt, ereq.output_tokens)
-                self._work.set()
+            for i, erid in enumerate(erids):
+                self.streams.pop(erid, None)
+                if self.engine.abort(erid):  # still in the engine: the client went away
+                    self.metrics.finished("abort", 0.0, 0.0, 0.0, 0.0, len(g.prompts[i]), ereqs[i].output_tokens)
+                    self._work.set()
 
-    async def _respond(self, request: web.Request, rid: str, chat: bool, g: GenRequest, st: _Stream,
-                       ereq: EngineRequest, arrival: float) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, rid: str, chat: bool, g: GenRequest,
+                       queue: asyncio.Queue[_Event], ereqs: list[EngineRequest],
+                       arrival: float) -> web.StreamResponse:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
@@ -348,10 +454,13 @@ class ReplicaServer:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(request)
-        produced = 0
-        first_at = last_at = arrival
-        while True:
-            kind, n, t = await st.queue.get()
+        count = len(g.prompts)
+        produced = [0] * count
+        first_at = [arrival] * count
+        last_at = [arrival] * count
+        open_prompts = count
+        while open_prompts:
+            kind, n, t, i = await queue.get()
             if kind == "error":
                 if resp is None:
                     return vllm_error(500, "engine failure")
@@ -360,50 +469,54 @@ class ReplicaServer:
                                                               "param": None, "code": 500}}) + b"\n\n")
                 return resp
             if kind == "finished":
-                break
-            if produced == 0:
-                first_at = t
+                open_prompts -= 1
+                end = last_at[i]
+                e = ereqs[i]
+                scheduled = e.first_scheduled_at if e.first_scheduled_at is not None else arrival
+                self.metrics.finished("length", end - arrival, max(0.0, scheduled - arrival),
+                                      max(0.0, first_at[i] - scheduled), end - first_at[i],
+                                      len(g.prompts[i]), produced[i])
+                continue
+            if produced[i] == 0:
+                first_at[i] = t
                 self.metrics.ttft.observe(t - arrival)
             else:
-                self.metrics.itl.observe(t - last_at)
-            last_at = t
-            start = produced
-            produced += n
+                self.metrics.itl.observe(t - last_at[i])
+            last_at[i] = t
+            start = produced[i]
+            produced[i] += n
             if resp is not None:
-                last = produced >= g.max_tokens
                 if chat and start == 0:
                     # vLLM opens a chat stream with the role and empty content
                     await self._sse(resp, {**head, "choices": [{
                         "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}]})
                 text = "".join(" " + w for w in filler_tokens(n, start))
-                reason = "length" if last else None
+                reason = "length" if produced[i] >= g.max_tokens[i] else None
                 choice: dict[str, Any] = (
-                    {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+                    {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
                     if chat else
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+                    {"index": i, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
                 )
                 await self._sse(resp, {**head, "choices": [choice]})
-        end = last_at
-        scheduled = ereq.first_scheduled_at if ereq.first_scheduled_at is not None else arrival
-        self.metrics.finished("length", end - arrival, max(0.0, scheduled - arrival), max(0.0, first_at - scheduled),
-                              end - first_at, len(g.prompt_tokens), produced)
-        usage = {"prompt_tokens": len(g.prompt_tokens), "total_tokens": len(g.prompt_tokens) + produced,
-                 "completion_tokens": produced, "prompt_tokens_details": None}
+        n_prompt = sum(len(p) for p in g.prompts)
+        n_out = sum(produced)
+        usage = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
+                 "completion_tokens": n_out, "prompt_tokens_details": None}
         if resp is not None:
             if g.include_usage:
                 await self._sse(resp, {**head, "choices": [], "usage": usage})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-        text = "".join(" " + w for w in filler_tokens(produced))
+        texts = ["".join(" " + w for w in filler_tokens(k)) for k in produced]
         if chat:
             choices: list[dict[str, Any]] = [{
-                "index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "index": 0, "message": {"role": "assistant", "content": texts[0], "tool_calls": []},
                 "logprobs": None, "finish_reason": "length", "stop_reason": None}]
         else:
-            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                        "stop_reason": None, "prompt_logprobs": None}]
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": "length",
+                        "stop_reason": None, "prompt_logprobs": None} for i, text in enumerate(texts)]
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": created, "model": self.model, "choices": choices,
                                   "usage": usage})
