@@ -438,6 +438,10 @@ class UpstreamConfig(ConfigModel):
     # a request still queued at the balancer this long after arrival gets 504
     # (None: max(60 s, 30 x policy.ttft_slo_s))
     max_queue_wait_s: Annotated[Float, Field(gt=0, le=3600)] | None = None
+    # output tokens assumed for a chat request without max_tokens / max_completion_tokens:
+    # vLLM then generates up to the end of the context (max_model_len - prompt), which the
+    # balancer does not know; this bounds its non-streaming deadline and load estimate
+    unbounded_chat_max_tokens: Annotated[Int, Field(ge=1, le=1 << 20)] = 8192
 
 
 class ControllerConfig(ConfigModel):

@@ -225,3 +225,16 @@ async def test_japanese_prompts_sharing_3000_characters_go_to_the_same_replica(
         await b.stop()
         for f in fakes:
             await f.stop()
+
+
+def test_a_chat_without_a_limit_is_assumed_to_run_long() -> None:
+    """vLLM 0.32 runs a chat without max_tokens to the end of the context: the balancer
+    must not assume 16 tokens (its non-streaming deadline would cut a legit answer)."""
+    chat = parse_body(json.dumps({"model": "skymesh-sim", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                      "chat", "skymesh-sim")
+    assert chat.max_tokens is None
+    completion = parse_body(json.dumps({"model": "skymesh-sim", "prompt": "hi"}).encode(), "completions",
+                            "skymesh-sim")
+    assert completion.max_tokens == 16  # vLLM's default for /v1/completions
+    cfg = parse_config(one_region_config({"r": "http://127.0.0.1:1"}, free_port(), free_port()))
+    assert cfg.upstream.unbounded_chat_max_tokens == 8192

@@ -32,6 +32,8 @@ from skymesh.balancer.errors import RequestError
 from skymesh.tokens import ChatContentError, chat_prompt
 
 MAX_TOKENS_LIMIT = 1 << 20
+# vLLM's default for /v1/completions; a chat request without a limit runs to the end of
+# the context (max_tokens None here: the balancer assumes upstream.unbounded_chat_max_tokens)
 DEFAULT_MAX_TOKENS = 16
 
 # a \uD800-\uDFFF escape in the raw bytes: only then can the parsed body hold a lone
@@ -51,7 +53,7 @@ class ParsedRequest:
     # (skymesh.tokens.chat_prompt); "" for a token-id prompt
     prompt: str
     model: str
-    max_tokens: int
+    max_tokens: int | None  # None: a chat request without a limit (the replica decides)
     stream: bool
     user: str | None
     # a token-id prompt (vLLM accepts ``prompt`` as a list of ints): routed by its ids
@@ -158,8 +160,7 @@ def parse_body(raw: bytes, kind: str, model: str) -> ParsedRequest:
     if user is not None and not isinstance(user, str):
         _bad("'user' must be a string", "user")
     if kind == "chat":
-        return ParsedRequest(kind=kind, prompt=prompt, model=m,
-                             max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,
+        return ParsedRequest(kind=kind, prompt=prompt, model=m, max_tokens=limit,
                              stream=bool(stream), user=user, messages=msgs)
     return ParsedRequest(kind=kind, prompt=prompt, model=m,
                          max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,

@@ -591,7 +591,8 @@ class Balancer:
             chunk_hashes=encoded.chunk_hashes,
             prompt_tokens=encoded.tokens,
             arrival=now,
-            max_tokens=parsed.max_tokens,
+            max_tokens=(self.cfg.upstream.unbounded_chat_max_tokens if parsed.max_tokens is None
+                        else parsed.max_tokens),
             session_key=request.headers.get("X-Session-ID") or parsed.user,
             forwarded=forwarded,
             origin_region=origin,
