@@ -269,11 +269,28 @@ class SimReplica(ConfigModel):
         return profile
 
 
+class KvEventsEndpoint(ConfigModel):
+    """Where a replica publishes vLLM's KV events (its ``--kv-events-config``): the
+    balancer subscribes and keeps the replica's exact cache state (skymesh/routing/kv_index.py)."""
+
+    # the replica's ZMQ PUB socket, e.g. tcp://10.0.0.5:5557
+    endpoint: Annotated[Text, Field(pattern=r"^tcp://[^\s/]+:\d{1,5}$")]
+    # its replay ROUTER socket (missed batches by sequence number); None: gaps stay gaps
+    replay_endpoint: Annotated[Text, Field(pattern=r"^tcp://[^\s/]+:\d{1,5}$")] | None = None
+    topic: str = ""
+    # the index's bound in blocks (the replica's KV capacity, vllm:cache_config_info's
+    # num_gpu_blocks); past it the least recently stored blocks are dropped
+    max_blocks: Annotated[Int, Field(ge=1, le=1 << 24)] = 200_000
+
+
 class ReplicaConfig(ConfigModel):
     id: ReplicaId
     # base URL of the OpenAI-compatible server; for a sim replica derived from sim.host/port
     url: DerivedHttpUrl = Field(default=None, description="exactly one of url or sim")
     sim: SimReplica | None = None
+    # the replica's KV-event publisher (optional): exact cache state instead of the
+    # balancer's routing history
+    kv_events: KvEventsEndpoint | None = None
 
     @model_validator(mode="after")
     def _url_or_sim(self) -> ReplicaConfig:
