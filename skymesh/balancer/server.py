@@ -38,15 +38,23 @@ from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.errors import RequestError, error_response
 from skymesh.balancer.gate import ClientGate, server_options
 from skymesh.balancer.http_server import JsonErrorAppRunner
+from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import ParsedRequest, parse_body
-from skymesh.config import ConfigError, MeshConfig, ReplicaConfig, region_of_address
+from skymesh.config import (
+    ConfigError,
+    KvEventsEndpoint,
+    MeshConfig,
+    ReplicaConfig,
+    region_of_address,
+)
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
 from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import (
     AbandonAttempt,
@@ -121,11 +129,18 @@ def upstream_timeouts(cfg: MeshConfig, replicas: tuple[ReplicaConfig, ...]) -> U
     )
 
 
+def uses_kv_events(cfg: MeshConfig) -> bool:
+    """Whether the replicas' KV events can be matched with prompts: the balancer hashes
+    token ids only with a tokenizer (byte chunks never equal a block of token ids)."""
+    return cfg.tokenizer.path is not None and any(rep.kv_events for r in cfg.regions for rep in r.replicas)
+
+
 def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionCore:
     """The region core from the mesh config (the simulator builds its own from SimConfig)."""
     region_cfg = cfg.region(region)
     found = _profile_of(region_cfg.replicas)
     per_tok, fixed = found[0].ttft_seed(found[1]) if found else (300e-3 / 512, 0.02)
+    kv_indexes = KvIndexes(chunk_tokens=cfg.policy.chunk_tokens) if uses_kv_events(cfg) else None
     ctx = PolicyContext(
         chunk_tokens=cfg.policy.chunk_tokens,
         ttft_slo_s=cfg.policy.ttft_slo_s,
@@ -133,6 +148,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         prefill_s_per_token=per_tok,
         prefill_fixed_s=fixed,
         options=cfg.policy.options,
+        kv_indexes=kv_indexes,
     )
     rtt = {r.name: cfg.rtt_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}
     offload = OffloadRouter(
@@ -145,7 +161,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         trie_max_nodes=max(1000, cfg.policy.trie_max_nodes // 4),
         enabled=cfg.offload.enabled,
     )
-    return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg))
+    return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg), kv_indexes)
 
 
 def region_settings(cfg: MeshConfig) -> RegionSettings:
@@ -235,6 +251,8 @@ class Balancer:
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
         self.encoder = build_encoder(cfg)
+        # exact cache state from the replicas' KV events (started with the server)
+        self.kv_subscriber: KvEventSubscriber | None = None
         self._source_networks = cfg.source_network_table()
         self.replicas: dict[str, ReplicaInfo] = {}
         self.wake = asyncio.Event()
@@ -283,7 +301,31 @@ class Balancer:
                 self.replicas[info.replica_id] = info
         homes = {rid: info.home_region for rid, info in self.replicas.items()}
         self._apply(self.core.set_replicas(list(self.replicas), self._now(), homes))
+        if self.kv_subscriber is not None:
+            self.kv_subscriber.set_replicas(self._kv_endpoints())
         self.wake.set()
+
+    def _cache_source(self, replica_id: str) -> str:
+        """What the policy reads this replica's cache from: "events" (its KV events) or
+        "routing-history" (what this balancer sent it)."""
+        idx = self.core.kv_indexes
+        return "routing-history" if idx is None else idx.source_of(replica_id)
+
+    def kv_events_status(self) -> dict[str, Any]:
+        """Per replica with a KV-event publisher: its stream and its block index."""
+        if self.kv_subscriber is None or self.core.kv_indexes is None:
+            return {}
+        out: dict[str, Any] = {}
+        for rid, stream in self.kv_subscriber.status().items():
+            idx = self.core.kv_indexes.by_replica.get(rid)
+            out[rid] = {"stream": stream, "index": idx.stats() if idx is not None else None}
+        return out
+
+    def _kv_endpoints(self) -> dict[str, KvEventsEndpoint]:
+        """The KV-event publishers of the replicas this balancer owns now (adopted ones
+        included: every region's replicas are in the config)."""
+        by_id = {rep.id: rep.kv_events for r in self.cfg.regions for rep in r.replicas}
+        return {rid: ep for rid in self.replicas if (ep := by_id.get(rid)) is not None}
 
     def apply_config(self, cfg: MeshConfig, keyring: ClientKeyring, admin_token: str | None, *,
                      own_replicas: bool, config_sha256: str | None) -> None:
@@ -354,6 +396,15 @@ class Balancer:
 
     async def start(self, host: str | None = None, port: int | None = None) -> None:
         listen = self.region_cfg.balancer.listen
+        if self.core.kv_indexes is not None:
+            self.kv_subscriber = KvEventSubscriber(
+                apply=lambda rid, events, max_blocks: self.core.kv_events(rid, events, self._now(), max_blocks),
+                reset=self.core.kv_stream_reset)
+            self.kv_subscriber.set_replicas(self._kv_endpoints())
+        elif any(rep.kv_events for rep in self.region_cfg.replicas):
+            log.warning("replicas publish KV events but no tokenizer is configured (tokenizer.path): "
+                        "prompts are hashed as bytes, which never match token-id blocks; the events are "
+                        "not used", extra={"region": self.region})
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         egress_addr = self.region_cfg.egress_source
@@ -418,6 +469,8 @@ class Balancer:
             with contextlib.suppress(Exception):
                 await svc.stop()
         await cancel_tasks(self._tasks)
+        if self.kv_subscriber is not None:
+            await self.kv_subscriber.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         for s in (self._session, self._egress):
@@ -540,7 +593,8 @@ class Balancer:
         replicas = {}
         for rid, info in self.replicas.items():
             v = snap["replicas"].get(rid, {})
-            replicas[rid] = {"url": info.url, "home_region": info.home_region, **v}
+            replicas[rid] = {"url": info.url, "home_region": info.home_region, **v,
+                             "cache_source": self._cache_source(rid)}
         return {
             "region": self.region,
             "balancer_id": self.balancer_id,
@@ -562,6 +616,7 @@ class Balancer:
             "active_requests": snap["active_requests"],
             "transitions": snap["transitions"],
             "policy_stats": snap["policy"],
+            "kv_events": self.kv_events_status(),
         }
 
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
