@@ -124,13 +124,15 @@ def _replica_table(region: str, rep: dict[str, Any], owned: list[dict[str, Any]]
             state = "down"
         else:
             state = "avail" if x.get("available") else "busy"
+        # where the policy reads this replica's cache from: its KV events or the history
+        cache = "events" if x.get("cache_source") == "events" else "history"
         rows.append((str(rid), str(home), state, _num(x.get("num_running")), _num(x.get("num_waiting")),
-                     _pct(x.get("kv_cache_usage"))))
+                     _pct(x.get("kv_cache_usage")), cache))
     w_id = max([len("replica"), *(len(r[0]) for r in rows)]) + 2
     w_home = max([len("home"), *(len(r[1]) for r in rows)]) + 2
-    lines = [f"   {'replica':<{w_id}}{'home':<{w_home}}{'state':<7}{'running':>8}{'waiting':>8}{'KV':>6}"]
-    for rid, home, state, running, waiting, kv in rows:
-        lines.append(f"   {rid:<{w_id}}{home:<{w_home}}{state:<7}{running:>8}{waiting:>8}{kv:>6}")
+    lines = [f"   {'replica':<{w_id}}{'home':<{w_home}}{'state':<7}{'running':>8}{'waiting':>8}{'KV':>6}  cache"]
+    for rid, home, state, running, waiting, kv, cache in rows:
+        lines.append(f"   {rid:<{w_id}}{home:<{w_home}}{state:<7}{running:>8}{waiting:>8}{kv:>6}  {cache}")
     return lines
 
 

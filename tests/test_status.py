@@ -47,7 +47,7 @@ def replica(home: str, healthy: bool = True, available: bool = True, running: in
 US = admin_status(
     "us-east-1",
     {"use1-r0": replica("us-east-1", available=False, running=4, waiting=2, kv=0.9),
-     "use1-r1": replica("us-east-1"),
+     "use1-r1": {**replica("us-east-1"), "cache_source": "events"},
      "euw1-r0": replica("eu-west-1", running=1, kv=0.25)},
     queue_length=3, offloaded_out=5, offloaded_in=1, prefix_hit_ratio=0.5,
     peers={"ap-northeast-1": {"available": True, "allowed": True, "staleness_s": 0.05, "queue_length": 0,
@@ -86,9 +86,11 @@ def test_render_the_controller_view() -> None:
     assert "replicas 2/3 available   queue 3   offloaded out 5 / in 1   prefix hits 50%" in text
     lines = text.splitlines()
     row = next(ln.split() for ln in lines if ln.strip().startswith("use1-r0"))
-    assert row == ["use1-r0", "us-east-1", "busy", "4", "2", "90%"]
+    assert row == ["use1-r0", "us-east-1", "busy", "4", "2", "90%", "history"]
+    # a replica whose KV events the balancer reads
+    assert next(ln.split() for ln in lines if ln.strip().startswith("use1-r1"))[-1] == "events"
     adopted = next(ln for ln in lines if ln.strip().startswith("euw1-r0"))
-    assert "eu-west-1 (adopted)" in adopted and adopted.split()[-4:] == ["avail", "1", "0", "25%"]
+    assert "eu-west-1 (adopted)" in adopted and adopted.split()[-5:] == ["avail", "1", "0", "25%", "history"]
     assert "peers: ap-northeast-1 avail (2/3, q 0, rtt 160.4 ms); eu-west-1 unavail (0/0, q 0)" in text
     assert "== eu-west-1  balancer DOWN" in text
     # a deregistered (draining) balancer is told apart from a dead one
