@@ -47,12 +47,20 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-async def _drive(url: str, n: int, concurrency: int, max_tokens: int) -> list[float]:
+def _prompt(i: int, prompt_chars: int) -> str:
+    """Request i's prompt: 50 distinct ones, padded to ``prompt_chars`` characters."""
+    head = f"request {i % 50} hello world "
+    if len(head) >= prompt_chars:
+        return head
+    return head + ("the quick brown fox jumps over the lazy dog " * (prompt_chars // 44 + 1))[: prompt_chars - len(head)]
+
+
+async def _drive(url: str, n: int, concurrency: int, max_tokens: int, prompt_chars: int = 0) -> list[float]:
     lat: list[float] = []
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def one(i: int) -> None:
-            body = {"model": "skymesh-sim", "prompt": f"request {i % 50} hello world", "max_tokens": max_tokens,
+            body = {"model": "skymesh-sim", "prompt": _prompt(i, prompt_chars), "max_tokens": max_tokens,
                     "stream": True}
             async with sem:
                 t0 = time.perf_counter()
@@ -65,14 +73,15 @@ async def _drive(url: str, n: int, concurrency: int, max_tokens: int) -> list[fl
     return lat
 
 
-async def _router_cost(router: Child, url: str, n: int, concurrency: int, max_tokens: int) -> dict[str, float]:
+async def _router_cost(router: Child, url: str, n: int, concurrency: int, max_tokens: int,
+                       prompt_chars: int = 0) -> dict[str, float]:
     """CPU per request of a router process: warm up, drive n requests, subtract the
     router's idle CPU (probing, timers) over the same wall time."""
-    await _drive(url, 200, concurrency, max_tokens)
+    await _drive(url, 200, concurrency, max_tokens, prompt_chars)
     assert router.pid is not None
     c0 = cpu_seconds(router.pid)
     t0 = time.perf_counter()
-    lat = await _drive(url, n, concurrency, max_tokens)
+    lat = await _drive(url, n, concurrency, max_tokens, prompt_chars)
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(router.pid) - c0
     c1 = cpu_seconds(router.pid)
@@ -83,11 +92,12 @@ async def _router_cost(router: Child, url: str, n: int, concurrency: int, max_to
             "p50_ms": round(statistics.median(lat) * 1000, 3)}
 
 
-async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prompt_chars: int = 0,
+                  tokenizer: str | None = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-proxy-"))
     children: list[Child] = []
     results: dict[str, Any] = {"requests": n, "concurrency": concurrency, "replicas": replicas,
-                               "max_tokens": max_tokens}
+                               "max_tokens": max_tokens, "prompt_chars": prompt_chars, "tokenizer": tokenizer}
     try:
         reps, urls = await start_sim_replicas(replicas, "tiny-test", 0.001, tmp)
         children.extend(reps)
@@ -95,7 +105,7 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
         lat = []
         per = max(1, n // replicas)
         for u in urls:
-            lat += await _drive(u, per, concurrency, max_tokens)
+            lat += await _drive(u, per, concurrency, max_tokens, prompt_chars)
         results["direct"] = {"p50_ms": round(statistics.median(lat) * 1000, 3)}
         # 2) skymesh balancer
         # the config wants real ports; the balancer is told to bind port 0 and report it
@@ -110,15 +120,20 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
             "policy": {"name": "round_robin", "options": {"dispatch_budget": 64}},
             "offload": {"enabled": False},
         }
-        (tmp / "mesh.yaml").write_text(yaml.safe_dump(cfg))
-        b = Child("balancer", skymesh_cmd("balancer", "--config", str(tmp / "mesh.yaml"), "--region", "bench-1",
-                                          "--http-port", "0", "--no-controller", "--no-peers",
-                                          "--log-level", "WARNING"), tmp)
-        b.start()
-        children.append(b)
-        burl = f"http://127.0.0.1:{(await b.wait_ready())['http']}"
-        results["skymesh"] = await _router_cost(b, burl, n, concurrency, max_tokens)
-        await b.stop()
+        # the byte fallback, and with a tokenizer (token-true prefixes) when one is given
+        variants: list[tuple[str, dict[str, Any]]] = [("skymesh", {})]
+        if tokenizer is not None:
+            variants.append(("skymesh_tokenizer", {"tokenizer": {"path": tokenizer}}))
+        for name, extra in variants:
+            (tmp / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
+            b = Child(name, skymesh_cmd("balancer", "--config", str(tmp / f"{name}.yaml"), "--region", "bench-1",
+                                        "--http-port", "0", "--no-controller", "--no-peers",
+                                        "--log-level", "WARNING"), tmp)
+            b.start()
+            children.append(b)
+            burl = f"http://127.0.0.1:{(await b.wait_ready())['http']}"
+            results[name] = await _router_cost(b, burl, n, concurrency, max_tokens, prompt_chars)
+            await b.stop()
         # 3) sglang-router, when installed
         sport = free_port()
         sgl = Child("sglang-router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -133,7 +148,7 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int) -> d
             children.append(sgl)
             surl = f"http://127.0.0.1:{sport}"
             await wait_healthy(surl + "/health", sgl, within_s=60)
-            results["sglang_router"] = await _router_cost(sgl, surl, n, concurrency, max_tokens)
+            results["sglang_router"] = await _router_cost(sgl, surl, n, concurrency, max_tokens, prompt_chars)
         return results
     finally:
         for c in reversed(children):
@@ -146,11 +161,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--prompt-chars", type=int, default=0,
+                   help="pad each prompt to this many characters (0: short prompts)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json: also measure the balancer hashing token ids with it")
     p.add_argument("--json", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
-    res = asyncio.run(measure(args.requests, args.replicas, args.concurrency, args.max_tokens))
+    res = asyncio.run(measure(args.requests, args.replicas, args.concurrency, args.max_tokens,
+                              args.prompt_chars, os.path.abspath(args.tokenizer) if args.tokenizer else None))
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
