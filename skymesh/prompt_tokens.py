@@ -34,8 +34,9 @@ import xxhash
 from skymesh.tokens import chat_prompt
 
 # encoding a prompt longer than this (characters) runs in a worker thread: a 32k-token
-# prompt takes milliseconds to encode, which the event loop must not stall for
-OFF_LOOP_CHARS = 8192
+# prompt takes tens of milliseconds to encode, which the event loop must not stall for
+# (the tokenizer's batch call releases the GIL, so the loop keeps running meanwhile)
+OFF_LOOP_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,9 @@ class PromptEncoder:
         if self.tokenizer is not None:
             # a rendered chat template carries its own special tokens (BOS included), as
             # vLLM encodes it; a completion prompt gets the tokenizer's (BOS) added
-            ids = self.tokenizer.encode(text, add_special_tokens=not chat).ids
+            # encode_batch, not encode: only the batch call releases the GIL (measured:
+            # two threads encode 1.7x as fast with it, 1.0x with encode)
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=not chat)[0].ids
             return EncodedPrompt(id_chunk_hashes(ids, self.chunk_tokens), len(ids))
         data = text.encode("utf-8")
         chunk_bytes = max(1, round(self.chunk_tokens * self.bytes_per_token))
