@@ -82,7 +82,7 @@ resource "aws_security_group" "replica" {
   vpc_id      = aws_vpc.this.id
 
   ingress {
-    description     = "vLLM OpenAI server from this region's balancer"
+    description     = "vLLM OpenAI server from the balancer of this region"
     from_port       = 8000
     to_port         = 8000
     protocol        = "tcp"

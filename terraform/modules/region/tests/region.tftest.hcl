@@ -59,3 +59,18 @@ run "balancer_has_a_fixed_public_address" {
     error_message = "the balancer's public address is an Elastic IP allocated before the instance"
   }
 }
+
+run "security_group_rule_descriptions_use_the_characters_aws_accepts" {
+  # apply against the mock provider (nothing real): the replica group's rules name the
+  # balancer group's id, unknown in a plan
+  command = apply
+
+  assert {
+    # EC2 accepts a-z A-Z 0-9 space and ._-:/()#,@[]+=&;{}!$* in rule descriptions (no
+    # apostrophe): a mock plan does not check it, AWS rejects the apply
+    condition = alltrue([for d in flatten([
+      for sg in [aws_security_group.balancer, aws_security_group.replica] : [for r in concat(tolist(sg.ingress), tolist(sg.egress)) : r.description]
+    ]) : can(regex("^[0-9A-Za-z_ .:/()#,@\\[\\]+=&;{}!$*-]*$", d))])
+    error_message = "a security group rule description holds a character EC2 rejects"
+  }
+}
