@@ -12,6 +12,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+import yaml
 
 from skymesh.config import parse_config
 from tests.mesh_helpers import ROOT
@@ -59,7 +60,7 @@ def test_config_module_terraform_test(tf_env: dict[str, str], tmp_path: Path) ->
     mod = TF_DIR / "modules" / "config"
     tf(["init", "-backend=false", "-input=false"], mod, tf_env, tmp_path)
     out = tf(["test"], mod, tf_env, tmp_path)
-    assert "4 passed, 0 failed" in out.stdout
+    assert "7 passed, 0 failed" in out.stdout, out.stdout
 
 
 @needs_tf
@@ -72,7 +73,7 @@ module "config" {{
   dns_name      = "llm.example.com"
   hosted_zone   = "example.com"
   controller_ip = "10.10.0.5"
-  peer_token    = "0123456789abcdef0123"
+  credentials_dir = "/etc/skymesh/pki"
   regions = [
     {{ name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", balancer_public_ip = "3.80.0.10", replica_ips = ["10.10.1.10", "10.10.1.11"] }},
     {{ name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = ["10.20.1.10"] }},
@@ -87,13 +88,17 @@ output "skymesh_config" {{
     tf(["init", "-backend=false", "-input=false"], work, tf_env, tmp_path / "d")
     tf(["apply", "-auto-approve", "-input=false"], work, tf_env, tmp_path / "d")
     yaml_text = tf(["output", "-raw", "skymesh_config"], work, tf_env, tmp_path / "d").stdout
-    import yaml
-
     cfg = parse_config(yaml.safe_load(yaml_text))
     assert [r.name for r in cfg.regions] == ["us-east-1", "eu-west-1"]
     assert cfg.regions[0].replicas[1].url == "http://10.10.1.11:8000"
     assert cfg.regions[0].balancer.public_ip == "3.80.0.10"
     assert cfg.dns.provider == "route53" and cfg.rtt_ms("us-east-1", "eu-west-1") == 76
+    # credentials_dir: tls names the files the secrets module's fetch scripts write, the
+    # admin token is a file there, and no secret is in the config
+    assert cfg.tls is not None and cfg.tls.ca_cert == "/etc/skymesh/pki/ca.crt"
+    assert cfg.tls.balancers["eu-west-1"].key == "/etc/skymesh/pki/balancer-eu-west-1.key"
+    assert cfg.tls.controller.cert == "/etc/skymesh/pki/controller.crt"
+    assert cfg.admin.token_file == "/etc/skymesh/pki/admin-token" and cfg.peer_token is None
 
 
 @needs_tf
