@@ -9,8 +9,9 @@
 #
 # The values come from `skymesh pki issue` (the CA key never leaves the operator). They are
 # written with the write-only `secret_string_wo`, so they are in neither the plan nor the
-# state; `secret_string_wo_version` is derived from a hash of the value, so an apply after
-# re-issuing uploads the new one. A certificate and its key are one JSON secret: one
+# state; `secret_string_wo_version` is the first 48 bits of the value's SHA-256 (all the
+# state keeps of it: nothing to recover a 256-bit token or key from), so an apply after
+# re-issuing uploads exactly the changed values. A certificate and its key are one JSON secret: one
 # version holds a matching pair, never a new certificate with the old key.
 terraform {
   required_version = ">= 1.11" # write-only arguments
