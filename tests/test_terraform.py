@@ -10,6 +10,7 @@ import os
 import shutil
 import stat
 import subprocess
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,6 +403,8 @@ def write_like_the_fetch_script(applied: AppliedSecrets, component: str) -> None
 def fetch_on_host(applied: AppliedSecrets, component: str, tmp_path: Path) -> None:
     """One instance's boot: its fetch script (with the AWS CLI, against the emulator)."""
     if AWS_CLI is None:
+        warnings.warn("no AWS CLI here: the fetch scripts did not run, their files were written from boto3 reads",
+                      stacklevel=2)
         write_like_the_fetch_script(applied, component)
         return
     entry = applied.outputs["controller"] if component == "controller" else applied.outputs["balancers"][component]
