@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("skymesh.bench.main", "benchmarks: live trace replay, routing micro-benchmark"),
     "sim": ("skymesh.bench.sim_main", "discrete-event simulation of the routing core"),
     "config": ("skymesh.config_cli", "validate a config file and print it"),
+    "pki": ("skymesh.pki_cli", "issue a mesh's credentials offline (CA, certificates, peer and admin tokens)"),
 }
 
 

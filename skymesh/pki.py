@@ -14,8 +14,9 @@ dials region R's address only talks to a process holding R's key, whatever the a
 resolves to (a delay proxy, a moved IP).
 
 :func:`generate_mesh_pki` writes a CA and every component's key and certificate (what
-``skymesh up`` does on first run, and what the tests use); in the cloud, run it once
-(``skymesh pki``-style via ``python -m skymesh.pki``) and ship each host only its files.
+``skymesh up`` does on first run, and what the tests use); for a deployed mesh,
+``skymesh pki issue`` (skymesh/pki_cli.py) runs it once, offline, adds the peer and admin
+tokens, and terraform/modules/secrets ships each host only its files.
 """
 
 from __future__ import annotations
@@ -256,20 +257,14 @@ def generate_mesh_pki(directory: str | Path, regions: Iterable[str], *, reuse: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m skymesh.pki --config mesh.yaml --out DIR``: the mesh CA and every
-    component's credentials, printed as the config's ``tls`` section (YAML)."""
-    import yaml
+    """``python -m skymesh.pki --config mesh.yaml --out DIR [--reuse | --force]``: the same
+    as ``skymesh pki issue`` (skymesh/pki_cli.py)."""
+    from skymesh import pki_cli
 
-    from skymesh.config import load_config
-
-    p = argparse.ArgumentParser(prog="python -m skymesh.pki", description=main.__doc__)
-    p.add_argument("--config", required=True, help="the mesh YAML (its region names)")
-    p.add_argument("--out", required=True, help="directory for the CA and the keys (created 0700)")
-    args = p.parse_args(argv)
-    cfg = load_config(args.config)
-    section = generate_mesh_pki(args.out, [r.name for r in cfg.regions])
-    print(yaml.safe_dump({"tls": section}, sort_keys=False), end="")
-    return 0
+    p = argparse.ArgumentParser(prog="python -m skymesh.pki", description=pki_cli.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    pki_cli.add_issue_arguments(p)
+    return pki_cli.run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -4,16 +4,35 @@ module applied against a Route53 emulator (moto) on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import stat
 import subprocess
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import boto3
+import grpc
 import pytest
+import yaml
 
+from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.config import parse_config
+from skymesh.pki import (
+    CONTROLLER_SERVER_NAME,
+    Credentials,
+    balancer_identity,
+    balancer_server_name,
+    generate_mesh_pki,
+    load_credentials,
+    peer_identity,
+    secure_channel,
+)
 from tests.mesh_helpers import ROOT
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,7 +78,7 @@ def test_config_module_terraform_test(tf_env: dict[str, str], tmp_path: Path) ->
     mod = TF_DIR / "modules" / "config"
     tf(["init", "-backend=false", "-input=false"], mod, tf_env, tmp_path)
     out = tf(["test"], mod, tf_env, tmp_path)
-    assert "4 passed, 0 failed" in out.stdout
+    assert "7 passed, 0 failed" in out.stdout, out.stdout
 
 
 @needs_tf
@@ -72,7 +91,7 @@ module "config" {{
   dns_name      = "llm.example.com"
   hosted_zone   = "example.com"
   controller_ip = "10.10.0.5"
-  peer_token    = "0123456789abcdef0123"
+  credentials_dir = "/etc/skymesh/pki"
   regions = [
     {{ name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", balancer_public_ip = "3.80.0.10", replica_ips = ["10.10.1.10", "10.10.1.11"] }},
     {{ name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = ["10.20.1.10"] }},
@@ -87,18 +106,22 @@ output "skymesh_config" {{
     tf(["init", "-backend=false", "-input=false"], work, tf_env, tmp_path / "d")
     tf(["apply", "-auto-approve", "-input=false"], work, tf_env, tmp_path / "d")
     yaml_text = tf(["output", "-raw", "skymesh_config"], work, tf_env, tmp_path / "d").stdout
-    import yaml
-
     cfg = parse_config(yaml.safe_load(yaml_text))
     assert [r.name for r in cfg.regions] == ["us-east-1", "eu-west-1"]
     assert cfg.regions[0].replicas[1].url == "http://10.10.1.11:8000"
     assert cfg.regions[0].balancer.public_ip == "3.80.0.10"
     assert cfg.dns.provider == "route53" and cfg.rtt_ms("us-east-1", "eu-west-1") == 76
+    # credentials_dir: tls names the files the secrets module's fetch scripts write, the
+    # admin token is a file there, and no secret is in the config
+    assert cfg.tls is not None and cfg.tls.ca_cert == "/etc/skymesh/pki/ca.crt"
+    assert cfg.tls.balancers["eu-west-1"].key == "/etc/skymesh/pki/balancer-eu-west-1.key"
+    assert cfg.tls.controller.cert == "/etc/skymesh/pki/controller.crt"
+    assert cfg.admin.token_file == "/etc/skymesh/pki/admin-token" and cfg.peer_token is None
 
 
 @needs_tf
 @needs_aws
-@pytest.mark.parametrize("module", ["dns", "region", "controller", "peering"])
+@pytest.mark.parametrize("module", ["dns", "region", "controller", "peering", "secrets"])
 def test_aws_modules_validate_and_test_with_mock_provider(module: str, tf_env: dict[str, str], tmp_path: Path) -> None:
     mod = TF_DIR / "modules" / module
     tf(["init", "-backend=false", "-input=false"], mod, tf_env, tmp_path)
@@ -119,7 +142,7 @@ def test_example_validates_and_plans_with_mock_providers(tf_env: dict[str, str],
     tf(["init", "-backend=false", "-input=false"], ex, tf_env, tmp_path)
     tf(["validate"], ex, tf_env, tmp_path)
     out = tf(["test"], ex, tf_env, tmp_path)
-    assert "1 passed, 0 failed" in out.stdout, out.stdout
+    assert "3 passed, 0 failed" in out.stdout, out.stdout
 
 
 
@@ -187,6 +210,279 @@ output "zone_id" {{
     assert client.list_health_checks()["HealthChecks"] == []
     assert all(z["Id"].split("/")[-1] != zone_id for z in client.list_hosted_zones()["HostedZones"])
 
+
+# ----------------------------------------------------------------------------- secrets on moto
+
+SECRET_REGIONS = ["us-east-1", "eu-west-1"]
+AWS_CLI = shutil.which("aws")
+
+
+@dataclass
+class AppliedSecrets:
+    """The secrets module (and the config module naming the files it fetches) applied
+    against a Secrets Manager emulator (moto) on loopback, from `skymesh pki issue` files."""
+
+    url: str
+    env: dict[str, str]  # terraform's, with the emulator's test credentials
+    work: Path  # the root module
+    data_dir: Path
+    pki: Path  # what `skymesh pki issue` wrote
+    host: Path  # the instances' credentials_dir
+    outputs: dict[str, Any]
+
+    def client(self) -> Any:
+        return boto3.client("secretsmanager", endpoint_url=self.url, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def apply(self) -> None:
+        tf(["apply", "-auto-approve", "-input=false"], self.work, self.env, self.data_dir)
+        out = tf(["output", "-json"], self.work, self.env, self.data_dir).stdout
+        self.outputs = {k: v["value"] for k, v in json.loads(out).items()}
+
+
+def secrets_root(url: str, pki: Path, host: Path) -> str:
+    return f"""
+provider "aws" {{
+  region                      = "us-east-1"
+  access_key                  = "testing"
+  secret_key                  = "testing"
+  skip_credentials_validation = true
+  skip_requesting_account_id  = true
+  skip_metadata_api_check     = true
+  skip_region_validation      = true
+  endpoints {{
+    secretsmanager = "{url}"
+    sts            = "{url}"
+  }}
+}}
+locals {{
+  pki     = "{pki}"
+  regions = {json.dumps(SECRET_REGIONS)}
+}}
+# what terraform/examples/three-regions does with var.credentials_dir
+module "secrets" {{
+  source     = "{TF_DIR / "modules" / "secrets"}"
+  regions    = local.regions
+  ca_cert    = file("${{local.pki}}/ca.crt")
+  controller = {{ cert = file("${{local.pki}}/controller.crt"), key = file("${{local.pki}}/controller.key") }}
+  balancers = {{ for r in local.regions : r => {{
+    cert = file("${{local.pki}}/balancer-${{r}}.crt")
+    key  = file("${{local.pki}}/balancer-${{r}}.key")
+  }} }}
+  peer_token              = file("${{local.pki}}/peer-token")
+  admin_token             = file("${{local.pki}}/admin-token")
+  recovery_window_in_days = 0
+  host_dir                = "{host}"
+}}
+module "config" {{
+  source          = "{TF_DIR / "modules" / "config"}"
+  dns_name        = "llm.example.com"
+  hosted_zone     = "example.com"
+  controller_ip   = "10.10.0.5"
+  credentials_dir = module.secrets.host_dir
+  regions = [
+    {{ name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", replica_ips = ["10.10.1.10"] }},
+    {{ name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = ["10.20.1.10"] }},
+  ]
+  latencies = [{{ regions = ["us-east-1", "eu-west-1"], one_way_ms = 38 }}]
+}}
+output "secret_arns" {{
+  value = module.secrets.secret_arns
+}}
+output "balancers" {{
+  value = module.secrets.balancers
+}}
+output "controller" {{
+  value = module.secrets.controller
+}}
+output "skymesh_config" {{
+  value     = module.config.skymesh_config
+  sensitive = true
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def applied_secrets(tf_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppliedSecrets]:
+    from moto.server import ThreadedMotoServer
+
+    from skymesh.pki_cli import issue
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host_ip, port = server.get_host_and_port()
+        url = f"http://{host_ip}:{port}"
+        tmp = tmp_path_factory.mktemp("secrets")
+        pki, host, work = tmp / "pki", tmp / "host", tmp / "root"
+        issue(pki, SECRET_REGIONS)  # what `skymesh pki issue --out pki` writes
+        work.mkdir()
+        (work / "main.tf").write_text(secrets_root(url, pki, host))
+        env = {**tf_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        applied = AppliedSecrets(url, env, work, tmp / "d", pki, host, {})
+        tf(["init", "-backend=false", "-input=false"], work, env, applied.data_dir)
+        applied.apply()
+        yield applied
+        tf(["destroy", "-auto-approve", "-input=false"], work, env, applied.data_dir)
+        assert applied.client().list_secrets()["SecretList"] == []
+    finally:
+        server.stop()
+
+
+def stored_values(applied: AppliedSecrets) -> dict[str, str]:
+    """What each secret should hold: the files of `skymesh pki issue`."""
+    pki = applied.pki
+
+    def pair(name: str) -> str:
+        return json.dumps({"cert": (pki / f"{name}.crt").read_text(), "key": (pki / f"{name}.key").read_text()})
+
+    return {
+        "ca-cert": (pki / "ca.crt").read_text(),
+        "peer-token": (pki / "peer-token").read_text().strip(),
+        "admin-token": (pki / "admin-token").read_text().strip(),
+        "controller": pair("controller"),
+        **{f"balancer/{r}": pair(f"balancer-{r}") for r in SECRET_REGIONS},
+    }
+
+
+@needs_tf
+@needs_aws
+@pytest.mark.slow
+def test_secrets_module_stores_each_component_apart_and_nothing_in_state(applied_secrets: AppliedSecrets) -> None:
+    applied = applied_secrets
+    client = applied.client()
+    expected = stored_values(applied)
+    names = {s["Name"]: s["ARN"] for s in client.list_secrets()["SecretList"]}
+    assert names == {f"skymesh/{k}": applied.outputs["secret_arns"][k] for k in expected}
+    for key, value in expected.items():
+        got = client.get_secret_value(SecretId=applied.outputs["secret_arns"][key])["SecretString"]
+        if key in ("controller",) or key.startswith("balancer/"):
+            assert json.loads(got) == json.loads(value), key
+        else:
+            assert got == value, key
+    # write-only: no value in the state or in the (non-sensitive) outputs
+    state = (applied.work / "terraform.tfstate").read_text()
+    outputs = json.dumps({k: v for k, v in applied.outputs.items() if k != "skymesh_config"})
+    for text in (state, outputs, applied.outputs["skymesh_config"]):
+        assert "PRIVATE KEY" not in text and "BEGIN CERTIFICATE" not in text
+        assert expected["peer-token"] not in text and expected["admin-token"] not in text
+    # rotation: a re-issued token is uploaded by the next apply, the old one stays AWSPREVIOUS
+    old = expected["peer-token"]
+    (applied.pki / "peer-token").write_text("rotated-" + old[8:] + "\n")
+    applied.apply()
+    peer_arn = applied.outputs["secret_arns"]["peer-token"]
+    assert client.get_secret_value(SecretId=peer_arn)["SecretString"] == "rotated-" + old[8:]
+    assert client.get_secret_value(SecretId=peer_arn, VersionStage="AWSPREVIOUS")["SecretString"] == old
+    plan = tf(["plan", "-detailed-exitcode", "-input=false"], applied.work, applied.env, applied.data_dir, check=False)
+    assert plan.returncode == 0, plan.stdout  # nothing changed: nothing to upload
+
+
+def write_like_the_fetch_script(applied: AppliedSecrets, component: str) -> None:
+    """Without the AWS CLI here: the host files the fetch script writes, from boto3 reads."""
+    client, arns, host = applied.client(), applied.outputs["secret_arns"], applied.host
+
+    def get(key: str) -> str:
+        return str(client.get_secret_value(SecretId=arns[key])["SecretString"])
+
+    host.mkdir(mode=0o700, exist_ok=True)
+    files = {"ca.crt": get("ca-cert").rstrip("\n") + "\n"}
+    name, key = ("controller", "controller") if component == "controller" else (f"balancer-{component}",
+                                                                                  f"balancer/{component}")
+    pair = json.loads(get(key))
+    files |= {f"{name}.crt": pair["cert"], f"{name}.key": pair["key"]}
+    if component == "controller":
+        files["admin-token"] = get("admin-token") + "\n"
+    else:
+        files["peer-token.env"] = f"SKYMESH_PEER_TOKEN={get('peer-token')}\n"
+    for fname, text in files.items():
+        fd = os.open(host / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+
+def fetch_on_host(applied: AppliedSecrets, component: str, tmp_path: Path) -> None:
+    """One instance's boot: its fetch script (with the AWS CLI, against the emulator)."""
+    if AWS_CLI is None:
+        warnings.warn("no AWS CLI here: the fetch scripts did not run, their files were written from boto3 reads",
+                      stacklevel=2)
+        write_like_the_fetch_script(applied, component)
+        return
+    entry = applied.outputs["controller"] if component == "controller" else applied.outputs["balancers"][component]
+    script = tmp_path / f"fetch-{component}.sh"
+    script.write_text(entry["fetch_script"])
+    env = {**os.environ, "AWS_ENDPOINT_URL": applied.url, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_EC2_METADATA_DISABLED": "true",
+           "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+async def whoami(server: Credentials, client: Credentials, server_name: str) -> str:
+    """An mTLS call with skymesh.pki's credentials: the identity the server verified."""
+    srv = grpc.aio.server()
+
+    def handler(request: bytes, context: Any) -> bytes:
+        return (peer_identity(context) or "").encode()
+
+    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "skymesh.test.WhoAmI", {"Call": grpc.unary_unary_rpc_method_handler(handler)}),))
+    port = srv.add_secure_port("127.0.0.1:0", server.server_credentials())
+    await srv.start()
+    try:
+        async with secure_channel(f"127.0.0.1:{port}", client, server_name) as channel:
+            reply = await channel.unary_unary("/skymesh.test.WhoAmI/Call")(b"", timeout=10)
+        return bytes(reply).decode()
+    finally:
+        await srv.stop(None)
+
+
+@needs_tf
+@needs_aws
+@pytest.mark.slow
+def test_fetched_credentials_make_an_mtls_mesh(applied_secrets: AppliedSecrets, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each host fetches only its files (0600 in a 0700 directory) to the paths the
+    rendered config names; the config validates, the loader reads them, the tokens resolve
+    as the daemons resolve them, and the pairs complete mTLS handshakes under the CA."""
+    applied = applied_secrets
+    cfg = parse_config(yaml.safe_load(applied.outputs["skymesh_config"]))
+    assert cfg.tls is not None and Path(cfg.tls.ca_cert) == applied.host / "ca.crt"
+    creds: dict[str, Credentials] = {}
+    for component in [*SECRET_REGIONS, "controller"]:
+        shutil.rmtree(applied.host, ignore_errors=True)  # a fresh instance
+        fetch_on_host(applied, component, tmp_path)
+        own = ["controller.crt", "controller.key", "admin-token"] if component == "controller" else [
+            f"balancer-{component}.crt", f"balancer-{component}.key", "peer-token.env"]
+        assert sorted(p.name for p in applied.host.iterdir()) == sorted(["ca.crt", *own]), component
+        assert stat.S_IMODE(applied.host.stat().st_mode) == 0o700
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in applied.host.iterdir())
+        loaded = load_credentials(cfg, component)
+        assert loaded is not None
+        creds[component] = loaded
+        if component == "controller":
+            monkeypatch.delenv(cfg.admin.token_env, raising=False)
+            assert resolve_admin_token(cfg, state_dir=None) == (applied.pki / "admin-token").read_text().strip()
+        else:
+            # systemd's EnvironmentFile=: the balancer sees SKYMESH_PEER_TOKEN
+            name, _, value = (applied.host / "peer-token.env").read_text().strip().partition("=")
+            monkeypatch.setenv(name, value)
+            assert resolve_peer_token(cfg, ("0.0.0.0",), state_dir=None) == (
+                applied.pki / "peer-token").read_text().strip()
+    shutil.rmtree(applied.host)
+    rogue = generate_mesh_pki(tmp_path / "rogue", ["eu-west-1"])["balancers"]["eu-west-1"]
+    forged = Credentials(creds["eu-west-1"].ca_pem, Path(rogue["cert"]).read_bytes(), Path(rogue["key"]).read_bytes())
+    asyncio.run(handshakes(creds, forged))
+
+
+async def handshakes(creds: dict[str, Credentials], forged: Credentials) -> None:
+    # a balancer dials the controller; balancers dial each other (the dialed name is pinned)
+    assert await whoami(creds["controller"], creds["eu-west-1"], CONTROLLER_SERVER_NAME) == balancer_identity("eu-west-1")
+    assert await whoami(creds["us-east-1"], creds["eu-west-1"], balancer_server_name("us-east-1")) == \
+        balancer_identity("eu-west-1")
+    with pytest.raises(grpc.aio.AioRpcError):  # us-east-1's certificate does not answer for eu-west-1
+        await whoami(creds["us-east-1"], creds["eu-west-1"], balancer_server_name("eu-west-1"))
+    with pytest.raises(grpc.aio.AioRpcError):  # a certificate from another CA is refused
+        await whoami(creds["controller"], forged, CONTROLLER_SERVER_NAME)
 
 CHECKOV_VENV = ROOT / ".venv-checkov"
 CHECKOV_PIN = "checkov==3.3.30"

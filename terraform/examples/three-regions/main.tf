@@ -1,6 +1,6 @@
 # Three regions, one controller, Route53 latency records. Provider aliases per region.
 terraform {
-  required_version = ">= 1.6"
+  required_version = ">= 1.11" # the secrets module's write-only arguments
   required_providers {
     aws = {
       source  = "hashicorp/aws"
@@ -46,6 +46,29 @@ locals {
   ]
 }
 
+# The mesh's credentials, issued offline by `skymesh pki issue` into var.credentials_dir,
+# one Secrets Manager secret per component in us-east-1. Each instance role may read only
+# its own (a balancer: the CA certificate, the peer token, its pair; the controller: the
+# CA certificate, the admin token, its pair); systemd fetches them before every start.
+locals {
+  pki = trimsuffix(var.credentials_dir, "/")
+}
+
+module "secrets" {
+  source     = "../../modules/secrets"
+  providers  = { aws = aws.use1 }
+  regions    = keys(local.regions)
+  ca_cert    = file("${local.pki}/ca.crt")
+  controller = { cert = file("${local.pki}/controller.crt"), key = file("${local.pki}/controller.key") }
+  balancers = { for k in keys(local.regions) : k => {
+    cert = file("${local.pki}/balancer-${k}.crt")
+    key  = file("${local.pki}/balancer-${k}.key")
+  } }
+  peer_token  = file("${local.pki}/peer-token")
+  admin_token = file("${local.pki}/admin-token")
+  kms_key_arn = var.kms_key_arn
+}
+
 # The config is computed from planned addresses (fixed private IPs per region, and the
 # balancers' Elastic IPs, which are allocated before any instance), so every instance gets
 # the same YAML at boot.
@@ -64,7 +87,9 @@ module "config" {
   dns_name      = var.dns_name
   hosted_zone   = var.hosted_zone
   controller_ip = local.controller_ip
-  peer_token    = var.peer_token
+  # tls: and admin.token_file name the files the fetch scripts write; the peer token
+  # reaches the balancers in their environment, so the config (user data) holds no secret
+  credentials_dir = module.secrets.host_dir
 }
 
 module "use1" {
@@ -81,6 +106,8 @@ module "use1" {
   model               = var.model
   skymesh_package     = var.skymesh_package
   skymesh_config      = module.config.skymesh_config
+  credentials         = module.secrets.balancers["us-east-1"]
+  credentials_dir     = module.secrets.host_dir
 }
 
 module "euw1" {
@@ -97,6 +124,8 @@ module "euw1" {
   model               = var.model
   skymesh_package     = var.skymesh_package
   skymesh_config      = module.config.skymesh_config
+  credentials         = module.secrets.balancers["eu-west-1"]
+  credentials_dir     = module.secrets.host_dir
 }
 
 module "apne1" {
@@ -113,6 +142,8 @@ module "apne1" {
   model               = var.model
   skymesh_package     = var.skymesh_package
   skymesh_config      = module.config.skymesh_config
+  credentials         = module.secrets.balancers["ap-northeast-1"]
+  credentials_dir     = module.secrets.host_dir
 }
 
 module "dns" {
@@ -138,6 +169,7 @@ module "controller" {
   admin_cidrs     = var.admin_cidrs
   skymesh_package = var.skymesh_package
   skymesh_config  = module.config.skymesh_config
+  credentials     = module.secrets.controller
 }
 
 module "peer_use1_euw1" {

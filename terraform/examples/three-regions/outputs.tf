@@ -18,3 +18,22 @@ output "zone_id" {
   description = "The hosted zone holding the mesh name."
   value       = module.dns.zone_id
 }
+
+output "secret_arns" {
+  description = "The mesh credentials' secrets (ARNs, no values), by key."
+  value       = module.secrets.secret_arns
+}
+
+output "balancer_credentials_policies" {
+  description = "Per region, what its balancer role may read (policy JSON)."
+  value = {
+    "us-east-1"      = module.use1.credentials_policy
+    "eu-west-1"      = module.euw1.credentials_policy
+    "ap-northeast-1" = module.apne1.credentials_policy
+  }
+}
+
+output "controller_credentials_policy" {
+  description = "What the controller role may read (policy JSON)."
+  value       = module.controller.credentials_policy
+}

@@ -31,10 +31,15 @@ variable "hosted_zone" {
   type        = string
 }
 
-variable "peer_token" {
-  description = "Shared secret between balancers."
+variable "credentials_dir" {
+  description = "Directory (on the machine running terraform) written by `skymesh pki issue --config mesh.yaml --out DIR`: ca.crt, controller.{crt,key}, balancer-<region>.{crt,key}, peer-token, admin-token. Their values go to Secrets Manager (write-only: not in the plan or the state); ca.key is never read."
   type        = string
-  sensitive   = true
+}
+
+variable "kms_key_arn" {
+  description = "Customer-managed KMS key (in us-east-1) for the secrets; null: the AWS managed key aws/secretsmanager."
+  type        = string
+  default     = null
 }
 
 variable "admin_cidrs" {

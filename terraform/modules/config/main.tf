@@ -5,7 +5,21 @@ terraform {
 }
 
 locals {
-  config = {
+  dir = trimsuffix(coalesce(var.credentials_dir, "/unset"), "/")
+  # the file names of `skymesh pki issue` (skymesh/pki.py), which the fetch scripts of the
+  # secrets module keep; each host holds only its own pair, and reads only that one
+  credentials = { for k, v in {
+    tls = {
+      ca_cert    = "${local.dir}/ca.crt"
+      controller = { cert = "${local.dir}/controller.crt", key = "${local.dir}/controller.key" }
+      balancers = { for r in var.regions : r.name => {
+        cert = "${local.dir}/balancer-${r.name}.crt"
+        key  = "${local.dir}/balancer-${r.name}.key"
+      } }
+    }
+    admin = { token_file = "${local.dir}/admin-token" }
+  } : k => v if var.credentials_dir != null }
+  config = merge({
     model = var.model
     regions = [for r in var.regions : merge(
       {
@@ -51,6 +65,5 @@ locals {
       enabled = true
       rules   = var.offload_rules
     }
-    peer_token = var.peer_token
-  }
+  }, var.peer_token == null ? {} : { peer_token = var.peer_token }, local.credentials)
 }

@@ -108,12 +108,24 @@ variable "controller_ip" {
 }
 
 variable "peer_token" {
-  description = "Shared secret balancers present when forwarding to each other."
+  description = "Shared secret balancers present when forwarding to each other, written into the config. Leave null when the instances get it from the secrets module (SKYMESH_PEER_TOKEN in a root-only environment file): a value here lands in every instance's user data."
   type        = string
+  default     = null
   sensitive   = true
 
   validation {
-    condition     = length(var.peer_token) >= 16
+    condition     = var.peer_token == null || length(coalesce(var.peer_token, "-")) >= 16
     error_message = "peer_token must be at least 16 characters."
+  }
+}
+
+variable "credentials_dir" {
+  description = "Directory on the instances holding the mesh credentials (the secrets module's host_dir, e.g. /etc/skymesh/pki): the config's tls section names ca.crt, controller.{crt,key} and balancer-<region>.{crt,key} there, and admin.token_file its admin-token. null: no tls section (gRPC then only binds loopback)."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.credentials_dir == null || can(regex("^/[A-Za-z0-9._/-]+$", coalesce(var.credentials_dir, "-")))
+    error_message = "credentials_dir must be an absolute path of plain characters."
   }
 }

@@ -54,6 +54,36 @@ resource "aws_iam_role_policy" "route53" {
   policy = data.aws_iam_policy_document.route53.json
 }
 
+# The controller's mesh credentials (the CA certificate, the admin token, its own
+# certificate and key) and nothing else: no balancer's key, not the peer token.
+locals {
+  credentials_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = concat(
+      [{
+        Sid      = "ReadOwnMeshCredentials"
+        Effect   = "Allow"
+        Action   = ["secretsmanager:GetSecretValue"]
+        Resource = var.credentials.secret_arns
+      }],
+      var.credentials.kms_key_arn == null ? [] : [{
+        Sid      = "DecryptThemThroughSecretsManagerOnly"
+        Effect   = "Allow"
+        Action   = ["kms:Decrypt"]
+        Resource = [var.credentials.kms_key_arn]
+        # the key's region (the secrets' region) is the fourth field of its ARN
+        Condition = { StringEquals = { "kms:ViaService" = "secretsmanager.${split(":", var.credentials.kms_key_arn)[3]}.amazonaws.com" } }
+      }],
+    )
+  })
+}
+
+resource "aws_iam_role_policy" "credentials" {
+  name   = "${var.name}-credentials"
+  role   = aws_iam_role.this.id
+  policy = local.credentials_policy
+}
+
 resource "aws_iam_instance_profile" "this" {
   name = var.name
   role = aws_iam_role.this.name
@@ -109,15 +139,25 @@ resource "aws_instance" "this" {
         permissions: "0600"
         encoding: b64
         content: ${base64encode(var.skymesh_config)}
+      - path: /usr/local/sbin/skymesh-fetch-credentials
+        permissions: "0700"
+        encoding: b64
+        content: ${base64encode(var.credentials.fetch_script)}
       - path: /etc/systemd/system/skymesh-controller.service
         content: |
           [Unit]
           Description=skymesh controller
           After=network-online.target
+          # keep retrying while the instance role's grant propagates
+          StartLimitIntervalSec=0
           [Service]
+          # the CA certificate, the controller's certificate and key, and the admin token
+          # (admin.token_file), from Secrets Manager, on every start
+          ExecStartPre=/usr/local/sbin/skymesh-fetch-credentials
           ExecStart=/opt/skymesh/bin/skymesh controller --config /etc/skymesh/mesh.yaml
           ExecReload=/bin/kill -HUP $MAINPID
           Restart=always
+          RestartSec=5
           [Install]
           WantedBy=multi-user.target
     runcmd:
@@ -138,5 +178,7 @@ resource "aws_instance" "this" {
     volume_type = "gp3"
   }
   tags = { Name = var.name }
+  # the grant exists before the instance boots and fetches its credentials
+  depends_on = [aws_iam_role_policy.credentials]
   # checkov:skip=CKV_AWS_88:outbound access to the Route53 API and the package index without a NAT gateway; the security group admits only balancers (7001) and admin_cidrs (7002)
 }

@@ -7,3 +7,8 @@ output "role_arn" {
   description = "IAM role of the controller."
   value       = aws_iam_role.this.arn
 }
+
+output "credentials_policy" {
+  description = "The controller role's credentials policy (JSON): what it may read from Secrets Manager (and decrypt with KMS)."
+  value       = local.credentials_policy
+}

@@ -74,3 +74,17 @@ variable "skymesh_config" {
   type        = string
   sensitive   = true
 }
+
+variable "credentials" {
+  description = "The controller's mesh credentials in Secrets Manager: the secrets module's controller output (the ARNs its role may read, the optional KMS key, the fetch script systemd runs before every start)."
+  type = object({
+    secret_arns  = list(string)
+    kms_key_arn  = optional(string)
+    fetch_script = string
+  })
+
+  validation {
+    condition     = length(var.credentials.secret_arns) > 0 && alltrue([for a in var.credentials.secret_arns : !strcontains(a, "*")])
+    error_message = "credentials.secret_arns must name the secrets exactly (no wildcards)."
+  }
+}

@@ -82,7 +82,7 @@ resource "aws_security_group" "replica" {
   vpc_id      = aws_vpc.this.id
 
   ingress {
-    description     = "vLLM OpenAI server from this region's balancer"
+    description     = "vLLM OpenAI server from the balancer of this region"
     from_port       = 8000
     to_port         = 8000
     protocol        = "tcp"
@@ -153,12 +153,61 @@ resource "aws_instance" "replica" {
   # checkov:skip=CKV_AWS_88:replicas download weights over the internet gateway; no NAT in this minimal layout
 }
 
+# The balancer's role may read its mesh credentials (the CA certificate, the peer token,
+# its own certificate and key) and nothing else: no other region's key, not the
+# controller's, not the admin token.
+resource "aws_iam_role" "balancer" {
+  name = "skymesh-${var.name}-balancer"
+  assume_role_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect    = "Allow"
+      Action    = "sts:AssumeRole"
+      Principal = { Service = "ec2.amazonaws.com" }
+    }]
+  })
+}
+
+locals {
+  credentials_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = concat(
+      [{
+        Sid      = "ReadOwnMeshCredentials"
+        Effect   = "Allow"
+        Action   = ["secretsmanager:GetSecretValue"]
+        Resource = var.credentials.secret_arns
+      }],
+      var.credentials.kms_key_arn == null ? [] : [{
+        Sid      = "DecryptThemThroughSecretsManagerOnly"
+        Effect   = "Allow"
+        Action   = ["kms:Decrypt"]
+        Resource = [var.credentials.kms_key_arn]
+        # the key's region (the secrets' region) is the fourth field of its ARN
+        Condition = { StringEquals = { "kms:ViaService" = "secretsmanager.${split(":", var.credentials.kms_key_arn)[3]}.amazonaws.com" } }
+      }],
+    )
+  })
+}
+
+resource "aws_iam_role_policy" "balancer_credentials" {
+  name   = "skymesh-${var.name}-balancer-credentials"
+  role   = aws_iam_role.balancer.id
+  policy = local.credentials_policy
+}
+
+resource "aws_iam_instance_profile" "balancer" {
+  name = "skymesh-${var.name}-balancer"
+  role = aws_iam_role.balancer.name
+}
+
 resource "aws_instance" "balancer" {
   ami                         = var.ami_id
   instance_type               = var.balancer_instance_type
   subnet_id                   = aws_subnet.this.id
   private_ip                  = var.balancer_private_ip
   vpc_security_group_ids      = [aws_security_group.balancer.id]
+  iam_instance_profile        = aws_iam_instance_profile.balancer.name
   associate_public_ip_address = true
   monitoring                  = true
   ebs_optimized               = true
@@ -170,12 +219,22 @@ resource "aws_instance" "balancer" {
         permissions: "0600"
         encoding: b64
         content: ${base64encode(var.skymesh_config)}
+      - path: /usr/local/sbin/skymesh-fetch-credentials
+        permissions: "0700"
+        encoding: b64
+        content: ${base64encode(var.credentials.fetch_script)}
       - path: /etc/systemd/system/skymesh-balancer.service
         content: |
           [Unit]
           Description=skymesh regional balancer (${var.name})
           After=network-online.target
+          # keep retrying while the instance role's grant propagates
+          StartLimitIntervalSec=0
           [Service]
+          # the CA certificate, this region's certificate and key, and the peer token, from
+          # Secrets Manager, on every start (a restart picks up rotated values)
+          ExecStartPre=/usr/local/sbin/skymesh-fetch-credentials
+          EnvironmentFile=-${var.credentials_dir}/peer-token.env
           ExecStart=/opt/skymesh/bin/skymesh balancer --config /etc/skymesh/mesh.yaml --region ${var.name}
           ExecReload=/bin/kill -HUP $MAINPID
           Restart=always
@@ -200,7 +259,8 @@ resource "aws_instance" "balancer" {
     volume_type = "gp3"
   }
   tags = { Name = "skymesh-${var.name}-balancer", "skymesh:role" = "balancer" }
-  # checkov:skip=CKV2_AWS_41:the balancer needs no AWS API access, so no IAM role is attached
+  # the grant exists before the instance boots and fetches its credentials
+  depends_on = [aws_iam_role_policy.balancer_credentials]
   # checkov:skip=CKV_AWS_88:the balancer is the public endpoint that Route53 latency records point at
 }
 

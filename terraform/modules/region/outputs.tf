@@ -32,3 +32,13 @@ output "route_table_id" {
   description = "Route table of the subnet (peering routes go here)."
   value       = aws_route_table.this.id
 }
+
+output "balancer_role_name" {
+  description = "IAM role of the balancer instance."
+  value       = aws_iam_role.balancer.name
+}
+
+output "credentials_policy" {
+  description = "The balancer role's policy document (JSON): what it may read from Secrets Manager (and decrypt with KMS)."
+  value       = local.credentials_policy
+}

@@ -104,3 +104,23 @@ variable "replica_private_ips" {
     error_message = "replica_private_ips must be empty or list one IP per replica (replica_count)."
   }
 }
+
+variable "credentials" {
+  description = "The balancer's mesh credentials in Secrets Manager: the secrets module's balancers[<region>] (the ARNs its role may read, the optional KMS key, the fetch script systemd runs before every start)."
+  type = object({
+    secret_arns  = list(string)
+    kms_key_arn  = optional(string)
+    fetch_script = string
+  })
+
+  validation {
+    condition     = length(var.credentials.secret_arns) > 0 && alltrue([for a in var.credentials.secret_arns : a != "*" && !strcontains(a, "*")])
+    error_message = "credentials.secret_arns must name the secrets exactly (no wildcards)."
+  }
+}
+
+variable "credentials_dir" {
+  description = "Where the fetch script writes the files (the secrets module's host_dir); the peer token's environment file is peer-token.env there."
+  type        = string
+  default     = "/etc/skymesh/pki"
+}

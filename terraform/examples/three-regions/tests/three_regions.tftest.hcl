@@ -53,7 +53,7 @@ variables {
   amis            = { "us-east-1" = "ami-0123456789abcdef0", "eu-west-1" = "ami-0123456789abcdef1", "ap-northeast-1" = "ami-0123456789abcdef2" }
   dns_name        = "llm.example.com"
   hosted_zone     = "example.com"
-  peer_token      = "0123456789abcdef0123456789abcdef"
+  credentials_dir = "tests/credentials"
   skymesh_package = "skymesh @ https://example.com/skymesh-0.1.0-py3-none-any.whl"
 }
 
@@ -71,5 +71,84 @@ run "config_names_the_planned_addresses" {
   assert {
     condition     = module.dns.record_set_identifiers["eu-west-1"] == "skymesh-eu-west-1"
     error_message = "one latency record per region"
+  }
+}
+
+# The wiring: each region module gets its own region's entry of the secrets module, the
+# controller the controller's (the secrets module's own tests check what each entry
+# lists). The module's outputs are fixed here, so every ARN is known in the plan.
+run "each_role_reads_only_its_own_credentials" {
+  command = plan
+
+  override_module {
+    target = module.secrets
+    outputs = {
+      host_dir = "/etc/skymesh/pki"
+      secret_arns = {
+        "ca-cert"                 = "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/ca-cert-AAAAAA"
+        "peer-token"              = "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/peer-token-BBBBBB"
+        "admin-token"             = "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/admin-token-CCCCCC"
+        "controller"              = "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/controller-DDDDDD"
+        "balancer/us-east-1"      = "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/balancer/us-east-1-EEEEEE"
+        "balancer/eu-west-1"      = "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/balancer/eu-west-1-FFFFFF"
+        "balancer/ap-northeast-1" = "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/balancer/ap-northeast-1-GGGGGG"
+      }
+      balancers = {
+        "us-east-1" = {
+          secret_arns  = ["arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/ca-cert-AAAAAA", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/peer-token-BBBBBB", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/balancer/us-east-1-EEEEEE"]
+          kms_key_arn  = null
+          fetch_script = "#!/bin/bash\n# us-east-1\n"
+        }
+        "eu-west-1" = {
+          secret_arns  = ["arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/ca-cert-AAAAAA", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/peer-token-BBBBBB", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/balancer/eu-west-1-FFFFFF"]
+          kms_key_arn  = null
+          fetch_script = "#!/bin/bash\n# eu-west-1\n"
+        }
+        "ap-northeast-1" = {
+          secret_arns  = ["arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/ca-cert-AAAAAA", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/peer-token-BBBBBB", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/balancer/ap-northeast-1-GGGGGG"]
+          kms_key_arn  = null
+          fetch_script = "#!/bin/bash\n# ap-northeast-1\n"
+        }
+      }
+      controller = {
+        secret_arns  = ["arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/ca-cert-AAAAAA", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/admin-token-CCCCCC", "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/controller-DDDDDD"]
+        kms_key_arn  = null
+        fetch_script = "#!/bin/bash\n# controller\n"
+      }
+    }
+  }
+
+  assert {
+    condition = alltrue([for r, p in output.balancer_credentials_policies : tolist(jsondecode(p).Statement[0].Resource) == tolist([
+      output.secret_arns["ca-cert"], output.secret_arns["peer-token"], output.secret_arns["balancer/${r}"],
+    ])])
+    error_message = "each balancer role reads the CA certificate, the peer token and its own region's pair"
+  }
+  assert {
+    condition = alltrue(flatten([for r, p in output.balancer_credentials_policies : [
+      for k, arn in output.secret_arns : !contains(jsondecode(p).Statement[0].Resource, arn) if !contains(["ca-cert", "peer-token", "balancer/${r}"], k)
+    ]]))
+    error_message = "no balancer role may read another region's key, the controller's key or the admin token"
+  }
+  assert {
+    condition     = tolist(jsondecode(output.controller_credentials_policy).Statement[0].Resource) == tolist([output.secret_arns["ca-cert"], output.secret_arns["admin-token"], output.secret_arns["controller"]])
+    error_message = "the controller role reads the CA certificate, the admin token and its own pair, nothing else"
+  }
+}
+
+run "config_points_tls_at_the_fetched_files_and_holds_no_secret" {
+  command = plan
+
+  assert {
+    condition     = yamldecode(output.skymesh_config).tls.balancers["ap-northeast-1"] == { cert = "/etc/skymesh/pki/balancer-ap-northeast-1.crt", key = "/etc/skymesh/pki/balancer-ap-northeast-1.key" } && yamldecode(output.skymesh_config).tls.ca_cert == "/etc/skymesh/pki/ca.crt"
+    error_message = "the config's tls section names the files the fetch scripts write"
+  }
+  assert {
+    condition     = yamldecode(output.skymesh_config).admin.token_file == "/etc/skymesh/pki/admin-token"
+    error_message = "the controller reads the admin token from the fetched file"
+  }
+  assert {
+    condition     = !strcontains(output.skymesh_config, "placeholder") && !contains(keys(yamldecode(output.skymesh_config)), "peer_token")
+    error_message = "no credential in the config every instance receives in its user data"
   }
 }

@@ -55,3 +55,49 @@ run "rejects_bad_cidr_and_short_token" {
   }
   expect_failures = [var.regions, var.peer_token]
 }
+
+run "no_credentials_dir_no_tls_section" {
+  command = plan
+
+  assert {
+    condition     = !contains(keys(yamldecode(output.skymesh_config)), "tls") && !contains(keys(yamldecode(output.skymesh_config)), "admin")
+    error_message = "without credentials_dir the config has no tls or admin section"
+  }
+}
+
+run "credentials_dir_renders_tls_paths_and_token_file" {
+  command = plan
+  variables {
+    credentials_dir = "/etc/skymesh/pki/"
+    peer_token      = null
+  }
+
+  assert {
+    condition     = yamldecode(output.skymesh_config).tls.ca_cert == "/etc/skymesh/pki/ca.crt"
+    error_message = "tls.ca_cert is ca.crt in credentials_dir"
+  }
+  assert {
+    condition     = yamldecode(output.skymesh_config).tls.controller == { cert = "/etc/skymesh/pki/controller.crt", key = "/etc/skymesh/pki/controller.key" }
+    error_message = "tls.controller names controller.{crt,key}"
+  }
+  assert {
+    condition     = yamldecode(output.skymesh_config).tls.balancers == { "us-east-1" = { cert = "/etc/skymesh/pki/balancer-us-east-1.crt", key = "/etc/skymesh/pki/balancer-us-east-1.key" }, "eu-west-1" = { cert = "/etc/skymesh/pki/balancer-eu-west-1.crt", key = "/etc/skymesh/pki/balancer-eu-west-1.key" } }
+    error_message = "tls.balancers names every region's balancer-<region>.{crt,key}"
+  }
+  assert {
+    condition     = yamldecode(output.skymesh_config).admin.token_file == "/etc/skymesh/pki/admin-token"
+    error_message = "the admin token is read from credentials_dir/admin-token"
+  }
+  assert {
+    condition     = !contains(keys(yamldecode(output.skymesh_config)), "peer_token") && !strcontains(output.skymesh_config, "0123456789abcdef0123")
+    error_message = "with the peer token delivered apart, the config holds no secret"
+  }
+}
+
+run "rejects_a_relative_credentials_dir" {
+  command = plan
+  variables {
+    credentials_dir = "etc/skymesh"
+  }
+  expect_failures = [var.credentials_dir]
+}

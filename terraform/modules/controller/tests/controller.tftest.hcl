@@ -16,6 +16,14 @@ variables {
   hosted_zone_id = "Z0123456789ABC"
   balancer_cidrs = ["10.10.0.0/16"]
   skymesh_config = "model: x"
+  credentials = {
+    secret_arns = [
+      "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/ca-cert-AAAAAA",
+      "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/admin-token-DDDDDD",
+      "arn:aws:secretsmanager:us-east-1:123456789012:secret:skymesh/controller-EEEEEE",
+    ]
+    fetch_script = "#!/bin/bash\necho fetch controller\n"
+  }
 }
 
 run "controller_is_hardened" {
@@ -57,4 +65,33 @@ run "rejects_bad_private_ip" {
     private_ip = "10.10.0"
   }
   expect_failures = [var.private_ip]
+}
+
+run "controller_role_reads_only_its_credentials" {
+  command = plan
+
+  assert {
+    condition     = length(jsondecode(aws_iam_role_policy.credentials.policy).Statement) == 1 && jsondecode(aws_iam_role_policy.credentials.policy).Statement[0].Effect == "Allow"
+    error_message = "without a customer key the credentials policy has one statement"
+  }
+  assert {
+    condition     = tolist(jsondecode(aws_iam_role_policy.credentials.policy).Statement[0].Action) == tolist(["secretsmanager:GetSecretValue"]) && tolist(jsondecode(aws_iam_role_policy.credentials.policy).Statement[0].Resource) == var.credentials.secret_arns
+    error_message = "the controller may read exactly the secrets it was given"
+  }
+  assert {
+    condition     = output.credentials_policy == aws_iam_role_policy.credentials.policy
+    error_message = "the output is the attached policy"
+  }
+  assert {
+    condition     = strcontains(aws_instance.this.user_data, "ExecStartPre=/usr/local/sbin/skymesh-fetch-credentials") && strcontains(aws_instance.this.user_data, "content: ${base64encode(var.credentials.fetch_script)}")
+    error_message = "systemd fetches the controller's credentials before each start"
+  }
+}
+
+run "rejects_wildcard_secret_arns" {
+  command = plan
+  variables {
+    credentials = { secret_arns = ["*"], fetch_script = "#!/bin/bash\n" }
+  }
+  expect_failures = [var.credentials]
 }
