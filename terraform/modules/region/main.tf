@@ -237,6 +237,10 @@ resource "aws_instance" "balancer" {
           EnvironmentFile=-${var.credentials_dir}/peer-token.env
           ExecStart=/opt/skymesh/bin/skymesh balancer --config /etc/skymesh/mesh.yaml --region ${var.name}
           ExecReload=/bin/kill -HUP $MAINPID
+          # SIGTERM drains: deregister (DNS moves), then finish accepted requests within
+          # --drain-timeout-s (30 s); systemd must not SIGKILL the drain before that
+          TimeoutStopSec=45
+          KillSignal=SIGTERM
           Restart=always
           RestartSec=2
           LimitNOFILE=65536

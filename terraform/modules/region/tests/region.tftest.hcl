@@ -44,6 +44,10 @@ run "hardened_instances_and_vllm_with_prefix_caching" {
     condition     = strcontains(aws_instance.balancer.user_data, "ExecReload=/bin/kill -HUP $MAINPID")
     error_message = "systemctl reload skymesh-balancer sends SIGHUP (a config reload)"
   }
+  assert {
+    condition     = strcontains(aws_instance.balancer.user_data, "TimeoutStopSec=45")
+    error_message = "systemd gives the SIGTERM drain (30 s) time before SIGKILL"
+  }
 }
 
 run "replica_port_only_from_balancer_and_peers" {
