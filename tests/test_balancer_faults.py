@@ -320,3 +320,41 @@ async def test_a_burst_of_ten_times_capacity_gets_only_fast_429s_with_retry_afte
         assert b.core.active_requests == 0 and b.core.queue_length == 0
     finally:
         await b.stop()
+
+
+async def test_forged_peer_forwards_and_admin_calls_are_all_refused(fakes: list[FakeReplica]) -> None:
+    """Calls that would steer the balancer or read its state without the mesh's secrets:
+    a forwarded request (which skips client keys and carries another region's residency)
+    without the peer token or with a wrong one, and /admin/status without the admin token,
+    with a wrong one or with the peer token. Every one refused; no replica sees a request."""
+    replica = FakeReplica("r0")
+    fakes.append(replica)
+    await replica.start()
+    b = await start_balancer(fakes)
+    url = f"http://127.0.0.1:{b.bound_port}"
+    body = {"model": "skymesh-sim", "prompt": "forged", "max_tokens": 1}
+    forged_forwards = [
+        {HOP_HEADER: "1", ORIGIN_HEADER: "us-east-1"},
+        {HOP_HEADER: "1", TOKEN_HEADER: "", ORIGIN_HEADER: "us-east-1"},
+        {HOP_HEADER: "1", TOKEN_HEADER: "x" * len(b.peer_token), ORIGIN_HEADER: "us-east-1"},
+        {HOP_HEADER: "1", TOKEN_HEADER: b.peer_token[:-1], ORIGIN_HEADER: "us-east-1"},
+        {HOP_HEADER: "1", TOKEN_HEADER: b.peer_token + "x", ORIGIN_HEADER: "us-east-1"},
+    ]
+    forged_admin = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {b.peer_token}"},
+                    {"Authorization": "Basic " + "x" * 20}]
+    statuses: list[int] = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            for headers in forged_forwards * 20:
+                async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    statuses.append(r.status)
+                    assert (await r.json())["error"]["message"]
+            for headers in forged_admin * 20:
+                async with s.get(url + "/admin/status", headers=headers) as r:
+                    statuses.append(r.status)
+        assert set(statuses) == {401}, sorted(set(statuses))
+        assert replica.received == 0
+        report_figures("forged_peer_forwards_and_admin_calls", forged=len(statuses),
+                       refused=sum(st == 401 for st in statuses), reached_a_replica=replica.received)
+    finally:
+        await b.stop()
