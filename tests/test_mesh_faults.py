@@ -5,7 +5,6 @@ or drained, the links into a region cut. Each test prints one ``FIGURES {json}``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from pathlib import Path
@@ -22,10 +21,9 @@ from tests.test_mesh_integration import (
     burst,
     client_session,
     controller_topology,
-    mesh_config,
     owned,
-    peers_ready,
     resolve,
+    running_mesh,
     wait_for,
 )
 
@@ -34,17 +32,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.fault]
 US, EU, AP = "us-east-1", "eu-west-1", "ap-northeast-1"
 
 
-@contextlib.asynccontextmanager
-async def mesh_with(tmp_path: Path, **controller: Any) -> Any:
-    data = mesh_config(tmp_path)
-    data["controller"].update(controller)
-    mesh = Mesh.from_dict(data, tmp_path / "run")
-    await mesh.start()
-    try:
-        await wait_for(lambda: peers_ready(mesh), 20, "peer heartbeats")
-        yield mesh
-    finally:
-        await mesh.stop()
+def mesh_with(tmp_path: Path, **controller: Any) -> Any:
+    return running_mesh(tmp_path, controller)
 
 
 def advertised_url(mesh: Mesh, ip: str) -> str:

@@ -36,8 +36,11 @@ def mesh_config(tmp_path: Path, profile: str = "tiny-test") -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def running_mesh(tmp_path: Path, **kw: Any) -> AsyncIterator[Mesh]:
-    mesh = Mesh.from_dict(mesh_config(tmp_path, **kw), tmp_path / "run")
+async def running_mesh(tmp_path: Path, controller: dict[str, Any] | None = None, **kw: Any) -> AsyncIterator[Mesh]:
+    """The local mesh, started, peers meshed; ``controller``: settings over mesh_config's."""
+    data = mesh_config(tmp_path, **kw)
+    data["controller"].update(controller or {})
+    mesh = Mesh.from_dict(data, tmp_path / "run")
     await mesh.start()
     try:
         await wait_for(lambda: peers_ready(mesh), 20, "peer heartbeats")
