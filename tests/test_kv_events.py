@@ -131,6 +131,18 @@ def test_both_encodings_decode_to_the_same_events(array: bool) -> None:
         assert isinstance(out[2], AllBlocksCleared)
 
 
+def test_vllm_0_32s_mix_decodes_an_array_batch_of_map_events_with_int_hashes() -> None:
+    """vLLM 0.32: the batch is array-like, its events are maps tagged "type", and block
+    hashes are published as ints (the digest's low 64 bits) by default."""
+    ev = MStored(block_hashes=[2**63 + 5, 7], parent_block_hash=None, token_ids=list(range(32)), block_size=BLOCK,
+                 lora_id=None, medium="GPU", group_idx=0)
+    payload = _enc.encode(ArrayBatch(ts=1.0, events=[ev, MRemoved(block_hashes=[7], medium="GPU")],
+                                     data_parallel_rank=0))
+    stored, removed = decode_batch(payload)
+    assert isinstance(stored, BlockStored) and stored.block_hashes == [2**63 + 5, 7]
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [7]
+
+
 def test_bad_payloads_are_refused_and_unknown_kinds_skipped() -> None:
     for payload in (b"\xc1", _enc.encode(5), _enc.encode([1.0, 3]), _enc.encode({"ts": 1, "events": [7]}),
                     _enc.encode([1.0, [["BlockStored", [b"x"], None, ["a"], 16]]]),
@@ -195,7 +207,9 @@ def test_the_cache_view_reads_events_where_live_and_the_trie_elsewhere() -> None
 class FakeVllmPublisher:
     """vLLM's ZMQ publisher protocol (PUB + ROUTER replay with a buffer), driven by the test."""
 
-    def __init__(self, topic: str = "kv") -> None:
+    def __init__(self, topic: str = "kv", replay_with_topic: bool = True) -> None:
+        # vLLM 0.32 answers a replay with [topic, seq, payload], later versions [seq, payload]
+        self.replay_with_topic = replay_with_topic
         self.ctx = zmq.asyncio.Context()
         self.topic = topic.encode()
         self.pub_port, self.replay_port = free_port(), free_port()
@@ -226,10 +240,12 @@ class FakeVllmPublisher:
             client, _, start = await self.router.recv_multipart()
             self.replays += 1
             first = int.from_bytes(start, "big")
+            head = [client, b""] + ([self.topic] if self.replay_with_topic else [])
             for seq, payload in list(self.buffer):
                 if seq >= first:
-                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                    await self.router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
+            end = [client, b""] + ([b""] if self.replay_with_topic else [])
+            await self.router.send_multipart([*end, (-1).to_bytes(8, "big", signed=True), b""])
 
     async def close(self) -> None:
         self._task.cancel()
@@ -250,11 +266,12 @@ async def until(cond: Any, what: str, within_s: float = 30.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def balancer_with_events(tokenizer: Path) -> AsyncIterator[tuple[Balancer, list[FakeReplica], FakeVllmPublisher]]:
+async def balancer_with_events(tokenizer: Path, replay_with_topic: bool
+                               ) -> AsyncIterator[tuple[Balancer, list[FakeReplica], FakeVllmPublisher]]:
     fakes = [FakeReplica(f"r{i}") for i in range(3)]
     for f in fakes:
         await f.start()
-    pub = FakeVllmPublisher()
+    pub = FakeVllmPublisher(replay_with_topic=replay_with_topic)
     data = one_region_config({f.name: f.url for f in fakes}, free_port(), free_port(), name="prefix_tree",
                              probe_interval_s=0.05, chunk_tokens=BLOCK)
     data["tokenizer"] = {"path": str(tokenizer)}
@@ -274,15 +291,16 @@ async def balancer_with_events(tokenizer: Path) -> AsyncIterator[tuple[Balancer,
             await f.stop()
 
 
+@pytest.mark.parametrize("replay_with_topic", [True, False], ids=["vllm-0.32-replay", "later-replay"])
 async def test_the_balancer_routes_on_the_replicas_events_with_gaps_replayed_and_restarts(
-    tokenizer_dir: Path,  # noqa: F811 - the fixture
+    tokenizer_dir: Path, replay_with_topic: bool,  # noqa: F811 - the fixture
 ) -> None:
     tok = tokenizer_dir / "tokenizer.json"
     enc = PromptEncoder.from_files(BLOCK, tok)
     prompt = "吾輩は猫である。名前はまだ無い。" * 30
     ids = enc.tokenizer.encode(prompt).ids
     assert len(ids) >= 4 * BLOCK
-    async with balancer_with_events(tok) as (b, fakes, pub):
+    async with balancer_with_events(tok, replay_with_topic) as (b, fakes, pub):
         stream = lambda: b.kv_subscriber.streams["r2"].stats  # noqa: E731
         # a batch about something else first (lost to the slow joiner or not: the first
         # message received triggers a replay from 0 either way)

@@ -4,8 +4,8 @@ vLLM (``--kv-events-config``, publisher "zmq") publishes on a ZMQ PUB socket 3-f
 messages: the topic, an 8-byte big-endian sequence number (0, 1, 2, ... per publisher
 process) and a msgpack ``EventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared``. Its ROUTER replay socket answers a request holding a start sequence
-number with the buffered batches from there, then an end marker (sequence -1, empty
-payload). Both encodings vLLM has used are read: msgspec structs as arrays (``[ts,
+number with the buffered batches from there (``[topic, seq, payload]`` in vLLM 0.32,
+``[seq, payload]`` later), then an end marker (sequence -1, empty payload). Both encodings vLLM has used are read: msgspec structs as arrays (``[ts,
 [["BlockStored", hashes, parent, token_ids, block_size, ...], ...]]``) and as maps
 (``{"ts": ..., "events": [{"type": "BlockStored", ...}]}``).
 
@@ -209,16 +209,17 @@ class ReplicaEventStream:
             while True:
                 async with asyncio.timeout(REPLAY_TIMEOUT_S):
                     frames = await sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
+                reply = _replay_reply(frames)
+                if reply is None:
                     self.stats.decode_errors += 1
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq, payload = reply
                 if seq == END_SEQ:
                     break
                 if start <= seq < until and seq >= got:
                     if seq > got:
                         self.stats.unrepaired += seq - got  # older than the buffer holds
-                    self._apply(seq, frames[2])
+                    self._apply(seq, payload)
                     self.stats.replayed += 1
                     got = seq + 1
         except TimeoutError:
@@ -227,6 +228,20 @@ class ReplicaEventStream:
             sock.close(linger=0)
         if got < until:
             self.stats.unrepaired += until - got
+
+
+def _replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one replay answer as a DEALER receives it: the empty delimiter,
+    then [topic, seq, payload] (vLLM 0.32) or [seq, payload] (later versions); the end
+    marker carries seq -1."""
+    if not frames or frames[0] != b"":
+        return None
+    rest = frames[1:]
+    if len(rest) == 3:
+        rest = rest[1:]  # the topic
+    if len(rest) != 2 or len(rest[0]) != 8:
+        return None
+    return int.from_bytes(rest[0], "big", signed=True), rest[1]
 
 
 class KvEventSubscriber:
