@@ -43,6 +43,10 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventPublisher(Protocol):
+    endpoint: str | None  # the PUB endpoint (as bound when it binds)
+    replay_endpoint: str | None  # the replay endpoint as bound, None without replay
+    pub_bound: bool
+
     def publish(self, events: list[StandInEvent]) -> None: ...
 
     def close(self) -> None: ...
@@ -53,6 +57,7 @@ class NullPublisher:
 
     endpoint: str | None = None
     replay_endpoint: str | None = None
+    pub_bound = False
 
     def publish(self, events: list[StandInEvent]) -> None:
         return
@@ -85,6 +90,9 @@ class ZmqPublisher:
 
     def __init__(self, cfg: KVEventsConfig, host: str = "127.0.0.1") -> None:
         self._topic = cfg.topic.encode("utf-8")
+        self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None
+        self.pub_bound = False
         self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(maxsize=max(1, cfg.max_queue_size))
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(0, cfg.buffer_steps))
         self._next_seq = 0
@@ -98,12 +106,14 @@ class ZmqPublisher:
         self._wake_r, self._wake_w = socket.socketpair()
         try:
             self._pub.set_hwm(cfg.hwm)
-            if binds(cfg.endpoint):
+            # whether the PUB socket listens (else it connects to a subscriber that does)
+            self.pub_bound = binds(cfg.endpoint)
+            if self.pub_bound:
                 self.endpoint = _bind(self._pub, cfg.endpoint, host)
             else:
                 self._pub.connect(cfg.endpoint)
                 self.endpoint = cfg.endpoint
-            self.replay_endpoint: str | None = None
+            self.replay_endpoint = None
             if cfg.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self.replay_endpoint = _bind(self._replay, cfg.replay_endpoint, host)
@@ -116,6 +126,11 @@ class ZmqPublisher:
         self._thread.start()
 
     # ------------------------------------------------------------------ engine side
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will get (= batches published so far)."""
+        return self._next_seq
 
     def publish(self, events: list[StandInEvent]) -> None:
         """Queue one batch (one engine step's events); never blocks."""

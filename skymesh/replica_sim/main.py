@@ -55,7 +55,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, int]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from skymesh.replica_sim.kv_events import binds
     from skymesh.replica_sim.kv_publisher import tcp_port
     from skymesh.replica_sim.server import ReplicaServer, start_replica
 
@@ -68,9 +67,12 @@ async def _serve(args: argparse.Namespace) -> int:
                                            tokenizer=args.tokenizer, kv_events=args.kv_events_config,
                                            **_overrides(args))
         ready = {"http": s.port}
-        for key, endpoint in (("kv_events", s.kv_publisher.endpoint), ("kv_replay", s.kv_publisher.replay_endpoint)):
+        pub = s.kv_publisher
+        # the TCP ports the event sockets listen on (the replay socket always listens)
+        for key, endpoint in (("kv_events", pub.endpoint if pub.pub_bound else None),
+                              ("kv_replay", pub.replay_endpoint)):
             port = tcp_port(endpoint)
-            if port is not None and binds(endpoint or ""):
+            if port is not None:
                 ready[key] = port
         report_ready(ready)
 
