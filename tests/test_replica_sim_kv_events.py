@@ -533,3 +533,37 @@ def test_replica_kv_events_for_a_real_vllm() -> None:
     data["regions"][0]["replicas"][0]["kv_events"] = {"endpoint": "tcp://*:5557"}
     with pytest.raises(ConfigError, match=r"replicas\[0\]\.kv_events\.endpoint: .*wildcard"):
         parse_config(data)
+
+
+async def test_skymesh_up_starts_a_sim_that_publishes_with_its_tokenizer(tmp_path: Path, tokenizer_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from skymesh.procs import free_port
+    from skymesh.up import Mesh
+
+    data = sim_config(tokenizer=str(tokenizer_path), kv_events={
+        "endpoint": f"ipc://{tmp_path}/r1-kv.sock", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    data["regions"][0]["replicas"][0]["sim"]["port"] = free_port()
+    mesh = Mesh.from_dict(data, tmp_path / "run", time_scale=0.01)
+    rep = mesh.cfg.regions[0].replicas[0]
+    assert rep.kv_events is not None and rep.kv_events.replay_endpoint is not None
+    prompt = "Prefix caching stores the key and value tensors of every full block. " * 4
+    ids = Tokenizer.from_file(str(tokenizer_path)).encode(prompt).ids
+    await mesh.start_replica("r1")
+    sub: Subscriber | None = None
+    try:
+        sub = Subscriber(bind=False, endpoint=rep.kv_events.endpoint)  # where the balancer connects
+        async with aiohttp.ClientSession() as s:
+            k = 0
+            while not sub.messages:  # until subscribed (see subscribed())
+                await complete(s, rep.url, [60_000 + 100 * k + i for i in range(BS)], 1)
+                k += 1
+                await asyncio.sleep(0.01)
+            await complete(s, rep.url, prompt, 1)
+        got, _ = await asyncio.to_thread(replay, rep.kv_events.replay_endpoint, k)
+        (ev,) = stored_events([decode(p) for _, _, p in got])
+        assert ev.token_ids == ids[: len(ids) // BS * BS]
+    finally:
+        if sub is not None:
+            sub.close()
+        await mesh.stop()
