@@ -67,11 +67,17 @@ class NullPublisher:
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str, host: str) -> str:
-    """Bind and return the endpoint bound. ``tcp://*:0`` (vLLM: a free port on the node's
-    IP) binds a free port on the stand-in's own ``--host``."""
-    if endpoint == "tcp://*:0":
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        return f"tcp://{host}:{port}"
+    """Bind and return the endpoint bound. The wildcard of ``tcp://*:PORT`` is the
+    stand-in's ``--host``, where its HTTP server listens too (vLLM: every interface, i.e.
+    ``--host 0.0.0.0``); ``tcp://*:0`` takes a free port there (vLLM: on the node's IP)."""
+    if endpoint.startswith("tcp://*:"):
+        port = endpoint[len("tcp://*:"):]
+        where = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        if port == "0":
+            return f"{where}:{sock.bind_to_random_port(where)}"
+        endpoint = f"{where}:{port}"
     sock.bind(endpoint)
     return endpoint
 
