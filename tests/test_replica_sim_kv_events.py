@@ -37,6 +37,8 @@ from tests.mesh_helpers import one_region_config
 
 BS = 16
 MODEL = "skymesh-sim"
+# probe requests sent until a subscriber is known to be in (a count, not a time limit)
+MAX_PROBES = 500
 
 
 # ----------------------------------------------------------------------------- vLLM 0.32's wire structs
@@ -226,6 +228,7 @@ async def subscribed(s: aiohttp.ClientSession, srv: ReplicaServer, sub: Subscrib
     while not sub.messages:
         await complete(s, srv.url, [10_000_000 + 100 * k + i for i in range(BS)], 1)
         k += 1
+        assert k < MAX_PROBES, "no batch reached the subscriber"
         await asyncio.sleep(0.01)
     await wait_for(sub, lambda: sub.messages[-1][1] == publisher_of(srv).next_seq - 1)
     return len(sub.messages)
@@ -446,11 +449,10 @@ async def test_reset_prefix_cache_goes_out_as_all_blocks_cleared(tmp_path: Path)
 # ----------------------------------------------------------------------------- the command and the config
 
 
-async def test_cli_publishes_on_an_ipc_endpoint_and_reports_the_replay_port(
+async def test_cli_binds_wildcard_endpoints_on_its_host_and_reports_the_ports(
         tmp_path: Path, tokenizer_path: Path) -> None:
     exe = Path(sys.executable).with_name("skymesh")
-    pub_ep = f"ipc://{tmp_path}/kv.sock"  # bound, as vLLM binds ipc endpoints
-    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": pub_ep, "replay_endpoint": "tcp://*:0"})
+    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
     child = Child("replica-kv", [str(exe), "replica-sim", "--port", "0", "--profile", "tiny-test",
                                  "--time-scale", "0.01", "--tokenizer", str(tokenizer_path),
                                  "--kv-events-config", cfg], tmp_path)
@@ -458,14 +460,15 @@ async def test_cli_publishes_on_an_ipc_endpoint_and_reports_the_replay_port(
     sub: Subscriber | None = None
     try:
         ports = await child.wait_ready(within_s=60)
-        assert set(ports) == {"http", "kv_replay"}
-        sub = Subscriber(bind=False, endpoint=pub_ep)
+        assert set(ports) == {"http", "kv_events", "kv_replay"}
+        sub = Subscriber(bind=False, endpoint=f"tcp://127.0.0.1:{ports['kv_events']}")
         url = f"http://127.0.0.1:{ports['http']}"
         async with aiohttp.ClientSession() as s:
             k = 0
             while not sub.messages:  # until subscribed (see subscribed())
                 await complete(s, url, [50_000 + 100 * k + i for i in range(BS)], 1)
                 k += 1
+                assert k < MAX_PROBES, "no batch reached the subscriber"
                 await asyncio.sleep(0.01)
         got, _ = await asyncio.to_thread(replay, f"tcp://127.0.0.1:{ports['kv_replay']}", 0)
         assert [seq for _, seq, _ in got] == list(range(k))
@@ -495,28 +498,28 @@ def sim_config(**sim: Any) -> dict[str, Any]:
 
 
 def test_sim_kv_events_in_the_config() -> None:
-    cfg = parse_config(sim_config(tokenizer="/models/m/tokenizer.json", kv_events={
-        "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "r1"}))
+    cfg = parse_config(sim_config(tokenizer="/models/m/tokenizer.json",
+                                  kv_events={"port": 5557, "replay_port": 5558, "topic": "r1"}))
     rep = cfg.regions[0].replicas[0]
     assert rep.sim is not None and rep.sim.tokenizer == "/models/m/tokenizer.json"
-    assert rep.kv_events is not None
+    assert rep.kv_events is not None  # what the balancer subscribes to, derived
     assert (rep.kv_events.endpoint, rep.kv_events.replay_endpoint, rep.kv_events.topic) == \
         ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "r1")
+    assert rep.kv_events.max_blocks == PROFILES["tiny-test"].num_gpu_blocks
     assert rep.sim.kv_events is not None
-    stand_in = KVEventsConfig.from_json(rep.sim.kv_events.vllm_json())
-    assert stand_in.publishes and stand_in.endpoint == "tcp://*:5557" and stand_in.topic == "r1"
-    ipc = parse_config(sim_config(kv_events={"endpoint": "ipc:///tmp/r1.sock"})).regions[0].replicas[0]
-    assert ipc.kv_events is not None and ipc.kv_events.endpoint == "ipc:///tmp/r1.sock"
-    assert ipc.kv_events.replay_endpoint is None
+    stand_in = KVEventsConfig.from_json(rep.sim.kv_events.vllm_json())  # what the stand-in gets
+    assert stand_in.publishes and stand_in.topic == "r1" and stand_in.buffer_steps == 10_000
+    assert (stand_in.endpoint, stand_in.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
+    bare = parse_config(sim_config(kv_events={"port": 5557})).regions[0].replicas[0]
+    assert bare.kv_events is not None and bare.kv_events.replay_endpoint is None
     assert parse_config(sim_config()).regions[0].replicas[0].kv_events is None  # off by default
 
 
 @pytest.mark.parametrize(("kv_events", "where"), [
-    ({"endpoint": "tcp://127.0.0.1:5557"}, "sim.kv_events.endpoint"),  # vLLM would connect there
-    ({"endpoint": "tcp://*:0"}, "sim.kv_events.endpoint"),
-    ({"endpoint": "udp://*:5557"}, "sim.kv_events.endpoint"),
-    ({"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:0"}, "sim.kv_events.replay_endpoint"),
-    ({"endpoint": "tcp://*:5557", "buffer_step": 3}, "sim.kv_events.buffer_step"),
+    ({"port": 8201}, "sim.kv_events.port"),  # the HTTP port
+    ({"port": 5557, "replay_port": 5557}, "sim.kv_events.replay_port"),
+    ({"port": 0}, "sim.kv_events.port"),
+    ({"port": 5557, "buffer_step": 3}, "sim.kv_events.buffer_step"),
 ])
 def test_sim_kv_events_errors_name_the_path(kv_events: dict[str, Any], where: str) -> None:
     with pytest.raises(ConfigError) as ei:
@@ -524,14 +527,10 @@ def test_sim_kv_events_errors_name_the_path(kv_events: dict[str, Any], where: st
     assert str(ei.value).startswith(f"regions[0].replicas[0].{where}:"), str(ei.value)
 
 
-def test_replica_kv_events_for_a_real_vllm() -> None:
-    data = one_region_config({"r1": "http://127.0.0.1:8201"}, 8101, 8102)
-    data["regions"][0]["replicas"][0] = {"id": "r1", "url": "http://10.0.1.5:8000", "kv_events": {
-        "endpoint": "tcp://10.0.1.5:5557", "replay_endpoint": "tcp://10.0.1.5:5558"}}
-    rep = parse_config(data).regions[0].replicas[0]
-    assert rep.kv_events is not None and rep.kv_events.endpoint == "tcp://10.0.1.5:5557" and rep.kv_events.topic == ""
-    data["regions"][0]["replicas"][0]["kv_events"] = {"endpoint": "tcp://*:5557"}
-    with pytest.raises(ConfigError, match=r"replicas\[0\]\.kv_events\.endpoint: .*wildcard"):
+def test_a_sim_replica_takes_its_kv_events_from_the_sim_section() -> None:
+    data = sim_config(kv_events={"port": 5557})
+    data["regions"][0]["replicas"][0]["kv_events"] = {"endpoint": "tcp://127.0.0.1:5557"}
+    with pytest.raises(ConfigError, match=r"replicas\[0\]\.kv_events: .*sim\.kv_events"):
         parse_config(data)
 
 
@@ -541,8 +540,7 @@ async def test_skymesh_up_starts_a_sim_that_publishes_with_its_tokenizer(tmp_pat
     from skymesh.procs import free_port
     from skymesh.up import Mesh
 
-    data = sim_config(tokenizer=str(tokenizer_path), kv_events={
-        "endpoint": f"ipc://{tmp_path}/r1-kv.sock", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    data = sim_config(tokenizer=str(tokenizer_path), kv_events={"port": free_port(), "replay_port": free_port()})
     data["regions"][0]["replicas"][0]["sim"]["port"] = free_port()
     mesh = Mesh.from_dict(data, tmp_path / "run", time_scale=0.01)
     rep = mesh.cfg.regions[0].replicas[0]
@@ -558,6 +556,7 @@ async def test_skymesh_up_starts_a_sim_that_publishes_with_its_tokenizer(tmp_pat
             while not sub.messages:  # until subscribed (see subscribed())
                 await complete(s, rep.url, [60_000 + 100 * k + i for i in range(BS)], 1)
                 k += 1
+                assert k < MAX_PROBES, "no batch reached the subscriber"
                 await asyncio.sleep(0.01)
             await complete(s, rep.url, prompt, 1)
         got, _ = await asyncio.to_thread(replay, rep.kv_events.replay_endpoint, k)
@@ -567,3 +566,51 @@ async def test_skymesh_up_starts_a_sim_that_publishes_with_its_tokenizer(tmp_pat
         if sub is not None:
             sub.close()
         await mesh.stop()
+
+
+async def test_a_balancer_keeps_the_stand_ins_cache_from_its_events(tmp_path: Path, tokenizer_path: Path) -> None:
+    """End to end with the balancer's own subscriber: stand-ins with the tokenizer publish,
+    the balancer (same tokenizer, chunks = blocks) indexes their events, and the replica
+    that served a prompt holds every full block of it under the balancer's chunk keys."""
+    from skymesh.balancer.server import Balancer
+    from skymesh.procs import free_port
+
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    srvs = [await start_replica(profile="tiny-test", time_scale=0.01, tokenizer=tokenizer_path, kv_events=events)
+            for _ in range(2)]
+    b: Balancer | None = None
+    try:
+        data = one_region_config({f"r{i}": srv.url for i, srv in enumerate(srvs)}, free_port(), free_port(),
+                                 name="prefix_tree", probe_interval_s=0.05, chunk_tokens=BS)
+        data["tokenizer"] = {"path": str(tokenizer_path)}
+        for i, srv in enumerate(srvs):
+            data["regions"][0]["replicas"][i]["kv_events"] = {
+                "endpoint": srv.kv_publisher.endpoint, "replay_endpoint": srv.kv_publisher.replay_endpoint}
+        b = Balancer(parse_config(data), "us-east-1")
+        await b.start(port=0)
+        prompt = "A load balancer keeps the cache warm by sending shared prefixes to one replica. " * 3
+        enc = PromptEncoder.from_files(BS, tokenizer_path)
+        chunks = enc.encode_text(prompt).chunk_hashes
+        full = len(enc.tokenizer.encode(prompt).ids) // BS  # P + 1 - 1 tokens computed: the full blocks
+        assert full >= 3
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions",
+                              json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+                assert r.status == 200, await r.text()
+                rid = r.headers["X-Skymesh-Replica"]
+            srv = srvs[int(rid[1:])]
+            k = 0
+            # the subscriber replays from 0 on the first batch it receives; more batches
+            # come until it has (a PUB drops what precedes the subscription)
+            while (idx := b.core.kv_indexes.by_replica.get(rid)) is None or idx.cached_chunks(chunks) < full:
+                await complete(s, srv.url, [70_000 + 100 * k + i for i in range(BS)], 1)
+                k += 1
+                assert k < MAX_PROBES, "the balancer's index never held the prompt"
+                await asyncio.sleep(0.05)
+        assert idx.cached_chunks(chunks) == full and idx.orphans == 0
+        assert b.admin_status()["replicas"][rid]["cache_source"] == "events"
+    finally:
+        if b is not None:
+            await b.stop()
+        for srv in srvs:
+            await srv.close()
