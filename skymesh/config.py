@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import ipaddress
+import json
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -246,6 +247,26 @@ class ConfigModel(BaseModel):
         return data
 
 
+class SimKvEvents(ConfigModel):
+    """The stand-in publishes vLLM 0.32's KV events (``replica-sim --kv-events-config``):
+    its PUB socket on ``port`` and its replay ROUTER socket on ``replay_port`` of
+    ``sim.host`` (started with vLLM's ``"endpoint": "tcp://*:PORT"``, which the stand-in
+    binds on its ``--host``)."""
+
+    port: Port
+    replay_port: Port | None = None
+    topic: Annotated[str, Strict()] = ""
+    # batches the replay socket keeps
+    buffer_steps: Annotated[Int, Field(ge=1)] = 10_000
+
+    def vllm_json(self) -> str:
+        """The ``--kv-events-config`` the stand-in is started with."""
+        replay = None if self.replay_port is None else f"tcp://*:{self.replay_port}"
+        return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.port}",
+                           "replay_endpoint": replay, "topic": self.topic, "buffer_steps": self.buffer_steps},
+                          separators=(",", ":"))
+
+
 class SimReplica(ConfigModel):
     """A vLLM stand-in started by ``skymesh up`` on ``port``."""
 
@@ -253,6 +274,22 @@ class SimReplica(ConfigModel):
     port: Port
     time_scale: Annotated[Float, Field(ge=0.001, le=1000.0)] = 1.0
     host: Text = "127.0.0.1"
+    # the model's local HF tokenizer.json: the stand-in's token ids (prefix caching, KV
+    # events) are then the tokenizer's; without it, whitespace words
+    tokenizer: Text | None = None
+    # publish vLLM's KV events; the replica's kv_events (what the balancer subscribes to)
+    # follow from it
+    kv_events: SimKvEvents | None = None
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> SimReplica:
+        kv = self.kv_events
+        if kv is not None:
+            if kv.port == self.port:
+                raise ConfigError("kv_events.port", f"port {kv.port} is the replica's HTTP port too")
+            if kv.replay_port is not None and kv.replay_port in (self.port, kv.port):
+                raise ConfigError("kv_events.replay_port", f"port {kv.replay_port} is taken by the replica already")
+        return self
 
     @field_validator("profile")
     @classmethod
@@ -283,6 +320,22 @@ class KvEventsEndpoint(ConfigModel):
     max_blocks: Annotated[Int, Field(ge=1, le=1 << 24)] = 200_000
 
 
+def _sim_kv_events(sim: SimReplica) -> KvEventsEndpoint:
+    """Where a balancer subscribes to a publishing stand-in; the index bound is its KV
+    capacity (the profile's blocks)."""
+    from skymesh.replica_sim.profiles import PROFILES
+
+    kv = sim.kv_events
+    assert kv is not None
+    host = f"[{sim.host}]" if ":" in sim.host else sim.host
+    profile = PROFILES.get(sim.profile)
+    return KvEventsEndpoint(
+        endpoint=f"tcp://{host}:{kv.port}",
+        replay_endpoint=None if kv.replay_port is None else f"tcp://{host}:{kv.replay_port}",
+        topic=kv.topic,
+        **({"max_blocks": profile.num_gpu_blocks} if profile is not None else {}))
+
+
 class ReplicaConfig(ConfigModel):
     id: ReplicaId
     # base URL of the OpenAI-compatible server; for a sim replica derived from sim.host/port
@@ -298,6 +351,11 @@ class ReplicaConfig(ConfigModel):
             raise ConfigError("", "exactly one of 'url' (a real vLLM server) or 'sim' is required")
         if self.sim is not None:
             _derive(self, "url", f"http://{self.sim.host}:{self.sim.port}")
+            if self.sim.kv_events is not None:
+                if self.kv_events is not None:
+                    raise ConfigError("kv_events", "a sim replica's kv_events follow from sim.kv_events; "
+                                                   "set only that")
+                _derive(self, "kv_events", _sim_kv_events(self.sim))
         return self
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import xxhash
+
 TRACE_BLOCK_TOKENS = 512
 GENERATION_PROMPT = "<|assistant|>"
 
@@ -135,6 +137,16 @@ def trace_prompt(hash_ids: Iterable[int], input_length: int) -> str:
     if len(words) < input_length:  # trace lengths beyond its blocks: pad deterministically
         words.extend(f"pad{i}" for i in range(input_length - len(words)))
     return " ".join(words[:input_length])
+
+
+def word_token_id(word: str) -> int:
+    """The token id the stand-in reports for one of its tokens (KV events' ``token_ids``):
+    a token that is a token id already (a token-id prompt, or a tokenizer's output, both
+    kept as decimal strings) is that id; any other word gets a deterministic id above
+    2**32, out of reach of real vocabularies, so it never poses as a real token."""
+    if word.isdecimal() and word.isascii() and (len(word) == 1 or word[0] != "0"):
+        return int(word) & 0xFFFFFFFFFFFFFFFF
+    return (1 << 32) | xxhash.xxh32_intdigest(word.encode())
 
 
 def filler_tokens(n: int, start: int = 0) -> list[str]:

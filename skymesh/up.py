@@ -110,6 +110,11 @@ class Mesh:
             for rep in r.replicas:
                 if rep.sim is not None:
                     out.append((f"replica {rep.id}", rep.sim.host, rep.sim.port, False))
+                    kv = rep.sim.kv_events
+                    if kv is not None:
+                        out.append((f"replica {rep.id} KV events", rep.sim.host, kv.port, False))
+                        if kv.replay_port is not None:
+                            out.append((f"replica {rep.id} KV events replay", rep.sim.host, kv.replay_port, False))
         if cfg.dns.provider == "embedded" and cfg.dns.listen is not None:
             from skymesh.dns.embedded import control_address
 
@@ -149,9 +154,14 @@ class Mesh:
         if rep.sim is None:
             return None
         ts = self.time_scale if self.time_scale is not None else rep.sim.time_scale
+        extra: list[str] = []
+        if rep.sim.tokenizer is not None:
+            extra += ["--tokenizer", rep.sim.tokenizer]
+        if rep.sim.kv_events is not None:
+            extra += ["--kv-events-config", rep.sim.kv_events.vllm_json()]
         return Child(f"replica-{rid}", skymesh_cmd(
             "replica-sim", "--host", rep.sim.host, "--port", str(rep.sim.port), "--profile", rep.sim.profile,
-            "--time-scale", str(ts), "--model", self.cfg.model), self.log_dir, env=self.child_env)
+            "--time-scale", str(ts), "--model", self.cfg.model, *extra), self.log_dir, env=self.child_env)
 
     def _region_of_replica(self, rid: str) -> RegionConfig:
         for r in self.cfg.regions:

@@ -11,7 +11,15 @@ Per step (``Engine.step(now)``):
    longest run of cached full blocks (chained block hashes) is reused, the rest of the
    prompt gets fresh blocks, and its first prefill chunk joins the step.
 The step's duration follows the profile's cost model; its tokens appear at ``now +
-duration``. The discrete-event simulator drives this same class with a simulated clock and
+duration``.
+
+KV events (vLLM 0.32's, off unless :meth:`Engine.enable_kv_events`): every change of the
+prefix cache is recorded as vLLM records it: a block newly cached ->
+``BlockStored`` (one event per request and step for its run of new blocks, with their
+token ids and the parent's hash), a cached block evicted -> ``BlockRemoved``, the cache
+emptied (:meth:`Engine.reset_prefix_cache`, :meth:`Engine.drop_all_requests`) ->
+``AllBlocksCleared``. :meth:`Engine.take_kv_events` hands them over, one step's worth at
+a time. The discrete-event simulator drives this same class with a simulated clock and
 ``run_until`` fuses stretches of pure decode into one call.
 
 Every step is O(batch + newly admitted prompt blocks): requests carry their own state so
@@ -26,6 +34,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from skymesh.replica_sim.kv_events import AllBlocksCleared, StandInEvent, removed, stored
 from skymesh.replica_sim.profiles import Profile, prefill_pairs
 
 WAITING, RUNNING, DONE = 0, 1, 2
@@ -65,6 +74,8 @@ class EngineRequest:
     # tokens to compute before the next token can be sampled, set at admission: the
     # prompt, plus the output generated so far when a preempted request is recomputed
     target_tokens: int = 0
+    # the token ids behind block_hashes (prompt, then output), for KV events only
+    token_ids: list[int] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -126,6 +137,46 @@ class Engine:
         self.evictions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # vLLM's KV cache events since the last take_kv_events (None: not recorded)
+        self.kv_events: list[StandInEvent] | None = None
+
+    # ------------------------------------------------------------------ KV events
+
+    def enable_kv_events(self) -> None:
+        """Record KV cache events from now on (requests then need ``token_ids``)."""
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def take_kv_events(self) -> list[StandInEvent]:
+        """The events recorded since the last call, oldest first."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
+    def _emit_stored(self, r: EngineRequest, first: int, end: int) -> None:
+        """BlockStored for ``r``'s blocks ``first`` .. ``end - 1``, newly cached; the
+        parent is the hash of the block before them (None for a prompt's first block)."""
+        if self.kv_events is None or r.token_ids is None or end <= first:
+            return
+        bs = self.block_size
+        self.kv_events.append(stored(r.block_hashes[first:end], r.block_hashes[first - 1] if first else None,
+                                     r.token_ids[first * bs : end * bs], bs))
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached block, only while no
+        request holds a block (False otherwise, nothing changed)."""
+        if self._used:
+            return False
+        for b in self._evictable:
+            self._hash[b] = None
+            self._free.append(b)
+        self._evictable.clear()
+        self._cached.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
+        return True
 
     # ------------------------------------------------------------------ public state
 
@@ -164,7 +215,11 @@ class Engine:
         block_hashes: Sequence[int],
         max_tokens: int,
         now: float,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
+        """``block_hashes``: the chained hashes of the full blocks of the prompt followed
+        by the output (see :func:`chained_block_hashes`); ``token_ids``: the same tokens as
+        ids, needed when KV events are recorded (each BlockStored carries them)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         if prompt_len < 1 or max_tokens < 1:
@@ -174,6 +229,8 @@ class Engine:
             # it could never run, even alone: vLLM rejects it up front as well
             raise ValueError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
         r = EngineRequest(request_id, prompt_len, list(block_hashes), max_tokens, now)
+        if token_ids is not None:
+            r.token_ids = list(token_ids)
         self.requests[request_id] = r
         self.waiting.append(r)
 
@@ -209,6 +266,8 @@ class Engine:
         self._evictable = OrderedDict()
         self._cached = {}
         self._used = 0
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return dropped
 
     # ------------------------------------------------------------------ KV blocks
@@ -221,6 +280,8 @@ class Engine:
             h = self._hash[b]
             if h is not None and self._cached.get(h) == b:
                 del self._cached[h]
+                if self.kv_events is not None:
+                    self.kv_events.append(removed(h))
             self._hash[b] = None
             self.evictions += 1
         else:
@@ -269,15 +330,28 @@ class Engine:
         the tokens whose KV exists), blocks of generated tokens."""
         bs = self.block_size
         last = r.num_computed // bs
-        for i in range(before // bs, min(last, len(r.block_hashes), len(r.blocks))):
-            self._register_block(r, i)
+        run = -1  # first block of the current run of newly cached blocks (KV events)
+        end = min(last, len(r.block_hashes), len(r.blocks))
+        for i in range(before // bs, end):
+            if self._register_block(r, i):
+                if run < 0:
+                    run = i
+            elif run >= 0:
+                self._emit_stored(r, run, i)
+                run = -1
+        if run >= 0:
+            self._emit_stored(r, run, end)
 
-    def _register_block(self, r: EngineRequest, i: int) -> None:
+    def _register_block(self, r: EngineRequest, i: int) -> bool:
+        """Cache block ``i`` of ``r`` under its hash; False when that hash is already
+        cached (the stand-in keeps one block per hash)."""
         h = r.block_hashes[i]
-        if h not in self._cached:
-            b = r.blocks[i]
-            self._hash[b] = h
-            self._cached[h] = b
+        if h in self._cached:
+            return False
+        b = r.blocks[i]
+        self._hash[b] = h
+        self._cached[h] = b
+        return True
 
     @staticmethod
     def _max_hit_blocks(r: EngineRequest, bs: int) -> int:
@@ -432,7 +506,9 @@ class Engine:
         for r in decode:
             r.num_computed += 1
             if not r.num_computed % bs and r.num_computed // bs <= len(r.block_hashes):
-                self._register_block(r, r.num_computed // bs - 1)  # a generated block filled up
+                q = r.num_computed // bs - 1  # a generated block filled up
+                if self._register_block(r, q):
+                    self._emit_stored(r, q, q + 1)
             r.output_tokens += 1
             tokens.append((r.request_id, 1))
             if r.output_tokens >= r.max_tokens:
@@ -586,8 +662,8 @@ class Engine:
                 b = self._alloc()  # bounded by extra_blocks(k) <= free
                 assert b is not None
                 r.blocks.append(b)
-            else:
-                self._register_block(r, q)
+            elif self._register_block(r, q):
+                self._emit_stored(r, q, q + 1)
         for r in running:
             r.num_computed += k
             r.output_tokens += k

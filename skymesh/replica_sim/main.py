@@ -1,20 +1,23 @@
-"""`skymesh replica-sim --port P --profile NAME [--time-scale X]`: run a vLLM stand-in
-until SIGINT/SIGTERM."""
+"""`skymesh replica-sim --port P --profile NAME [--time-scale X] [--tokenizer PATH]
+[--kv-events-config JSON]`: run a vLLM stand-in until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 from skymesh.logging_setup import setup_logging
 from skymesh.procs import READY_HELP, report_ready, serve_until_signal
+from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.profiles import PROFILES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = READY_HELP + ' Key: "http".'
+    p.epilog = READY_HELP + (' Keys: "http"; with KV events on, "kv_events" and "kv_replay" for the '
+                             'TCP ports the PUB and replay sockets bound.')
     p.add_argument("--port", type=int, required=True, help="HTTP port (0: any free one, reported)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--profile", default="l4-llama3.1-8b", choices=sorted(PROFILES))
@@ -27,7 +30,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the batch size limit (default: vLLM 0.32's for the profile's GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="override the step token budget (default: vLLM 0.32's for the profile's GPU)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the model's local HF tokenizer.json: token ids (and so prefix caching and "
+                        "KV events) are the tokenizer's (default: whitespace words)")
+    p.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help="vLLM 0.32's KV events config, e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}' (off by default)")
     p.add_argument("--log-level", default="WARNING")
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad --kv-events-config: {e}") from None
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, int]:
@@ -38,6 +55,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, int]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from skymesh.replica_sim.kv_publisher import tcp_port
     from skymesh.replica_sim.server import ReplicaServer, start_replica
 
     srv: dict[str, ReplicaServer] = {}
@@ -45,9 +63,18 @@ async def _serve(args: argparse.Namespace) -> int:
     async def start() -> None:
         # started after the signal handlers are in place: a SIGTERM during startup still
         # shuts down cleanly
-        srv["s"] = await start_replica(args.host, args.port, args.profile, args.time_scale, args.model,
-                                       **_overrides(args))
-        report_ready({"http": srv["s"].port})
+        s = srv["s"] = await start_replica(args.host, args.port, args.profile, args.time_scale, args.model,
+                                           tokenizer=args.tokenizer, kv_events=args.kv_events_config,
+                                           **_overrides(args))
+        ready = {"http": s.port}
+        pub = s.kv_publisher
+        # the TCP ports the event sockets listen on (the replay socket always listens)
+        for key, endpoint in (("kv_events", pub.endpoint if pub.pub_bound else None),
+                              ("kv_replay", pub.replay_endpoint)):
+            port = tcp_port(endpoint)
+            if port is not None:
+                ready[key] = port
+        report_ready(ready)
 
     async def stop() -> None:
         if "s" in srv:
@@ -65,13 +92,20 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"--time-scale must be > 0, got {args.time_scale}")
     bad: dict[str, Any] = {k: v for k, v in _overrides(args).items() if v < 1}
     problems += [f"--{k.replace('_', '-')} must be >= 1, got {v}" for k, v in bad.items()]
+    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
+        problems.append(f"--tokenizer: no such file {args.tokenizer}")
     if problems:
         for msg in problems:
             print(f"skymesh replica-sim: {msg}", file=sys.stderr)
         return 2
+    import zmq
+
     try:
         return asyncio.run(_serve(args))
     except OSError as e:  # e.g. the port is taken: one line, not a traceback
         print(f"skymesh replica-sim: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
               file=sys.stderr)
+        return 1
+    except zmq.ZMQError as e:  # a KV events endpoint that cannot be bound or connected
+        print(f"skymesh replica-sim: KV events: {e}", file=sys.stderr)
         return 1

@@ -5,6 +5,12 @@ One asyncio task runs the engine: ``out = engine.step(t)``, sleep ``out.duration
 the step's tokens to the waiting handlers. Steps are laid end to end on a virtual clock
 (``t`` is the previous step's end, not the time the sleep happened to wake up), so event
 loop wake-up jitter does not slow the modelled GPU down.
+
+Tokens: whitespace words (skymesh/tokens.py), or with ``tokenizer`` (a local HF
+``tokenizer.json``) the model's token ids, kept as decimal strings so the engine's block
+hashes and the KV events' ``token_ids`` are the tokenizer's. KV events: with a
+``KVEventsConfig`` that publishes, each engine step's cache changes go out as one vLLM
+0.32 batch at the end of the step (skymesh/replica_sim/kv_publisher.py).
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
+from skymesh.replica_sim.kv_events import KVEventsConfig
+from skymesh.replica_sim.kv_publisher import EventPublisher, NullPublisher, make_publisher
 from skymesh.replica_sim.metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.supervise import SupervisedLoop
@@ -31,6 +40,7 @@ from skymesh.tokens import (
     chat_prompt,
     filler_tokens,
     split_tokens,
+    word_token_id,
 )
 
 log = logging.getLogger("skymesh.replica_sim")
@@ -137,11 +147,26 @@ def _bool_param(body: dict[str, Any], key: str, default: bool) -> bool:
 
 
 class ReplicaServer:
-    def __init__(self, profile: Profile, time_scale: float = 1.0, model: str = "skymesh-sim",
+    def __init__(self, profile: Profile, time_scale: float = 1.0, model: str = "skymesh-sim", *,
+                 tokenizer: str | Path | None = None, kv_events: KVEventsConfig | None = None,
                  **engine_overrides: Any) -> None:
         self.profile = profile
         self.model = model
         self.engine = Engine(profile, time_scale=time_scale, **engine_overrides)
+        self.tokenizer: Any = None
+        # the id of every generated token with a tokenizer (the filler's text " tok<i>"
+        # is not one token of a real vocabulary; its first piece stands for each)
+        self._generated_id = "0"
+        if tokenizer is not None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(tokenizer))
+            ids = self.tokenizer.encode(" tok", add_special_tokens=False).ids
+            self._generated_id = str(ids[0] if ids else 0)
+        self.kv_events_config = kv_events
+        self.kv_publisher: EventPublisher = NullPublisher()
+        if kv_events is not None and kv_events.publishes:
+            self.engine.enable_kv_events()
         self.metrics = ReplicaMetrics(self.engine, model, profile.max_model_len, cache_config_info=vllm_cache_config_info(
             num_gpu_blocks=self.engine.num_blocks, block_size=self.engine.block_size,
             max_model_len=profile.max_model_len, gpu_memory_utilization=profile.gpu_memory_utilization,
@@ -188,6 +213,9 @@ class ReplicaServer:
             if t is None or t < now - MAX_CLOCK_LAG_S:
                 t = now
             out = engine.step(t)  # raising fails the open requests (_run_engine)
+            # this step's cache changes, published when the step is over (vLLM publishes
+            # in update_from_output, after the forward pass)
+            kv_events = engine.take_kv_events()
             if out.steps == 0:
                 # nothing can run until a request arrives or leaves
                 t = None
@@ -197,6 +225,8 @@ class ReplicaServer:
             self.engine_loop.mark_healthy()  # a completed step ends a crash streak
             t += out.duration_s
             await asyncio.sleep(max(0.0, t - loop.time()))
+            if kv_events:
+                self.kv_publisher.publish(kv_events)  # never blocks
             # handlers time-stamp tokens with the real delivery time: what a client sees
             delivered = loop.time()
             streams = self.streams
@@ -229,9 +259,12 @@ class ReplicaServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        # the event sockets first: a bad endpoint fails the start before anything runs
+        self.kv_publisher = make_publisher(self.kv_events_config, host)
         self._loop_task = self.engine_loop.start()
         # handler_cancellation: a client that disconnects cancels its handler, whose
         # finally-block aborts the request in the engine
@@ -260,6 +293,8 @@ class ReplicaServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        publisher, self.kv_publisher = self.kv_publisher, NullPublisher()
+        await asyncio.to_thread(publisher.close)  # sends what is queued, joins its thread
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -279,6 +314,12 @@ class ReplicaServer:
             "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len,
             "permission": [],
         }]})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev endpoint (``VLLM_SERVER_DEV_MODE=1``): ``{"success": bool}``, false
+        while a request holds KV blocks. Its ``AllBlocksCleared`` goes out with the next
+        step's batch, as vLLM's does (events are published by engine steps)."""
+        return web.json_response({"success": self.engine.reset_prefix_cache()})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -311,7 +352,9 @@ class ReplicaServer:
             # turn's prompt and answer
             if _bool_param(body, "add_generation_prompt", True):
                 text = f"{text} {GENERATION_PROMPT}" if text else GENERATION_PROMPT
-            prompts = [split_tokens(text)]
+            # a chat prompt carries its own special tokens (vLLM encodes a rendered chat
+            # template without adding any), as the balancer encodes it too
+            prompts = [self._text_tokens(text, special_tokens=False)]
             # max_completion_tokens first, max_tokens when it is null; none: no limit
             # but the context (vLLM's chat default)
             budget_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
@@ -379,8 +422,20 @@ class ReplicaServer:
             f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
             "Please reduce the length of the input prompt.", "input_tokens", count)
 
-    @staticmethod
-    def _prompts(prompt: Any) -> list[list[str]]:
+    def _text_tokens(self, text: str, special_tokens: bool = True) -> list[str]:
+        """A text's tokens: its words, or its token ids (as decimal strings) with a
+        tokenizer, special tokens (BOS) added as vLLM adds them to a completion prompt."""
+        if self.tokenizer is None:
+            return split_tokens(text)
+        return [str(i) for i in self.tokenizer.encode(text, add_special_tokens=special_tokens).ids]
+
+    def _filler_hash_tokens(self, n: int) -> list[str]:
+        """The output's tokens as the engine hashes them (generated blocks are cached)."""
+        if self.tokenizer is None:
+            return filler_tokens(n)
+        return [self._generated_id] * n
+
+    def _prompts(self, prompt: Any) -> list[list[str]]:
         """The prompts of a completion request, as vLLM's ``CompletionRequest.prompt``
         takes them: a string, a list of strings, a list of token ids, or a list of lists of
         token ids (one prompt each). Token ids keep their identity as words (``"17"``), so
@@ -388,7 +443,7 @@ class ReplicaServer:
         if prompt is None or prompt == "":
             raise validation_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         if isinstance(prompt, str):
-            return [_TextTokens(split_tokens(prompt))]
+            return [_TextTokens(self._text_tokens(prompt))]
         if not isinstance(prompt, list):
             raise ApiError("prompt must be a string, a list of strings, a list of token ids, "
                            "or a list of lists of token ids", "prompt")
@@ -399,7 +454,7 @@ class ReplicaServer:
                                    f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the "
                                    "VLLM_MAX_COMPLETION_PROMPTS environment variable.", "prompt")
         if all(isinstance(x, str) for x in prompt):
-            return [_TextTokens(split_tokens(x)) for x in prompt]
+            return [_TextTokens(self._text_tokens(x)) for x in prompt]
         if all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in prompt):
             return [[str(t) for t in x] for x in prompt]
         raise ApiError("prompt must be a string, a list of strings, a list of token ids (>= 0), "
@@ -422,14 +477,15 @@ class ReplicaServer:
         erids = [f"{rid}-{i}" for i in range(len(g.prompts))]
         ereqs: list[EngineRequest] = []
         bs = self.engine.block_size
+        with_ids = self.engine.kv_events is not None
         try:
             try:
                 for i, (tokens, budget) in enumerate(zip(g.prompts, g.max_tokens, strict=True)):
                     # the hashes cover the prompt and the output the filler will produce, so
                     # the engine caches full blocks of generated tokens too, as vLLM does
-                    self.engine.add_request(erids[i], len(tokens),
-                                            chained_block_hashes([*tokens, *filler_tokens(budget)], bs),
-                                            budget, arrival)
+                    seq = [*tokens, *self._filler_hash_tokens(budget)]
+                    self.engine.add_request(erids[i], len(tokens), chained_block_hashes(seq, bs), budget, arrival,
+                                            token_ids=[word_token_id(w) for w in seq] if with_ids else None)
                     ereqs.append(self.engine.requests[erids[i]])
                     self.streams[erids[i]] = _Stream(queue, i)
             except ValueError as e:  # longer than the whole KV cache
@@ -527,11 +583,17 @@ class ReplicaServer:
 
 
 async def start_replica(host: str = "127.0.0.1", port: int = 0, profile: str = "l4-llama3.1-8b",
-                        time_scale: float = 1.0, model: str = "skymesh-sim",
+                        time_scale: float = 1.0, model: str = "skymesh-sim", *,
+                        tokenizer: str | Path | None = None, kv_events: KVEventsConfig | None = None,
                         **engine_overrides: Any) -> ReplicaServer:
     """Start a stand-in replica in this event loop (``await srv.close()`` to stop it)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r} (known: {', '.join(PROFILES)})")
-    srv = ReplicaServer(PROFILES[profile], time_scale, model, **engine_overrides)
-    await srv.start(host, port)
+    srv = ReplicaServer(PROFILES[profile], time_scale, model, tokenizer=tokenizer, kv_events=kv_events,
+                        **engine_overrides)
+    try:
+        await srv.start(host, port)
+    except BaseException:
+        await srv.close()
+        raise
     return srv
