@@ -100,6 +100,9 @@ def test_sim_cli_cache_view_events() -> None:
     assert (cfg.cache_view, cfg.chunk_tokens, cfg.block_size) == ("events", 16, 16)
     history = sim_main.sim_config(p.parse_args(common), "prefix_tree")
     assert (history.cache_view, history.chunk_tokens) == ("history", 512)
+    assert sim_main.sim_config(p.parse_args([*common, "--chunk-tokens", "16"]), "prefix_tree").chunk_tokens == 16
+    with pytest.raises(SystemExit, match="--chunk-tokens must equal --block-size"):
+        sim_main.sim_config(p.parse_args([*common, "--cache-view", "events", "--chunk-tokens", "32"]), "prefix_tree")
     m = sim_main.run_one(events, "prefix_tree", 1.0, False)["metrics"]
     h = sim_main.run_one(p.parse_args([*common, "--block-size", "16"]), "prefix_tree", 1.0, False)["metrics"]
     assert m["completed"] == h["completed"] == 150

@@ -45,6 +45,7 @@ from skymesh.routing.registry import (
     policy_options,
     policy_spec,
 )
+from skymesh.tokens import TRACE_BLOCK_TOKENS
 
 GEO3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 GEO3_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"): 80.0,
@@ -98,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-view", choices=("history", "events"), default="history",
                    help="what cache-aware policies read of a replica's cache: the routing-history trie, "
                         "or the replicas' KV events (routing chunks = engine blocks, token ids per request)")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="routing chunk (tokens); default: 512 (one trace block), the block size with "
+                        "--cache-view events (which needs them equal)")
     p.add_argument("--probe-interval-s", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
@@ -138,9 +142,16 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                      profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
                      block_size=args.block_size, probe_interval_s=args.probe_interval_s,
-                     cache_view=args.cache_view,
-                     **({"chunk_tokens": args.block_size} if args.cache_view == "events" else {}),
+                     cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
                      policy_options=options_for(policy, parse_policy_options(args.policy_option)))
+
+
+def chunk_tokens(args: argparse.Namespace) -> int:
+    if args.chunk_tokens is not None:
+        if args.cache_view == "events" and args.chunk_tokens != args.block_size:
+            raise SystemExit("--cache-view events: --chunk-tokens must equal --block-size")
+        return int(args.chunk_tokens)
+    return int(args.block_size) if args.cache_view == "events" else TRACE_BLOCK_TOKENS
 
 
 def parse_policy_options(items: list[str]) -> dict[str, Any]:
@@ -258,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
     config = {"mode": "discrete-event", "trace": args.trace, "requests": first_run["metrics"]["requests"],
               "regions": names, "replicas_per_region": args.replicas, "profile": args.profile,
               "slo_s": args.slo, "rates": rates, "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
-              "block_size": args.block_size, "cache_view": args.cache_view, "warmup_s": args.warmup_s, "seed": args.seed,
+              "block_size": args.block_size, "cache_view": args.cache_view,
+              "chunk_tokens": chunk_tokens(args), "warmup_s": args.warmup_s, "seed": args.seed,
               "oracle_prefix_hit_rate": None if oracle is None else round(oracle, 4),
               "wall_s_total": round(time.perf_counter() - t_start, 1)}
     write_report(out, summaries, config, sweeps, ttfts, first_run["load"], systems[0],
