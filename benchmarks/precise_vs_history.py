@@ -3,7 +3,7 @@ approximate one (the routing-history trie), in the discrete-event simulator, per
 cache-aware policy and seed, on a KV-constrained hot-prefix workload (docs/benchmarks.md,
 "Precise (KV events) vs approximate (routing history), DES").
 
-    .venv/bin/python -m benchmarks.precise_vs_history [--seeds 0,1] [--jobs 2] [--out FILE]
+    .venv/bin/python -m benchmarks.precise_vs_history [--seeds 0,1] [--views events,history] [--out FILE]
 
 Each cell is one ``skymesh sim`` run (``sim_main.run_one``) with the arguments below plus
 ``--cache-view``, ``--seed`` and ``--systems POLICY``; the sweep over ``--rates`` gives
@@ -31,9 +31,13 @@ SIM_ARGS = ["--trace", "hot-prefix", "--requests", "1200", "--rate", "1", "--hot
 
 
 def sim_args(view: str, seed: int, rates: str) -> argparse.Namespace:
+    """``view``: events, history (512-token chunks) or history-c16 (history with chunks of
+    one 16-token block, as the events view has: separates granularity from precision)."""
     p = argparse.ArgumentParser()
     sim_main.add_arguments(p)
-    return p.parse_args([*SIM_ARGS, "--rates", rates, "--cache-view", view, "--seed", str(seed)])
+    extra = ["--chunk-tokens", "16"] if view == "history-c16" else []
+    return p.parse_args([*SIM_ARGS, "--rates", rates, "--cache-view", view.partition("-")[0], "--seed", str(seed),
+                         *extra])
 
 
 def cell(policy: str, view: str, seed: int, rates: list[float], at: float) -> dict[str, Any]:
@@ -59,12 +63,14 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--rates", default="1.5,2,2.5,3")
     ap.add_argument("--at", type=float, default=2.5, help="rate multiplier the other columns are read at")
+    ap.add_argument("--views", default="events,history", help="events, history, history-c16")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="bench-out/precise_vs_history.json")
     a = ap.parse_args()
     rates = [float(x) for x in a.rates.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
-    cells = [(p, v, s) for p in a.policies.split(",") for v in ("events", "history") for s in seeds]
+    views = a.views.split(",")
+    cells = [(p, v, s) for p in a.policies.split(",") for v in views for s in seeds]
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
         results = list(pool.map(cell, *zip(*cells, strict=True), [rates] * len(cells), [a.at] * len(cells)))
     out = Path(a.out)
@@ -76,7 +82,7 @@ def main() -> int:
           "| predicted within 1 block | over-predicted |")
     print("|---|---|---|---|---|---|---|---|")
     for p in a.policies.split(","):
-        for v in ("events", "history"):
+        for v in views:
             rs = [by[(p, v, s)] for s in seeds]
             print(f"| {p} | {v} | {_spread([r['goodput'] for r in rs], '.2f')} "
                   f"| {_spread([r['attainment'] for r in rs], '.3f')} | {_spread([r['ttft_p90'] for r in rs], '.2f')} "
