@@ -16,6 +16,12 @@ moment, which is exactly where a real engine would admit it. So the result equal
 stepping the engine one iteration at a time, with one event per request phase instead of
 one per decode step. Arrivals are pulled lazily from an iterator and per-request results
 live in flat arrays, so 1M requests fit in memory.
+
+What policies read of a replica's cache (``SimConfig.cache_view``): ``"history"`` (the
+routing-history trie; chunks and engine blocks hashed from the trace's block ids) or
+``"events"``: requests get token ids (:func:`trace_block_ids`), chunks are the balancer's
+own :func:`~skymesh.prompt_tokens.id_chunk_hashes` over engine-block-sized chunks, and each
+engine's KV events reach its region core's block index at the end of every step.
 """
 
 from __future__ import annotations
