@@ -157,7 +157,7 @@ VOCAB = 32_000
 _OUTPUT_FILLER = tuple(hash((-1, j)) % VOCAB for j in range(TRACE_BLOCK_TOKENS))
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 12)  # ~18 KB a block: ~75 MB at most
 def trace_block_ids(h: int) -> tuple[int, ...]:
     """The token ids of one 512-token trace block: deterministic in its hash id, so equal
     hash-id prefixes are equal token prefixes (and unequal ones differ from the first
