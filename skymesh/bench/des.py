@@ -16,10 +16,17 @@ moment, which is exactly where a real engine would admit it. So the result equal
 stepping the engine one iteration at a time, with one event per request phase instead of
 one per decode step. Arrivals are pulled lazily from an iterator and per-request results
 live in flat arrays, so 1M requests fit in memory.
+
+What policies read of a replica's cache (``SimConfig.cache_view``): ``"history"`` (the
+routing-history trie; chunks and engine blocks hashed from the trace's block ids) or
+``"events"``: requests get token ids (:func:`trace_block_ids`), chunks are the balancer's
+own :func:`~skymesh.prompt_tokens.id_chunk_hashes` over engine-block-sized chunks, and each
+engine's KV events reach its region core's block index at the end of every step.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -32,9 +39,13 @@ import numpy as np
 
 from skymesh.bench.metrics import cv, summarize_arrays
 from skymesh.bench.traces import TraceRequest, fit_request
-from skymesh.replica_sim.engine import Engine, StepOutput
+from skymesh.prompt_tokens import id_chunk_hashes
+from skymesh.replica_sim import kv_events as standin_events
+from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
+from skymesh.routing import kv_index
 from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import (
     ForwardToRegion,
@@ -74,6 +85,11 @@ class SimConfig:
     plot_replicas: int = 32  # per-replica load series kept for the plot
     fuse_decode: bool = True  # False: one event per engine step (the reference for tests)
     policy_options: dict[str, Any] = field(default_factory=dict)
+    # what cache-aware policies read of a replica's cache: "history" (the routing-history
+    # trie: what the balancer sent where) or "events" (the replicas' KV events in the
+    # region core's per-replica block index, as with vLLM's --kv-events-config). "events"
+    # gives requests token ids and needs chunk_tokens == block_size.
+    cache_view: str = "history"
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:
@@ -134,6 +150,67 @@ def block_chains(hash_ids: Iterable[int], input_len: int, block_size: int,
     return blocks, tuple(chunks)
 
 
+VOCAB = 32_000
+# the filler every request's answer is made of (the stand-in generates the same text for
+# every request): output block hashes depend only on the prompt tail and the position
+# (ints only: hash() of ints and tuples of ints does not depend on PYTHONHASHSEED)
+_OUTPUT_FILLER = tuple(hash((-1, j)) % VOCAB for j in range(TRACE_BLOCK_TOKENS))
+
+
+@functools.lru_cache(maxsize=1 << 12)  # ~18 KB a block: ~75 MB at most
+def trace_block_ids(h: int) -> tuple[int, ...]:
+    """The token ids of one 512-token trace block: deterministic in its hash id, so equal
+    hash-id prefixes are equal token prefixes (and unequal ones differ from the first
+    block on)."""
+    return tuple(hash((h, j)) % VOCAB for j in range(TRACE_BLOCK_TOKENS))
+
+
+def prompt_token_ids(hash_ids: Sequence[int], input_len: int, request_key: int) -> list[int]:
+    """A trace request's prompt as token ids: its blocks' ids, cut to ``input_len``; a
+    prompt longer than its ids (a trace that does not cover it) ends in tokens of its own."""
+    ids: list[int] = []
+    for h in hash_ids:
+        if len(ids) >= input_len:
+            break
+        ids.extend(trace_block_ids(h))
+    k = 0
+    while len(ids) < input_len:
+        ids.append(hash((-2, request_key, k)) % VOCAB)
+        k += 1
+    del ids[input_len:]
+    return ids
+
+
+def token_chains(prompt_ids: Sequence[int], output_len: int, block_size: int
+                 ) -> tuple[list[int], tuple[int, ...], list[int]]:
+    """For the "events" cache view: the engine's block hashes (full blocks of prompt +
+    answer), the routing chunk hashes (the balancer's own :func:`id_chunk_hashes` over
+    ``block_size``-token chunks, so the replicas' blocks are the balancer's chunks) and
+    the token ids behind the blocks (KV events carry them)."""
+    n_out = output_len
+    out_ids = (_OUTPUT_FILLER * (n_out // len(_OUTPUT_FILLER) + 1))[:n_out]
+    all_ids = [*prompt_ids, *out_ids]
+    chunks = id_chunk_hashes(prompt_ids, block_size)
+    full = len(all_ids) // block_size
+    blocks = list(id_chunk_hashes(all_ids[: full * block_size], block_size))
+    return blocks, chunks, all_ids
+
+
+def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_index.KvEvent]:
+    """The stand-in's vLLM-wire KV events as the routing core's (what the balancer's
+    subscriber decodes them to)."""
+    out: list[kv_index.KvEvent] = []
+    for ev in events:
+        if isinstance(ev, standin_events.BlockStored):
+            out.append(kv_index.BlockStored(list(ev.block_hashes), ev.parent_block_hash, ev.token_ids,
+                                            ev.block_size))
+        elif isinstance(ev, standin_events.BlockRemoved):
+            out.append(kv_index.BlockRemoved(list(ev.block_hashes)))
+        else:
+            out.append(kv_index.AllBlocksCleared())
+    return out
+
+
 class _Replica:
     __slots__ = ("idx", "rid", "region", "engine", "state", "t_sync", "version")
     IDLE, STEP, LAZY = 0, 1, 2
@@ -152,9 +229,13 @@ class _Region:
         cfg = sim.cfg
         self.name = name
         per_tok, fixed = sim.profile.ttft_seed()
+        # "events": the index the region core fills from KV events, read by the policy's
+        # CacheView (one object, as the balancer daemon's build_region_core shares it)
+        self.kv_indexes = KvIndexes(chunk_tokens=cfg.chunk_tokens) if cfg.cache_view == "events" else None
         ctx = PolicyContext(
             chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s, trie_max_nodes=cfg.trie_max_nodes,
             prefill_s_per_token=per_tok, prefill_fixed_s=fixed, options=cfg.policy_options,
+            kv_indexes=self.kv_indexes,
         )
         rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
         offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
@@ -163,9 +244,13 @@ class _Region:
         # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
         settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
                                   lookahead=cfg.lookahead, max_queue_wait_s=None)
-        self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings)
+        self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, self.kv_indexes)
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
         self.core.set_replicas(self.replica_ids, 0.0)
+        if self.kv_indexes is not None:
+            # the subscriptions are up from the start: every (empty) cache is known
+            for rid in self.replica_ids:
+                self.core.kv_events(rid, [], 0.0, sim.num_blocks)
         self.seq = 0
 
 
@@ -180,6 +265,10 @@ class SimResult:
     output_len: np.ndarray
     rejected: np.ndarray
     offloaded: np.ndarray
+    # per request: prefix tokens the policy expected to hit (its Decision.matched_tokens)
+    # and those the engine served from its cache at first admission; NaN: never admitted
+    predicted_cached: np.ndarray
+    actual_cached: np.ndarray
     prefix_hit_rate: float
     load_cv: float | None
     load_series: list[tuple[float, list[int]]]  # (t, pending prefill tokens of the plotted replicas)
@@ -193,6 +282,23 @@ class SimResult:
                                 self.offloaded, slo_s, prefix_hit_rate=self.prefix_hit_rate,
                                 load_cv_value=self.load_cv, warmup_s=warmup_s)
 
+    def prediction_accuracy(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
+        """Share of admitted requests whose predicted cached prefix is within one block
+        (``block_tokens``) of the engine's actual one."""
+        ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
+        if not ok.any():
+            return None
+        diff = np.abs(self.predicted_cached[ok] - self.actual_cached[ok])
+        return float(np.mean(diff <= block_tokens))
+
+    def prediction_over(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
+        """Share of admitted requests whose predicted cached prefix exceeds the actual one
+        by more than one block (the policy counted on blocks that were not there)."""
+        ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
+        if not ok.any():
+            return None
+        return round(float(np.mean(self.predicted_cached[ok] - self.actual_cached[ok] > block_tokens)), 4)
+
 
 class Simulator:
     ARRIVE, STEP_DONE, WAKE, PROBE, HEARTBEAT, BEAT_ARRIVE, FORWARD_ARRIVE, SAMPLE = range(8)
@@ -202,6 +308,12 @@ class Simulator:
         self.profile: Profile = PROFILES[cfg.profile]
         if TRACE_BLOCK_TOKENS % cfg.block_size:
             raise ValueError(f"block_size must divide {TRACE_BLOCK_TOKENS}")
+        if cfg.cache_view not in ("history", "events"):
+            raise ValueError(f"cache_view must be 'history' or 'events', not {cfg.cache_view!r}")
+        self.events_view = cfg.cache_view == "events"
+        if self.events_view and cfg.chunk_tokens != cfg.block_size:
+            raise ValueError("cache_view 'events' needs chunk_tokens == block_size (the replicas' blocks "
+                             "are the balancer's chunks)")
         # keep the profile's KV capacity in tokens whatever the simulated block size
         self.num_blocks = max(1, self.profile.kv_capacity_tokens // cfg.block_size)
         self.regions = {name: _Region(name, self) for name in cfg.regions}
@@ -209,10 +321,13 @@ class Simulator:
         for reg in self.regions.values():
             for rid in reg.replica_ids:
                 eng = Engine(self.profile, block_size=cfg.block_size, num_gpu_blocks=self.num_blocks)
+                if self.events_view:
+                    eng.enable_kv_events()
                 self.replicas[rid] = _Replica(len(self.replicas), rid, reg.name, eng)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
-        self._engine_args: dict[str, tuple[int, list[int], int]] = {}
+        self._engine_args: dict[str, tuple[int, list[int], int, list[int] | None]] = {}
+        self._engine_req: dict[str, EngineRequest] = {}  # dispatched, first token not yet out
         self._origin: dict[str, str] = {}
         self._served_by: dict[str, str] = {}
         self.now = 0.0
@@ -236,6 +351,8 @@ class Simulator:
         self._in = array("l")
         self._out = array("l")
         self._flags = bytearray()  # 1: rejected, 2: offloaded
+        self._predicted = array("d")
+        self._actual = array("d")
         it: Iterator[TraceRequest] = iter(trace)
         self._next_index = 0
         outstanding = 0
@@ -258,6 +375,8 @@ class Simulator:
             self._in.append(in_len)
             self._out.append(out_len)
             self._flags.append(0)
+            self._predicted.append(math.nan)
+            self._actual.append(math.nan)
             region = r.region if r.region in self.regions else default_region
             self._push(r.arrival_s, self.ARRIVE, (i, region, r, in_len, out_len))
             return True
@@ -302,9 +421,14 @@ class Simulator:
                 outstanding += 1
                 more = pull()
                 rid = str(i)
-                blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.chunk_tokens)
-                blocks += output_block_chain(blocks, r.hash_ids, in_len, out_len, cfg.block_size)
-                self._engine_args[rid] = (in_len, blocks, out_len)
+                token_ids: list[int] | None = None
+                if self.events_view:
+                    prompt_ids = prompt_token_ids(r.hash_ids, in_len, i)
+                    blocks, chunks, token_ids = token_chains(prompt_ids, out_len, cfg.block_size)
+                else:
+                    blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.chunk_tokens)
+                    blocks += output_block_chain(blocks, r.hash_ids, in_len, out_len, cfg.block_size)
+                self._engine_args[rid] = (in_len, blocks, out_len, token_ids)
                 self._origin[rid] = region
                 rreq = RoutingRequest(rid, chunks, in_len, r.arrival_s, max_tokens=out_len,
                                       session_key=str(r.session))
@@ -347,6 +471,8 @@ class Simulator:
             output_len=np.frombuffer(self._out, dtype=np.int64 if self._out.itemsize == 8 else np.int32)[:n].astype(float),
             rejected=(flags & 1).astype(bool),
             offloaded=(flags & 2).astype(bool),
+            predicted_cached=np.frombuffer(self._predicted, dtype=float)[:n].copy(),
+            actual_cached=np.frombuffer(self._actual, dtype=float)[:n].copy(),
             prefix_hit_rate=self.prefix_hit_rate(),
             load_cv=sum(cvs) / len(cvs) if cvs else None,
             load_series=load_series,
@@ -374,11 +500,12 @@ class Simulator:
             rid = action.request_id
             if isinstance(action, SendToReplica):
                 rep = self.replicas[action.replica_id]
-                in_len, blocks, out_len = self._engine_args.pop(rid)
+                in_len, blocks, out_len, token_ids = self._engine_args.pop(rid)
                 self._served_by[rid] = reg.name
                 if reg.name != self._origin[rid]:
                     self._flags[int(rid)] |= 2
-                self._deliver(rep, rid, in_len, blocks, out_len, t)
+                self._predicted[int(rid)] = action.decision.matched_tokens
+                self._deliver(rep, rid, in_len, blocks, out_len, token_ids, t)
             elif isinstance(action, ForwardToRegion):
                 forwarded = replace(reg.core.request_of(rid), forwarded=True)
                 self._push(t + self.cfg.latency_s(reg.name, action.region), self.FORWARD_ARRIVE,
@@ -403,7 +530,8 @@ class Simulator:
 
     # ------------------------------------------------------------------ replica side
 
-    def _deliver(self, rep: _Replica, rid: str, in_len: int, blocks: list[int], out_len: int, t: float) -> None:
+    def _deliver(self, rep: _Replica, rid: str, in_len: int, blocks: list[int], out_len: int,
+                 token_ids: list[int] | None, t: float) -> None:
         """A request reaches a replica at ``t`` (it joins the engine's next step)."""
         e = rep.engine
         if rep.state == _Replica.LAZY:
@@ -422,16 +550,21 @@ class Simulator:
                     break
                 self._apply(rep, out, nxt)  # a step boundary at or before t
                 reached = nxt
-            e.add_request(rid, in_len, blocks, out_len, t)
+            self._add(e, rid, in_len, blocks, out_len, token_ids, t)
             if in_progress is not None:
                 self._push(in_progress[0], self.STEP_DONE, (rep, in_progress[1]))
                 return
             rep.state = _Replica.IDLE
             self._kick(rep, t)
             return
-        e.add_request(rid, in_len, blocks, out_len, t)
+        self._add(e, rid, in_len, blocks, out_len, token_ids, t)
         if rep.state == _Replica.IDLE:
             self._kick(rep, t)
+
+    def _add(self, e: Engine, rid: str, in_len: int, blocks: list[int], out_len: int,
+             token_ids: list[int] | None, t: float) -> None:
+        e.add_request(rid, in_len, blocks, out_len, t, token_ids=token_ids)
+        self._engine_req[rid] = e.requests[rid]  # its cached prefix is read at its first token
 
     def _kick(self, rep: _Replica, t: float) -> None:
         """Schedule the replica's next step (or decode stretch) starting at ``t``."""
@@ -457,7 +590,16 @@ class Simulator:
         touched: set[str] = set()
         cfg = self.cfg
         regions = self.regions
+        if self.events_view:
+            # the step's KV events reach the replica's region core as the step ends (the
+            # subscriber is in the same region: no latency), before anything is dispatched
+            events = rep.engine.take_kv_events()
+            if events:
+                regions[rep.region].core.kv_events(rep.rid, routing_events(events), t, self.num_blocks)
         for rid in out.first_token:
+            er = self._engine_req.pop(rid, None)
+            if er is not None:
+                self._actual[int(rid)] = er.cached_tokens
             region = self._served_by[rid]
             origin = self._origin[rid]
             self._first[int(rid)] = t + cfg.latency_s(region, origin)

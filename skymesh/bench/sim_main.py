@@ -45,6 +45,7 @@ from skymesh.routing.registry import (
     policy_options,
     policy_spec,
 )
+from skymesh.tokens import TRACE_BLOCK_TOKENS
 
 GEO3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 GEO3_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"): 80.0,
@@ -95,6 +96,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-share", type=float, default=0.8, help="hot-prefix: share of requests on the popular prompts")
     p.add_argument("--block-size", type=int, default=64,
                    help="simulated KV block (tokens; the profile's KV capacity is kept); 16 = vLLM's")
+    p.add_argument("--cache-view", choices=("history", "events"), default="history",
+                   help="what cache-aware policies read of a replica's cache: the routing-history trie, "
+                        "or the replicas' KV events (routing chunks = engine blocks, token ids per request)")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="routing chunk (tokens); default: 512 (one trace block), the block size with "
+                        "--cache-view events (which needs them equal)")
     p.add_argument("--probe-interval-s", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
@@ -135,7 +142,16 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                      profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
                      block_size=args.block_size, probe_interval_s=args.probe_interval_s,
+                     cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
                      policy_options=options_for(policy, parse_policy_options(args.policy_option)))
+
+
+def chunk_tokens(args: argparse.Namespace) -> int:
+    if args.chunk_tokens is not None:
+        if args.cache_view == "events" and args.chunk_tokens != args.block_size:
+            raise SystemExit("--cache-view events: --chunk-tokens must equal --block-size")
+        return int(args.chunk_tokens)
+    return int(args.block_size) if args.cache_view == "events" else TRACE_BLOCK_TOKENS
 
 
 def parse_policy_options(items: list[str]) -> dict[str, Any]:
@@ -200,6 +216,11 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
     m["wall_s"] = round(wall, 2)
     m["cpu_s"] = round(cpu, 2)
     m["events"] = res.events
+    # the policy's predicted cached prefix (Decision.matched_tokens) vs the engine's at
+    # admission: share within one engine block, and share over-predicted by more
+    acc = res.prediction_accuracy(args.block_size, args.warmup_s)
+    m["prediction_within_block"] = None if acc is None else round(acc, 4)
+    m["prediction_over"] = res.prediction_over(args.block_size, args.warmup_s)
     m["simulated_s"] = round(res.sim_time_s, 1)
     ttfts = res.ttft[~(res.ttft != res.ttft)]
     if ttfts.size > 50_000:
@@ -248,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
     config = {"mode": "discrete-event", "trace": args.trace, "requests": first_run["metrics"]["requests"],
               "regions": names, "replicas_per_region": args.replicas, "profile": args.profile,
               "slo_s": args.slo, "rates": rates, "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
-              "block_size": args.block_size, "warmup_s": args.warmup_s, "seed": args.seed,
+              "block_size": args.block_size, "cache_view": args.cache_view,
+              "chunk_tokens": chunk_tokens(args), "warmup_s": args.warmup_s, "seed": args.seed,
               "oracle_prefix_hit_rate": None if oracle is None else round(oracle, 4),
               "wall_s_total": round(time.perf_counter() - t_start, 1)}
     write_report(out, summaries, config, sweeps, ttfts, first_run["load"], systems[0],
