@@ -43,6 +43,8 @@ from tests.mesh_helpers import one_region_config, report_figures
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm_kv_events.json"
+GOLDEN_METRICS = Path(__file__).parent / "golden" / "vllm_metrics.txt"
+RECORD = os.environ.get("SKYMESH_RECORD_GOLDEN") == "1"  # how the two golden files were made
 MAX_NUM_SEQS = 4
 DISPATCH_BUDGET = 2
 
@@ -192,10 +194,19 @@ async def test_selective_pushing_sees_real_num_requests_waiting(pair: Pair) -> N
         stop = asyncio.Event()
 
         async def sample() -> None:
+            recorded = not RECORD
             while not stop.is_set():
                 probes = {rid: (p.num_running, p.num_waiting, p.kv_usage, b.core.replicas[rid].in_flight)
                           for rid, info in b.replicas.items() if (p := info.last_probe) is not None}
                 seen.append((b.core.queue_length, probes))
+                busy = [rid for rid, (_, w, _, _) in probes.items() if w > 0]
+                if not recorded and busy:
+                    # tests/golden/vllm_metrics.txt: a real page with requests waiting
+                    async with s.get(b.replicas[busy[0]].url + "/metrics") as r:
+                        page = await r.text()
+                    if parse_probe(page).num_waiting > 0:
+                        GOLDEN_METRICS.write_text(page)
+                        recorded = True
                 await asyncio.sleep(0.02)
 
         sampler = asyncio.create_task(sample())
@@ -357,7 +368,7 @@ async def test_raw_zmq_subscriber_receives_kv_events(pair: Pair) -> None:
     hashes = [h for e in events if e["type"] != "AllBlocksCleared" for h in e["block_hashes"]]
     assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes)
     eviction = next(m for m in msgs if _count([m], "BlockRemoved"))
-    if os.environ.get("SKYMESH_RECORD_GOLDEN") == "1":  # how tests/golden/vllm_kv_events.json was made
+    if RECORD:
         GOLDEN.write_text(json.dumps(golden_record([*msgs[:chained], eviction]), indent=1) + "\n")
     # the recorded messages have the fields (in their order) today's have, per event type
     kept = {e["type"]: list(e) for m in json.loads(GOLDEN.read_text())["messages"] for e in m["decoded"][1]}
