@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import msgspec
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm_kv_events.json"
 
@@ -23,7 +23,7 @@ def test_golden_kv_events_decode_to_their_recorded_form() -> None:
         topic, seq, payload = (bytes.fromhex(f) for f in m["frames_hex"])
         assert topic == b"kv-events" and len(seq) == 8
         seqs.append(int.from_bytes(seq, "big"))
-        batch = msgpack.unpackb(payload, raw=False)
+        batch = msgspec.msgpack.decode(payload)
         assert batch == m["decoded"]
         # EventBatch: [ts, events, data_parallel_rank]; events are maps tagged by "type"
         ts, batch_events, dp_rank = batch

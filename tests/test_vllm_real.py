@@ -293,12 +293,12 @@ def _sub(endpoint: str, topic: bytes) -> Any:
 
 def decode_frames(frames: list[bytes]) -> tuple[str, int, list[Any]]:
     """(topic, seq, [ts, events, dp_rank]) of one vLLM KV-event message."""
-    import msgpack
+    import msgspec
 
     assert len(frames) == 3, frames
     topic, seq, payload = frames
     assert len(seq) == 8
-    return topic.decode(), int.from_bytes(seq, "big"), msgpack.unpackb(payload, raw=False)
+    return topic.decode(), int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)
 
 
 def _count(msgs: list[list[bytes]], kind: str) -> int:

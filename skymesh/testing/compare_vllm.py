@@ -160,11 +160,11 @@ async def compare(log_dir: Path) -> dict[str, Any]:
             for name, url in servers.items():
                 out["metrics"][name] = await _families(s, url)
         frames = await asyncio.to_thread(_drain, sock, 1.0)
-        import msgpack
+        import msgspec
 
         events: dict[str, int] = {}
         for f in frames:
-            for e in msgpack.unpackb(f[2], raw=False)[1]:
+            for e in msgspec.msgpack.decode(f[2])[1]:
                 events[e["type"]] = events.get(e["type"], 0) + 1
         out["kv_events"] = {"messages": len(frames), "events": events}
         return out
