@@ -25,20 +25,33 @@ import aiohttp
 
 from skymesh.procs import start_sim_replicas
 from skymesh.prom import parse_samples
-from skymesh.testing.vllm_env import MODEL_NAME, VllmReplica, make_model_dir, unavailable_reason
+from skymesh.testing.vllm_env import (
+    MODEL_NAME,
+    ReplicaOptions,
+    VllmReplica,
+    make_model_dir,
+    unavailable_reason,
+)
 
 PREFIX = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+MAX_MODEL_LEN = 4096
 
 
 def cases() -> list[tuple[str, str, Any]]:
     """(what, path, JSON body or raw bytes): the same request to both servers."""
-    long_text = " ".join(f"w{i}" for i in range(6000))  # > both max_model_len (2048 / 4096 tokens)
-    ok = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 4}
+    # ignore_eos: the dummy weights sample EOS now and then; the stand-in never does
+    ok = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 4, "ignore_eos": True}
+    mid = " ".join(f"w{i}" for i in range(300))  # ~1,900 tokens for vLLM, 300 for the stand-in
     return [
         ("a plain completion", "/v1/completions", ok),
-        ("prompt too long", "/v1/completions", {**ok, "prompt": long_text}),
-        ("prompt + max_tokens over max_model_len", "/v1/completions",
-         {**ok, "prompt": " ".join(f"w{i}" for i in range(300)), "max_tokens": 4000}),
+        # > 4096 tokens for both, < 10 characters per token of the context (40,960)
+        ("prompt too long (30,000 characters)", "/v1/completions", {**ok, "prompt": "hello world " * 2500}),
+        # > 40,960 characters: vLLM refuses before tokenizing
+        ("prompt too long (52,000 characters)", "/v1/completions",
+         {**ok, "prompt": " ".join(f"w{i}" for i in range(9000))}),
+        ("max_tokens over max_model_len", "/v1/completions", {**ok, "max_tokens": 5000}),
+        ("prompt + max_tokens over max_model_len, max_tokens under it", "/v1/completions",
+         {**ok, "prompt": mid, "max_tokens": 4000}),
         ("unknown model", "/v1/completions", {**ok, "model": "no-such-model"}),
         ("no model field", "/v1/completions", {k: v for k, v in ok.items() if k != "model"}),
         ("max_tokens 0", "/v1/completions", {**ok, "max_tokens": 0}),
@@ -69,7 +82,8 @@ async def _post(s: aiohttp.ClientSession, url: str, body: Any) -> dict[str, Any]
         return {"status": r.status, "body": text[:300]}
     if r.status == 200:
         return {"status": 200, "choices": len(data.get("choices", [])), "keys": sorted(data),
-                "usage": data.get("usage")}
+                "usage": data.get("usage"),
+                "finish_reason": [c.get("finish_reason") for c in data.get("choices", [])]}
     return {"status": r.status, "error": data.get("error", data)}
 
 
@@ -134,7 +148,8 @@ def _drain(sock: Any, within_s: float) -> list[list[bytes]]:
 
 
 async def compare(log_dir: Path) -> dict[str, Any]:
-    rep = VllmReplica("compare-vllm", make_model_dir())
+    # the stand-in's tiny-test profile serves a 4096-token context: vLLM too, here
+    rep = VllmReplica("compare-vllm", make_model_dir(), ReplicaOptions(max_model_len=MAX_MODEL_LEN))
     children, urls = await start_sim_replicas(
         1, "tiny-test", 1.0, log_dir, "compare-sim",
         extra=["--model", MODEL_NAME, "--block-size", "128", "--num-gpu-blocks", "64", "--max-num-seqs", "4"])
@@ -180,7 +195,9 @@ def report(r: dict[str, Any]) -> str:
 
     def cell(x: dict[str, Any]) -> str:
         if x["status"] == 200:
-            return f"200, {x.get('choices')} choice(s)"
+            usage = x.get("usage") or {}
+            return (f"200, {x.get('choices')} choice(s), prompt {usage.get('prompt_tokens')} + "
+                    f"{usage.get('completion_tokens')} tokens, finish {x.get('finish_reason')}")
         e = x.get("error", x.get("body"))
         if isinstance(e, dict):
             return f"{x['status']} `{e.get('type')}` param=`{e.get('param')}`: {str(e.get('message'))[:160]}"
@@ -188,7 +205,14 @@ def report(r: dict[str, Any]) -> str:
 
     for what, by in r["cases"].items():
         lines.append(f"| {what} | {cell(by['vllm'])} | {cell(by['stand-in'])} |")
-    (vt, vf), (st, sf) = r["metrics"]["vllm"], r["metrics"]["stand-in"]
+    (vt, vf_all), (st, sf_all) = r["metrics"]["vllm"], r["metrics"]["stand-in"]
+
+    def families(fams: dict[str, str]) -> dict[str, str]:
+        # one entry per family: counters and histograms also expose NAME_created
+        return {n: k for n, k in fams.items() if not (n.endswith("_created") and n[:-8] + "_total" in fams
+                                                       or n.endswith("_created") and n[:-8] in fams)}
+
+    vf, sf = families(vf_all), families(sf_all)
     lines += ["", f"/metrics Content-Type: vLLM `{vt}`, stand-in `{st}`", "",
               "vllm: families only in real vLLM: " + ", ".join(f"`{n}`" for n in sorted(set(vf) - set(sf))
                                                               if n.startswith("vllm:")),

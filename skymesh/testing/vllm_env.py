@@ -158,7 +158,7 @@ MODEL_CONFIG: dict[str, object] = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "hidden_act": "silu",
-    "max_position_embeddings": MAX_MODEL_LEN,
+    "max_position_embeddings": 4096,  # the stand-in's tiny-test context (compare_vllm)
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
@@ -170,7 +170,7 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-MODEL_FORMAT = 1  # bump when anything above changes: the model dir is rebuilt
+MODEL_FORMAT = 2  # bump when anything above changes: the model dir is rebuilt
 
 
 def _corpus() -> list[str]:
