@@ -2,7 +2,7 @@
 Llama, prefix caching and KV-cache events on), all on loopback.
 
 The replicas come from :mod:`skymesh.testing.vllm_env` (venv built by ``make vllm-env``;
-without it these tests skip and say why). They start once per module (~35-45 s) and are
+without it these tests skip and say why). They start once per module (30-70 s here) and are
 restarted by the next test when one was killed. The balancer hashes token-id chunks of
 128 ids (``policy.chunk_tokens``, vLLM's CPU KV block size) with the replicas' own
 ``tokenizer.json``, so its chunks are vLLM's blocks.
@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
+import zmq
 
 from skymesh.balancer.prober import (
     KV_USAGE,
@@ -233,7 +235,7 @@ async def test_selective_pushing_sees_real_num_requests_waiting(pair: Pair) -> N
     assert 0.0 < kv <= 1.0
     # Not asserted: waiting <= the dispatch budget. It held in most runs here, but a
     # probe that returns before pushed requests reach vLLM's scheduler reads "0 waiting"
-    # and renews the budget; 5 to 8 waiting were seen under CPU contention (see
+    # and renews the budget; 5 to 10 waiting were seen under CPU contention (see
     # docs/replica-sim.md, "Real vLLM 0.32 (CPU) side by side").
     report_figures("vllm_selective_pushing", requests=n, max_balancer_queue=max_queue, max_vllm_running=running,
                    max_vllm_waiting=waiting, dispatch_budget=DISPATCH_BUDGET, max_pushed_not_yet_on_page=unseen,
@@ -280,11 +282,8 @@ async def test_repeated_long_prefix_goes_to_the_replica_that_holds_it(pair: Pair
 # ---------------------------------------------------------------- (e) KV events
 
 
-def _sub(endpoint: str, topic: bytes) -> Any:
-    import zmq
-
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.SUB)
+def _sub(endpoint: str, topic: bytes) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, topic)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -293,8 +292,6 @@ def _sub(endpoint: str, topic: bytes) -> Any:
 
 def decode_frames(frames: list[bytes]) -> tuple[str, int, list[Any]]:
     """(topic, seq, [ts, events, dp_rank]) of one vLLM KV-event message."""
-    import msgspec
-
     assert len(frames) == 3, frames
     topic, seq, payload = frames
     assert len(seq) == 8
@@ -305,7 +302,7 @@ def _count(msgs: list[list[bytes]], kind: str) -> int:
     return sum(e.get("type") == kind for m in msgs for e in decode_frames(m)[2][1])
 
 
-def _collect(sock: Any, out: list[list[bytes]], done: Callable[[], bool], within_s: float) -> None:
+def _collect(sock: zmq.Socket[bytes], out: list[list[bytes]], done: Callable[[], bool], within_s: float) -> None:
     """Append messages to ``out`` until ``done()`` (and 0.3 s more: the same engine step
     may publish another batch) or the time is up."""
     deadline = time.monotonic() + within_s

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
+import zmq
 
 from skymesh.procs import start_sim_replicas
 from skymesh.prom import parse_samples
@@ -128,17 +130,15 @@ async def _prefix_runs(s: aiohttp.ClientSession, url: str, text: str, n: int) ->
     return runs
 
 
-def _kv_sub(endpoint: str) -> Any:
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.SUB)
+def _kv_sub(endpoint: str) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     return sock
 
 
-def _drain(sock: Any, within_s: float) -> list[list[bytes]]:
+def _drain(sock: zmq.Socket[bytes], within_s: float) -> list[list[bytes]]:
     out = []
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -154,7 +154,7 @@ async def compare(log_dir: Path) -> dict[str, Any]:
         1, "tiny-test", 1.0, log_dir, "compare-sim",
         extra=["--model", MODEL_NAME, "--block-size", "128", "--num-gpu-blocks", "64", "--max-num-seqs", "4"])
     sim = urls[0]
-    sock = None
+    sock: zmq.Socket[bytes] | None = None
     try:
         await rep.start()
         sock = _kv_sub(rep.kv_endpoint)
@@ -175,8 +175,6 @@ async def compare(log_dir: Path) -> dict[str, Any]:
             for name, url in servers.items():
                 out["metrics"][name] = await _families(s, url)
         frames = await asyncio.to_thread(_drain, sock, 1.0)
-        import msgspec
-
         events: dict[str, int] = {}
         for f in frames:
             for e in msgspec.msgpack.decode(f[2])[1]:

@@ -148,15 +148,16 @@ TOKENIZER_VOCAB = 1000
 # backend takes head sizes 32, 64, 80, ... (so 128 hidden / 2 heads = 64). Weights are
 # vLLM's --load-format dummy (random): the text it writes is noise, which is all a
 # load balancer needs of it.
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
 MODEL_CONFIG: dict[str, object] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 128,
     "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": KV_HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
     "hidden_act": "silu",
     "max_position_embeddings": 4096,  # the stand-in's tiny-test context (compare_vllm)
     "rms_norm_eps": 1e-6,
@@ -227,9 +228,7 @@ def make_model_dir(cache: Path = CACHE) -> Path:
 
 def kv_block_bytes() -> int:
     """One KV block of the tiny model: K and V, every layer, float32."""
-    c = MODEL_CONFIG
-    per_token = 2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * int(c["head_dim"]) * 4  # type: ignore[call-overload]
-    return per_token * BLOCK_SIZE
+    return 2 * LAYERS * KV_HEADS * HEAD_DIM * 4 * BLOCK_SIZE
 
 
 def replica_env(cache: Path, name: str) -> dict[str, str]:
