@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint fmt proto clean
+.PHONY: setup run test lint fmt proto clean vllm-env
 
 setup: $(STAMP)
 
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/skymesh up --config configs/local.yaml
 
-test: setup
+# real vLLM (CPU build) for the tests marked `vllm`: its own venv, built once (~4 min),
+# instant afterwards; when it cannot be built this says why and the vllm tests skip
+vllm-env: setup
+	$(BIN)/python -m skymesh.testing.vllm_env build
+
+test: setup vllm-env
 	$(BIN)/ruff check skymesh controller tests benchmarks
 	$(BIN)/python -m pytest -q
 
@@ -31,4 +36,4 @@ proto: setup
 	$(BIN)/python -m skymesh.proto_build
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache

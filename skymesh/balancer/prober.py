@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from skymesh.prom import parse_samples
+from skymesh.prom import parse_sample_counts
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -33,19 +33,22 @@ def parse_probe(text: str) -> ProbeResult:
     """The probe signals of a metrics page; never raises: a page with a missing, NaN,
     infinite or negative value is an unhealthy result (a replica we cannot read is one we
     must not route to), not an exception that would stop the probe loop."""
-    s = parse_samples(text, _WANTED)
+    s = parse_sample_counts(text, _WANTED)
     if WAITING not in s or RUNNING not in s:
         return ProbeResult(healthy=False, error="metrics page lacks vllm:num_requests_* gauges")
-    for name, value in s.items():
+    for name, (value, _) in s.items():
         if not math.isfinite(value) or value < 0:
             return ProbeResult(healthy=False, error=f"metrics page has {name} = {value}")
+    # one series per engine (vLLM labels each engine="N"; several with data parallelism):
+    # requests and prefix counters add up, the KV-cache usage is the engines' mean
+    kv_total, kv_series = s.get(KV_USAGE, s.get(KV_USAGE_OLD, (0.0, 1)))
     return ProbeResult(
         healthy=True,
-        num_running=int(s[RUNNING]),
-        num_waiting=int(s[WAITING]),
-        kv_usage=s.get(KV_USAGE, s.get(KV_USAGE_OLD, 0.0)),
-        prefix_queries=s.get(PREFIX_QUERIES, 0.0),
-        prefix_hits=s.get(PREFIX_HITS, 0.0),
+        num_running=int(s[RUNNING][0]),
+        num_waiting=int(s[WAITING][0]),
+        kv_usage=kv_total / kv_series,
+        prefix_queries=s.get(PREFIX_QUERIES, (0.0, 0))[0],
+        prefix_hits=s.get(PREFIX_HITS, (0.0, 0))[0],
     )
 
 

@@ -1,0 +1,1 @@
+"""Test-support code that is not a test: real backends the integration tests run against."""
