@@ -99,10 +99,17 @@ async def pair(vllm_pair: Pair) -> Pair:
 
 
 @contextlib.asynccontextmanager
-async def balancer(p: Pair, policy: str, **options: Any) -> AsyncIterator[tuple[Balancer, str]]:
-    """An in-process balancer (port 0) over the pair, token-true hashing in vLLM's blocks."""
+async def balancer(p: Pair, policy: str, kv_events: bool = False, **options: Any
+                   ) -> AsyncIterator[tuple[Balancer, str]]:
+    """An in-process balancer (port 0) over the pair, token-true hashing in vLLM's blocks;
+    ``kv_events``: subscribed to the replicas' KV events."""
     cfg_dict = one_region_config(p.urls, free_port(), free_port(), name=policy, chunk_tokens=BLOCK_SIZE,
                                  probe_interval_s=0.1, **({"options": options} if options else {}))
+    if kv_events:
+        for rep_cfg in cfg_dict["regions"][0]["replicas"]:
+            rep = p.replicas[rep_cfg["id"]]
+            rep_cfg["kv_events"] = {"endpoint": rep.kv_endpoint, "replay_endpoint": rep.kv_replay_endpoint,
+                                    "topic": rep.options.kv_topic}
     cfg_dict["model"] = MODEL_NAME
     cfg_dict["tokenizer"] = {"path": str(p.model_dir / "tokenizer.json"),
                              "chat_template": str(p.model_dir / "chat_template.jinja")}
@@ -280,6 +287,38 @@ async def test_repeated_long_prefix_goes_to_the_replica_that_holds_it(pair: Pair
 
 
 # ---------------------------------------------------------------- (e) KV events
+
+
+async def test_the_balancers_event_index_predicts_vllms_prefix_hits(pair: Pair) -> None:
+    """The balancer subscribed to real vLLM's KV events: after a prompt is served, the
+    index of the replica that served it holds the prompt's full blocks (keyed by the
+    balancer's own hash of the token ids), and vLLM's prefix-cache hits on a repeat are
+    exactly what the index predicted."""
+    prompt = words(f"index{os.getpid()}w", 120)  # ~500 tokens: three full 128-token blocks
+    async with aiohttp.ClientSession() as s, balancer(pair, "prefix_tree", kv_events=True) as (b, base):
+        await asyncio.sleep(1.0)  # ZMQ's slow joiner: the subscriptions reach the PUB sockets
+        status, headers, body = await complete(s, base, prompt, max_tokens=1)
+        assert status == 200, body
+        holder = headers["X-Skymesh-Replica"]
+        chunks = b.encoder.encode_text(prompt).chunk_hashes
+        assert b.core.kv_indexes is not None
+        predicted = 0
+        for _ in range(200):
+            idx = b.core.kv_indexes.by_replica.get(holder)
+            predicted = idx.cached_chunks(chunks) if idx is not None else 0
+            if predicted:
+                break
+            await asyncio.sleep(0.05)
+        assert predicted == len(chunks) - 1 >= 3  # every full block; the partial tail is never cached
+        assert b.admin_status()["replicas"][holder]["cache_source"] == "events"
+        before = await metrics(s, pair.urls[holder])
+        status, _, body = await complete(s, pair.urls[holder], prompt, max_tokens=1)
+        assert status == 200, body
+        after = await metrics(s, pair.urls[holder])
+        stream = b.kv_events_status()[holder]["stream"]
+    hits = after[PREFIX_HITS] - before[PREFIX_HITS]
+    assert hits == predicted * BLOCK_SIZE, (hits, predicted)
+    report_figures("vllm_event_index", predicted_blocks=predicted, vllm_hit_tokens=hits, stream=stream)
 
 
 def _sub(endpoint: str, topic: bytes) -> zmq.Socket[bytes]:
