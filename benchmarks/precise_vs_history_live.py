@@ -44,9 +44,11 @@ from skymesh.bench.loadgen import LiveResult, prefix_hit_rate, send_one
 from skymesh.bench.metrics import summarize
 from skymesh.bench.peers import balancer_config
 from skymesh.procs import Child, skymesh_cmd, wait_all_ready
+from skymesh.prom import parse_samples
 from skymesh.replica_sim.profiles import PROFILES
 
 BLOCK = 16
+EST = "skymesh_prefix_hit_estimate_ratio"
 # letters only: GPT-2's pre-tokenizer splits letters from digits
 VOCAB = [a + b + c for a in "bcdfgh" for b in "aeiou" for c in "klmnprstvz"][:300]
 
@@ -147,7 +149,15 @@ async def run_cell(policy: str, view: str, seed: int, reqs: list[tuple[float, st
             await asyncio.gather(*tasks, return_exceptions=True)
         hit = await prefix_hit_rate(urls)
         status = None
+        predicted = None
         async with aiohttp.ClientSession() as s:
+            # the policy's expected hit share per request (Decision.matched_tokens / prompt
+            # tokens), averaged: every prompt has the same length, so it compares with the
+            # stand-ins' token hit rate
+            async with s.get(url + "/metrics") as r:
+                pm = parse_samples(await r.text(), (f"{EST}_sum", f"{EST}_count"))
+            if pm.get(f"{EST}_count"):
+                predicted = round(pm[f"{EST}_sum"] / pm[f"{EST}_count"], 4)
             try:
                 async with s.get(url + "/admin/status",
                                  headers=admin_headers(os.environ["SKYMESH_ADMIN_TOKEN"])) as r:
@@ -157,7 +167,7 @@ async def run_cell(policy: str, view: str, seed: int, reqs: list[tuple[float, st
         m = summarize(results, args.slo, hit, warmup_s=args.warmup_s)
         m.update(policy=policy, view=view, seed=seed,
                  max_send_lateness_s=round(max(r.late_s for r in results), 4),
-                 errors=sum(1 for r in results if r.ttft is None))
+                 errors=sum(1 for r in results if r.ttft is None), predicted_hit_rate=predicted)
         if status is not None:
             m["cache_sources"] = sorted({str(v.get("cache_source")) for v in status.get("replicas", {}).values()})
         return m
@@ -205,21 +215,21 @@ def main() -> None:
                     m["wall_s"] = round(time.perf_counter() - t, 1)
                     rows.append(m)
                     print(json.dumps({k: m.get(k) for k in (
-                        "policy", "view", "seed", "ttft_p50", "ttft_p90", "slo_attainment", "prefix_hit_rate",
+                        "policy", "view", "seed", "ttft_p50", "ttft_p90", "slo_attainment", "prefix_hit_rate", "predicted_hit_rate",
                         "errors", "max_send_lateness_s", "cache_sources", "wall_s")}), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "kv_tokens": kv, "rows": rows}, indent=1))
-    print("| policy | view | P90 TTFT (s) seed " + " / ".join(args.seeds.split(",")) + " | SLO attainment | prefix hit rate |")
-    print("|---|---|---|---|---|")
+    print("| policy | view | P90 TTFT (s) seed " + " / ".join(args.seeds.split(",")) + " | SLO attainment | prefix hit rate | predicted hit rate |")
+    print("|---|---|---|---|---|---|")
     for policy in args.policies.split(","):
         for view in args.views.split(","):
             cell = [r for r in rows if r["policy"] == policy and r["view"] == view]
             def f(k: str, cell: list[dict[str, Any]] = cell) -> str:
                 return " / ".join(f"{r.get(k)}" for r in cell)
-            print(f"| {policy} | {view} | {f('ttft_p90')} | {f('slo_attainment')} | {f('prefix_hit_rate')} |")
+            print(f"| {policy} | {view} | {f('ttft_p90')} | {f('slo_attainment')} | {f('prefix_hit_rate')} | {f('predicted_hit_rate')} |")
 
 
 if __name__ == "__main__":
