@@ -1,0 +1,236 @@
+"""Precise (KV events) vs approximate (routing history), live: real processes on loopback.
+
+For every policy, view and seed: fresh stand-in replica processes (``skymesh replica-sim``,
+profile ``tiny-test``: 4,096 tokens of KV each, 16-token blocks) started with a tokenizer
+trained here (nothing downloaded) and publishing KV events (ZMQ on loopback), then one
+balancer child (``skymesh balancer``) with ``tokenizer.path`` and ``chunk_tokens`` = the
+block size. View ``events``: every replica's ``kv_events`` is set, the balancer indexes the
+stand-ins' events. View ``history``: the same balancer config without ``kv_events`` (the
+routing-history trie, same chunks). The same text requests are replayed open loop at a
+fixed rate (bounded in count and in wall time), every response streamed; then the
+stand-ins' ``vllm:prefix_cache_*`` counters give the prefix hit rate.
+
+Workload ("many customers, each with a long shared context"): ``--customers`` contexts of
+``--context-tokens`` tokens (Zipf popularity), a share ``--hot-share`` of the requests start
+with one of them, the rest with a context of their own; each adds ``--question-tokens``
+tokens of its own and asks for ``--output-tokens``. Every word is one token of the trained
+tokenizer (checked), so the lengths are token counts.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.precise_vs_history_live --seeds 0,1 \\
+        --policies prefix_tree,dualmap --out bench-out/precise_vs_history_live.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from skymesh.admin_auth import admin_headers
+from skymesh.bench.loadgen import LiveResult, prefix_hit_rate, send_one
+from skymesh.bench.metrics import summarize
+from skymesh.bench.peers import balancer_config
+from skymesh.procs import Child, skymesh_cmd, wait_all_ready
+from skymesh.prom import parse_samples
+from skymesh.replica_sim.profiles import PROFILES
+
+BLOCK = 16
+EST = "skymesh_prefix_hit_estimate_ratio"
+# letters only: GPT-2's pre-tokenizer splits letters from digits
+VOCAB = [a + b + c for a in "bcdfgh" for b in "aeiou" for c in "klmnprstvz"][:300]
+
+
+def train_tokenizer(path: Path) -> None:
+    """A byte-level BPE in which every word of VOCAB (with its leading space) is one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rnd = random.Random(0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=4000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator((" ".join(rnd.choice(VOCAB) for _ in range(200)) for _ in range(1000)), trainer)
+    tok.save(str(path))
+    probe = " ".join(VOCAB)
+    n = len(Tokenizer.from_file(str(path)).encode(probe).ids)
+    assert n == len(VOCAB), f"{n} tokens for {len(VOCAB)} words"
+
+
+def words(rnd: random.Random, n: int) -> str:
+    return " ".join(rnd.choice(VOCAB) for _ in range(n))
+
+
+def workload(args: argparse.Namespace, seed: int) -> list[tuple[float, str, int]]:
+    """(arrival s, prompt, max_tokens) for every request, Poisson at ``--rate``."""
+    rnd = random.Random(seed)
+    contexts = [words(rnd, args.context_tokens) for _ in range(args.customers)]
+    weights = [1.0 / (k + 1) ** args.zipf for k in range(args.customers)]
+    out = []
+    t = 0.0
+    for _ in range(args.requests):
+        t += rnd.expovariate(args.rate)
+        ctx = (rnd.choices(contexts, weights)[0] if rnd.random() < args.hot_share
+               else words(rnd, args.context_tokens))
+        out.append((t, ctx + " " + words(rnd, args.question_tokens), args.output_tokens))
+    return out
+
+
+async def start_replicas(args: argparse.Namespace, tok: Path, tmp: Path, tag: str) -> list[Child]:
+    reps = []
+    for i in range(args.replicas):
+        # the stand-in binds tcp://*:0 on its --host (loopback) and reports the ports
+        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
+        reps.append(Child(f"{tag}-r{i}", skymesh_cmd(
+            "replica-sim", "--host", "127.0.0.1", "--port", "0", "--profile", args.profile,
+            "--time-scale", str(args.time_scale), "--log-level", "ERROR", "--tokenizer", str(tok),
+            "--kv-events-config", json.dumps(ev)), tmp))
+    try:
+        for c in reps:
+            c.start()
+        await wait_all_ready(reps, 60)
+    except BaseException:
+        await asyncio.gather(*(c.stop() for c in reps))
+        raise
+    return reps
+
+
+async def run_cell(policy: str, view: str, seed: int, reqs: list[tuple[float, str, int]],
+                   args: argparse.Namespace, tok: Path, tmp: Path) -> dict[str, Any]:
+    tag = f"{policy}-{view}-{seed}"
+    children: list[Child] = []
+    try:
+        reps = await start_replicas(args, tok, tmp, tag)
+        children.extend(reps)
+        urls = [f"http://127.0.0.1:{c.port('http')}" for c in reps]
+        cfg: dict[str, Any] = balancer_config(policy, urls, 0, args.slo, chunk_tokens=BLOCK)
+        cfg["tokenizer"] = {"path": str(tok)}
+        if view == "events":
+            for i, r in enumerate(cfg["regions"][0]["replicas"]):  # type: ignore[index]
+                r["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{reps[i].port('kv_events')}",
+                                  "replay_endpoint": f"tcp://127.0.0.1:{reps[i].port('kv_replay')}"}
+        path = tmp / f"{tag}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        bal = Child(f"balancer-{tag}", skymesh_cmd("balancer", "--config", str(path), "--region", "bench-1",
+                                                   "--http-port", "0", "--no-controller", "--no-peers",
+                                                   "--log-level", "WARNING"), tmp)
+        bal.start()
+        children.append(bal)
+        url = f"http://127.0.0.1:{(await bal.wait_ready(60))['http']}"
+        await asyncio.sleep(0.5)  # the subscribers connect
+        results = [LiveResult(a, len(p.split()), m) for a, p, m in reqs]
+        timeout = aiohttp.ClientTimeout(total=args.timeout_s)
+        t_end = time.perf_counter() + args.timeout_s
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
+            tasks = []
+            t0 = time.perf_counter()
+            for (a, p, m), res in zip(reqs, results, strict=True):
+                delay = a - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                res.late_s = max(0.0, time.perf_counter() - t0 - a)
+                tasks.append(asyncio.create_task(send_one(s, url, p, m, res)))
+            await asyncio.wait(tasks, timeout=max(0.1, t_end - time.perf_counter()))
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        hit = await prefix_hit_rate(urls)
+        status = None
+        predicted = None
+        async with aiohttp.ClientSession() as s:
+            # the policy's expected hit share per request (Decision.matched_tokens / prompt
+            # tokens), averaged: every prompt has the same length, so it compares with the
+            # stand-ins' token hit rate
+            async with s.get(url + "/metrics") as r:
+                pm = parse_samples(await r.text(), (f"{EST}_sum", f"{EST}_count"))
+            if pm.get(f"{EST}_count"):
+                predicted = round(pm[f"{EST}_sum"] / pm[f"{EST}_count"], 4)
+            try:
+                async with s.get(url + "/admin/status",
+                                 headers=admin_headers(os.environ["SKYMESH_ADMIN_TOKEN"])) as r:
+                    status = await r.json() if r.status == 200 else None
+            except Exception:  # noqa: BLE001 - diagnostics only
+                status = None
+        m = summarize(results, args.slo, hit, warmup_s=args.warmup_s)
+        m.update(policy=policy, view=view, seed=seed,
+                 max_send_lateness_s=round(max(r.late_s for r in results), 4),
+                 errors=sum(1 for r in results if r.ttft is None), predicted_hit_rate=predicted)
+        if status is not None:
+            m["cache_sources"] = sorted({str(v.get("cache_source")) for v in status.get("replicas", {}).values()})
+        return m
+    finally:
+        for c in reversed(children):
+            await c.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="prefix_tree,dualmap")
+    ap.add_argument("--views", default="events,history")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--profile", default="tiny-test")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--time-scale", type=float, default=14.0, help="the stand-ins' step-time multiplier")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rate", type=float, default=10.0, help="req/s, wall clock")
+    ap.add_argument("--customers", type=int, default=16)
+    ap.add_argument("--context-tokens", type=int, default=768)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--hot-share", type=float, default=0.9)
+    ap.add_argument("--zipf", type=float, default=0.8)
+    ap.add_argument("--slo", type=float, default=1.0, help="TTFT SLO, wall-clock s")
+    ap.add_argument("--warmup-s", type=float, default=3.0)
+    ap.add_argument("--timeout-s", type=float, default=90.0, help="wall-clock bound per cell")
+    ap.add_argument("--out", default="bench-out/precise_vs_history_live.json")
+    args = ap.parse_args()
+    kv = PROFILES[args.profile].num_gpu_blocks * BLOCK * args.replicas
+    print(f"customer contexts: {args.customers * args.context_tokens} tokens = "
+          f"{args.customers * args.context_tokens / kv:.0%} of {kv} tokens of KV", flush=True)
+    os.environ.setdefault("SKYMESH_ADMIN_TOKEN", secrets.token_urlsafe(32))  # the balancers inherit it
+    tmp = Path(tempfile.mkdtemp(prefix="pvh-live-"))
+    rows = []
+    try:
+        tok = tmp / "tokenizer.json"
+        train_tokenizer(tok)
+        for seed in [int(x) for x in args.seeds.split(",")]:
+            reqs = workload(args, seed)
+            for policy in args.policies.split(","):
+                for view in args.views.split(","):
+                    t = time.perf_counter()
+                    m = asyncio.run(run_cell(policy, view, seed, reqs, args, tok, tmp))
+                    m["wall_s"] = round(time.perf_counter() - t, 1)
+                    rows.append(m)
+                    print(json.dumps({k: m.get(k) for k in (
+                        "policy", "view", "seed", "ttft_p50", "ttft_p90", "slo_attainment", "prefix_hit_rate", "predicted_hit_rate",
+                        "errors", "max_send_lateness_s", "cache_sources", "wall_s")}), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(args), "kv_tokens": kv, "rows": rows}, indent=1))
+    print("| policy | view | P90 TTFT (s) seed " + " / ".join(args.seeds.split(",")) + " | SLO attainment | prefix hit rate | predicted hit rate |")
+    print("|---|---|---|---|---|---|")
+    for policy in args.policies.split(","):
+        for view in args.views.split(","):
+            cell = [r for r in rows if r["policy"] == policy and r["view"] == view]
+            def f(k: str, cell: list[dict[str, Any]] = cell) -> str:
+                return " / ".join(f"{r.get(k)}" for r in cell)
+            print(f"| {policy} | {view} | {f('ttft_p90')} | {f('slo_attainment')} | {f('prefix_hit_rate')} | {f('predicted_hit_rate')} |")
+
+
+if __name__ == "__main__":
+    main()
