@@ -23,15 +23,15 @@ they share prefixes with the same text sent as a string.
 from __future__ import annotations
 
 import json
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
+from skymesh.routing.hashing import byte_chunk_hashes, id_chunk_hashes
 from skymesh.tokens import chat_prompt
+
+__all__ = ["EncodedPrompt", "PromptEncoder", "byte_chunk_hashes", "id_chunk_hashes"]
 
 # encoding a prompt longer than this (characters) runs in a worker thread: a 32k-token
 # prompt takes tens of milliseconds to encode, which the event loop must not stall for
@@ -43,28 +43,6 @@ OFF_LOOP_CHARS = 4096
 class EncodedPrompt:
     chunk_hashes: tuple[int, ...]
     tokens: int
-
-
-def _cumulative(chunks: Sequence[bytes]) -> tuple[int, ...]:
-    out: list[int] = []
-    prev = 0
-    for chunk in chunks:
-        prev = xxhash.xxh64_intdigest(chunk, seed=prev)
-        out.append(prev)
-    return tuple(out)
-
-
-def id_chunk_hashes(ids: Sequence[int], chunk_tokens: int) -> tuple[int, ...]:
-    """Cumulative hashes of ``chunk_tokens``-id chunks (the last one may be partial: two
-    identical short prompts still share a key; its length is in its bytes, so it never
-    equals a longer prompt's full chunk)."""
-    packed = array("Q", (i & 0xFFFFFFFFFFFFFFFF for i in ids)).tobytes()
-    step = 8 * chunk_tokens
-    return _cumulative([packed[k : k + step] for k in range(0, len(packed), step)])
-
-
-def byte_chunk_hashes(data: bytes, chunk_bytes: int) -> tuple[int, ...]:
-    return _cumulative([data[k : k + chunk_bytes] for k in range(0, len(data), chunk_bytes)])
 
 
 class ChatTemplate:

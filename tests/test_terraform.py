@@ -466,7 +466,8 @@ def test_fetched_credentials_make_an_mtls_mesh(applied_secrets: AppliedSecrets, 
             # systemd's EnvironmentFile=: the balancer sees SKYMESH_PEER_TOKEN
             name, _, value = (applied.host / "peer-token.env").read_text().strip().partition("=")
             monkeypatch.setenv(name, value)
-            assert resolve_peer_token(cfg, ("0.0.0.0",), state_dir=None) == (
+            # a balancer listening beyond loopback (a documentation address)
+            assert resolve_peer_token(cfg, ("192.0.2.10",), state_dir=None) == (
                 applied.pki / "peer-token").read_text().strip()
     shutil.rmtree(applied.host)
     rogue = generate_mesh_pki(tmp_path / "rogue", ["eu-west-1"])["balancers"]["eu-west-1"]

@@ -5,7 +5,8 @@ A replica that publishes KV events (vLLM's ``--kv-events-config``) says which bl
 stored (token ids, block size, its own block hash, the parent's hash) and which it
 evicted. :class:`ReplicaBlockIndex` keeps, per replica, the set of blocks it holds keyed
 by skymesh's own cumulative hash of each block's token ids: the same function as the
-balancer's prompt chunk hashes (:func:`skymesh.prompt_tokens.id_chunk_hashes`), so a
+balancer's prompt chunk hashes (same bytes, same seeds: :func:`skymesh.routing.hashing.block_hash`
+and :func:`~skymesh.routing.hashing.id_chunk_hashes`, side by side), so a
 prompt's cached prefix is a lookup of its chunk hashes, with no dependency on vLLM's hash
 algorithm or ``PYTHONHASHSEED``. vLLM's own hashes are kept only to resolve parents and
 removals. This needs the balancer's chunks to be the replica's blocks
@@ -21,24 +22,16 @@ Pure: no sockets, no clock (``now`` is passed in).
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
+from skymesh.routing.hashing import block_hash
 from skymesh.routing.trie import BoundedPrefixTrie
 
 # a vLLM block hash: bytes (sha256 digests) or an int, depending on the version
 BlockHash = Hashable
-
-
-def block_hash(token_ids: Sequence[int], parent: int) -> int:
-    """skymesh's hash of one block: the same bytes and seed as id_chunk_hashes."""
-    packed = array("Q", (i & 0xFFFFFFFFFFFFFFFF for i in token_ids)).tobytes()
-    return xxhash.xxh64_intdigest(packed, seed=parent)
 
 
 @dataclass(slots=True)
