@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.routing.hashing import byte_chunk_hashes, id_chunk_hashes
-from skymesh.tokens import chat_prompt
 
 __all__ = ["EncodedPrompt", "PromptEncoder", "byte_chunk_hashes", "id_chunk_hashes"]
 
@@ -98,13 +97,6 @@ class PromptEncoder:
         return cls(chunk_tokens, tok, template, bytes_per_token)
 
     # ------------------------------------------------------------------ text
-
-    def text_of_chat(self, messages: Sequence[Any]) -> str:
-        """The prompt text of a chat request (raises ChatContentError / ChatTemplateError)."""
-        if self.chat_template is not None:
-            chat_prompt(messages)  # the same content checks as without a template
-            return self.chat_template.render(messages)
-        return chat_prompt(messages)
 
     def encode_text(self, text: str, *, chat: bool = False) -> EncodedPrompt:
         if self.tokenizer is not None:

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -125,8 +125,6 @@ class StreamStats:
     restarts: int = 0  # sequence went back: a new publisher
     decode_errors: int = 0
     last_seq: int | None = None
-    connected: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {"batches": self.batches, "gaps": self.gaps, "replayed": self.replayed,
@@ -152,7 +150,6 @@ class ReplicaEventStream:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.ep.topic.encode())
         sub.connect(self.ep.endpoint)  # zmq reconnects by itself when the replica restarts
-        self.stats.connected = True
         try:
             while True:
                 frames = await sub.recv_multipart()
@@ -161,7 +158,6 @@ class ReplicaEventStream:
                     continue
                 await self._on_message(int.from_bytes(frames[1], "big", signed=True), frames[2])
         finally:
-            self.stats.connected = False
             sub.close(linger=0)
 
     async def _on_message(self, seq: int, payload: bytes) -> None:

@@ -677,7 +677,7 @@ class Balancer:
         worker thread, off the event loop). A batch routes on its first prompt; the
         others add to its token count."""
         size = len(parsed.prompt) + sum(len(x) for x in parsed.extra_prompts or ())
-        if size > OFF_LOOP_CHARS or (parsed.messages is not None and len(parsed.prompt) > OFF_LOOP_CHARS // 2):
+        if size > OFF_LOOP_CHARS:
             return await asyncio.to_thread(encode_request, self.encoder, parsed)
         return encode_request(self.encoder, parsed)
 
