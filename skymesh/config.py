@@ -280,6 +280,9 @@ class SimReplica(ConfigModel):
     # publish vLLM's KV events; the replica's kv_events (what the balancer subscribes to)
     # follow from it
     kv_events: SimKvEvents | None = None
+    # vLLM's --enable-prompt-tokens-details: answers' usage reports the cached prompt
+    # tokens, which the balancer compares with its policy's prediction
+    enable_prompt_tokens_details: bool = False
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> SimReplica:

@@ -76,7 +76,7 @@ def prompt(prefix: int, suffix: int, n_prefix: int = 256, n_suffix: int = 32) ->
     return " ".join([f"sys{prefix}w{i}" for i in range(n_prefix)] + [f"u{suffix}w{i}" for i in range(n_suffix)])
 
 
-async def complete(s: aiohttp.ClientSession, base: str, text: str, max_tokens: int = 4,
+async def complete(s: aiohttp.ClientSession, base: str, text: str | list[int], max_tokens: int = 4,
                    stream: bool = False, **extra: Any) -> tuple[int, dict[str, str], Any]:
     body = {"model": "skymesh-sim", "prompt": text, "max_tokens": max_tokens, "stream": stream, **extra}
     async with s.post(base + "/v1/completions", json=body) as r:
@@ -319,3 +319,40 @@ async def test_metrics_page_counts_dispatches_and_reads_load_at_scrape_time(clus
                  "skymesh_replicas_available": float(N_REPLICAS), "skymesh_replica_in_flight": 0.0}
     assert page.count("skymesh_replica_in_flight{replica=") == N_REPLICAS
     assert "_created" not in page
+
+
+async def test_cached_token_predictions_are_judged_against_the_replicas_usage(tmp_path: Path) -> None:
+    """Replicas with --enable-prompt-tokens-details: each served single prompt whose answer
+    carries usage is counted by how the policy's expected cached prefix compared with the
+    replica's own count. The routing history over-predicts once the replica's cache is
+    gone (reset here); a stream without usage is not counted."""
+    procs, b, base = await start_cluster(tmp_path, time_scale=0.2, sim_extra=["--enable-prompt-tokens-details"],
+                                         name="prefix_tree", chunk_tokens=16)
+    ids = list(range(5000, 5100))  # token ids: the balancer and the stand-ins count the same tokens
+    usage = {"stream_options": {"include_usage": True}}
+    key = 'skymesh_cache_predictions_total{{cache_source="routing-history",result="{}"}}'
+    try:
+        await wait_available(b)
+        async with aiohttp.ClientSession() as s:
+            served = set()
+            for _ in range(2):
+                status, headers, _ = await complete(s, base, ids, max_tokens=2, stream=True, **usage)
+                assert status == 200
+                served.add(headers["X-Skymesh-Replica"])
+            assert len(served) == 1
+            holder = served.pop()
+            status, _, _ = await complete(s, base, ids, max_tokens=2, stream=True)
+            assert status == 200
+            async with s.post(b.replicas[holder].url + "/reset_prefix_cache") as r:
+                assert (await r.json()) == {"success": True}
+            status, headers, body = await complete(s, base, ids, max_tokens=2)
+            assert status == 200 and headers["X-Skymesh-Replica"] == holder
+            assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            async with s.get(base + "/metrics") as r:
+                page = await r.text()
+        m = parse_samples(page, tuple(key.format(x) for x in ("within_block", "over", "under")))
+        # first: nothing expected, nothing cached; second: the 6 full blocks both ways
+        assert m == {key.format("within_block"): 2.0, key.format("over"): 1.0}
+    finally:
+        await b.stop()
+        await asyncio.gather(*(p.stop() for p in procs.values()))

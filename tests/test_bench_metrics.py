@@ -11,6 +11,7 @@ from skymesh.bench.metrics import (
     cv,
     goodput,
     load_cv,
+    monotone_goodput,
     percentile,
     slo_attainment,
     summarize,
@@ -44,6 +45,17 @@ def test_goodput_takes_highest_rate_meeting_90_percent_and_interpolates() -> Non
     assert goodput([(1, 1.0), (2, 0.95), (4, 0.5)]) == pytest.approx(2 + 2 * (0.95 - 0.9) / (0.95 - 0.5))
     assert goodput([(1, 0.8), (2, 0.7)]) == 0.0
     assert goodput([(1, 1.0), (2, 1.0)]) == 2
+
+
+def test_monotone_goodput_stops_at_the_first_failing_rate() -> None:
+    # preble's sweep from issue 13: passes, fails, passes again near the cliff
+    sweep = [(10.94, 0.99), (11.33, 0.976), (11.72, 0.796), (12.11, 0.958)]
+    assert goodput(sweep) == 12.11  # the non-monotone rule counts the lucky point
+    assert monotone_goodput(sweep) == pytest.approx(11.33 + 0.39 * (0.976 - 0.9) / (0.976 - 0.796))
+    # adding points can lower it, never raise it past a failure
+    assert monotone_goodput([*sweep, (11.5, 0.85)]) < monotone_goodput(sweep)
+    assert monotone_goodput([(1, 0.8), (2, 0.95)]) == 0.0
+    assert monotone_goodput([(2, 1.0), (1, 1.0)]) == 2
 
 
 def test_load_cv() -> None:

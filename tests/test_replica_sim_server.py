@@ -585,3 +585,46 @@ async def test_health_fails_when_the_engine_loop_is_gone(replica: ReplicaServer)
         await task
     async with aiohttp.ClientSession() as s:
         assert await health_status(s, replica.url) == 503
+
+
+async def test_prompt_tokens_details_report_cached_tokens_as_vllm_does() -> None:
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is the
+    prefix found in the cache at first scheduling, 0 included (vLLM 0.32 writes the field
+    whenever the flag is on); shapes as real vLLM writes them (captured from 0.32)."""
+    srv = await start_replica(profile="tiny-test", time_scale=2.0, enable_prompt_tokens_details=True)
+    prompt = " ".join(f"d{i}" for i in range(100))  # 100 tokens: six full 16-token blocks
+    try:
+        async with aiohttp.ClientSession() as s:
+            first = await complete(s, srv.url, prompt, 2)
+            again = await complete(s, srv.url, prompt, 2)
+            body = {"model": MODEL, "prompt": prompt + " more", "max_tokens": 2, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with s.post(srv.url + "/v1/completions", json=body) as r:
+                events = await sse_events(r)
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+            async with s.post(srv.url + "/v1/chat/completions", json=chat) as r:
+                chat_usage = (await r.json())["usage"]
+    finally:
+        await srv.close()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": None,
+                                                       "multimodal_tokens": None}
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    # a stream's usage chunk leaves out the fields never set
+    assert json.loads(events[-2])["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+    # the chat prompt's tokens differ from the first (role markers): nothing cached, and
+    # its full blocks are written
+    details = chat_usage["prompt_tokens_details"]
+    assert details["cached_tokens"] == 0
+    assert details["created_cache_tokens"] == chat_usage["prompt_tokens"] // 16 * 16
+
+
+async def test_prompt_tokens_details_are_null_without_the_flag(replica: ReplicaServer) -> None:
+    body = {"model": MODEL, "prompt": "a b c", "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as s:
+        out = await complete(s, replica.url, "a b c", 2)
+        async with s.post(replica.url + "/v1/completions", json=body) as r:
+            events = await sse_events(r)
+    assert out["usage"]["prompt_tokens_details"] is None
+    # vLLM leaves the unset field out of a completion's streamed usage chunk
+    assert "prompt_tokens_details" not in json.loads(events[-2])["usage"]

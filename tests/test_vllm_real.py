@@ -49,6 +49,9 @@ GOLDEN_METRICS = Path(__file__).parent / "golden" / "vllm_metrics.txt"
 RECORD = os.environ.get("SKYMESH_RECORD_GOLDEN") == "1"  # how the two golden files were made
 MAX_NUM_SEQS = 4
 DISPATCH_BUDGET = 2
+# events/within_block first
+JUDGED = tuple(f'skymesh_cache_predictions_total{{cache_source="{src}",result="{r}"}}'
+               for src in ("events", "routing-history") for r in ("within_block", "over", "under"))
 
 
 @dataclass
@@ -68,7 +71,8 @@ def vllm_pair() -> Iterator[Pair]:
     if reason is not None:
         pytest.skip(reason)
     model_dir = vllm_env.make_model_dir()
-    reps = {f"v{i}": VllmReplica(f"v{i}", model_dir, ReplicaOptions(max_num_seqs=MAX_NUM_SEQS)) for i in range(2)}
+    options = ReplicaOptions(max_num_seqs=MAX_NUM_SEQS, extra_args=("--enable-prompt-tokens-details",))
+    reps = {f"v{i}": VllmReplica(f"v{i}", model_dir, options) for i in range(2)}
 
     async def start_all() -> None:
         t0 = time.monotonic()
@@ -293,7 +297,8 @@ async def test_the_balancers_event_index_predicts_vllms_prefix_hits(pair: Pair) 
     """The balancer subscribed to real vLLM's KV events: after a prompt is served, the
     index of the replica that served it holds the prompt's full blocks (keyed by the
     balancer's own hash of the token ids), and vLLM's prefix-cache hits on a repeat are
-    exactly what the index predicted."""
+    exactly what the index predicted, as vLLM's own usage reports and the balancer's
+    prediction counter judges."""
     prompt = words(f"index{os.getpid()}w", 120)  # ~500 tokens: three full 128-token blocks
     async with aiohttp.ClientSession() as s, balancer(pair, "prefix_tree", kv_events=True) as (b, base):
         await asyncio.sleep(1.0)  # ZMQ's slow joiner: the subscriptions reach the PUB sockets
@@ -312,12 +317,21 @@ async def test_the_balancers_event_index_predicts_vllms_prefix_hits(pair: Pair) 
         assert predicted == len(chunks) - 1 >= 3  # every full block; the partial tail is never cached
         assert b.admin_status()["replicas"][holder]["cache_source"] == "events"
         before = await metrics(s, pair.urls[holder])
-        status, _, body = await complete(s, pair.urls[holder], prompt, max_tokens=1)
+        # the repeat through the balancer: to the holder, on the index's word
+        status, headers, body = await complete(s, base, prompt, max_tokens=1)
         assert status == 200, body
+        assert headers["X-Skymesh-Replica"] == holder
         after = await metrics(s, pair.urls[holder])
         stream = b.kv_events_status()[holder]["stream"]
+        async with s.get(base + "/metrics") as r:
+            judged = parse_samples(await r.text(), JUDGED)
     hits = after[PREFIX_HITS] - before[PREFIX_HITS]
     assert hits == predicted * BLOCK_SIZE, (hits, predicted)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == hits
+    # both answers' usage judged: nothing expected and nothing cached (read from the
+    # history when no event had arrived yet), then every full block, read from the events
+    assert sum(v for k, v in judged.items() if "within_block" in k) == 2.0, judged
+    assert judged[JUDGED[0]] >= 1.0 and not any(v for k, v in judged.items() if "within_block" not in k), judged
     report_figures("vllm_event_index", predicted_blocks=predicted, vllm_hit_tokens=hits, stream=stream)
 
 

@@ -196,11 +196,20 @@ class BalancerMetrics:
         )
         for result in ("ok", "error"):
             self.config_reloads.labels(result)
+        # the policy's expected cached prefix (Decision.matched_tokens) against the replica's
+        # own count in the answer's usage (vLLM's --enable-prompt-tokens-details; see
+        # skymesh/balancer/usage.py), by what the policy read the cache from
+        self.cache_predictions = Counter(
+            "skymesh_cache_predictions_total",
+            "Served requests whose replica reported its cached prompt tokens, by how the policy's "
+            "expectation compared (within one chunk, over, under).",
+            ("result", "cache_source"), registry=None,
+        )
         # registration order is the page's order: request-path metrics, then the load gauges
         self.registry.register(_WithoutCreatedSamples([
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
-            self.internal_errors, self.config_reloads,
+            self.internal_errors, self.config_reloads, self.cache_predictions,
         ]))
         self.registry.register(_LoadCollector(region, snapshot))
 

@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from skymesh.balancer.errors import sse_error_event
+from skymesh.balancer.usage import TAIL_BYTES
 
 log = logging.getLogger("skymesh.balancer.proxy")
 
@@ -64,6 +65,8 @@ class AttemptOutcome:
     reason: str = ""
     # False for overload answers (429/503): retried, but no mark against the replica
     counts_against_health: bool = True
+    # the last bytes of a 200 answer sent to the client in full (where ``usage`` is)
+    tail: bytes = b""
 
 
 @dataclass(slots=True)
@@ -126,14 +129,18 @@ async def attempt(
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         await resp.write(first)
+        tail = bytearray(first[-TAIL_BYTES:])
         while True:
             async with asyncio.timeout(timeouts.stream_idle_s):
                 chunk = await upstream.content.readany()
             if not chunk:
                 break
             await resp.write(chunk)
+            tail += chunk
+            if len(tail) > 2 * TAIL_BYTES:  # trimmed in halves: amortised O(1) per byte
+                del tail[:-TAIL_BYTES]
         await resp.write_eof()
-        return AttemptOutcome(Outcome.SERVED, resp)
+        return AttemptOutcome(Outcome.SERVED, resp, tail=bytes(tail[-TAIL_BYTES:]))
     except (TimeoutError, aiohttp.ClientError) as e:
         # after the first byte: end the stream with an error event
         log.warning("upstream failed mid-stream", extra={"target": target.url, "error": repr(e)})

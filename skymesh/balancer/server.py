@@ -43,6 +43,7 @@ from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import ParsedRequest, parse_body
+from skymesh.balancer.usage import judge_prediction, reported_cached_tokens
 from skymesh.config import (
     ConfigError,
     KvEventsEndpoint,
@@ -663,7 +664,7 @@ class Balancer:
                 assert isinstance(action, Reject)
                 return self._reject(action)
             self.wake.set()
-            return await self._serve(request, raw, req, parsed.stream, waiter)
+            return await self._serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1)
         finally:
             self.waiters.pop(req.request_id, None)
             # no-op when the request ended; frees its queue slot or replica otherwise
@@ -699,7 +700,8 @@ class Balancer:
         return error_response(r.status, r.message, code=r.code, headers=headers)
 
     async def _serve(
-        self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: _Waiter
+        self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: _Waiter,
+        single_prompt: bool = True,
     ) -> web.StreamResponse:
         while True:
             action = await waiter.future
@@ -735,6 +737,8 @@ class Balancer:
                 waiter.attempt_task = None
             now = self._now()
             if outcome.outcome is Outcome.SERVED:
+                if isinstance(action, SendToReplica) and single_prompt:
+                    self._judge_prediction(action, outcome.tail)
                 self.core.complete(req.request_id, now)
                 self.wake.set()
                 assert outcome.response is not None
@@ -754,6 +758,15 @@ class Balancer:
                 self.metrics.retries.labels("peer" if on_peer else "replica").inc()
             self._apply(actions)
             self.wake.set()
+
+    def _judge_prediction(self, action: SendToReplica, tail: bytes) -> None:
+        """Count how the policy's expected cached prefix compares with the replica's own
+        count, when the replica reports one (vLLM's --enable-prompt-tokens-details)."""
+        cached = reported_cached_tokens(tail)
+        if cached is None:
+            return
+        result = judge_prediction(action.decision.matched_tokens, cached, self.cfg.policy.chunk_tokens)
+        self.metrics.cache_predictions.labels(result.value, self._cache_source(action.replica_id)).inc()
 
     def _first_byte_hook(self, req: RoutingRequest) -> Callable[[bool], None]:
         def on_first_byte(is_stream: bool) -> None:

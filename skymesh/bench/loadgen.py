@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -65,13 +66,19 @@ def _content_events(buf: bytearray) -> tuple[int, bool]:
         del buf[: i + 2]
         if ev.startswith(b"data: [DONE]"):
             done = True
-        elif ev.startswith(b"data: {"):
+        elif ev.startswith(b"data: {") and b'"choices":[]' not in ev:  # not the usage chunk
             n += 1
 
 
 async def send_one(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, res: LiveResult,
-                   model: str = "skymesh-sim", headers: Mapping[str, str] | None = None) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+                   model: str = "skymesh-sim", headers: Mapping[str, str] | None = None,
+                   include_usage: bool = False) -> None:
+    """``include_usage``: ask for the stream's usage chunk (the balancer then judges its
+    cached-token prediction against the replica's count)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                            "ignore_eos": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
     sent = time.perf_counter()
     try:
         async with s.post(url + "/v1/completions", json=body, headers=headers) as r:

@@ -51,6 +51,24 @@ def goodput(sweep: Sequence[tuple[float, float]], target: float = 0.9) -> float:
     return best
 
 
+def monotone_goodput(sweep: Sequence[tuple[float, float]], target: float = 0.9) -> float:
+    """The highest rate below which *every* swept rate has SLO attainment ≥ ``target``:
+    walk up from the lowest rate and stop at the first that fails (interpolating linearly
+    between it and the last that passed). Unlike :func:`goodput`, a rate that passes
+    again past a failing one does not count, so adding sweep points cannot raise the
+    figure over a failure; 0.0 when the lowest rate already fails."""
+    best = 0.0
+    prev: tuple[float, float] | None = None
+    for rate, att in sorted(sweep):
+        if att < target:
+            if prev is not None:
+                r1, a1 = prev
+                best = r1 + (rate - r1) * (a1 - target) / (a1 - att)
+            return best
+        best, prev = rate, (rate, att)
+    return best
+
+
 def cv(values: Sequence[float]) -> float | None:
     """Coefficient of variation (population std / mean); None when the mean is 0."""
     if len(values) == 0:

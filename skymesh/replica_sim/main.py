@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM 0.32's KV events config, e.g. '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
                         "\"replay_endpoint\": \"tcp://*:5558\"}' (off by default)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="as vLLM's: usage.prompt_tokens_details.cached_tokens reports the prompt "
+                        "tokens found in the prefix cache")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -65,6 +68,7 @@ async def _serve(args: argparse.Namespace) -> int:
         # shuts down cleanly
         s = srv["s"] = await start_replica(args.host, args.port, args.profile, args.time_scale, args.model,
                                            tokenizer=args.tokenizer, kv_events=args.kv_events_config,
+                                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                                            **_overrides(args))
         ready = {"http": s.port}
         pub = s.kv_publisher

@@ -149,8 +149,11 @@ def _bool_param(body: dict[str, Any], key: str, default: bool) -> bool:
 class ReplicaServer:
     def __init__(self, profile: Profile, time_scale: float = 1.0, model: str = "skymesh-sim", *,
                  tokenizer: str | Path | None = None, kv_events: KVEventsConfig | None = None,
-                 **engine_overrides: Any) -> None:
+                 enable_prompt_tokens_details: bool = False, **engine_overrides: Any) -> None:
         self.profile = profile
+        # vLLM's --enable-prompt-tokens-details: usage reports the prompt tokens found in
+        # the prefix cache
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model = model
         self.engine = Engine(profile, time_scale=time_scale, **engine_overrides)
         self.tokenizer: Any = None
@@ -557,8 +560,13 @@ class ReplicaServer:
                 await self._sse(resp, {**head, "choices": [choice]})
         n_prompt = sum(len(p) for p in g.prompts)
         n_out = sum(produced)
-        usage = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
-                 "completion_tokens": n_out, "prompt_tokens_details": None}
+        usage: dict[str, Any] = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
+                                 "completion_tokens": n_out}
+        details = self._prompt_tokens_details(chat, resp is not None, g, ereqs)
+        # vLLM serializes a stream's chunks without unset fields: a completion's usage
+        # chunk sets prompt_tokens_details only with the flag, a chat's always
+        if details is not None or chat or resp is None:
+            usage["prompt_tokens_details"] = details
         if resp is not None:
             if g.include_usage:
                 await self._sse(resp, {**head, "choices": [], "usage": usage})
@@ -577,6 +585,23 @@ class ReplicaServer:
                                   "created": created, "model": self.model, "choices": choices,
                                   "usage": usage})
 
+    def _prompt_tokens_details(self, chat: bool, stream: bool, g: GenRequest,
+                               ereqs: list[EngineRequest]) -> dict[str, Any] | None:
+        """usage.prompt_tokens_details as vLLM 0.32 writes it with the flag on: a batch's
+        stream reports its first prompt, its whole answer the last one; a completion
+        stream's chunk leaves out the fields never set; a chat also counts the prompt
+        tokens it wrote to the cache (its full blocks not found there)."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        e = ereqs[0] if stream else ereqs[-1]
+        if chat:
+            written = len(g.prompts[0]) // self.engine.block_size * self.engine.block_size - e.cached_tokens
+            return {"cached_tokens": e.cached_tokens, "created_cache_tokens": max(0, written),
+                    "multimodal_tokens": None}
+        if stream:
+            return {"cached_tokens": e.cached_tokens}
+        return {"cached_tokens": e.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+
     @staticmethod
     async def _sse(resp: web.StreamResponse, payload: dict[str, Any]) -> None:
         await resp.write(b"data: " + _dumps(payload) + b"\n\n")
@@ -585,12 +610,12 @@ class ReplicaServer:
 async def start_replica(host: str = "127.0.0.1", port: int = 0, profile: str = "l4-llama3.1-8b",
                         time_scale: float = 1.0, model: str = "skymesh-sim", *,
                         tokenizer: str | Path | None = None, kv_events: KVEventsConfig | None = None,
-                        **engine_overrides: Any) -> ReplicaServer:
+                        enable_prompt_tokens_details: bool = False, **engine_overrides: Any) -> ReplicaServer:
     """Start a stand-in replica in this event loop (``await srv.close()`` to stop it)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r} (known: {', '.join(PROFILES)})")
     srv = ReplicaServer(PROFILES[profile], time_scale, model, tokenizer=tokenizer, kv_events=kv_events,
-                        **engine_overrides)
+                        enable_prompt_tokens_details=enable_prompt_tokens_details, **engine_overrides)
     try:
         await srv.start(host, port)
     except BaseException:

@@ -1,0 +1,52 @@
+"""The replica's own word on a request's prefix-cache hit, read from the answer's tail.
+
+vLLM started with ``--enable-prompt-tokens-details`` reports, in the answer's ``usage``
+(non-streaming, or the last event of a stream whose client asked for
+``stream_options.include_usage``), ``prompt_tokens_details.cached_tokens``: the prompt
+tokens it found in its local prefix cache when it first scheduled the request. 0.32 writes
+the field whenever the flag is on, 0 included (``is not None``; versions before omitted a
+0, which would bias the count, so a usage without the field is not counted at all). For a
+batch of prompts it is one prompt's count, so the balancer judges single prompts only.
+
+The balancer compares it with what the policy expected (``Decision.matched_tokens``) to
+count how well its picture of the caches predicts them (``skymesh_cache_predictions_total``).
+The answer is proxied byte for byte, never parsed: this reads only its last few KiB, where
+``usage`` is (after ``choices`` in every OpenAI-shaped answer vLLM writes).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+# the tail kept of every answer: usage is a few hundred bytes followed by "data: [DONE]"
+TAIL_BYTES = 4096
+
+# an unescaped quote opens a JSON key; inside a JSON string every quote is preceded by a
+# backslash, so generated text cannot fake these
+_USAGE = re.compile(rb'(?<!\\)"usage"\s*:\s*(null|\{)')
+_CACHED = re.compile(rb'(?<!\\)"cached_tokens"\s*:\s*(\d+)')
+
+
+def reported_cached_tokens(tail: bytes) -> int | None:
+    """Cached prompt tokens reported in the answer ending with ``tail``; None when the tail
+    holds no ``usage`` object with the field (the client did not ask for usage, the replica
+    does not report it, or the answer is cut)."""
+    last = next(reversed(list(_USAGE.finditer(tail))), None)
+    if last is None or last.group(1) == b"null":
+        return None
+    cached = _CACHED.search(tail, last.end())
+    return int(cached.group(1)) if cached is not None else None
+
+
+class PredictionResult(Enum):
+    WITHIN_BLOCK = "within_block"
+    OVER = "over"  # the policy counted on more than the replica had
+    UNDER = "under"
+
+
+def judge_prediction(predicted_tokens: int, cached_tokens: int, block_tokens: int) -> PredictionResult:
+    """Within one block either way, else over or under."""
+    if abs(predicted_tokens - cached_tokens) <= block_tokens:
+        return PredictionResult.WITHIN_BLOCK
+    return PredictionResult.OVER if predicted_tokens > cached_tokens else PredictionResult.UNDER
