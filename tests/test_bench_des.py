@@ -90,6 +90,30 @@ def test_sim_cli_writes_report(tmp_path: Path) -> None:
         assert (tmp_path / f).stat().st_size > 0
 
 
+def test_goodput_search_reports_every_variant_the_bounds_and_only_agreed_rankings(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    sim_main.add_arguments(p)
+    args = p.parse_args(["--trace", "hot-prefix", "--requests", "150", "--rate", "10", "--replicas", "2",
+                         "--profile", "tiny-test", "--block-size", "16", "--systems", "prefix_tree,round_robin",
+                         "--goodput-search", "--seeds", "0,1", "--resolution", "0.1", "--slo", "1",
+                         "--jobs", "1", "--out", str(tmp_path)])
+    assert sim_main.run(args) == 0
+    data = json.loads((tmp_path / "search.json").read_text())
+    assert [v["seed"] for v in data["variants"]] == [0, 1]
+    for row in data["rows"]:
+        assert len(row["goodput"]) == 2 and all(g > 0 for g in row["goodput"])
+        for search, rate in zip(row["searches"], data["base_rates"], strict=True):
+            lo, hi = search["bracket"]
+            assert hi is None or hi - lo <= 0.1 * lo + 1e-9
+            # monotone: every evaluated rate up to the answer passed
+            assert all(att >= 0.9 for r, att in search["evaluated"] if r <= lo)
+            assert search["goodput_multiplier"] * rate in row["goodput"]
+    for b in data["bounds"]:
+        assert 0 < b["lru"] <= b["oracle"]
+    assert len(data["rankings"]) == 1  # one pair
+    assert (tmp_path / "search.md").read_text().count("| realistic bound") == 1
+
+
 def test_sim_cli_cache_view_events() -> None:
     p = argparse.ArgumentParser()
     sim_main.add_arguments(p)

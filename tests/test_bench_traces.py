@@ -15,6 +15,7 @@ from skymesh.bench.traces import (
     diurnal,
     diurnal_factor,
     load_mooncake,
+    lru_hit_rate,
     oracle_hit_rate,
     region_weights,
     scale_rate,
@@ -39,6 +40,45 @@ def test_load_mooncake_and_sessions(tmp_path: Path) -> None:
     assert [r.arrival_s for r in reqs] == [0.0, 0.5, 2.0, 2.5, 3.0]
     assert [r.session for r in reqs] == [0, 1, 0, 2, 1]
     assert len(load_mooncake(p, first_n=2)) == 2
+
+
+def test_a_trace_that_names_regions_and_sessions_keeps_them(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [0, 1], "session_id": "alice",
+         "region": "eu-west-1"},
+        # shares both blocks with alice's request: inference would merge it, the trace says otherwise
+        {"timestamp": 10, "input_length": 1536, "output_length": 5, "hash_ids": [0, 1, 2], "session_id": "bob",
+         "region": "us-east-1"},
+        {"timestamp": 20, "input_length": 512, "output_length": 5, "hash_ids": [9], "session_id": "alice",
+         "region": "eu-west-1"},
+    ]
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reqs = load_mooncake(p)
+    assert [r.session for r in reqs] == [0, 1, 0]
+    assert [r.region for r in reqs] == ["eu-west-1", "us-east-1", "eu-west-1"]
+    # the region assignment keeps what the trace says
+    assert [r.region for r in assign_regions(reqs, ["us-east-1", "eu-west-1"], seed=1)] == [r.region for r in reqs]
+    with pytest.raises(ValueError, match="ap-south-1"):
+        assign_regions([TraceRequest(0, 1, 1, (1,), region="ap-south-1")], ["us-east-1"])
+    # some rows with a session_id and some without: refused, not guessed
+    p.write_text(json.dumps(rows[0]) + "\n" + json.dumps({k: v for k, v in rows[1].items() if k != "session_id"}))
+    with pytest.raises(ValueError, match="all or none"):
+        load_mooncake(p)
+
+
+def test_the_lru_bound_counts_contiguous_prefixes_of_a_shared_cache_of_the_given_size() -> None:
+    a = TraceRequest(0, 1024, 1, (1, 2))
+    b = TraceRequest(1, 1024, 1, (3, 4))
+    # room for everything: the oracle's figure
+    reqs = [a, b, a, b]
+    assert lru_hit_rate(reqs, 4 * 512) == pytest.approx(oracle_hit_rate(reqs)) == pytest.approx(0.5)
+    # room for two blocks: a and b evict each other, nothing hits
+    assert lru_hit_rate(reqs, 2 * 512) == 0.0
+    # room for three: b evicts a's *tail* first (block 2), so a's prefix (block 1) still hits
+    assert lru_hit_rate([a, b, a], 3 * 512) == pytest.approx(512 / 3072)
+    # a hit only counts on the contiguous prefix
+    assert lru_hit_rate([TraceRequest(0, 512, 1, (7,)), TraceRequest(1, 1024, 1, (8, 7))], 10 * 512) == 0.0
 
 
 def test_sessions_need_two_shared_blocks() -> None:

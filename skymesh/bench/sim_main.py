@@ -107,6 +107,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="policy option for every system (repeatable), e.g. max_hold_fraction=0.2")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
+    p.add_argument("--goodput-search", action="store_true",
+                   help="instead of the --rates sweep: each system's monotone goodput by bisection "
+                        "(skymesh/bench/ranking.py) on every variant (--seeds x --windows), with the "
+                        "spread, the realistic bound and the rankings every variant agrees on")
+    p.add_argument("--resolution", type=float, default=0.05, help="goodput search: relative bracket width")
+    p.add_argument("--seeds", default=None, help="goodput search: comma-separated seeds (default: --seed)")
+    p.add_argument("--windows", default=None,
+                   help="goodput search: trace windows START:DURATION (s), comma-separated "
+                        "(default: --start-s/--duration-s)")
 
 
 def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRequest]:
@@ -230,6 +239,10 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.goodput_search:
+        from skymesh.bench.search_main import run_search
+
+        return run_search(args)
     from tqdm import tqdm
 
     systems = [s for s in args.systems.split(",") if s]

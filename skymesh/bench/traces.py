@@ -60,8 +60,14 @@ def assign_sessions(reqs: Sequence[TraceRequest], min_shared_blocks: int = 2) ->
 
 
 def load_mooncake(path: str | Path, first_n: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace (``timestamp`` ms); arrivals start at 0 s."""
+    """Read a Mooncake JSONL trace (``timestamp`` ms); arrivals start at 0 s.
+
+    A row may carry its own ``region`` (a region name) and ``session_id`` (any JSON
+    scalar): both are kept as they are. Sessions are inferred from the prefix chains
+    (:func:`assign_sessions`) only when no row names one."""
     rows: list[TraceRequest] = []
+    session_ids: dict[object, int] = {}
+    named_sessions = 0
     t0: float | None = None
     with open(path) as f:
         for i, line in enumerate(f):
@@ -73,9 +79,16 @@ def load_mooncake(path: str | Path, first_n: int | None = None) -> list[TraceReq
             ts = float(row["timestamp"]) / 1000.0
             t0 = ts if t0 is None else t0
             ids = tuple(int(h) for h in row.get("hash_ids", ()))
-            rows.append(TraceRequest(ts - t0, int(row["input_length"]), int(row["output_length"]), ids))
+            session = 0
+            if row.get("session_id") is not None:
+                named_sessions += 1
+                session = session_ids.setdefault(row["session_id"], len(session_ids))
+            rows.append(TraceRequest(ts - t0, int(row["input_length"]), int(row["output_length"]), ids,
+                                     region=str(row.get("region") or ""), session=session))
     rows.sort(key=lambda r: r.arrival_s)
-    return assign_sessions(rows)
+    if named_sessions and named_sessions != len(rows):
+        raise ValueError(f"{path}: {named_sessions} of {len(rows)} rows name a session_id: all or none must")
+    return rows if named_sessions else assign_sessions(rows)
 
 
 def fit_request(r: TraceRequest, max_model_len: int, kv_tokens: int) -> TraceRequest:
@@ -127,12 +140,19 @@ def region_weights(n: int, skew: float) -> list[float]:
 
 def assign_regions(reqs: Sequence[TraceRequest], regions: Sequence[str], skew: float = 0.0,
                    seed: int = 0) -> list[TraceRequest]:
-    """Each session (prefix chain) is assigned to one region, with :func:`region_weights`."""
+    """Each session (prefix chain) is assigned to one region, with :func:`region_weights`;
+    a request that names its own region (one of ``regions``) keeps it."""
     rng = random.Random(seed)
     weights = region_weights(len(regions), skew)
     by_session: dict[int, str] = {}
     out = []
+    known = set(regions)
     for r in reqs:
+        if r.region:
+            if r.region not in known:
+                raise ValueError(f"trace request names region {r.region!r}, not one of {', '.join(regions)}")
+            out.append(r)
+            continue
         reg = by_session.get(r.session)
         if reg is None:
             reg = by_session[r.session] = rng.choices(list(regions), weights)[0]
@@ -176,4 +196,37 @@ def oracle_hit_rate(reqs: Iterable[TraceRequest]) -> float:
                 hits += n
             else:
                 seen.add(h)
+    return hits / total if total else 0.0
+
+
+def lru_hit_rate(reqs: Iterable[TraceRequest], capacity_tokens: int) -> float:
+    """The realistic bound on prefix hits: token-weighted hit rate of one LRU cache of
+    ``capacity_tokens`` (the cluster's total KV) shared by every replica, in arrival order.
+
+    Like vLLM's prefix cache, a request hits only a contiguous prefix of cached blocks;
+    its blocks are then the most recently used, the first one last to go (vLLM frees a
+    finished request's blocks tail first). No routing can beat a shared cache of the same
+    size that never splits a prefix across replicas; the infinite-cache oracle
+    (:func:`oracle_hit_rate`) overstates what is reachable once the caches evict. Running
+    requests' blocks are not held apart from the cache here, so the bound is loose by
+    that much."""
+    from collections import OrderedDict
+
+    capacity = max(0, capacity_tokens // TRACE_BLOCK_TOKENS)
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for r in reqs:
+        prefix = True
+        for i, h in enumerate(r.hash_ids):
+            n = min(TRACE_BLOCK_TOKENS, max(0, r.input_len - i * TRACE_BLOCK_TOKENS))
+            total += n
+            if prefix and h in cache:
+                hits += n
+            else:
+                prefix = False
+        for h in reversed(r.hash_ids):
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
     return hits / total if total else 0.0
