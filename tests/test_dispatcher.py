@@ -26,8 +26,10 @@ def core(policy: str = "least_load", n: int = 3, budget: int = 2, bound: int = 1
 
 
 def probe_all(c: BalancerCore, waiting: dict[str, int] | None = None) -> None:
-    for rid in c.replicas:
-        c.update_replica(rid, healthy=True, num_waiting=(waiting or {}).get(rid, 0))
+    """Every replica's page shows every request this balancer has in flight there as
+    running (plus ``waiting`` more)."""
+    for rid, v in c.replicas.items():
+        c.update_replica(rid, healthy=True, num_running=v.in_flight, num_waiting=(waiting or {}).get(rid, 0))
 
 
 def test_new_replicas_wait_for_their_first_probe() -> None:
@@ -36,6 +38,27 @@ def test_new_replicas_wait_for_their_first_probe() -> None:
     assert c.dispatch(0.0) == []
     probe_all(c)
     assert len(c.dispatch(0.0)) == 1
+
+
+def test_pushed_requests_a_probe_does_not_show_stay_charged_to_the_budget() -> None:
+    c = core(n=1, budget=2)
+    probe_all(c)
+    for i in range(6):
+        c.submit(req(i))
+    assert len(c.dispatch(0.0)) == 2
+    # the page was built before the two arrived: 0 running, 0 waiting. Resetting the
+    # budget would push two more on top of them (4 unadmitted, budget 2)
+    c.update_replica("r0", healthy=True, num_running=0, num_waiting=0)
+    assert c.dispatch(0.1) == []
+    # one of them shows: one unit of budget back
+    c.update_replica("r0", healthy=True, num_running=1, num_waiting=0)
+    assert len(c.dispatch(0.2)) == 1
+    # a pushed request that fails before its first token gives its unit back too
+    placed = c.dispatch(0.2)
+    assert placed == []
+    failed = next(iter(c._in_flight))
+    c.on_complete(failed, False, 0.3)
+    assert len(c.dispatch(0.3)) == 1
 
 
 def test_replica_with_waiting_requests_is_not_available() -> None:

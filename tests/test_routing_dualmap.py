@@ -315,3 +315,44 @@ def test_hotness_hysteresis_hot_above_two_over_n_cool_below_one_over_n() -> None
     assert 1 in h.hot
     traffic(0.05, 100, 300)  # below 10%: cooled
     assert 1 not in h.hot and h.key_length(hot_prompt, n) == 1
+
+
+def test_waits_for_a_busy_affine_candidate_only_while_that_is_faster() -> None:
+    p = dualmap(wait_for_faster_candidate=True)
+    r0 = req(21, 0)
+    c1, c2 = p.candidates(r0)
+    p.on_dispatch(r0, c2, 0.0)  # c2 holds the 496-token prefix
+    r1, r2 = req(21, 1), req(21, 2)
+    # c2 busy with 100 tokens ahead: 0.01 + 1e-3 * (100 + 64) = 0.174 s against c1's
+    # 0.01 + 0.512 s with nothing cached: wait for c2
+    busy = views(**{c2: {"available": False, "pending_prefill_tokens": 100}})
+    d = p.choose(r1, busy, 0.0)
+    assert (d.replica_id, d.reason) == (None, "wait_for_candidate") and p.held[r1.request_id] == c2
+    # the second waits too, behind the first's 64 uncached tokens (0.238 s)
+    assert p.choose(r2, busy, 0.0).replica_id is None
+    assert p._backlog[c2] == 128
+    # once c2 is available again the held request goes there
+    d = p.choose(r1, views(**{c2: {"pending_prefill_tokens": 100}}), 0.1)
+    assert (d.replica_id, d.matched_tokens) == (c2, 448)
+    assert r1.request_id not in p.held and p._backlog[c2] == 64
+    # c2 busy with 1,000 tokens ahead (1.07 s) is slower than c1 now: no more waiting
+    d = p.choose(r2, views(**{c2: {"available": False, "pending_prefill_tokens": 1000}}), 0.2)
+    assert d.replica_id == c1 and c2 not in p._backlog and not p.held
+    # without the option the free candidate is taken at once (the selective-pushing default)
+    q = dualmap()
+    q.on_dispatch(r0, c2, 0.0)
+    assert q.choose(req(21, 3), busy, 0.0).replica_id == c1
+
+
+def test_a_waiting_request_that_completes_or_leaves_frees_its_backlog() -> None:
+    p = dualmap(wait_for_faster_candidate=True)
+    r0 = req(22, 0)
+    c1, c2 = p.candidates(r0)
+    p.on_dispatch(r0, c2, 0.0)
+    busy = views(**{c2: {"available": False, "pending_prefill_tokens": 100}})
+    r1, r2 = req(22, 1), req(22, 2)
+    assert p.choose(r1, busy, 0.0).replica_id is None and p.choose(r2, busy, 0.0).replica_id is None
+    p.on_complete(r1, c2, False, 0.1)  # cancelled while waiting
+    assert p._backlog[c2] == 64
+    p.rebalance([], busy, 0.2)  # r2 left the queue too
+    assert not p._backlog and not p.held

@@ -182,14 +182,35 @@ def test_min_ttft_estimate_is_queue_plus_uncached_prefill() -> None:
     assert abs(d.estimated_ttft_s - (0.01 + 1e-3 * (1300 + 64))) < 1e-9
 
 
-def test_preble_below_the_hit_threshold_uses_load_cost() -> None:
-    p = policy("preble")
-    p.on_dispatch(req(33, 0, n=512), "r0", 0.0)
-    # a 1024-token prompt sharing only the first 256 tokens (25% < 50%)
+def test_preble_explores_by_windowed_load_plus_missed_prefill() -> None:
+    p = policy("preble")  # 1 ms per prefill token; 30 ms per output token until observed
+    a = req(33, 0, n=512)
+    p.on_dispatch(a, "r0", 0.0)  # r0 computed 512 tokens: 0.512 s of load in the window
+    p.on_complete(a, "r0", True, 1.0)
+    # a 1024-token prompt sharing only its first 256 tokens with r0 (25%: below ½, explore)
     text = " ".join([f"p33w{k}" for k in range(256)] + [f"z{k}" for k in range(768)])
-    half = RoutingRequest("half", prompt_chunk_hashes(text, 64), 1024, 0.0)
-    vs = views(**{rid: {"pending_prefill_tokens": 200} for rid in IDS})
-    vs["r0"].pending_prefill_tokens = 300  # +100 queued, -256 to prefill: cheapest
-    assert p.choose(half, vs, 0.0).replica_id == "r0"
-    vs["r0"].pending_prefill_tokens = 500  # now the cache no longer pays for the queue
-    assert p.choose(half, vs, 0.0).replica_id != "r0"
+    half = RoutingRequest("half", prompt_chunk_hashes(text, 64), 1024, 2.0)
+    vs = views()
+    # r0: 0.512 + 0.768 s to prefill what it misses; any other: 0 + 1.024 s
+    d = p.choose(half, vs, 2.0)
+    assert d.replica_id == "r1" and d.reason == "explore"
+    # once r0's work has left the 3-minute window, its cached 256 tokens make it cheapest
+    assert p.choose(half, vs, 200.0).replica_id == "r0"
+    # decode still owed counts: r0 busy with an active 1000-token answer (30 s at 30 ms)
+    long = RoutingRequest("long", req(34, 0).chunk_hashes, 512, 200.0, max_tokens=1000)
+    p.on_dispatch(long, "r0", 200.0)
+    assert p.choose(half, vs, 201.0).replica_id != "r0"
+    # the time per output token is learnt from completions: 999 tokens in 9.99 s = 10 ms
+    p.on_first_token(long, "r0", 0.2, 200.2)
+    p.on_complete(long, "r0", True, 210.19)
+    assert abs(p.stats()["time_per_output_token"]["r0"] - (0.03 + 0.1 * (0.01 - 0.03))) < 1e-9
+
+
+def test_preble_exploits_the_least_loaded_holder() -> None:
+    p = policy("preble")
+    for rid in ("r1", "r2"):
+        p.on_dispatch(req(35, 0), rid, 0.0)  # both hold the prefix
+    p.on_dispatch(RoutingRequest("busy", req(36, 0).chunk_hashes, 512, 0.0, max_tokens=500), "r1", 0.0)
+    d = p.choose(req(35, 1), views(r2={"pending_prefill_tokens": 5000}), 1.0)
+    # r2 has 5000 tokens pending but less windowed load than r1 (which owes a 500-token answer)
+    assert (d.replica_id, d.reason) == ("r2", "exploit")

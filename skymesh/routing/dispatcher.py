@@ -3,8 +3,10 @@
 Requests wait here, at the balancer, not at a busy replica: a replica is *available* only
 while its last probe reported no waiting request (``vllm:num_requests_waiting == 0``) and
 the balancer has not already pushed ``dispatch_budget`` requests to it since that probe
-(so it never overfills between probes). A first token coming back proves the replica
-admitted that request, so it returns one unit of budget early.
+(so it never overfills between probes). Requests it pushed that a probe's page does not
+show yet (in flight here, in neither the replica's running nor its waiting count) stay
+charged to the budget. A first token coming back proves the replica admitted that
+request, so it returns one unit of budget early.
 
 The daemon (real sockets, real clock), the discrete-event simulator and the benchmarks all
 drive this class; it never reads a clock or touches I/O.
@@ -117,7 +119,11 @@ class BalancerCore:
         view.num_running = num_running
         view.num_waiting = num_waiting
         view.kv_usage = kv_usage
-        self._since_probe[replica_id] = 0
+        # requests this balancer pushed that the page does not show yet (still in transit
+        # to the replica's scheduler, or a page older than them: vLLM moves its gauges once
+        # per engine step) stay charged to the budget; resetting it to 0 would let the
+        # balancer push a second budget on top of them
+        self._since_probe[replica_id] = max(0, view.in_flight - num_running - num_waiting) if healthy else 0
         self._refresh_available(view)
 
     def _refresh_available(self, view: ReplicaView) -> None:
@@ -347,6 +353,8 @@ class BalancerCore:
         view.in_flight -= 1
         if f.first_token_at is None:
             view.pending_prefill_tokens -= f.prefill_tokens
+            # it left before its first token gave the budget back: give it back now
+            self._since_probe[f.replica_id] = max(0, self._since_probe[f.replica_id] - 1)
         self._refresh_available(view)
 
     # ------------------------------------------------------------------ introspection

@@ -12,6 +12,13 @@
   available the request is *held* at the balancer for its preferred candidate while its
   wait so far is within ``max_hold_fraction`` of the SLO's slack (SLO − estimated TTFT);
   after that it spills to the best available replica.
+- Waiting for a faster busy candidate (``wait_for_faster_candidate``): selective pushing
+  makes a loaded candidate unavailable, and taking whatever is free instead throws its
+  cache away. When a busy candidate's estimated TTFT (its prefill work ahead, plus what
+  the balancer already holds for it, plus this request's uncached prefill there) beats
+  the best free choice's by ``wait_margin_s``, the request is held for that candidate
+  instead; the comparison is made again at every dispatch round, so it goes elsewhere
+  as soon as that is faster.
 - Hotspot-aware rebalancing: a held request migrates to its other candidate when the
   benefit B = TTFT_i − TTFT_j > 0 and TTFT_j < SLO, where TTFT includes the prefill work
   already held at the balancer for that replica.
@@ -53,6 +60,9 @@ class DualMapOptions(PolicyOptions):
     # (docs/benchmarks.md): goodput +16% on the first 400 conversation requests, +7%
     # on the hot-prefix workload, no loss on the 20-minute conversation slice.
     escape_over_slo: bool = True
+    # hold for a busy candidate whose estimate beats the best free choice by the margin
+    wait_for_faster_candidate: bool = False
+    wait_margin_s: float = Field(0.0, ge=0)
 
 
 class DualMapPolicy(EstimatingPolicy):
@@ -68,14 +78,21 @@ class DualMapPolicy(EstimatingPolicy):
         self.max_hold_fraction = o.max_hold_fraction
         self.affinity_slo_fraction = o.affinity_slo_fraction
         self.escape_over_slo = o.escape_over_slo
+        self.wait_for_faster = o.wait_for_faster_candidate
+        self.wait_margin_s = o.wait_margin_s
         self.held: dict[str, str] = {}  # request id -> candidate it waits for
+        # uncached prefill tokens of the requests held for each replica (work that will
+        # reach it before a request held now): request id -> (replica, tokens)
+        self._held_work: dict[str, tuple[str, int]] = {}
+        self._backlog: dict[str, int] = {}
         self.migrations_total = 0
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:
         super().set_replicas(replica_ids)
         self.ring.set_members(replica_ids)
         members = set(replica_ids)
-        self.held = {k: v for k, v in self.held.items() if v in members}
+        for request_id in [k for k, v in self.held.items() if v not in members]:
+            self._unhold(request_id)
 
     def candidates(self, req: RoutingRequest) -> tuple[str, str]:
         n = len(self.ring)
@@ -91,6 +108,7 @@ class DualMapPolicy(EstimatingPolicy):
         self.hotness.expire(now, len(self.ring))
         c1, c2 = self.candidates(req)
         per = self.cache.match_per_target(req.chunk_hashes, (c1, c2))
+        pinned = self.held.get(req.request_id)
         cands = []
         for rid in dict.fromkeys((c1, c2)):
             v = replicas.get(rid)
@@ -100,7 +118,6 @@ class DualMapPolicy(EstimatingPolicy):
             est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
             cands.append((v, hit, est))
         slo = self._slo(req)
-        pinned = self.held.get(req.request_id)
         ok = [c for c in cands if c[0].available and c[0].healthy]
         if pinned is not None:
             for c in ok:
@@ -113,13 +130,16 @@ class DualMapPolicy(EstimatingPolicy):
                     return self._place(req, affine, "affinity")
             # equal hits, or the affine one would break the SLO / is busy: lower estimate
             best = min(ok, key=lambda c: (c[2], c[0].in_flight, c[0].replica_id))
+            reason = "slo" if len(ok) == 2 else "available_candidate"
             if self.escape_over_slo and best[2] > slo:
                 views = available(replicas)
                 v, hit = self.least_prefill_work(req, views)
                 est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
                 if est < best[2]:
-                    return self._place(req, (v, hit, est), "escape")
-            return self._place(req, best, "slo" if len(ok) == 2 else "available_candidate")
+                    best, reason = (v, hit, est), "escape"
+            if self._wait_instead(req, cands, ok, best[2]):
+                return Decision(None, "wait_for_candidate")
+            return self._place(req, best, reason)
         # neither candidate can take it now
         waited = now - req.arrival
         best_est = min((c[2] for c in cands), default=0.0)
@@ -127,7 +147,8 @@ class DualMapPolicy(EstimatingPolicy):
         # candidate's own estimate; a request that could not meet the SLO anyway spills
         if self.max_hold_fraction > 0 and waited <= self.max_hold_fraction * (slo - best_est):
             if pinned is None and cands:
-                self.held[req.request_id] = max(cands, key=lambda c: (c[1], -c[2]))[0].replica_id
+                v, hit, _ = max(cands, key=lambda c: (c[1], -c[2]))
+                self._hold(req.request_id, v.replica_id, req.prompt_tokens - hit)
             return Decision(None, "hold")
         views = available(replicas)
         if not views:
@@ -143,11 +164,53 @@ class DualMapPolicy(EstimatingPolicy):
         v = pick
         hit = self.hit_tokens(req, chunks)
         est = self.estimator.estimate(v.pending_prefill_tokens, req.prompt_tokens - hit)
+        if self._wait_instead(req, cands, ok, est):
+            return Decision(None, "wait_for_candidate")
         return self._place(req, (v, hit, est), "spill")
+
+    def _wait_instead(self, req: RoutingRequest, cands: list[tuple[ReplicaView, int, float]],
+                      ok: list[tuple[ReplicaView, int, float]], free_est: float) -> bool:
+        """Hold ``req`` for its busy candidate when that is estimated faster than the best
+        free choice (``free_est``): work held for the candidate counts as ahead of it."""
+        if not self.wait_for_faster:
+            return False
+        busy = [c for c in cands if c not in ok and c[0].healthy]
+        if not busy:
+            return False
+        own = self._held_work.get(req.request_id)
+        best_rid, best_est, best_uncached = "", float("inf"), 0
+        for v, hit, _ in busy:
+            rid = v.replica_id
+            held_ahead = self._backlog.get(rid, 0) - (own[1] if own is not None and own[0] == rid else 0)
+            uncached = req.prompt_tokens - hit
+            est = self.estimator.estimate(v.pending_prefill_tokens + held_ahead, uncached)
+            if est < best_est:
+                best_rid, best_est, best_uncached = rid, est, uncached
+        if best_est + self.wait_margin_s >= free_est:
+            return False
+        self._hold(req.request_id, best_rid, best_uncached)
+        return True
+
+    def _hold(self, request_id: str, replica_id: str, tokens: int) -> None:
+        self._unhold(request_id)
+        self.held[request_id] = replica_id
+        self._held_work[request_id] = (replica_id, tokens)
+        self._backlog[replica_id] = self._backlog.get(replica_id, 0) + tokens
+
+    def _unhold(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
+        work = self._held_work.pop(request_id, None)
+        if work is not None:
+            rid, tokens = work
+            left = self._backlog.get(rid, 0) - tokens
+            if left > 0:
+                self._backlog[rid] = left
+            else:
+                self._backlog.pop(rid, None)
 
     def _place(self, req: RoutingRequest, cand: tuple[ReplicaView, int, float], reason: str) -> Decision:
         v, hit, est = cand
-        self.held.pop(req.request_id, None)
+        self._unhold(req.request_id)
         self.remember(req, v, hit)
         return decide(v, reason, hit, est)
 
@@ -157,7 +220,7 @@ class DualMapPolicy(EstimatingPolicy):
 
     def on_complete(self, req: RoutingRequest, replica_id: str, ok: bool, now: float) -> None:
         super().on_complete(req, replica_id, ok, now)
-        self.held.pop(req.request_id, None)
+        self._unhold(req.request_id)
 
     def rebalance(
         self, queued: Sequence[RoutingRequest], replicas: Mapping[str, ReplicaView], now: float
@@ -165,7 +228,8 @@ class DualMapPolicy(EstimatingPolicy):
         if not self.held or len(self.ring) < 2:
             return []
         live = {r.request_id for r in queued}
-        self.held = {k: v for k, v in self.held.items() if k in live}
+        for request_id in [k for k in self.held if k not in live]:
+            self._unhold(request_id)
         # prefill work already held at the balancer for each replica, in queue order
         backlog: dict[str, int] = {}
         moves: list[Migration] = []
@@ -189,7 +253,7 @@ class DualMapPolicy(EstimatingPolicy):
             benefit = ttft_i - ttft_j
             waited = now - req.arrival
             if benefit > 0 and waited + ttft_j < self._slo(req):
-                self.held[req.request_id] = other
+                self._hold(req.request_id, other, req.prompt_tokens - hit_j)
                 backlog[other] = backlog.get(other, 0) + req.prompt_tokens - hit_j
                 moves.append(Migration(req.request_id, target, other, benefit))
             else:
