@@ -81,6 +81,18 @@ def test_the_lru_bound_counts_contiguous_prefixes_of_a_shared_cache_of_the_given
     assert lru_hit_rate([TraceRequest(0, 512, 1, (7,)), TraceRequest(1, 1024, 1, (8, 7))], 10 * 512) == 0.0
 
 
+def test_conversations_sharing_only_a_long_system_prompt_are_never_merged() -> None:
+    s0, s1 = 900, 901  # a two-block system prompt both conversations start with
+    a = [(s0, s1, 10, 11), (s0, s1, 10, 11, 12), (s0, s1, 10, 11, 12, 13)]
+    b = [(s0, s1, 20, 21), (s0, s1, 20, 21, 22)]
+    order = [a[0], b[0], a[1], b[1], a[2]]
+    reqs = [TraceRequest(float(i), 512 * len(ids), 1, ids) for i, ids in enumerate(order)]
+    sessions = [r.session for r in assign_sessions(reqs)]
+    # b's first turn shares two blocks with a's (the old rule merged them): its own session
+    assert sessions[1] != sessions[0]
+    assert sessions[2] == sessions[4] == sessions[0] and sessions[3] == sessions[1]
+
+
 def test_sessions_need_two_shared_blocks() -> None:
     reqs = [TraceRequest(0, 512, 1, (7,)), TraceRequest(1, 512, 1, (7,)), TraceRequest(2, 1024, 1, (7, 8))]
     assert [r.session for r in assign_sessions(reqs)] == [0, 1, 2]

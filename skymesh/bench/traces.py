@@ -7,9 +7,11 @@ discrete-event mode hashes the ids directly.
 
 A *session* is a prefix chain: a request continues the conversation that introduced the
 deepest block it shares with earlier requests, provided it shares at least
-``min_shared_blocks`` leading blocks. (In the Mooncake conversation trace every request
-starts with block 0, a shared system prompt, so "same first block" would make the whole
-trace one session; the deepest shared block is what identifies the conversation.)
+``min_shared_blocks`` leading blocks and that block is not one where conversations part
+(a system prompt several conversations start with). (In the Mooncake conversation trace
+every request starts with block 0, a shared system prompt, so "same first block" would
+make the whole trace one session; the deepest shared block is what identifies the
+conversation.) A trace whose rows carry ``session_id`` is taken at its word.
 """
 
 from __future__ import annotations
@@ -38,9 +40,28 @@ class TraceRequest:
     session: int = 0
 
 
+def shared_prefix_blocks(reqs: Iterable[TraceRequest]) -> set[int]:
+    """Blocks where conversations part: two or more different next blocks that later
+    requests extend further. Within one conversation a block has one continued child
+    (the next turn); the other children are turns' last blocks, which nothing extends
+    (the next turn rewrites a partial last block). A system prompt that several
+    multi-turn conversations start with has one continued child per conversation."""
+    children: dict[int, set[int]] = {}
+    for r in reqs:
+        ids = r.hash_ids
+        for a, b in zip(ids, ids[1:], strict=False):
+            children.setdefault(a, set()).add(b)
+    return {b for b, kids in children.items() if sum(1 for k in kids if k in children) >= 2}
+
+
 def assign_sessions(reqs: Sequence[TraceRequest], min_shared_blocks: int = 2) -> list[TraceRequest]:
-    """Label prefix chains (see the module docstring); ``reqs`` in arrival order."""
+    """Label prefix chains (see the module docstring); ``reqs`` in arrival order. A request
+    whose deepest shared block is one where conversations part
+    (:func:`shared_prefix_blocks`) starts a session of its own: it shares only a common
+    prefix (a system prompt), never a conversation, so two conversations are never merged
+    (a conversation whose turns share nothing beyond the common prefix is split instead)."""
     owner: dict[int, int] = {}
+    common = shared_prefix_blocks(reqs)
     out = []
     n = 0
     for r in reqs:
@@ -48,7 +69,7 @@ def assign_sessions(reqs: Sequence[TraceRequest], min_shared_blocks: int = 2) ->
         d = 0
         while d < len(ids) and ids[d] in owner:
             d += 1
-        if d >= min_shared_blocks:
+        if d >= min_shared_blocks and ids[d - 1] not in common:
             s = owner[ids[d - 1]]
         else:
             s = n
