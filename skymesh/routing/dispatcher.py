@@ -123,8 +123,20 @@ class BalancerCore:
         # to the replica's scheduler, or a page older than them: vLLM moves its gauges once
         # per engine step) stay charged to the budget; resetting it to 0 would let the
         # balancer push a second budget on top of them
-        self._since_probe[replica_id] = max(0, view.in_flight - num_running - num_waiting) if healthy else 0
+        self._since_probe[replica_id] = self._unseen(replica_id, num_running + num_waiting) if healthy else 0
         self._refresh_available(view)
+
+    def _unseen(self, replica_id: str, on_page: int) -> int:
+        """Pushed requests without a first token that the page cannot account for: the page
+        counts every request on the replica, and each of ours that streams is one of them."""
+        unstarted = started = 0
+        for f in self._in_flight.values():
+            if f.replica_id == replica_id:
+                if f.first_token_at is None:
+                    unstarted += 1
+                else:
+                    started += 1
+        return max(0, unstarted - max(0, on_page - started))
 
     def _refresh_available(self, view: ReplicaView) -> None:
         view.available = (
