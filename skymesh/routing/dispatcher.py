@@ -4,8 +4,8 @@ Requests wait here, at the balancer, not at a busy replica: a replica is *availa
 while its last probe reported no waiting request (``vllm:num_requests_waiting == 0``) and
 the balancer has not already pushed ``dispatch_budget`` requests to it since that probe
 (so it never overfills between probes). Requests it pushed that a probe's page does not
-show yet (in flight here, in neither the replica's running nor its waiting count) stay
-charged to the budget. A first token coming back proves the replica admitted that
+show yet (without a first token here, beyond what the page's running + waiting count leaves
+after this balancer's streaming requests) stay charged to the budget. A first token coming back proves the replica admitted that
 request, so it returns one unit of budget early.
 
 The daemon (real sockets, real clock), the discrete-event simulator and the benchmarks all
