@@ -76,6 +76,8 @@ class BalancerCore:
         self.max_retries = max_retries
         self.replicas: dict[str, ReplicaView] = {}
         self._since_probe: dict[str, int] = {}
+        # per replica: this balancer's in-flight requests without a first token yet
+        self._unstarted: dict[str, int] = {}
         self._queue: OrderedDict[str, _Queued] = OrderedDict()
         self._in_flight: dict[str, _InFlight] = {}
         self._last_rebalance = float("-inf")
@@ -95,10 +97,12 @@ class BalancerCore:
             if rid not in wanted:
                 del self.replicas[rid]
                 self._since_probe.pop(rid, None)
+                self._unstarted.pop(rid, None)
         for rid in wanted:
             if rid not in self.replicas:
                 self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
                 self._since_probe[rid] = 0
+                self._unstarted[rid] = 0
                 self.dispatches_per_replica.setdefault(rid, 0)
         self.policy.set_replicas(wanted)
 
@@ -123,20 +127,13 @@ class BalancerCore:
         # to the replica's scheduler, or a page older than them: vLLM moves its gauges once
         # per engine step) stay charged to the budget; resetting it to 0 would let the
         # balancer push a second budget on top of them
-        self._since_probe[replica_id] = self._unseen(replica_id, num_running + num_waiting) if healthy else 0
+        if healthy:
+            unstarted = self._unstarted[replica_id]
+            started = view.in_flight - unstarted
+            self._since_probe[replica_id] = max(0, unstarted - max(0, num_running + num_waiting - started))
+        else:
+            self._since_probe[replica_id] = 0
         self._refresh_available(view)
-
-    def _unseen(self, replica_id: str, on_page: int) -> int:
-        """Pushed requests without a first token that the page cannot account for: the page
-        counts every request on the replica, and each of ours that streams is one of them."""
-        unstarted = started = 0
-        for f in self._in_flight.values():
-            if f.replica_id == replica_id:
-                if f.first_token_at is None:
-                    unstarted += 1
-                else:
-                    started += 1
-        return max(0, unstarted - max(0, on_page - started))
 
     def _refresh_available(self, view: ReplicaView) -> None:
         view.available = (
@@ -266,6 +263,7 @@ class BalancerCore:
         view.pending_prefill_tokens += prefill
         view.in_flight += 1
         self._since_probe[rid] += 1
+        self._unstarted[rid] += 1
         self._refresh_available(view)
         self._in_flight[q.req.request_id] = _InFlight(
             req=q.req,
@@ -307,6 +305,7 @@ class BalancerCore:
         if f is None or f.first_token_at is not None:
             return None
         f.first_token_at = now
+        self._forget_unstarted(f.replica_id)
         view = self.replicas.get(f.replica_id)
         if view is not None:
             view.pending_prefill_tokens -= f.prefill_tokens
@@ -367,7 +366,13 @@ class BalancerCore:
             view.pending_prefill_tokens -= f.prefill_tokens
             # it left before its first token gave the budget back: give it back now
             self._since_probe[f.replica_id] = max(0, self._since_probe[f.replica_id] - 1)
+            self._forget_unstarted(f.replica_id)
         self._refresh_available(view)
+
+    def _forget_unstarted(self, replica_id: str) -> None:
+        # clamped: a request may outlive its replica's removal and re-adding under one id
+        if replica_id in self._unstarted:
+            self._unstarted[replica_id] = max(0, self._unstarted[replica_id] - 1)
 
     # ------------------------------------------------------------------ introspection
 
