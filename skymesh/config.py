@@ -446,6 +446,12 @@ class OffloadConfig(ConfigModel):
     heartbeat_interval_s: Annotated[Float, Field(ge=0.01, le=60)] = 0.1
     # a peer missing this many heartbeat intervals is unavailable
     heartbeat_miss_limit: Annotated[Int, Field(ge=1, le=100)] = 3
+    # when to forward a queued request: "predicted_ttft" when a peer is expected to answer
+    # it sooner (link RTT + its queue + uncached prefill vs the wait here), "saturated"
+    # only when no local replica is available (SkyWalker's rule); see routing/offload.py
+    trigger: Literal["predicted_ttft", "saturated"] = "predicted_ttft"
+    # predicted_ttft: how much sooner a peer must be expected to answer before we forward
+    min_gain_s: Annotated[Float, Field(ge=0, le=60)] = 0.0
     rules: tuple[OffloadRule, ...] = ()
 
     def allowed(self, source: str, target: str) -> bool:

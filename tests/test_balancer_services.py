@@ -14,8 +14,9 @@ import pytest
 
 from skymesh.balancer.services import ControllerLink, PeerMesh, loop_restart_counts
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.routing.base import RoutingRequest
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import RegionCore
+from skymesh.routing.region import ProbeSample, RegionCore
 from skymesh.routing.registry import make_policy
 from tests.mesh_helpers import free_port
 
@@ -89,6 +90,45 @@ async def test_heartbeat_loops_restart_after_a_bug(monkeypatch: pytest.MonkeyPat
         await a.stop()
         await b.stop()
     assert all(t.done() for t in a._tasks)
+
+
+async def test_a_heartbeat_carries_the_drain_rate_peers_predict_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a peer predicts a forwarded request's wait from travels over real gRPC: a
+    applies the placement rate b's region core reported in a heartbeat b sent."""
+    port_a, port_b = free_port(), free_port()
+    a = PeerMesh(fake_balancer("a", port_a, {"b": port_b}))
+    b = PeerMesh(fake_balancer("b", port_b, {}))
+    core = b.b.core
+    core.set_replicas(["r0"], 0.0)
+    start = asyncio.get_running_loop().time() - 3.0
+    for i in range(6):  # six placements over the last three seconds
+        t = start + i * 0.5
+        core.probe("r0", ProbeSample(), t)
+        core.submit(RoutingRequest(f"q{i}", (i,), 64, t), t)
+        core.tick(t)
+        core.complete(f"q{i}", t)
+    sent: list[float] = []
+    real_heartbeat = b.heartbeat
+
+    def spy() -> Any:
+        hb = real_heartbeat()
+        sent.append(hb.placements_per_s)
+        return hb
+
+    monkeypatch.setattr(b, "heartbeat", spy)
+    await b.start()
+    await a.start()
+    try:
+        for _ in range(200):
+            peer = a.b.core.offload.peers.get("b")
+            if peer is not None and peer.placements_per_s > 0:
+                break
+            await asyncio.sleep(INTERVAL_S)
+        assert peer is not None and peer.placements_per_s > 0
+        assert peer.placements_per_s in sent
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 class FakeController(mesh_pb2_grpc.ControllerServicer):

@@ -95,3 +95,71 @@ def test_mark_unavailable_until_next_heartbeat() -> None:
     assert r.choose(req(0, 0), 0.0) is None
     beat(r, "eu-west-1", 0.1, avail=3, seq=2)
     assert r.choose(req(0, 0), 0.1) == "eu-west-1"
+
+
+# ---------------------------------------------------------------- predicted-TTFT trigger
+# default prefill cost: 300 ms per 512 uncached tokens; req() prompts are 257 tokens
+
+
+def test_forward_only_when_a_peer_answers_sooner_than_the_wait_here() -> None:
+    r = router()
+    beat(r, "eu-west-1", 0.0, avail=2)  # free replicas, 80 ms away
+    q = req(0, 0)
+    # neither side holds the prefix: same prefill both ways, so the wait decides
+    assert r.choose(q, 0.0, local_wait_s=0.05) is None
+    assert r.choose(q, 0.0, local_wait_s=0.5) == "eu-west-1"
+    r.min_gain_s = 0.5
+    assert r.choose(q, 0.0, local_wait_s=0.5) is None  # not sooner by the margin asked for
+
+
+def test_a_prefix_a_peer_holds_pulls_its_follow_up_there_and_one_held_here_keeps_it() -> None:
+    r = router()
+    beat(r, "eu-central-1", 0.0, avail=2)  # 30 ms away
+    first = req(5, 0)
+    r.on_forwarded(first, "eu-central-1", 0.0)
+    beat(r, "eu-central-1", 0.1, avail=2, seq=2)
+    follow_up = req(5, 1)  # the same 256-token context, a new turn
+    # idle here, but here it would prefill the whole context (~150 ms) and there only the turn
+    assert r.choose(follow_up, 0.1, local_wait_s=0.0) == "eu-central-1"
+    other = req(6, 0)
+    r.on_local_dispatch(req(6, 1), 0.1)  # its context was served here
+    assert r.choose(other, 0.1, local_wait_s=0.0) is None
+
+
+def test_the_peer_stops_winning_as_our_forwards_fill_it() -> None:
+    r = router()
+    r.update_peer("eu-west-1", now=0.0, seq=1, replicas_total=3, replicas_available=1, placements_per_s=2.0)
+    wait_here = 1.0
+    sent = 0
+    # distinct contexts: the prefill is the same both ways and only the waits decide
+    while (target := r.choose(q := req(sent, 0), 0.0, local_wait_s=wait_here)) is not None:
+        assert target == "eu-west-1"
+        r.on_forwarded(q, target, 0.0)
+        sent += 1
+        assert sent < 10
+    # one free replica, then each forward waits 1/2 s more there: the third would wait
+    # 0.08 + 1.0 s there against 1.0 s here
+    assert sent == 2
+    assert r.peer_wait_s(r.peers["eu-west-1"]) == 1.0
+    # a peer whose queue is over tau is no target however slow it is here
+    r.update_peer("eu-west-1", now=0.1, seq=2, replicas_total=3, replicas_available=3, queue_length=5,
+                  placements_per_s=100.0)
+    assert r.choose(req(1, 0), 0.1, local_wait_s=60.0) is None
+
+
+def test_a_peer_cannot_advertise_an_infinite_drain_rate() -> None:
+    r = router()
+    for bad in (float("inf"), float("nan"), -3.0):
+        r.update_peer("eu-west-1", now=0.0, seq=1, replicas_total=3, replicas_available=0, queue_length=2,
+                      placements_per_s=bad)
+        assert r.peers["eu-west-1"].placements_per_s == 0.0
+        assert r.peer_wait_s(r.peers["eu-west-1"]) == float("inf")  # no drain seen: never waited for
+        assert r.choose(req(0, 0), 0.0, local_wait_s=30.0) is None
+
+
+def test_saturated_trigger_ignores_the_wait_here() -> None:
+    r = router(trigger="saturated")
+    beat(r, "eu-west-1", 0.0, avail=2)
+    # SkyWalker's rule: any peer with a free replica (the caller asks only when nothing
+    # local is free), whatever the wait here
+    assert r.choose(req(0, 0), 0.0, local_wait_s=0.0) == "eu-west-1"

@@ -200,7 +200,46 @@ def test_offload_only_when_no_local_replica_is_available_and_never_twice() -> No
     assert core.fail("q1", 0.1, reason="HTTP 503") == []
     assert core.state_of("q1") is RequestState.QUEUED
     assert core.offload.candidates(0.1) == []
-    assert core.heartbeat() == HeartbeatSnapshot(1, 0, 2, core.pending_prefill_tokens())
+    assert core.heartbeat(0.1) == HeartbeatSnapshot(1, 0, 2, core.pending_prefill_tokens())
+
+
+@pytest.mark.parametrize("trigger", ["predicted_ttft", "saturated"])
+def test_a_region_busy_with_long_prefills_forwards_before_its_replicas_are_saturated(trigger: str) -> None:
+    offload = OffloadRouter("here", {"there": 0.05}, trigger=trigger)  # type: ignore[arg-type]
+    core = RegionCore("here", make_policy("least_load", PolicyContext()), offload, RegionSettings(dispatch_budget=4))
+    core.set_replicas(["r0"], 0.0)
+    probe_all(core)
+    core.peer_heartbeat("there", HeartbeatSnapshot(4, 4, 0, 0), 0.0, epoch=1, seq=1)
+    core.submit(req(0, tokens=4096), 0.0)  # ~2.4 s of prefill now ahead on r0
+    assert sends(core.tick(0.0)) == {"q0": "r0"}
+    core.submit(req(1, prefix=1), 0.0)
+    acts = core.tick(0.0)
+    assert core.replicas["r0"].available  # r0 could still take it ...
+    if trigger == "predicted_ttft":
+        # ... but 50 ms away a free replica answers seconds sooner
+        assert acts == [ForwardToRegion("q1", "there")]
+    else:
+        assert sends(acts) == {"q1": "r0"}  # SkyWalker's rule: local while anything is free
+
+
+def test_predicted_offload_keeps_residency_and_never_forwards_twice() -> None:
+    offload = OffloadRouter("eu-west-1", {"us-east-1": 0.05, "eu-central-1": 0.05}, allowed=eu_stays_in_eu)
+    core = RegionCore("eu-west-1", make_policy("least_load", PolicyContext()), offload, RegionSettings(dispatch_budget=4))
+    core.set_replicas(["r0"], 0.0)
+    probe_all(core)
+    core.peer_heartbeat("us-east-1", HeartbeatSnapshot(4, 4, 0, 0), 0.0, epoch=1, seq=1)
+    core.submit(req(0, tokens=4096), 0.0)
+    core.tick(0.0)
+    core.submit(req(1, prefix=1), 0.0)
+    core.submit(req(2, prefix=2, forwarded=True), 0.0)
+    # the only faster peer is outside the EU: both are served here
+    assert sends(core.tick(0.0)) == {"q1": "r0", "q2": "r0"}
+    core.submit(req(3, prefix=3), 0.0)
+    core.submit(req(4, prefix=4, forwarded=True), 0.0)
+    core.peer_heartbeat("eu-central-1", HeartbeatSnapshot(4, 4, 0, 0), 0.0, epoch=1, seq=1)
+    acts = core.tick(0.0)
+    assert [a for a in acts if isinstance(a, ForwardToRegion)] == [ForwardToRegion("q3", "eu-central-1")]
+    assert sends(acts) == {"q4": "r0"}  # came from a peer: never forwarded again
 
 
 def test_membership_change_requeues_unstarted_requests_of_a_removed_replica() -> None:
@@ -344,8 +383,9 @@ def test_a_closed_origin_is_offloaded_only_to_allowed_regions_from_a_foreign_bal
     acts = core.tick(0.0)
     assert sends(acts) == {}  # us0 is free but closed to it
     assert [a for a in acts if isinstance(a, ForwardToRegion)] == [ForwardToRegion("eu-client", "eu-west-2")]
-    # the same balancer's own clients still use us0
-    core.submit(req(1), 0.0)
+    # the same balancer's own clients still use us0 (another context: one the EU client
+    # left at eu-west-2 would pull its follow-up there, as a peer holding it answers sooner)
+    core.submit(req(1, prefix=1), 0.0)
     assert sends(core.tick(0.0)) == {"q1": "us0"}
 
 

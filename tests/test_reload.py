@@ -84,13 +84,15 @@ def test_trust_limits_timeouts_health_queue_and_rules_apply_live() -> None:
         "policy.max_retries": 0,
         "offload.rules": [{"from": "us-*", "to": ["us-*"]}],
         "offload.max_remote_queue": 1,
+        "offload.trigger": "saturated",
+        "offload.min_gain_s": 0.1,
         "client_timeouts.body_timeout_s": 3.0,
     })
     changes, needs_restart, unused = reload_plan(OLD, new, HERE)
     assert needs_restart == () and unused == ()
     assert changes == ("admin.metrics_access", "client_auth.keys", "client_timeouts.body_timeout_s",
-                       "health.unhealthy_threshold", "offload.max_remote_queue", "offload.rules",
-                       "policy.max_retries", "policy.queue_bound", "upstream.first_byte_timeout_s",
+                       "health.unhealthy_threshold", "offload.max_remote_queue", "offload.min_gain_s",
+                       "offload.rules", "offload.trigger", "policy.max_retries", "policy.queue_bound", "upstream.first_byte_timeout_s",
                        "upstream.max_queue_wait_s")
 
 

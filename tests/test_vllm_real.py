@@ -48,7 +48,10 @@ GOLDEN = Path(__file__).parent / "golden" / "vllm_kv_events.json"
 GOLDEN_METRICS = Path(__file__).parent / "golden" / "vllm_metrics.txt"
 RECORD = os.environ.get("SKYMESH_RECORD_GOLDEN") == "1"  # how the two golden files were made
 MAX_NUM_SEQS = 4
-DISPATCH_BUDGET = 2
+# more than a batch: a probe round's pushes leave requests in vLLM's own waiting queue
+# whatever the machine's speed, so the test does not depend on pages lagging (with a
+# budget of 2 a loaded machine's vLLM ran only 2 at a time and never queued anything)
+DISPATCH_BUDGET = MAX_NUM_SEQS + 2
 # events/within_block first
 JUDGED = tuple(f'skymesh_cache_predictions_total{{cache_source="{src}",result="{r}"}}'
                for src in ("events", "routing-history") for r in ("within_block", "over", "under"))
@@ -239,15 +242,17 @@ async def test_selective_pushing_sees_real_num_requests_waiting(pair: Pair) -> N
     # its scheduler, or a page not refreshed since: the gauges move once per engine step)
     unseen = max(inflight - r - w for r, w, _, inflight in samples)
     # vLLM ran full batches and said so on /metrics; the balancer's probes read vLLM's own
-    # waiting queue, and the balancer held most of the burst in its queue
+    # waiting queue, and the balancer, seeing it, held the rest of the burst in its queue
+    # (2 replicas x the budget were pushed; what arrives after waits at the balancer)
     assert running == MAX_NUM_SEQS
     assert waiting > 0, "the balancer's probes never saw vLLM's num_requests_waiting above 0"
-    assert max_queue >= n // 2
+    assert max_queue >= n // 3
     assert 0.0 < kv <= 1.0
-    # Not asserted: waiting <= the dispatch budget. It held in most runs here, but a
-    # probe that returns before pushed requests reach vLLM's scheduler reads "0 waiting"
-    # and renews the budget; 5 to 10 waiting were seen under CPU contention (see
-    # docs/replica-sim.md, "Real vLLM 0.32 (CPU) side by side").
+    # Not asserted: waiting <= the dispatch budget. A probe that returns before pushed
+    # requests reach vLLM's scheduler may read "0 waiting"; pushes the page cannot account
+    # for stay charged (routing/dispatcher.py), but a page that lags by more than the
+    # balancer's streaming requests is possible (see docs/replica-sim.md, "Real vLLM 0.32
+    # (CPU) side by side").
     report_figures("vllm_selective_pushing", requests=n, max_balancer_queue=max_queue, max_vllm_running=running,
                    max_vllm_waiting=waiting, dispatch_budget=DISPATCH_BUDGET, max_pushed_not_yet_on_page=unseen,
                    max_kv_usage=kv)

@@ -59,6 +59,8 @@ def balancer_rules(region: str, *, own_replicas: bool) -> Rules:
         (("policy", "max_retries"), Kind.LIVE),
         (("offload", "rules"), Kind.LIVE),
         (("offload", "max_remote_queue"), Kind.LIVE),
+        (("offload", "trigger"), Kind.LIVE),
+        (("offload", "min_gain_s"), Kind.LIVE),
         (("offload", "heartbeat_miss_limit"), Kind.LIVE),
         (("client_timeouts", "body_timeout_s"), Kind.LIVE),
         (("controller", "listen"), Kind.RESTART),  # the balancer dials it

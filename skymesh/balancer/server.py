@@ -161,6 +161,10 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         miss_limit=cfg.offload.heartbeat_miss_limit,
         trie_max_nodes=max(1000, cfg.policy.trie_max_nodes // 4),
         enabled=cfg.offload.enabled,
+        trigger=cfg.offload.trigger,
+        min_gain_s=cfg.offload.min_gain_s,
+        prefill_s_per_token=per_tok,
+        chunk_tokens=cfg.policy.chunk_tokens,
     )
     return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg), kv_indexes)
 
@@ -341,6 +345,8 @@ class Balancer:
             allowed=cfg.offload.allowed,
             max_remote_queue=cfg.offload.max_remote_queue,
             miss_limit=cfg.offload.heartbeat_miss_limit,
+            trigger=cfg.offload.trigger,
+            min_gain_s=cfg.offload.min_gain_s,
         )
         region_cfg = cfg.region(self.region)
         self.timeouts = upstream_timeouts(cfg, region_cfg.replicas)

@@ -120,7 +120,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     def heartbeat(self) -> Any:
         b = self.b
         self.seq += 1
-        snap = b.core.heartbeat()
+        snap = b.core.heartbeat(asyncio.get_running_loop().time())
         return mesh_pb2.PeerHeartbeat(
             region=b.region,
             balancer_id=b.balancer_id,
@@ -134,6 +134,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             sent_unix_ms=int(time.time() * 1000),
             offloaded_out=b.offloaded_out,
             offloaded_in=b.offloaded_in,
+            placements_per_s=snap.placements_per_s,
         )
 
     def notify_state(self) -> None:
@@ -192,6 +193,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
                 replicas_available=hb.replicas_available,
                 queue_length=hb.queue_length,
                 pending_prefill_tokens=hb.pending_prefill_tokens,
+                placements_per_s=hb.placements_per_s,
             ),
             asyncio.get_running_loop().time(),
             balancer_id=hb.balancer_id,

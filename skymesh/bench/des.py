@@ -46,7 +46,7 @@ from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.kv_index import KvIndexes
-from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.region import (
     ForwardToRegion,
     ProbeSample,
@@ -75,6 +75,7 @@ class SimConfig:
     probe_interval_s: float = 0.1
     heartbeat_interval_s: float = 0.1
     max_remote_queue: int = 4
+    offload_trigger: OffloadTrigger = "predicted_ttft"  # or "saturated" (SkyWalker's rule)
     chunk_tokens: int = TRACE_BLOCK_TOKENS  # routing chunk = one trace block
     block_size: int = 16  # engine KV block; the KV capacity in tokens stays the profile's
     queue_bound: int = 1_000_000
@@ -240,7 +241,8 @@ class _Region:
         rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
         offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
                                 heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
-                                enabled=cfg.offload and len(cfg.regions) > 1)
+                                enabled=cfg.offload and len(cfg.regions) > 1, trigger=cfg.offload_trigger,
+                                prefill_s_per_token=per_tok, chunk_tokens=cfg.chunk_tokens)
         # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
         settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
                                   lookahead=cfg.lookahead, max_queue_wait_s=None)
@@ -523,7 +525,7 @@ class Simulator:
 
     def _heartbeat(self, reg: _Region, t: float) -> None:
         reg.seq += 1
-        beat = (reg.name, reg.seq, reg.core.heartbeat())
+        beat = (reg.name, reg.seq, reg.core.heartbeat(t))
         for other in self.regions:
             if other != reg.name:
                 self._push(t + self.cfg.latency_s(reg.name, other), self.BEAT_ARRIVE, (other, *beat))

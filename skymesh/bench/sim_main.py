@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diurnal-period-s", type=float, default=0.0, help="per-region diurnal curve period (0: off)")
     p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
     p.add_argument("--no-eu-rule", action="store_true", help="let eu-* regions offload anywhere")
+    p.add_argument("--offload-trigger", choices=("predicted_ttft", "saturated"), default="predicted_ttft",
+                   help="when a region forwards a queued request (routing/offload.py)")
     p.add_argument("--profile", default="h100-qwen2.5-7b")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds")
     p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
@@ -150,7 +152,7 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
     return SimConfig(policy=policy, regions={n: args.replicas for n in names}, one_way_ms=lat,
                      profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
-                     block_size=args.block_size, probe_interval_s=args.probe_interval_s,
+                     offload_trigger=args.offload_trigger, block_size=args.block_size, probe_interval_s=args.probe_interval_s,
                      cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
                      policy_options=options_for(policy, parse_policy_options(args.policy_option)))
 

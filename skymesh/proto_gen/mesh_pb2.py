@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15skymesh/v1/mesh.proto\x12\nskymesh.v1\"\x8e\x02\n\rPeerHeartbeat\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x16\n\x0ereplicas_total\x18\x05 \x01(\r\x12\x1a\n\x12replicas_available\x18\x06 \x01(\r\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x14\n\x0csent_unix_ms\x18\n \x01(\x03\x12\x15\n\roffloaded_out\x18\x0b \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x0c \x01(\x04\"I\n\x11ReplicaAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\"\xa1\x01\n\x12\x42\x61lancerAssignment\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12/\n\x08replicas\x18\x06 \x03(\x0b\x32\x1d.skymesh.v1.ReplicaAssignment\"^\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x31\n\tbalancers\x18\x03 \x03(\x0b\x32\x1e.skymesh.v1.BalancerAssignment\"~\n\x0fRegisterRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\"h\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x08topology\x18\x03 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xac\x01\n\rReplicaReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x14\n\x0cowner_region\x18\x08 \x01(\t\"\xe2\x01\n\x0e\x42\x61lancerReport\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x15\n\roffloaded_out\x18\x05 \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x06 \x01(\x04\x12\x18\n\x10prefix_hit_ratio\x18\x07 \x01(\x01\x12+\n\x08replicas\x18\x08 \x03(\x0b\x32\x19.skymesh.v1.ReplicaReport\x12\x12\n\nadmin_json\x18\t \x01(\t\"\'\n\x0bReportReply\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"W\n\x11\x44\x65registerRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"M\n\x0f\x44\x65registerReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10topology_version\x18\x03 \x01(\x04\"3\n\x0cWatchRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\x97\x01\n\x0cRegionStatus\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61lancer_alive\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61lancer_id\x18\x03 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x04 \x01(\x03\x12/\n\x0blast_report\x18\x05 \x01(\x0b\x32\x1a.skymesh.v1.BalancerReport\"\x9a\x01\n\nMeshStatus\x12&\n\x08topology\x18\x01 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.skymesh.v1.RegionStatus\x12\"\n\x1a\x63ontroller_started_unix_ms\x18\x03 \x01(\x03\x12\x15\n\rstate_version\x18\x04 \x01(\x04\x32Q\n\x08MeshPeer\x12\x45\n\tHeartbeat\x12\x19.skymesh.v1.PeerHeartbeat\x1a\x19.skymesh.v1.PeerHeartbeat(\x01\x30\x01\x32\xdc\x02\n\nController\x12\x42\n\x08Register\x12\x1b.skymesh.v1.RegisterRequest\x1a\x19.skymesh.v1.RegisterReply\x12=\n\x06Report\x12\x1a.skymesh.v1.BalancerReport\x1a\x17.skymesh.v1.ReportReply\x12H\n\nDeregister\x12\x1d.skymesh.v1.DeregisterRequest\x1a\x1b.skymesh.v1.DeregisterReply\x12\x41\n\rWatchTopology\x12\x18.skymesh.v1.WatchRequest\x1a\x14.skymesh.v1.Topology0\x01\x12>\n\tGetStatus\x12\x19.skymesh.v1.StatusRequest\x1a\x16.skymesh.v1.MeshStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15skymesh/v1/mesh.proto\x12\nskymesh.v1\"\xa8\x02\n\rPeerHeartbeat\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x16\n\x0ereplicas_total\x18\x05 \x01(\r\x12\x1a\n\x12replicas_available\x18\x06 \x01(\r\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x14\n\x0csent_unix_ms\x18\n \x01(\x03\x12\x15\n\roffloaded_out\x18\x0b \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x0c \x01(\x04\x12\x18\n\x10placements_per_s\x18\r \x01(\x01\"I\n\x11ReplicaAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\"\xa1\x01\n\x12\x42\x61lancerAssignment\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12/\n\x08replicas\x18\x06 \x03(\x0b\x32\x1d.skymesh.v1.ReplicaAssignment\"^\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x31\n\tbalancers\x18\x03 \x03(\x0b\x32\x1e.skymesh.v1.BalancerAssignment\"~\n\x0fRegisterRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\"h\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x08topology\x18\x03 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xac\x01\n\rReplicaReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x14\n\x0cowner_region\x18\x08 \x01(\t\"\xe2\x01\n\x0e\x42\x61lancerReport\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x15\n\roffloaded_out\x18\x05 \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x06 \x01(\x04\x12\x18\n\x10prefix_hit_ratio\x18\x07 \x01(\x01\x12+\n\x08replicas\x18\x08 \x03(\x0b\x32\x19.skymesh.v1.ReplicaReport\x12\x12\n\nadmin_json\x18\t \x01(\t\"\'\n\x0bReportReply\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"W\n\x11\x44\x65registerRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"M\n\x0f\x44\x65registerReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10topology_version\x18\x03 \x01(\x04\"3\n\x0cWatchRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\x97\x01\n\x0cRegionStatus\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61lancer_alive\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61lancer_id\x18\x03 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x04 \x01(\x03\x12/\n\x0blast_report\x18\x05 \x01(\x0b\x32\x1a.skymesh.v1.BalancerReport\"\x9a\x01\n\nMeshStatus\x12&\n\x08topology\x18\x01 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.skymesh.v1.RegionStatus\x12\"\n\x1a\x63ontroller_started_unix_ms\x18\x03 \x01(\x03\x12\x15\n\rstate_version\x18\x04 \x01(\x04\x32Q\n\x08MeshPeer\x12\x45\n\tHeartbeat\x12\x19.skymesh.v1.PeerHeartbeat\x1a\x19.skymesh.v1.PeerHeartbeat(\x01\x30\x01\x32\xdc\x02\n\nController\x12\x42\n\x08Register\x12\x1b.skymesh.v1.RegisterRequest\x1a\x19.skymesh.v1.RegisterReply\x12=\n\x06Report\x12\x1a.skymesh.v1.BalancerReport\x1a\x17.skymesh.v1.ReportReply\x12H\n\nDeregister\x12\x1d.skymesh.v1.DeregisterRequest\x1a\x1b.skymesh.v1.DeregisterReply\x12\x41\n\rWatchTopology\x12\x18.skymesh.v1.WatchRequest\x1a\x14.skymesh.v1.Topology0\x01\x12>\n\tGetStatus\x12\x19.skymesh.v1.StatusRequest\x1a\x16.skymesh.v1.MeshStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'skymesh.v1.mesh_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PEERHEARTBEAT']._serialized_start=38
-  _globals['_PEERHEARTBEAT']._serialized_end=308
-  _globals['_REPLICAASSIGNMENT']._serialized_start=310
-  _globals['_REPLICAASSIGNMENT']._serialized_end=383
-  _globals['_BALANCERASSIGNMENT']._serialized_start=386
-  _globals['_BALANCERASSIGNMENT']._serialized_end=547
-  _globals['_TOPOLOGY']._serialized_start=549
-  _globals['_TOPOLOGY']._serialized_end=643
-  _globals['_REGISTERREQUEST']._serialized_start=645
-  _globals['_REGISTERREQUEST']._serialized_end=771
-  _globals['_REGISTERREPLY']._serialized_start=773
-  _globals['_REGISTERREPLY']._serialized_end=877
-  _globals['_REPLICAREPORT']._serialized_start=880
-  _globals['_REPLICAREPORT']._serialized_end=1052
-  _globals['_BALANCERREPORT']._serialized_start=1055
-  _globals['_BALANCERREPORT']._serialized_end=1281
-  _globals['_REPORTREPLY']._serialized_start=1283
-  _globals['_REPORTREPLY']._serialized_end=1322
-  _globals['_DEREGISTERREQUEST']._serialized_start=1324
-  _globals['_DEREGISTERREQUEST']._serialized_end=1411
-  _globals['_DEREGISTERREPLY']._serialized_start=1413
-  _globals['_DEREGISTERREPLY']._serialized_end=1490
-  _globals['_WATCHREQUEST']._serialized_start=1492
-  _globals['_WATCHREQUEST']._serialized_end=1543
-  _globals['_STATUSREQUEST']._serialized_start=1545
-  _globals['_STATUSREQUEST']._serialized_end=1560
-  _globals['_REGIONSTATUS']._serialized_start=1563
-  _globals['_REGIONSTATUS']._serialized_end=1714
-  _globals['_MESHSTATUS']._serialized_start=1717
-  _globals['_MESHSTATUS']._serialized_end=1871
-  _globals['_MESHPEER']._serialized_start=1873
-  _globals['_MESHPEER']._serialized_end=1954
-  _globals['_CONTROLLER']._serialized_start=1957
-  _globals['_CONTROLLER']._serialized_end=2305
+  _globals['_PEERHEARTBEAT']._serialized_end=334
+  _globals['_REPLICAASSIGNMENT']._serialized_start=336
+  _globals['_REPLICAASSIGNMENT']._serialized_end=409
+  _globals['_BALANCERASSIGNMENT']._serialized_start=412
+  _globals['_BALANCERASSIGNMENT']._serialized_end=573
+  _globals['_TOPOLOGY']._serialized_start=575
+  _globals['_TOPOLOGY']._serialized_end=669
+  _globals['_REGISTERREQUEST']._serialized_start=671
+  _globals['_REGISTERREQUEST']._serialized_end=797
+  _globals['_REGISTERREPLY']._serialized_start=799
+  _globals['_REGISTERREPLY']._serialized_end=903
+  _globals['_REPLICAREPORT']._serialized_start=906
+  _globals['_REPLICAREPORT']._serialized_end=1078
+  _globals['_BALANCERREPORT']._serialized_start=1081
+  _globals['_BALANCERREPORT']._serialized_end=1307
+  _globals['_REPORTREPLY']._serialized_start=1309
+  _globals['_REPORTREPLY']._serialized_end=1348
+  _globals['_DEREGISTERREQUEST']._serialized_start=1350
+  _globals['_DEREGISTERREQUEST']._serialized_end=1437
+  _globals['_DEREGISTERREPLY']._serialized_start=1439
+  _globals['_DEREGISTERREPLY']._serialized_end=1516
+  _globals['_WATCHREQUEST']._serialized_start=1518
+  _globals['_WATCHREQUEST']._serialized_end=1569
+  _globals['_STATUSREQUEST']._serialized_start=1571
+  _globals['_STATUSREQUEST']._serialized_end=1586
+  _globals['_REGIONSTATUS']._serialized_start=1589
+  _globals['_REGIONSTATUS']._serialized_end=1740
+  _globals['_MESHSTATUS']._serialized_start=1743
+  _globals['_MESHSTATUS']._serialized_end=1897
+  _globals['_MESHPEER']._serialized_start=1899
+  _globals['_MESHPEER']._serialized_end=1980
+  _globals['_CONTROLLER']._serialized_start=1983
+  _globals['_CONTROLLER']._serialized_end=2331
 # @@protoc_insertion_point(module_scope)

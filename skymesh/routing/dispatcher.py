@@ -162,6 +162,13 @@ class BalancerCore:
     def any_available(self) -> bool:
         return any(v.available for v in self.replicas.values())
 
+    def free_dispatch_slots(self) -> int:
+        """Requests the available replicas can still be sent before their next probe."""
+        return sum(
+            max(0, self.dispatch_budget - self._since_probe[rid])
+            for rid, v in self.replicas.items() if v.available
+        )
+
     def available_count(self) -> int:
         return sum(1 for v in self.replicas.values() if v.available)
 

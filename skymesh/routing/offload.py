@@ -1,19 +1,36 @@
 """Cross-region offload (SkyWalker's second routing layer), pure.
 
-A balancer serves its own region first. Only when no local replica is available does it
-look at peers: a peer region is *available* when its last heartbeat is fresh (fewer than
-``miss_limit`` intervals old), it reported at least one available replica that this
-balancer has not already used up by forwarding since that heartbeat, and its balancer
-queue is no longer than ``max_remote_queue`` (tau). Among available peers allowed by the
-offload rules, the one whose *snapshot trie* (what this region already sent there) holds
-the longest prefix of the request wins; ties go to the smallest RTT.
+A balancer serves its own region first and forwards a queued request to a peer region
+only where that peer is expected to answer it sooner. Two triggers:
+
+- ``predicted_ttft`` (default): for each queued request the region core passes how long
+  it is expected to wait here before a replica takes it (its place in the queue over the
+  recent placement rate). A peer's predicted time to first token is the link's round
+  trip + the wait there (nothing while it advertises a free replica this balancer has not
+  used up since its last heartbeat; else the requests ahead of ours, its queue and our own
+  forwards beyond its free replicas, over its advertised placement rate) + the prefill of
+  the part of the prompt it does not hold. Which prefixes a peer holds is what this region
+  already sent there (the *snapshot trie*); which the region itself holds is what it
+  dispatched locally, kept in the same trie. The fastest allowed peer wins if it beats
+  staying here by ``min_gain_s``: so a region offloads while some local replicas are still
+  busy holding requests when that is faster, keeps a follow-up turn where its context
+  lives, and stops offloading (pulls back) as the peer's queue grows. Until the region has
+  placed requests for a while (no drain rate yet) it falls back to the next rule.
+- ``saturated`` (SkyWalker's rule): only when no local replica is available, to a peer
+  that advertised a free replica not yet used up by our forwards since its heartbeat;
+  among those, the longest snapshot-trie prefix wins, ties to the smallest RTT.
+
+A peer is a target only while its last heartbeat is fresh (fewer than ``miss_limit``
+intervals old) and its balancer queue is no longer than ``max_remote_queue`` (tau), and
+only where the offload rules allow the request's origin to go.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.trie import BoundedPrefixTrie
@@ -33,6 +50,12 @@ class PeerState:
     # forwards sent since its last heartbeat: each uses one of its advertised replicas
     forwarded_since_heartbeat: int = 0
     forwarded_total: int = 0
+    # how fast the peer's balancer has been placing requests on its replicas (per second,
+    # its own recent average): what its queue drains at; 0 when it has no history
+    placements_per_s: float = 0.0
+
+
+OffloadTrigger = Literal["predicted_ttft", "saturated"]
 
 
 class OffloadRouter:
@@ -47,6 +70,10 @@ class OffloadRouter:
         miss_limit: int = 3,
         trie_max_nodes: int = 50_000,
         enabled: bool = True,
+        trigger: OffloadTrigger = "predicted_ttft",
+        min_gain_s: float = 0.0,
+        prefill_s_per_token: float = 300e-3 / 512,
+        chunk_tokens: int = 64,
     ) -> None:
         self.region = region
         self.rtt_s = dict(rtt_s)
@@ -55,17 +82,30 @@ class OffloadRouter:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.miss_limit = miss_limit
         self.enabled = enabled
+        self.trigger: OffloadTrigger = trigger
+        self.min_gain_s = min_gain_s
+        # prefill cost of the uncached part of a prompt, here and at a peer (the replica
+        # profile's seed: regions of one mesh run the same model)
+        self.prefill_s_per_token = prefill_s_per_token
+        self.chunk_tokens = chunk_tokens
         self.peers: dict[str, PeerState] = {}
+        # prefixes sent to each peer (target = its region) and, for the predicted-TTFT
+        # trigger, dispatched locally (target = this region)
         self.snapshot = BoundedPrefixTrie(trie_max_nodes)
 
     def reconfigure(
-        self, *, allowed: Callable[[str, str], bool], max_remote_queue: int, miss_limit: int
+        self, *, allowed: Callable[[str, str], bool], max_remote_queue: int, miss_limit: int,
+        trigger: OffloadTrigger | None = None, min_gain_s: float | None = None,
     ) -> None:
         """New rules and bounds (a config reload); every choice from now on uses them. The
         peers' last heartbeats and the snapshot trie are kept."""
         self.allowed = allowed
         self.max_remote_queue = max_remote_queue
         self.miss_limit = miss_limit
+        if trigger is not None:
+            self.trigger = trigger
+        if min_gain_s is not None:
+            self.min_gain_s = min_gain_s
 
     def update_peer(
         self,
@@ -79,6 +119,7 @@ class OffloadRouter:
         replicas_available: int = 0,
         queue_length: int = 0,
         pending_prefill_tokens: int = 0,
+        placements_per_s: float = 0.0,
     ) -> bool:
         """Apply a heartbeat. Returns False (ignored) for one older than what we have."""
         if region == self.region:
@@ -94,6 +135,8 @@ class OffloadRouter:
         p.replicas_available = replicas_available
         p.queue_length = queue_length
         p.pending_prefill_tokens = pending_prefill_tokens
+        # a hostile or broken peer must not make itself look infinitely fast
+        p.placements_per_s = placements_per_s if math.isfinite(placements_per_s) and placements_per_s > 0 else 0.0
         p.last_seen = now
         p.forwarded_since_heartbeat = 0
         return True
@@ -138,16 +181,64 @@ class OffloadRouter:
             for r, p in self.peers.items()
         )
 
-    def choose(self, req: RoutingRequest, now: float) -> str | None:
-        """The peer region to forward ``req`` to, or None to keep it queued locally."""
+    def choose(self, req: RoutingRequest, now: float, local_wait_s: float | None = None) -> str | None:
+        """The peer region to forward ``req`` to, or None to keep it queued locally.
+
+        ``local_wait_s``: how long ``req`` is expected to wait here before a local replica
+        takes it (the predicted-TTFT trigger); None (or the ``saturated`` trigger) applies
+        SkyWalker's rule, which the caller uses only when no local replica is available."""
         if not self.enabled or req.forwarded:
             return None  # a forwarded request is never forwarded again
+        if self.trigger == "predicted_ttft" and local_wait_s is not None:
+            return self._fastest_peer(req, now, local_wait_s)
         cands = self.candidates(now, req.origin_region)
         if not cands:
             return None
         matched, owners = self.snapshot.longest_match(req.chunk_hashes, set(cands))
         pool = owners if matched > 0 and owners else cands
         return min(pool, key=lambda r: (self.rtt_s.get(r, float("inf")), r))
+
+    def peer_wait_s(self, p: PeerState) -> float:
+        """How long a request forwarded to ``p`` now waits there before its own prefill:
+        at its balancer nothing while it has a free replica our forwards have not used up,
+        else the requests ahead (its queue, plus our forwards beyond its free replicas)
+        over its placement rate; then on its replica."""
+        # then the prefill already on its replicas ahead of it (its advertised pending
+        # prefill, spread over its replicas: the heartbeat carries no per-replica detail)
+        on_replica = self.prefill_s_per_token * p.pending_prefill_tokens / max(1, p.replicas_total)
+        beyond_free = p.forwarded_since_heartbeat - p.replicas_available
+        if p.queue_length == 0 and beyond_free < 0:
+            return on_replica
+        if p.placements_per_s <= 0.0:
+            return math.inf
+        return (p.queue_length + max(0, beyond_free) + 1) / p.placements_per_s + on_replica
+
+    def _fastest_peer(self, req: RoutingRequest, now: float, local_wait_s: float) -> str | None:
+        src = req.origin_region or self.region
+        cands = [
+            r for r, p in self.peers.items()
+            if self.allowed(src, r) and self.is_fresh(r, now) and p.replicas_total > 0
+            and p.queue_length <= self.max_remote_queue
+        ]
+        if not cands:
+            return None
+        held = self.snapshot.match_per_target(req.chunk_hashes, [*cands, self.region])
+        local = local_wait_s + self._prefill_s(req, held.get(self.region, 0))
+        best, best_s = None, math.inf
+        for r in cands:
+            remote = self.rtt_s.get(r, math.inf) + self.peer_wait_s(self.peers[r]) + self._prefill_s(req, held.get(r, 0))
+            if remote < best_s or (remote == best_s and best is not None and r < best):
+                best, best_s = r, remote
+        return best if best_s + self.min_gain_s < local else None
+
+    def _prefill_s(self, req: RoutingRequest, cached_chunks: int) -> float:
+        uncached = req.prompt_tokens - cached_chunks * self.chunk_tokens
+        return self.prefill_s_per_token * max(0, uncached)
+
+    def on_local_dispatch(self, req: RoutingRequest, now: float) -> None:
+        """``req`` went to a replica of this region: its prefix is held here."""
+        if self.enabled and self.trigger == "predicted_ttft":
+            self.snapshot.insert(req.chunk_hashes, self.region, now)
 
     def on_forwarded(self, req: RoutingRequest, region: str, now: float) -> None:
         self.snapshot.insert(req.chunk_hashes, region, now)
@@ -168,6 +259,7 @@ class OffloadRouter:
                 "replicas_available": p.replicas_available,
                 "queue_length": p.queue_length,
                 "pending_prefill_tokens": p.pending_prefill_tokens,
+                "placements_per_s": round(p.placements_per_s, 3),
                 "forwarded_total": p.forwarded_total,
                 "rtt_ms": round(self.rtt_s.get(r, 0.0) * 1000, 3),
             }

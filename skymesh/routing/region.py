@@ -37,7 +37,7 @@ from typing import Any
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.kv_index import KvEvent, KvIndexes
-from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 
 
 class RequestState(StrEnum):
@@ -151,6 +151,9 @@ class HeartbeatSnapshot:
     replicas_available: int
     queue_length: int
     pending_prefill_tokens: int
+    # how fast this region's queue drains (placements per second, recent average; 0 with
+    # no history): peers predict the wait of a request they forward here from it
+    placements_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,12 +288,13 @@ class RegionCore:
         """Every live request's state and age (for failure reports and /admin/status)."""
         return {rid: (t.state.value, now - t.req.arrival) for rid, t in self._requests.items()}
 
-    def heartbeat(self) -> HeartbeatSnapshot:
+    def heartbeat(self, now: float) -> HeartbeatSnapshot:
         return HeartbeatSnapshot(
             replicas_total=len(self.local.replicas),
             replicas_available=self.local.available_count(),
             queue_length=self.local.queue_length,
             pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
+            placements_per_s=self.placement_rate(now) or 0.0,
         )
 
     def health_of(self, replica_id: str) -> dict[str, Any]:
@@ -340,18 +344,22 @@ class RegionCore:
         self._placement_rate = self._placement_rate * decay + 1.0 / PLACEMENT_RATE_TAU_S
         self._placement_rate_at = now
 
-    def expected_queue_wait_s(self, now: float) -> float | None:
-        """How long a request queued now would wait for its placement, at the recent
-        placement rate; None while there is too little history to go by."""
+    def placement_rate(self, now: float) -> float | None:
+        """Placements per second, recent average; None while there is too little history
+        to go by."""
         first = self._first_placement_at
         if first is None or now - first < MIN_RATE_HISTORY_S:
             return None
         decayed = self._placement_rate * math.exp(-(now - self._placement_rate_at) / PLACEMENT_RATE_TAU_S)
         # an average started at zero is low by this factor until it has tau of history
         rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
-        if rate <= 0.0:
-            return None
-        return (self.local.queue_length + 1) / rate
+        return rate if rate > 0.0 else None
+
+    def expected_queue_wait_s(self, now: float) -> float | None:
+        """How long a request queued now would wait for its placement, at the recent
+        placement rate; None while there is too little history to go by."""
+        rate = self.placement_rate(now)
+        return None if rate is None else (self.local.queue_length + 1) / rate
 
     def _forbidden_replicas(self, req: RoutingRequest) -> frozenset[str]:
         """Replicas whose home region the offload rules close to this request's origin
@@ -390,6 +398,8 @@ class RegionCore:
         allowed: Callable[[str, str], bool],
         max_remote_queue: int,
         miss_limit: int,
+        trigger: OffloadTrigger | None = None,
+        min_gain_s: float | None = None,
     ) -> None:
         """New settings and offload rules (a config reload). Nothing already decided moves:
         requests placed or streaming keep their replica or peer, queued ones keep their
@@ -404,7 +414,8 @@ class RegionCore:
         local.lookahead = settings.lookahead
         local.rebalance_interval_s = settings.rebalance_interval_s
         local.max_retries = settings.max_retries
-        self.offload.reconfigure(allowed=allowed, max_remote_queue=max_remote_queue, miss_limit=miss_limit)
+        self.offload.reconfigure(allowed=allowed, max_remote_queue=max_remote_queue, miss_limit=miss_limit,
+                                 trigger=trigger, min_gain_s=min_gain_s)
         self._forbidden_cache.clear()  # computed from the old rules
 
     # ------------------------------------------------------------------ events in
@@ -546,6 +557,7 @@ class RegionCore:
             replicas_available=snapshot.replicas_available,
             queue_length=snapshot.queue_length,
             pending_prefill_tokens=snapshot.pending_prefill_tokens,
+            placements_per_s=snapshot.placements_per_s,
         )
 
     def first_token(self, request_id: str, now: float, *, observe: bool = True) -> float | None:
@@ -612,23 +624,71 @@ class RegionCore:
             self._leave(t, RequestState.CANCELLED, now)
 
     def tick(self, now: float) -> list[Action]:
-        """Expire over-long waits, place what the replicas can take, offload the rest."""
+        """Expire over-long waits, forward what a peer would answer sooner (the
+        predicted-TTFT trigger), place what the replicas can take, offload the rest."""
         actions: list[Action] = self._expire(now)
+        offload = self.offload
+        predicted = offload.enabled and offload.trigger == "predicted_ttft"
+        if predicted and self.local.queue_length and offload.peers:
+            actions.extend(self._forward(self._faster_elsewhere(now), now))
         for req, decision in self.local.dispatch(now):
             t = self._requests[req.request_id]
             self._count_placement(now)
             self._move(t, RequestState.PLACED)
             t.target, t.on_peer = decision.replica_id or "", False
             t.placements += 1
+            offload.on_local_dispatch(req, now)
             actions.append(SendToReplica(req.request_id, t.target, decision))
-        # residency may close local replicas to some queued requests: those are offered
-        # to peers even while the replicas look free
+        # SkyWalker's rule: what is still queued while no local replica is available goes
+        # to a peer with a free replica (with the predicted trigger, only until the region
+        # has a drain rate to predict with). Residency may close local replicas to some
+        # queued requests: those are offered to peers even while the replicas look free.
         restricted = self._adopted or self._queued_from_elsewhere > 0
-        if self.offload.enabled and self.local.queue_length and (restricted or not self.local.any_available()):
-            actions.extend(self._offload(now, restricted))
+        if (
+            offload.enabled and self.local.queue_length
+            and (restricted or not self.local.any_available())
+            and (not predicted or restricted or self.placement_rate(now) is None)
+        ):
+            actions.extend(self._forward(self._saturated_offload(now, restricted), now))
         return actions
 
-    def _offload(self, now: float, restricted: bool) -> list[Action]:
+    def _faster_elsewhere(self, now: float) -> list[tuple[RoutingRequest, str]]:
+        """Queued requests (head first) a peer is expected to answer sooner than this
+        region. A request's wait here: nothing while it fits in the replicas' free
+        dispatch slots, else its place beyond them (after those forwarded ahead of it)
+        over the recent placement rate; plus the prefill already ahead of it on the least
+        loaded replica it could go to (an available one within the free slots, else any
+        healthy one). Only the first ``lookahead`` requests kept here are
+        looked at: further back the wait here is long, and they are reached as the head
+        moves."""
+        rate = self.placement_rate(now)
+        free = self.local.free_dispatch_slots()
+        s_per_token = self.offload.prefill_s_per_token
+        views = self.local.replicas.values()
+        # what fits in the free slots goes to an available replica; the rest to whichever
+        # healthy replica frees first
+        on_available = s_per_token * min((v.pending_prefill_tokens for v in views if v.available), default=0)
+        on_any = s_per_token * min((v.pending_prefill_tokens for v in views if v.healthy), default=0)
+        chosen: list[tuple[RoutingRequest, str]] = []
+        kept = 0
+        for req in self.local.queued_requests():
+            if kept >= self.local.lookahead:
+                break
+            if kept < free:
+                local_wait = on_available
+            elif rate is None:
+                break  # no drain rate yet: the rule after dispatch decides the rest
+            else:
+                local_wait = (kept - free + 1) / rate + on_any
+            region = self.offload.choose(req, now, local_wait)
+            if region is None:
+                kept += 1
+                continue
+            self.offload.on_forwarded(req, region, now)
+            chosen.append((req, region))
+        return chosen
+
+    def _saturated_offload(self, now: float, restricted: bool) -> list[tuple[RoutingRequest, str]]:
         chosen: list[tuple[RoutingRequest, str]] = []
         for req in self.local.queued_requests():
             if req.forwarded:
@@ -642,6 +702,11 @@ class RegionCore:
                 continue
             self.offload.on_forwarded(req, region, now)
             chosen.append((req, region))
+        return chosen
+
+    def _forward(self, chosen: list[tuple[RoutingRequest, str]], now: float) -> list[Action]:
+        if not chosen:
+            return []
         self.local.take_for_offload(r.request_id for r, _ in chosen)
         actions: list[Action] = []
         for req, region in chosen:
