@@ -25,6 +25,7 @@ from skymesh.bench.sim_main import (
     check_policy_options,
     parse_policy_options,
     region_layout,
+    replicas_per_region,
     run_one,
 )
 from skymesh.bench.traces import fit_to_context, lru_hit_rate, oracle_hit_rate
@@ -92,7 +93,7 @@ def bounds(args: argparse.Namespace) -> dict[str, float | None]:
     prof = PROFILES[args.profile]
     reqs = fit_to_context(trace, prof.max_model_len, prof.kv_capacity_tokens)
     names, _ = region_layout(args.regions)
-    capacity = prof.kv_capacity_tokens * args.replicas * len(names)
+    capacity = prof.kv_capacity_tokens * sum(replicas_per_region(args, names).values())
     return {"oracle": round(oracle_hit_rate(reqs), 4), "lru": round(lru_hit_rate(reqs, capacity), 4)}
 
 

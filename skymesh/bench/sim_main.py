@@ -77,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         "consistent_hash,round_robin")
     p.add_argument("--out", default="bench-out/sim")
     p.add_argument("--replicas", type=int, default=16, help="replicas per region")
+    p.add_argument("--region-replicas", default=None, metavar="NAME=N,...",
+                   help="replicas of named regions (the others keep --replicas), e.g. eu-west-1=4")
     p.add_argument("--regions", type=int, default=1, help="1: one central balancer; 3: us/eu/ap; n: r0..r(n-1)")
     p.add_argument("--skew", type=float, default=0.0, help="extra share of sessions in the first region [0, 1)")
     p.add_argument("--diurnal-period-s", type=float, default=0.0, help="per-region diurnal curve period (0: off)")
@@ -149,12 +151,22 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
 def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
     policy, _, variant = system.partition("@")
     names, lat = region_layout(args.regions)
-    return SimConfig(policy=policy, regions={n: args.replicas for n in names}, one_way_ms=lat,
+    return SimConfig(policy=policy, regions=replicas_per_region(args, names), one_way_ms=lat,
                      profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
                      offload_trigger=args.offload_trigger, block_size=args.block_size, probe_interval_s=args.probe_interval_s,
                      cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
                      policy_options=options_for(policy, parse_policy_options(args.policy_option)))
+
+
+def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:
+    out = dict.fromkeys(names, args.replicas)
+    for item in filter(None, (args.region_replicas or "").split(",")):
+        name, sep, count = item.partition("=")
+        if not sep or name not in out or not count.isdigit() or int(count) < 1:
+            raise SystemExit(f"--region-replicas {item!r}: expected REGION=N with REGION one of {', '.join(names)}")
+        out[name] = int(count)
+    return out
 
 
 def chunk_tokens(args: argparse.Namespace) -> int:
@@ -282,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     first_run = results[(systems[0], rates[0])]
     names, _ = region_layout(args.regions)
     config = {"mode": "discrete-event", "trace": args.trace, "requests": first_run["metrics"]["requests"],
-              "regions": names, "replicas_per_region": args.replicas, "profile": args.profile,
+              "regions": names, "replicas_per_region": replicas_per_region(args, names), "profile": args.profile,
               "slo_s": args.slo, "rates": rates, "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
               "block_size": args.block_size, "cache_view": args.cache_view,
               "chunk_tokens": chunk_tokens(args), "warmup_s": args.warmup_s, "seed": args.seed,
