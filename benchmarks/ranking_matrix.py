@@ -5,11 +5,12 @@ the prefix hit rate and P90 TTFT at each system's goodput, the infinite-cache or
 realistic bound (one shared LRU of all KV) and the rankings every variant agrees on.
 
     .venv/bin/python -m benchmarks.ranking_matrix [--workloads conversation,hot-prefix,tot2,kv-constrained]
-        [--systems dualmap,dualmap+wait,prefix_tree,preble,min_ttft,cache_aware] [--jobs 2]
+        [--systems dualmap,dualmap-nowait,prefix_tree,preble,min_ttft,cache_aware] [--jobs 2]
         [--out bench-out/ranking_matrix.json]
 
-A system name is a policy, or ``dualmap+wait`` (dualmap with
-``wait_for_faster_candidate=true``). Every (workload, system, variant) search runs in a
+A system name is a policy (``dualmap`` with its defaults, which wait for a faster busy
+candidate), or ``dualmap-nowait`` (dualmap with ``wait_for_faster_candidate=false``:
+plain selective pushing, the default before the matrix was run). Every (workload, system, variant) search runs in a
 process pool; the same variant gives every system the same requests.
 """
 
@@ -45,7 +46,7 @@ WORKLOADS: dict[str, list[str]] = {
                        "--profile", "l4-llama3.1-8b", "--block-size", "16", "--slo", "2", "--warmup-s", "20",
                        "--seeds", "0,1,2"],
 }
-VARIANT_OPTIONS = {"dualmap+wait": ("dualmap", ["wait_for_faster_candidate=true"])}
+VARIANT_OPTIONS = {"dualmap-nowait": ("dualmap", ["wait_for_faster_candidate=false"])}
 
 
 def workload_args(name: str, resolution: float) -> argparse.Namespace:
@@ -67,7 +68,7 @@ def run_search(label: str, args: argparse.Namespace, v: dict[str, Any]) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--systems", default="dualmap,dualmap+wait,prefix_tree,preble,min_ttft,cache_aware")
+    ap.add_argument("--systems", default="dualmap,dualmap-nowait,prefix_tree,preble,min_ttft,cache_aware")
     ap.add_argument("--resolution", type=float, default=0.05)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="bench-out/ranking_matrix.json")

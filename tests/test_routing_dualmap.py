@@ -39,8 +39,9 @@ def dualmap(**options: object) -> DualMapPolicy:
 
 
 def holding() -> DualMapPolicy:
-    # holding is off by default; these tests exercise the hold/spill/migrate rules
-    return dualmap(max_hold_fraction=0.5)
+    # holding is off by default; these tests exercise the hold/spill/migrate rules alone
+    # (waiting for a faster busy candidate, on by default, has tests of its own)
+    return dualmap(max_hold_fraction=0.5, wait_for_faster_candidate=False)
 
 
 def other_of(p: DualMapPolicy, r: RoutingRequest, c: str) -> str:
@@ -123,7 +124,10 @@ def test_only_an_available_healthy_replica_or_none_is_returned(
         vs[rid].available = False
     vs[IDS[prefix % 6]].healthy = False  # unhealthy but "available": never chosen
     d = p.choose(req(prefix), vs, 0.0)
-    if d.replica_id is None:
+    if d.reason == "wait_for_candidate":  # held for a busy candidate estimated faster
+        assert d.replica_id is None
+        assert any(not vs[c].available and vs[c].healthy for c in p.candidates(req(prefix)))
+    elif d.replica_id is None:
         assert not any(vs[c].available and vs[c].healthy for c in p.candidates(req(prefix)))
         if d.reason != "hold":  # spilling found nobody either
             assert not any(v.available and v.healthy for v in vs.values())
@@ -151,13 +155,13 @@ def test_holds_for_its_candidates_then_spills_to_the_best_hit() -> None:
     busy = views(**{c1: {"available": False}, c2: {"available": False}})
     d = p.choose(r, busy, 0.0)
     assert d.replica_id is None and d.reason == "hold"
-    assert p.held[r.request_id] in (c1, c2)
+    assert p.held_for(r.request_id) in (c1, c2)
     assert p.stats()["held"] == 1
     # estimate 0.01 + 0.512 s: slack 0.478 s, half of it 0.239 s; waited 0.2 s → hold
     assert p.choose(r, busy, 0.2).replica_id is None
     d = p.choose(r, busy, 0.9)  # waited 0.9 s of a 1 s SLO: spill to the replica with the hit
     assert (d.replica_id, d.reason) == (warm, "spill")
-    assert d.matched_tokens == 448 and r.request_id not in p.held
+    assert d.matched_tokens == 448 and p.held_for(r.request_id) is None
 
 
 def test_spill_without_hits_goes_to_the_least_loaded() -> None:
@@ -184,7 +188,7 @@ def held_request(p: DualMapPolicy, prefix: int) -> tuple[RoutingRequest, str, st
     c1, c2 = p.candidates(r)
     busy = views(**{c1: {"available": False}, c2: {"available": False}})
     assert p.choose(r, busy, 0.0).replica_id is None
-    held_for = p.held[r.request_id]
+    held_for = p.held_for(r.request_id)
     return r, held_for, other_of(p, r, held_for)
 
 
@@ -207,9 +211,9 @@ def test_migrates_exactly_when_benefit_is_positive_and_the_target_meets_the_slo(
         (m,) = moves
         assert (m.request_id, m.from_replica, m.to_replica) == (r.request_id, held_for, other)
         assert abs(m.benefit_s - (ttft_i - ttft_j)) < 1e-9
-        assert p.held[r.request_id] == other and p.stats()["migrations"] == 1
+        assert p.held_for(r.request_id) == other and p.stats()["migrations"] == 1
     else:
-        assert p.held[r.request_id] == held_for
+        assert p.held_for(r.request_id) == held_for
 
 
 def test_after_migration_the_new_target_is_preferred() -> None:
@@ -232,7 +236,7 @@ def test_rebalance_counts_work_already_held_for_a_replica() -> None:
     busy = views(**{c1: {"available": False}, c2: {"available": False}})
     for r in reqs:
         assert p.choose(r, busy, 0.0).replica_id is None
-    held_for = p.held[reqs[0].request_id]
+    held_for = p.held_for(reqs[0].request_id)
     vs = views(**{held_for: {"available": False, "pending_prefill_tokens": 200},
                   other_of(p, reqs[0], held_for): {"available": False, "pending_prefill_tokens": 0}})
     moves = p.rebalance(reqs, vs, 0.0)
@@ -244,7 +248,7 @@ def test_rebalance_forgets_requests_no_longer_queued() -> None:
     p = holding()
     r, _, _ = held_request(p, 17)
     assert p.rebalance([], views(), 0.0) == []
-    assert r.request_id not in p.held
+    assert p.held_for(r.request_id) is None
 
 
 def test_removed_replicas_are_forgotten() -> None:
@@ -252,7 +256,7 @@ def test_removed_replicas_are_forgotten() -> None:
     r, held_for, _ = held_request(p, 18)
     p.on_dispatch(req(18, 5), held_for, 0.0)
     p.set_replicas([x for x in IDS if x != held_for])
-    assert r.request_id not in p.held
+    assert p.held_for(r.request_id) is None
     assert p.trie.match_per_target(req(18, 6).chunk_hashes, [held_for]) == {held_for: 0}
     assert held_for not in p.candidates(r)
 
@@ -327,19 +331,19 @@ def test_waits_for_a_busy_affine_candidate_only_while_that_is_faster() -> None:
     # 0.01 + 0.512 s with nothing cached: wait for c2
     busy = views(**{c2: {"available": False, "pending_prefill_tokens": 100}})
     d = p.choose(r1, busy, 0.0)
-    assert (d.replica_id, d.reason) == (None, "wait_for_candidate") and p.held[r1.request_id] == c2
+    assert (d.replica_id, d.reason) == (None, "wait_for_candidate") and p.held_for(r1.request_id) == c2
     # the second waits too, behind the first's 64 uncached tokens (0.238 s)
     assert p.choose(r2, busy, 0.0).replica_id is None
     assert p._backlog[c2] == 128
     # once c2 is available again the held request goes there
     d = p.choose(r1, views(**{c2: {"pending_prefill_tokens": 100}}), 0.1)
     assert (d.replica_id, d.matched_tokens) == (c2, 448)
-    assert r1.request_id not in p.held and p._backlog[c2] == 64
+    assert p.held_for(r1.request_id) is None and p._backlog[c2] == 64
     # c2 busy with 1,000 tokens ahead (1.07 s) is slower than c1 now: no more waiting
     d = p.choose(r2, views(**{c2: {"available": False, "pending_prefill_tokens": 1000}}), 0.2)
-    assert d.replica_id == c1 and c2 not in p._backlog and not p.held
-    # without the option the free candidate is taken at once (the selective-pushing default)
-    q = dualmap()
+    assert d.replica_id == c1 and c2 not in p._backlog and p.stats()["held"] == 0
+    # without the option the free candidate is taken at once (plain selective pushing)
+    q = dualmap(wait_for_faster_candidate=False)
     q.on_dispatch(r0, c2, 0.0)
     assert q.choose(req(21, 3), busy, 0.0).replica_id == c1
 
@@ -355,4 +359,4 @@ def test_a_waiting_request_that_completes_or_leaves_frees_its_backlog() -> None:
     p.on_complete(r1, c2, False, 0.1)  # cancelled while waiting
     assert p._backlog[c2] == 64
     p.rebalance([], busy, 0.2)  # r2 left the queue too
-    assert not p._backlog and not p.held
+    assert not p._backlog and p.stats()["held"] == 0

@@ -60,8 +60,11 @@ class DualMapOptions(PolicyOptions):
     # (docs/benchmarks.md): goodput +16% on the first 400 conversation requests, +7%
     # on the hot-prefix workload, no loss on the 20-minute conversation slice.
     escape_over_slo: bool = True
-    # hold for a busy candidate whose estimate beats the best free choice by the margin
-    wait_for_faster_candidate: bool = False
+    # hold for a busy candidate whose estimate beats the best free choice by the margin.
+    # On by default: in the policy matrix (docs/benchmarks.md, "The policy matrix", three
+    # seeds or windows per workload) it is the best or tied-best system on all four
+    # workloads and beats dualmap without it on the KV-constrained one on every seed
+    wait_for_faster_candidate: bool = True
     wait_margin_s: float = Field(0.0, ge=0)
 
 
@@ -80,19 +83,23 @@ class DualMapPolicy(EstimatingPolicy):
         self.escape_over_slo = o.escape_over_slo
         self.wait_for_faster = o.wait_for_faster_candidate
         self.wait_margin_s = o.wait_margin_s
-        self.held: dict[str, str] = {}  # request id -> candidate it waits for
-        # uncached prefill tokens of the requests held for each replica (work that will
-        # reach it before a request held now): request id -> (replica, tokens)
-        self._held_work: dict[str, tuple[str, int]] = {}
-        self._backlog: dict[str, int] = {}
+        # request id -> (the candidate it is held for, its uncached prefill tokens there):
+        # the work that will reach that replica before a request held now
+        self._held: dict[str, tuple[str, int]] = {}
+        self._backlog: dict[str, int] = {}  # replica -> held tokens for it
         self.migrations_total = 0
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:
         super().set_replicas(replica_ids)
         self.ring.set_members(replica_ids)
         members = set(replica_ids)
-        for request_id in [k for k, v in self.held.items() if v not in members]:
+        for request_id in [k for k, (v, _) in self._held.items() if v not in members]:
             self._unhold(request_id)
+
+    def held_for(self, request_id: str) -> str | None:
+        """The candidate ``request_id`` is held for at the balancer, if any."""
+        held = self._held.get(request_id)
+        return None if held is None else held[0]
 
     def candidates(self, req: RoutingRequest) -> tuple[str, str]:
         n = len(self.ring)
@@ -108,7 +115,7 @@ class DualMapPolicy(EstimatingPolicy):
         self.hotness.expire(now, len(self.ring))
         c1, c2 = self.candidates(req)
         per = self.cache.match_per_target(req.chunk_hashes, (c1, c2))
-        pinned = self.held.get(req.request_id)
+        pinned = self.held_for(req.request_id)
         cands = []
         for rid in dict.fromkeys((c1, c2)):
             v = replicas.get(rid)
@@ -177,7 +184,7 @@ class DualMapPolicy(EstimatingPolicy):
         busy = [c for c in cands if c not in ok and c[0].healthy]
         if not busy:
             return False
-        own = self._held_work.get(req.request_id)
+        own = self._held.get(req.request_id)
         best_rid, best_est, best_uncached = "", float("inf"), 0
         for v, hit, _ in busy:
             rid = v.replica_id
@@ -193,13 +200,11 @@ class DualMapPolicy(EstimatingPolicy):
 
     def _hold(self, request_id: str, replica_id: str, tokens: int) -> None:
         self._unhold(request_id)
-        self.held[request_id] = replica_id
-        self._held_work[request_id] = (replica_id, tokens)
+        self._held[request_id] = (replica_id, tokens)
         self._backlog[replica_id] = self._backlog.get(replica_id, 0) + tokens
 
     def _unhold(self, request_id: str) -> None:
-        self.held.pop(request_id, None)
-        work = self._held_work.pop(request_id, None)
+        work = self._held.pop(request_id, None)
         if work is not None:
             rid, tokens = work
             left = self._backlog.get(rid, 0) - tokens
@@ -225,16 +230,16 @@ class DualMapPolicy(EstimatingPolicy):
     def rebalance(
         self, queued: Sequence[RoutingRequest], replicas: Mapping[str, ReplicaView], now: float
     ) -> list[Migration]:
-        if not self.held or len(self.ring) < 2:
+        if not self._held or len(self.ring) < 2:
             return []
         live = {r.request_id for r in queued}
-        for request_id in [k for k in self.held if k not in live]:
+        for request_id in [k for k in self._held if k not in live]:
             self._unhold(request_id)
         # prefill work already held at the balancer for each replica, in queue order
         backlog: dict[str, int] = {}
         moves: list[Migration] = []
         for req in queued:
-            target = self.held.get(req.request_id)
+            target = self.held_for(req.request_id)
             if target is None:
                 continue
             c1, c2 = self.candidates(req)
@@ -264,7 +269,7 @@ class DualMapPolicy(EstimatingPolicy):
     def stats(self) -> dict[str, Any]:
         return {
             **super().stats(),
-            "held": len(self.held),
+            "held": len(self._held),
             **self.hotness.stats(),
             "migrations": self.migrations_total,
         }
