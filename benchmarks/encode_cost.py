@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skymesh.balancer.requests import parse_body  # noqa: E402
 from skymesh.balancer.server import encode_request  # noqa: E402
 from skymesh.prompt_tokens import PromptEncoder  # noqa: E402
+from skymesh.testing.bpe import train_byte_bpe  # noqa: E402
 
 WORDS = ("load balancer replica prefix cache region latency token request stream queue policy "
          "offload heartbeat controller failover residency budget").split()
@@ -51,16 +52,8 @@ def corpus_text(rnd: random.Random, chars: int) -> str:
 
 
 def train_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     rnd = random.Random(0)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=32000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator((corpus_text(rnd, 2000) for _ in range(3000)), trainer)
-    tok.save(str(path))
+    train_byte_bpe((corpus_text(rnd, 2000) for _ in range(3000)), 32000).save(str(path))
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -51,6 +51,7 @@ from skymesh.bench.peers import balancer_config
 from skymesh.procs import Child, skymesh_cmd, wait_all_ready
 from skymesh.prom import parse_samples
 from skymesh.replica_sim.profiles import PROFILES
+from skymesh.testing.bpe import train_byte_bpe
 
 BLOCK = 16
 EST = "skymesh_prefix_hit_estimate_ratio"
@@ -62,16 +63,11 @@ VOCAB = [a + b + c for a in "bcdfgh" for b in "aeiou" for c in "klmnprstvz"][:30
 
 def train_tokenizer(path: Path) -> None:
     """A byte-level BPE in which every word of VOCAB (with its leading space) is one token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
     rnd = random.Random(0)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=4000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator((" ".join(rnd.choice(VOCAB) for _ in range(200)) for _ in range(1000)), trainer)
-    tok.save(str(path))
+    corpus = (" ".join(rnd.choice(VOCAB) for _ in range(200)) for _ in range(1000))
+    train_byte_bpe(corpus, 4000, add_prefix_space=True).save(str(path))
     probe = " ".join(VOCAB)
     n = len(Tokenizer.from_file(str(path)).encode(probe).ids)
     assert n == len(VOCAB), f"{n} tokens for {len(VOCAB)} words"

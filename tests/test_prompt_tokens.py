@@ -17,6 +17,7 @@ from skymesh.balancer.server import Balancer, build_encoder, encode_request
 from skymesh.config import ConfigError, parse_config
 from skymesh.procs import free_port
 from skymesh.prompt_tokens import PromptEncoder, byte_chunk_hashes
+from skymesh.testing.bpe import train_byte_bpe
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica
 
@@ -54,17 +55,9 @@ def prompt_pair(seed: int) -> tuple[str, str]:
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level BPE tokenizer trained here on English and Japanese text, saved
     as tokenizer.json with a chat template beside it (nothing is downloaded)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     d = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [japanese_text(i, 400) for i in range(40)] + EN_SENTENCES * 20
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(d / "tokenizer.json"))
+    train_byte_bpe(corpus, 800, special_tokens=["<s>", "</s>"]).save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     (d / "chat_template.jinja").write_text(
         "{{ bos_token }}{% for m in messages %}"

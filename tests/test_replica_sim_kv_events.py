@@ -32,6 +32,7 @@ from skymesh.replica_sim.kv_publisher import NullPublisher, ZmqPublisher
 from skymesh.replica_sim.profiles import PROFILES
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.routing import kv_index
+from skymesh.testing.bpe import train_byte_bpe
 from skymesh.tokens import filler_tokens, word_token_id
 from tests.mesh_helpers import one_region_config
 
@@ -172,20 +173,12 @@ def replay(endpoint: str, start_seq: int) -> tuple[list[Message], list[bytes]]:
 @pytest.fixture(scope="module")
 def tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level BPE tokenizer trained here (nothing is downloaded)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     d = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = ["The quick brown fox jumps over the lazy dog near the river bank.",
               "A load balancer keeps the cache warm by sending shared prefixes to one replica.",
               "Prefix caching stores the key and value tensors of every full block."] * 30
-    tok.train_from_iterator(corpus, trainer)
     path = d / "tokenizer.json"
-    tok.save(str(path))
+    train_byte_bpe(corpus, 400, special_tokens=["<s>", "</s>"]).save(str(path))
     return path
 
 

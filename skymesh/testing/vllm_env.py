@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skymesh.procs import Child, free_port, wait_healthy
+from skymesh.testing.bpe import train_byte_bpe
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("SKYMESH_VLLM_VENV", ROOT / ".vllm-venv"))
@@ -190,7 +191,7 @@ def make_model_dir(cache: Path = CACHE) -> Path:
     post-processor, as Llama's), tokenizer_config.json (chat template inside),
     special_tokens_map.json, generation_config.json and chat_template.jinja (the balancer's
     ``tokenizer.chat_template``). Made once per :data:`MODEL_FORMAT`; atomic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
     final = cache / "model"
     stamp = final / ".skymesh-model"
@@ -199,12 +200,7 @@ def make_model_dir(cache: Path = CACHE) -> Path:
     tmp = cache / f"model.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
+    tok = train_byte_bpe(_corpus(), TOKENIZER_VOCAB, special_tokens=["<s>", "</s>"])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", 0)])
     tok.save(str(tmp / "tokenizer.json"))
