@@ -72,6 +72,29 @@ def test_overloaded_region_offloads_and_region_local_does_not() -> None:
     assert shares[True][1] < shares[False][1]
 
 
+def test_system_suffixes_pick_offload_and_its_trigger_in_both_modes(tmp_path: Path) -> None:
+    from skymesh.bench.live_geo import geo_mesh_config
+    from skymesh.config import parse_config
+
+    split = sim_main.split_system
+    assert split("dualmap", "predicted_ttft") == ("dualmap", True, "predicted_ttft")
+    assert split("prefix_tree@saturated", "predicted_ttft") == ("prefix_tree", True, "saturated")
+    assert split("dualmap@local", "predicted_ttft")[1] is False
+    with pytest.raises(SystemExit, match="@local or @saturated"):
+        split("dualmap@fast", "predicted_ttft")
+    args = argparse.Namespace(regions=3, replicas=2, region_replicas="eu-west-1=4")
+    assert sim_main.replicas_per_region(args, ["us-east-1", "eu-west-1"]) == {"us-east-1": 2, "eu-west-1": 4}
+    with pytest.raises(SystemExit, match="REGION=N"):
+        sim_main.replicas_per_region(argparse.Namespace(replicas=2, region_replicas="mars-1=3"), ["us-east-1"])
+    # the live mesh gets the same choices as a valid config
+    free = parse_config(geo_mesh_config("dualmap", 1, "tiny-test", 1.0, 2.0, True, tmp_path,
+                                        trigger="saturated", residency=False))
+    assert free.offload.trigger == "saturated" and free.offload.rules == ()
+    default = parse_config(geo_mesh_config("dualmap", 1, "tiny-test", 1.0, 2.0, True, tmp_path))
+    assert default.offload.trigger == "predicted_ttft"
+    assert not default.offload.allowed("eu-west-1", "us-east-1")
+
+
 def test_sim_cli_writes_report(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
     sim_main.add_arguments(p)

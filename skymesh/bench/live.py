@@ -129,6 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew", type=float, default=0.0, help="3 regions: extra share of sessions in us-east-1")
     p.add_argument("--diurnal-period-s", type=float, default=0.0, help="3 regions: diurnal period in trace s (0: off)")
     p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
+    p.add_argument("--no-eu-rule", action="store_true", help="3 regions: let eu-* regions offload anywhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-sample-s", type=float, default=1.0,
                    help="trace seconds between samples of the balancers' per-replica load")

@@ -5,7 +5,8 @@ us-east-1, eu-west-1, ap-northeast-1, their one-way latencies and the EU-stays-i
 offload rule) with ``--replicas`` stand-ins per region on free loopback ports: the
 controller, the embedded DNS server, one balancer per region and the delay proxies that
 make loopback feel like three regions. ``NAME`` runs policy NAME with cross-region
-offload (skymesh); ``NAME@local`` the same with offload off (region-local).
+offload by predicted TTFT (skymesh), ``NAME@saturated`` by SkyWalker's rule, ``NAME@local``
+the same with offload off (region-local); ``--no-eu-rule`` drops the residency rule.
 
 Sessions (prefix chains) are assigned to regions with ``--skew`` and thinned by a diurnal
 curve per region (``--diurnal-period-s``), as in the discrete-event mode. Each request
@@ -32,6 +33,7 @@ from typing import Any
 import yaml
 
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
+from skymesh.bench.sim_main import split_system
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
 from skymesh.procs import free_port
 
@@ -42,9 +44,11 @@ def local_default() -> dict[str, Any]:
 
 
 def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_scale: float, slo_s: float,
-                    offload: bool, state_dir: Path) -> dict[str, Any]:
+                    offload: bool, state_dir: Path, trigger: str = "predicted_ttft",
+                    residency: bool = True) -> dict[str, Any]:
     """The embedded 3-region default with ``replicas_per_region`` stand-ins per region,
-    every port free, and every duration (latencies, probes, heartbeats, SLO) scaled."""
+    every port free, and every duration (latencies, probes, heartbeats, SLO) scaled;
+    ``residency`` False drops its EU-stays-in-EU rule."""
     data = local_default()
     for r in data["regions"]:
         b = r["balancer"]
@@ -69,6 +73,9 @@ def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_sc
                probe_interval_s=pol.get("probe_interval_s", 0.1) * time_scale)
     off = data["offload"]
     off["enabled"] = offload
+    off["trigger"] = trigger
+    if not residency:
+        off["rules"] = []
     off["heartbeat_interval_s"] = off.get("heartbeat_interval_s", 0.1) * time_scale
     return data
 
@@ -102,10 +109,10 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
     cache hit rate (read before the mesh stops) and the balancers' per-replica load samples."""
     from skymesh.up import Mesh
 
-    policy, _, variant = system.partition("@")
+    policy, offload, trigger = split_system(system, "predicted_ttft")
     state = tmp / f"mesh-{system.replace('@', '-')}-{uuid.uuid4().hex[:8]}"
     data = geo_mesh_config(policy, args.replicas, args.profile, args.time_scale, args.slo * args.time_scale,
-                           offload=variant != "local", state_dir=state)
+                           offload=offload, state_dir=state, trigger=trigger, residency=not args.no_eu_rule)
     mesh = Mesh.from_dict(data, state, time_scale=args.time_scale)
     await mesh.start()
     try:

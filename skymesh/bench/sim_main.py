@@ -4,7 +4,8 @@ Every system runs on the same replicas, the same trace and the same seed, at eve
 multiplier of ``--rates`` (the goodput sweep). A system name is a policy from the registry
 (``dualmap``, ``prefix_tree``, ...). With one region that is a single central balancer in
 front of all replicas; with several regions every region has its own balancer and
-``NAME`` offloads across regions (skymesh) while ``NAME@local`` never does (region-local).
+``NAME`` offloads across regions (skymesh; ``--offload-trigger``), ``NAME@saturated`` by
+SkyWalker's rule, while ``NAME@local`` never does (region-local).
 
 ``--trace`` is a Mooncake JSONL file or a synthetic workload: ``hot-prefix`` (tool/agent
 traffic on a few popular system prompts), ``tot2`` / ``tot4`` (Tree-of-Thoughts with
@@ -39,6 +40,7 @@ from skymesh.bench.traces import (
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
 from skymesh.replica_sim.profiles import PROFILES
+from skymesh.routing.offload import OffloadTrigger
 from skymesh.routing.registry import (
     PolicyOptionsError,
     UnknownPolicyError,
@@ -148,13 +150,22 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
     return scale_rate(reqs, rate) if rate != 1.0 else reqs
 
 
-def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
+def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, bool, OffloadTrigger]:
+    """``NAME`` (offload with ``default_trigger``), ``NAME@local`` (no offload) or
+    ``NAME@saturated`` (offload by SkyWalker's rule) -> (policy, offload, trigger)."""
     policy, _, variant = system.partition("@")
+    if variant not in ("", "local", "saturated"):
+        raise SystemExit(f"system {system!r}: the suffix is @local or @saturated")
+    return policy, variant != "local", "saturated" if variant == "saturated" else default_trigger
+
+
+def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
+    policy, offload, trigger = split_system(system, args.offload_trigger)
     names, lat = region_layout(args.regions)
     return SimConfig(policy=policy, regions=replicas_per_region(args, names), one_way_ms=lat,
-                     profile=args.profile, ttft_slo_s=args.slo, offload=variant != "local",
+                     profile=args.profile, ttft_slo_s=args.slo, offload=offload,
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
-                     offload_trigger=args.offload_trigger, block_size=args.block_size, probe_interval_s=args.probe_interval_s,
+                     offload_trigger=trigger, block_size=args.block_size, probe_interval_s=args.probe_interval_s,
                      cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
                      policy_options=options_for(policy, parse_policy_options(args.policy_option)))
 
