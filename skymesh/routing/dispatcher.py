@@ -15,7 +15,7 @@ drive this class; it never reads a clock or touches I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +197,11 @@ class BalancerCore:
 
     def queued_requests(self) -> list[RoutingRequest]:
         return [q.req for q in self._queue.values()]
+
+    def iter_queued(self) -> Iterator[RoutingRequest]:
+        """Queued requests in order, lazily: a scan that stops early (the offload scans, on
+        every tick) does not copy the whole queue. The queue must not change meanwhile."""
+        return (q.req for q in self._queue.values())
 
     def queued_prefill_tokens(self) -> int:
         return sum(q.req.prompt_tokens for q in self._queue.values())

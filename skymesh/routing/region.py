@@ -671,7 +671,7 @@ class RegionCore:
         on_any = s_per_token * min((v.pending_prefill_tokens for v in views if v.healthy), default=0)
         chosen: list[tuple[RoutingRequest, str]] = []
         kept = 0
-        for req in self.local.queued_requests():
+        for req in self.local.iter_queued():
             if kept >= self.local.lookahead:
                 break
             if kept < free:
@@ -690,7 +690,7 @@ class RegionCore:
 
     def _saturated_offload(self, now: float, restricted: bool) -> list[tuple[RoutingRequest, str]]:
         chosen: list[tuple[RoutingRequest, str]] = []
-        for req in self.local.queued_requests():
+        for req in self.local.iter_queued():
             if req.forwarded:
                 continue
             if restricted and self.local.has_allowed_available(req):
