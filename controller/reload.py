@@ -56,6 +56,8 @@ def controller_rules(dns_provider: str) -> Rules:
         (("health",), Kind.UNUSED),
         (("upstream",), Kind.UNUSED),
         (("client_auth",), Kind.UNUSED),
+        (("slo_classes",), Kind.UNUSED),
+        (("default_slo_class",), Kind.UNUSED),
         (("client_timeouts",), Kind.UNUSED),
         (("emulate_latency",), Kind.UNUSED),
     )

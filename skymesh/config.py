@@ -586,6 +586,8 @@ class TlsConfig(ConfigModel):
 
 SHA256_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 ENV_VAR_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# an SLO class name travels in a header and becomes a metrics label: short and plain
+SLO_CLASS_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 Sha256Hex = Annotated[
     Text,
     AfterValidator(_matching(SHA256_HEX_RE, "a lowercase hex SHA-256 digest (64 characters)")),
@@ -596,6 +598,33 @@ EnvVarName = Annotated[
     AfterValidator(_matching(ENV_VAR_RE, "an environment variable name")),
     Field(json_schema_extra={"pattern": ENV_VAR_RE.pattern}),
 ]
+
+
+SloClassName = Annotated[
+    Text,
+    AfterValidator(_matching(SLO_CLASS_RE, "a lowercase name like chat or code-completion (at most 32 characters)")),
+    Field(json_schema_extra={"pattern": SLO_CLASS_RE.pattern}),
+]
+
+
+class SloClassConfig(ConfigModel):
+    """One service-level class: the targets its requests are judged by, and its priority.
+    Any of the three targets; a class names at least one."""
+
+    # time to first token
+    ttft_s: Annotated[Float, Field(gt=0, le=3600)] | None = None
+    # time per output token after the first
+    tpot_s: Annotated[Float, Field(gt=0, le=60)] | None = None
+    # arrival to the last byte of the answer
+    e2e_s: Annotated[Float, Field(gt=0, le=86_400)] | None = None
+    # higher first: a queued request of a higher priority is placed before any of a lower
+    priority: Annotated[Int, Field(ge=-1000, le=1000)] = 0
+
+    @model_validator(mode="after")
+    def _some_target(self) -> SloClassConfig:
+        if self.ttft_s is None and self.tpot_s is None and self.e2e_s is None:
+            raise ConfigError("ttft_s", "an SLO class needs at least one target (ttft_s, tpot_s or e2e_s)")
+        return self
 
 
 class ClientLimits(ConfigModel):
@@ -615,6 +644,8 @@ class ClientKeyConfig(ConfigModel):
     sha256: Sha256Hex
     # None: client_auth.default_limits
     limits: ClientLimits | None = None
+    # the SLO class of its requests without an X-SLO-Class header (None: default_slo_class)
+    slo_class: SloClassName | None = None
 
 
 class ClientAuthConfig(ConfigModel):
@@ -704,6 +735,10 @@ class MeshConfig(ConfigModel):
     emulate_latency: Bool = True
     # mTLS credentials of the gRPC mesh; None: gRPC only on loopback, without TLS
     tls: TlsConfig | None = None
+    # SLO classes by name; a request names one in X-SLO-Class, else its API key's, else
+    # default_slo_class (none configured: requests carry no class)
+    slo_classes: dict[SloClassName, SloClassConfig] = Field(default_factory=dict)
+    default_slo_class: SloClassName | None = None
 
     # (a, b) with a < b -> one-way ms, built from `latencies` by the validator
     _latency_ms: dict[tuple[str, str], float] = PrivateAttr(default_factory=dict)
@@ -720,6 +755,7 @@ class MeshConfig(ConfigModel):
         for i, rule in enumerate(self.offload.rules):
             if not any(fnmatch.fnmatchcase(n, rule.source) for n in names):
                 raise ConfigError(f"offload.rules[{i}].from", f"pattern {rule.source!r} matches no configured region")
+        _check_slo_class_names(self)
         if self.dns.routing == "failover" and len(self.regions) != 2:
             raise ConfigError(
                 "dns.routing", f"failover routing needs exactly 2 regions, the config has {len(self.regions)}"
@@ -761,6 +797,17 @@ class MeshConfig(ConfigModel):
 
     def rtt_ms(self, a: str, b: str) -> float:
         return 2 * self.one_way_ms(a, b)
+
+
+def _check_slo_class_names(cfg: MeshConfig) -> None:
+    known = cfg.slo_classes
+    listed = ", ".join(sorted(known)) or "none configured"
+    if cfg.default_slo_class is not None and cfg.default_slo_class not in known:
+        raise ConfigError("default_slo_class", f"unknown SLO class {cfg.default_slo_class!r} (slo_classes: {listed})")
+    for i, key in enumerate(cfg.client_auth.keys):
+        if key.slo_class is not None and key.slo_class not in known:
+            raise ConfigError(f"client_auth.keys[{i}].slo_class",
+                              f"unknown SLO class {key.slo_class!r} (slo_classes: {listed})")
 
 
 def _latency_table(

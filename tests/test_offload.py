@@ -163,3 +163,24 @@ def test_saturated_trigger_ignores_the_wait_here() -> None:
     # SkyWalker's rule: any peer with a free replica (the caller asks only when nothing
     # local is free), whatever the wait here
     assert r.choose(req(0, 0), 0.0, local_wait_s=0.0) == "eu-west-1"
+
+
+def test_prefill_is_priced_by_the_refitted_ttft_model_once_attached() -> None:
+    from skymesh.routing.ttft import TTFTEstimator
+
+    r = router()
+    beat(r, "eu-central-1", 0.0, avail=2)  # 30 ms away
+    first = req(5, 0)
+    r.on_forwarded(first, "eu-central-1", 0.0)
+    beat(r, "eu-central-1", 0.1, avail=2, seq=2)
+    follow_up = req(5, 1)  # the peer holds 256 of its 257 tokens; here it would prefill all
+    # at the profile's seed (~0.59 ms/token) prefilling here costs ~150 ms, more than the RTT
+    assert r.choose(follow_up, 0.1, local_wait_s=0.0) == "eu-central-1"
+    model = TTFTEstimator(300e-3 / 512, 0.02)
+    r.use_cost_model(model)
+    # the hardware turns out 20x faster than the seed: the whole prefill here (~8 ms)
+    # beats the round trip, and the request stays
+    for _ in range(400):
+        model.observe(0, 4096, 0.02 + 4096 * 300e-3 / 512 / 20)
+    assert r.prefill_s_per_token < 300e-3 / 512 / 10
+    assert r.choose(follow_up, 0.1, local_wait_s=0.0) is None

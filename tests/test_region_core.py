@@ -431,3 +431,17 @@ def test_a_queue_that_cannot_drain_in_time_rejects_at_once_with_retry_after() ->
     unbounded.submit(req(0), 0.0)
     unbounded.tick(0.0)
     assert all(unbounded.submit(req(i, prefix=i), 5.0) == [] for i in range(1, 40))
+
+
+def test_offload_prices_prefill_with_the_policy_s_refitted_model() -> None:
+    # a policy that learns a TTFT model shares it with offload; one that learns none
+    # leaves offload on the profile's seed
+    learning = region(policy="dualmap", peers={"there": 0.05})
+    assert learning.offload.cost_model is learning.policy.estimator  # type: ignore[attr-defined]
+    learning.policy.estimator.observe(0, 1000, 5.0)  # type: ignore[attr-defined]
+    learning.policy.estimator.observe(0, 2000, 10.0)  # type: ignore[attr-defined]
+    assert learning.offload.prefill_s_per_token == learning.policy.estimator.s_per_token  # type: ignore[attr-defined]
+    assert learning.offload.prefill_s_per_token != learning.offload.seed_prefill_s_per_token
+    fixed = region(policy="least_load", peers={"there": 0.05})
+    assert fixed.offload.cost_model is None
+    assert fixed.offload.prefill_s_per_token == fixed.offload.seed_prefill_s_per_token

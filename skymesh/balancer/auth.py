@@ -26,6 +26,8 @@ class ClientKey:
     name: str
     digest: bytes  # SHA-256 of the key
     limits: ClientLimits
+    # the SLO class of its requests that name none (None: the config's default class)
+    slo_class: str | None = None
 
 
 def key_digest(key: str) -> bytes:
@@ -57,7 +59,8 @@ class ClientKeyring:
     @classmethod
     def from_config(cls, cfg: ClientAuthConfig, environ: Mapping[str, str] = os.environ) -> ClientKeyring:
         keys = [
-            ClientKey(k.name, bytes.fromhex(k.sha256), k.limits or cfg.default_limits) for k in cfg.keys
+            ClientKey(k.name, bytes.fromhex(k.sha256), k.limits or cfg.default_limits, k.slo_class)
+            for k in cfg.keys
         ]
         plain: list[tuple[str, str]] = []
         if cfg.keys_file is not None:

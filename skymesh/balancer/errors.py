@@ -60,11 +60,12 @@ def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.param)
+        return error_response(self.status, self.message, self.param, self.code)

@@ -205,11 +205,26 @@ class BalancerMetrics:
             "expectation compared (within one chunk, over, under).",
             ("result", "cache_source"), registry=None,
         )
+        # SLO classes (skymesh/balancer/slo.py), counted by the balancer the client called:
+        # requests admitted per class; how each ended (met every target it could be judged
+        # on, missed one, rejected by the balancer, failed after its first byte); and which
+        # targets were missed. Attainment of a class = met / its requests.
+        self.slo_requests = Counter("skymesh_slo_requests_total", "Requests admitted per SLO class.",
+                                    ("slo_class",), registry=None)
+        self.slo_outcomes = Counter(
+            "skymesh_slo_outcomes_total", "Requests of an SLO class by how they ended (met, missed, rejected, failed).",
+            ("slo_class", "outcome"), registry=None,
+        )
+        self.slo_target_misses = Counter(
+            "skymesh_slo_target_misses_total", "Served requests that missed a target of their SLO class (ttft, tpot, e2e).",
+            ("slo_class", "target"), registry=None,
+        )
         # registration order is the page's order: request-path metrics, then the load gauges
         self.registry.register(_WithoutCreatedSamples([
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
             self.internal_errors, self.config_reloads, self.cache_predictions,
+            self.slo_requests, self.slo_outcomes, self.slo_target_misses,
         ]))
         self.registry.register(_LoadCollector(region, snapshot))
 

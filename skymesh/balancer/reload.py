@@ -52,6 +52,9 @@ def balancer_rules(region: str, *, own_replicas: bool) -> Rules:
         (("regions", ANY, "balancer", "listen"), Kind.UNUSED),  # peers are dialled at advertise
         (("regions", ANY, "balancer", "grpc_listen"), Kind.UNUSED),
         (("client_auth",), Kind.LIVE),
+        # read per request: a reload's classes name the requests admitted after it
+        (("slo_classes",), Kind.LIVE),
+        (("default_slo_class",), Kind.LIVE),
         (("admin",), Kind.LIVE),
         (("upstream",), Kind.LIVE),
         (("health",), Kind.LIVE),

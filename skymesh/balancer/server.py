@@ -36,14 +36,25 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.errors import RequestError, error_response
-from skymesh.balancer.gate import ClientGate, server_options
+from skymesh.balancer.gate import CLIENT, ClientGate, server_options
 from skymesh.balancer.http_server import JsonErrorAppRunner
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import ParsedRequest, parse_body
-from skymesh.balancer.usage import judge_prediction, reported_cached_tokens
+from skymesh.balancer.slo import (
+    SLO_CLASS_HEADER,
+    SloClass,
+    apply_slo_class,
+    missed_targets,
+    resolve_slo_class,
+)
+from skymesh.balancer.usage import (
+    judge_prediction,
+    reported_cached_tokens,
+    reported_completion_tokens,
+)
 from skymesh.config import (
     ConfigError,
     KvEventsEndpoint,
@@ -218,11 +229,13 @@ def encode_request(encoder: PromptEncoder, parsed: ParsedRequest) -> EncodedProm
 class _Waiter:
     """Where one request's handler waits for the core's next word on it."""
 
-    __slots__ = ("future", "attempt_task")
+    __slots__ = ("future", "attempt_task", "first_byte_at")
 
     def __init__(self) -> None:
         self.future: asyncio.Future[Action] = asyncio.get_running_loop().create_future()
         self.attempt_task: asyncio.Task[AttemptOutcome] | None = None
+        # when the first byte of a streamed answer reached the balancer (its TTFT)
+        self.first_byte_at: float | None = None
 
     def renew(self) -> None:
         if self.future.done():
@@ -643,6 +656,9 @@ class Balancer:
                 raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
             origin = self._origin_of(request, forwarded)
+            client = request.get(CLIENT)
+            slo = resolve_slo_class(self.cfg, request.headers.get(SLO_CLASS_HEADER),
+                                    client.slo_class if client is not None else None)
             encoded = await self._encode(parsed)
         except RequestError as e:
             self.metrics.rejections.labels(str(e.status)).inc()
@@ -659,18 +675,22 @@ class Balancer:
             forwarded=forwarded,
             origin_region=origin,
         )
+        apply_slo_class(req, slo)
         if (limited := self.gate.charge_prompt(request, req.prompt_tokens, now)) is not None:
             return limited
         if forwarded:
             # the origin was checked against the configured regions: a bounded label
             self.metrics.offloaded.labels("in", origin or "unknown").inc()
+        if slo is not None and not forwarded:  # judged where the client called, once
+            self.metrics.slo_requests.labels(slo.name).inc()
         waiter = self.waiters[req.request_id] = _Waiter()
         try:
             for action in self.core.submit(req, now):
                 assert isinstance(action, Reject)
+                self._count_slo_outcome(req, slo, "rejected")
                 return self._reject(action)
             self.wake.set()
-            return await self._serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1)
+            return await self._serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1, slo)
         finally:
             self.waiters.pop(req.request_id, None)
             # no-op when the request ended; frees its queue slot or replica otherwise
@@ -707,12 +727,13 @@ class Balancer:
 
     async def _serve(
         self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: _Waiter,
-        single_prompt: bool = True,
+        single_prompt: bool = True, slo: SloClass | None = None,
     ) -> web.StreamResponse:
         while True:
             action = await waiter.future
             waiter.renew()
             if isinstance(action, Reject):
+                self._count_slo_outcome(req, slo, "rejected")
                 return self._reject(action)
             assert isinstance(action, SendToReplica | ForwardToRegion)
             target = self._target(request, req, action)
@@ -728,7 +749,7 @@ class Balancer:
                 extra_s=(self.core.settings.max_queue_wait_s or 0.0) if on_peer else 0.0,
             )
             task = waiter.attempt_task = asyncio.create_task(
-                attempt(request, raw, target, self.timeouts, deadline, self._first_byte_hook(req))
+                attempt(request, raw, target, self.timeouts, deadline, self._first_byte_hook(req, waiter))
             )
             try:
                 outcome = await task
@@ -747,12 +768,14 @@ class Balancer:
                     self._judge_prediction(action, outcome.tail)
                 self.core.complete(req.request_id, now)
                 self.wake.set()
+                self._judge_slo(req, slo, waiter, outcome, now)
                 assert outcome.response is not None
                 return outcome.response
             if outcome.outcome is Outcome.FAILED_MIDSTREAM:
                 self.metrics.midstream_failures.labels("peer" if on_peer else "replica").inc()
                 self.core.fail(req.request_id, now, reason=outcome.reason)
                 self.wake.set()
+                self._count_slo_outcome(req, slo, "failed")
                 assert outcome.response is not None
                 return outcome.response
             log.warning("attempt failed before output",
@@ -774,8 +797,26 @@ class Balancer:
         result = judge_prediction(action.decision.matched_tokens, cached, self.cfg.policy.chunk_tokens)
         self.metrics.cache_predictions.labels(result.value, self._cache_source(action.replica_id)).inc()
 
-    def _first_byte_hook(self, req: RoutingRequest) -> Callable[[bool], None]:
+    def _count_slo_outcome(self, req: RoutingRequest, slo: SloClass | None, outcome: str) -> None:
+        if slo is not None and not req.forwarded:
+            self.metrics.slo_outcomes.labels(slo.name, outcome).inc()
+
+    def _judge_slo(self, req: RoutingRequest, slo: SloClass | None, waiter: _Waiter,
+                   outcome: AttemptOutcome, now: float) -> None:
+        """Count a served answer against its class's targets (see skymesh/balancer/slo.py)."""
+        if slo is None or req.forwarded:
+            return
+        ttft = None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival
+        missed = missed_targets(slo.targets, e2e_s=now - req.arrival, ttft_s=ttft,
+                                completion_tokens=reported_completion_tokens(outcome.tail))
+        for target in missed:
+            self.metrics.slo_target_misses.labels(slo.name, target).inc()
+        self._count_slo_outcome(req, slo, "missed" if missed else "met")
+
+    def _first_byte_hook(self, req: RoutingRequest, waiter: _Waiter) -> Callable[[bool], None]:
         def on_first_byte(is_stream: bool) -> None:
+            if is_stream:
+                waiter.first_byte_at = self._now()
             # a non-streaming answer arrives whole: its first byte is not its first token,
             # so it must not feed the policy's TTFT model
             ttft = self.core.first_token(req.request_id, self._now(), observe=is_stream)
@@ -810,6 +851,8 @@ class Balancer:
         headers[HOP_HEADER] = "1"
         headers[TOKEN_HEADER] = self.peer_token
         headers[ORIGIN_HEADER] = self.region
+        if req.slo_class:  # the peer judges placement by the same class
+            headers[SLO_CLASS_HEADER] = req.slo_class
         assert self._egress is not None
 
         def peer_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:

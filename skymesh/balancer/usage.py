@@ -26,17 +26,28 @@ TAIL_BYTES = 4096
 # backslash, so generated text cannot fake these
 _USAGE = re.compile(rb'(?<!\\)"usage"\s*:\s*(null|\{)')
 _CACHED = re.compile(rb'(?<!\\)"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
 
 
 def reported_cached_tokens(tail: bytes) -> int | None:
     """Cached prompt tokens reported in the answer ending with ``tail``; None when the tail
     holds no ``usage`` object with the field (the client did not ask for usage, the replica
     does not report it, or the answer is cut)."""
+    return _usage_field(tail, _CACHED)
+
+
+def reported_completion_tokens(tail: bytes) -> int | None:
+    """Output tokens reported in the answer's usage (judging an SLO class's TPOT); None
+    when the tail holds no usage with them."""
+    return _usage_field(tail, _COMPLETION)
+
+
+def _usage_field(tail: bytes, field: re.Pattern[bytes]) -> int | None:
     last = next(reversed(list(_USAGE.finditer(tail))), None)
     if last is None or last.group(1) == b"null":
         return None
-    cached = _CACHED.search(tail, last.end())
-    return int(cached.group(1)) if cached is not None else None
+    found = field.search(tail, last.end())
+    return int(found.group(1)) if found is not None else None
 
 
 class PredictionResult(Enum):

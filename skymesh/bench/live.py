@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
-from skymesh.bench.metrics import goodput, summarize
+from skymesh.bench.metrics import monotone_goodput, summarize
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.traces import (
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                       flush=True)
             if pts:
                 sweeps[system] = pts
-                systems[system] = {**pts[0], "goodput": round(goodput([(p["rate"], p["slo_attainment"])
+                systems[system] = {**pts[0], "goodput": round(monotone_goodput([(p["rate"], p["slo_attainment"])
                                                                        for p in pts]), 4)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

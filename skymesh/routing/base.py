@@ -30,6 +30,12 @@ class RoutingRequest:
     max_tokens: int = 16
     session_key: str | None = None  # X-Session-ID header or OpenAI `user`
     slo_ttft_s: float | None = None  # None: the balancer's configured SLO
+    # its SLO class ("" for none) and that class's other targets and priority (higher is
+    # placed first); the class's TTFT target is slo_ttft_s
+    slo_class: str = ""
+    slo_tpot_s: float | None = None
+    slo_e2e_s: float | None = None
+    priority: int = 0
     forwarded: bool = False  # arrived from a peer balancer (never forwarded again)
     # the region the client belongs to (its source network, or the forwarding balancer's
     # origin header); None: the balancer's own region. Residency rules are checked by it.

@@ -14,12 +14,12 @@ drive this class; it never reads a clock or touches I/O.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
+from skymesh.routing.queueing import PriorityQueue
 
 
 @dataclass(slots=True)
@@ -78,7 +78,8 @@ class BalancerCore:
         self._since_probe: dict[str, int] = {}
         # per replica: this balancer's in-flight requests without a first token yet
         self._unstarted: dict[str, int] = {}
-        self._queue: OrderedDict[str, _Queued] = OrderedDict()
+        # highest priority first (SLO classes), FCFS within a priority
+        self._queue: PriorityQueue[_Queued] = PriorityQueue()
         self._in_flight: dict[str, _InFlight] = {}
         self._last_rebalance = float("-inf")
         self.counters = DispatchCounters()
@@ -175,16 +176,15 @@ class BalancerCore:
     # ------------------------------------------------------------------ admission
 
     def submit(self, req: RoutingRequest, front: bool = False) -> None:
-        """Queue a request (FCFS; ``front`` for one that already waited, e.g. a request a
-        peer region bounced back). Raises QueueFull when the bound is reached."""
+        """Queue a request (behind every request of its priority or a higher one; ``front``
+        for one that already waited, e.g. a request a peer region bounced back: ahead of
+        its own priority). Raises QueueFull when the bound is reached."""
         if len(self._queue) >= self.queue_bound:
             self.counters.rejected_queue_full += 1
             raise QueueFull(f"balancer queue is full ({self.queue_bound} requests waiting)")
         if req.request_id in self._queue or req.request_id in self._in_flight:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        self._queue[req.request_id] = _Queued(req)
-        if front:
-            self._queue.move_to_end(req.request_id, last=False)
+        self._queue.push(req.request_id, _Queued(req), req.priority, front=front)
         self.counters.submitted += 1
 
     @property
@@ -212,7 +212,8 @@ class BalancerCore:
     # ------------------------------------------------------------------ dispatch
 
     def dispatch(self, now: float) -> list[tuple[RoutingRequest, Decision]]:
-        """Place as many queued requests as available replicas allow, FCFS order.
+        """Place as many queued requests as available replicas allow, in queue order
+        (priority, then FCFS).
 
         Looks up to ``lookahead`` requests past held ones so that one request waiting for
         its cache-affine replica does not block the rest (no head-of-line blocking).
@@ -225,7 +226,7 @@ class BalancerCore:
             self.counters.migrated += len(self.migrations)
         placed: list[tuple[RoutingRequest, Decision]] = []
         held = 0
-        for rid in list(self._queue):
+        for rid in self._queue.ids():
             if held >= self.lookahead or not self.any_available():
                 break
             q = self._queue[rid]
@@ -244,7 +245,7 @@ class BalancerCore:
                 raise RuntimeError(
                     f"policy {self.policy.name!r} chose unavailable replica {decision.replica_id!r}"
                 )
-            del self._queue[rid]
+            self._queue.pop(rid)
             self._commit(q, decision, now)
             placed.append((q.req, decision))
         return placed
@@ -295,7 +296,7 @@ class BalancerCore:
         """Remove queued requests that the region layer forwards to a peer balancer."""
         out = []
         for rid in request_ids:
-            q = self._queue.pop(rid, None)
+            q = self._queue.pop(rid)
             if q is not None:
                 out.append(q.req)
                 self.counters.offloaded += 1
@@ -358,14 +359,13 @@ class BalancerCore:
             self.counters.failed += 1
             return False
         q = _Queued(f.req, excluded=f.excluded | {f.replica_id}, attempts=attempts)
-        self._queue[request_id] = q
-        self._queue.move_to_end(request_id, last=False)
+        self._queue.push(request_id, q, f.req.priority, front=True)
         self.counters.retried += 1
         return True
 
     def cancel(self, request_id: str, now: float) -> None:
         """The client went away: forget the request wherever it is."""
-        if self._queue.pop(request_id, None) is not None:
+        if self._queue.pop(request_id) is not None:
             return
         self.on_complete(request_id, False, now)
 

@@ -21,8 +21,9 @@ only where that peer is expected to answer it sooner. Two triggers:
   among those, the longest snapshot-trie prefix wins, ties to the smallest RTT.
 
 A peer is a target only while its last heartbeat is fresh (fewer than ``miss_limit``
-intervals old) and its balancer queue is no longer than ``max_remote_queue`` (tau), and
-only where the offload rules allow the request's origin to go.
+intervals old) and its balancer queue is no longer than ``max_remote_queue`` (tau), only
+where the offload rules allow the request's origin to go, and only when the request's SLO
+class can afford the link: its TTFT target must exceed the round trip.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, Literal
 
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.trie import BoundedPrefixTrie
+from skymesh.routing.ttft import TTFTEstimator
 
 
 @dataclass(slots=True)
@@ -84,14 +86,27 @@ class OffloadRouter:
         self.enabled = enabled
         self.trigger: OffloadTrigger = trigger
         self.min_gain_s = min_gain_s
-        # prefill cost of the uncached part of a prompt, here and at a peer (the replica
-        # profile's seed: regions of one mesh run the same model)
-        self.prefill_s_per_token = prefill_s_per_token
+        # prefill cost of the uncached part of a prompt, here and at a peer (regions of one
+        # mesh run the same model): the replica profile's seed until a TTFT model refitted
+        # from this region's observed first tokens is attached (``use_cost_model``)
+        self.seed_prefill_s_per_token = prefill_s_per_token
+        self.cost_model: TTFTEstimator | None = None
         self.chunk_tokens = chunk_tokens
         self.peers: dict[str, PeerState] = {}
         # prefixes sent to each peer (target = its region) and, for the predicted-TTFT
         # trigger, dispatched locally (target = this region)
         self.snapshot = BoundedPrefixTrie(trie_max_nodes)
+
+    def use_cost_model(self, model: TTFTEstimator) -> None:
+        """Price prefill with ``model``'s per-token slope from now on (the policy's own
+        estimator, refitted online from the TTFTs this region observes), so the wait here
+        and at a peer follow the real hardware rather than the profile's seed."""
+        self.cost_model = model
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        model = self.cost_model
+        return self.seed_prefill_s_per_token if model is None else model.s_per_token
 
     def reconfigure(
         self, *, allowed: Callable[[str, str], bool], max_remote_queue: int, miss_limit: int,
@@ -167,17 +182,27 @@ class OffloadRouter:
             and p.queue_length <= self.max_remote_queue
         )
 
-    def candidates(self, now: float, source: str | None = None) -> list[str]:
-        """Available peers the rules allow for a request from ``source`` (None: this
-        region's own clients)."""
-        src = source or self.region
-        return [r for r in self.peers if self.allowed(src, r) and self.peer_available(r, now)]
+    def affordable(self, region: str, ttft_target_s: float | None) -> bool:
+        """A request whose TTFT target is ``ttft_target_s`` (its SLO class's; None: no
+        target of its own) can afford the round trip to ``region``: a class whose target
+        the link alone uses up is never offloaded there."""
+        return ttft_target_s is None or self.rtt_s.get(region, math.inf) < ttft_target_s
 
-    def could_serve(self, now: float, source: str | None = None) -> bool:
-        """Some allowed peer is alive and has replicas at all (busy or not)."""
+    def candidates(self, now: float, source: str | None = None, ttft_target_s: float | None = None) -> list[str]:
+        """Available peers the rules allow for a request from ``source`` (None: this
+        region's own clients) that its TTFT target can afford."""
+        src = source or self.region
+        return [
+            r for r in self.peers
+            if self.allowed(src, r) and self.affordable(r, ttft_target_s) and self.peer_available(r, now)
+        ]
+
+    def could_serve(self, now: float, source: str | None = None, ttft_target_s: float | None = None) -> bool:
+        """Some allowed and affordable peer is alive and has replicas at all (busy or not)."""
         src = source or self.region
         return self.enabled and any(
-            self.allowed(src, r) and self.is_fresh(r, now) and p.replicas_total > 0
+            self.allowed(src, r) and self.affordable(r, ttft_target_s) and self.is_fresh(r, now)
+            and p.replicas_total > 0
             for r, p in self.peers.items()
         )
 
@@ -191,7 +216,7 @@ class OffloadRouter:
             return None  # a forwarded request is never forwarded again
         if self.trigger == "predicted_ttft" and local_wait_s is not None:
             return self._fastest_peer(req, now, local_wait_s)
-        cands = self.candidates(now, req.origin_region)
+        cands = self.candidates(now, req.origin_region, req.slo_ttft_s)
         if not cands:
             return None
         matched, owners = self.snapshot.longest_match(req.chunk_hashes, set(cands))
@@ -217,8 +242,8 @@ class OffloadRouter:
         src = req.origin_region or self.region
         cands = [
             r for r, p in self.peers.items()
-            if self.allowed(src, r) and self.is_fresh(r, now) and p.replicas_total > 0
-            and p.queue_length <= self.max_remote_queue
+            if self.allowed(src, r) and self.affordable(r, req.slo_ttft_s) and self.is_fresh(r, now)
+            and p.replicas_total > 0 and p.queue_length <= self.max_remote_queue
         ]
         if not cands:
             return None

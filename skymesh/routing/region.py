@@ -38,6 +38,7 @@ from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
+from skymesh.routing.ttft import TTFTEstimator
 
 
 class RequestState(StrEnum):
@@ -219,6 +220,10 @@ class RegionCore:
             max_retries=s.max_retries,
         )
         self.offload = offload
+        # a policy that refits a TTFT model online lends it to offload: both price prefill alike
+        estimator = getattr(policy, "estimator", None)
+        if isinstance(estimator, TTFTEstimator):
+            offload.use_cost_model(estimator)
         self._requests: dict[str, _Tracked] = {}
         self._health: dict[str, _Health] = {}
         # (arrival + max wait, seq, request id): lazily skipped once the request moved on
@@ -382,7 +387,7 @@ class RegionCore:
         for rid, h in self._health.items():
             if rid not in forbidden and not (h.ejected and h.ever_healthy):
                 return False
-        return req.forwarded or not self.offload.could_serve(now, req.origin_region)
+        return req.forwarded or not self.offload.could_serve(now, req.origin_region, req.slo_ttft_s)
 
     def _arm_deadline(self, t: _Tracked, since: float) -> None:
         if self.settings.max_queue_wait_s is None:
