@@ -861,6 +861,28 @@ def _check_unique_endpoints(regions: tuple[RegionConfig, ...]) -> None:
 # ----------------------------------------------------------------------------- loading
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML forbids it,
+    and PyYAML would keep the last silently (a second ``offload:`` or ``slo_classes:``
+    pasted at the end of a file would replace the first without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *anchor": keys given beside it override the merged ones
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: the base constructor reports it
+                break
+            if repeated:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (given before in this mapping)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_config(data: Any, profiles: set[str] | None = None) -> MeshConfig:
     """Validate a parsed YAML document into a :class:`MeshConfig`.
 
@@ -903,7 +925,7 @@ def load_config_digest(path: str | Path | None = None) -> tuple[MeshConfig, str]
     except UnicodeDecodeError as e:
         raise ConfigError("", f"{src} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ConfigError("", f"{src} is not valid YAML: {e}") from None
     return parse_config(data), hashlib.sha256(raw).hexdigest()

@@ -135,6 +135,22 @@ def test_not_a_mapping_and_bad_yaml(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.yaml")
 
 
+def test_a_key_given_twice_is_refused_and_merge_keys_still_work(tmp_path: Path) -> None:
+    text = (ROOT / "configs" / "local.yaml").read_text()
+    f = tmp_path / "twice.yaml"
+    # a second section pasted at the end would silently replace the first
+    f.write_text(text + "offload:\n  enabled: false\n")
+    with pytest.raises(ConfigError, match="duplicate key 'offload'"):
+        load_config(f)
+    f.write_text(text.replace("  ttl_s: 5\n", "  ttl_s: 5\n  ttl_s: 60\n"))
+    with pytest.raises(ConfigError, match="duplicate key 'ttl_s'"):
+        load_config(f)
+    # an anchor merged with "<<" may be overridden beside it: that is no repeat
+    merged = text.replace("  ttl_s: 5\n", "  <<: {ttl_s: 60, provider: embedded}\n  ttl_s: 7\n")
+    f.write_text(merged)
+    assert load_config(f).dns.ttl_s == 7
+
+
 def test_unknown_policy_option_lists_the_known_ones() -> None:
     data = copy.deepcopy(base())
     data["policy"] = {"name": "consistent_hash", "options": {"virtual_node": 64}}
