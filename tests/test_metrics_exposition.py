@@ -78,7 +78,8 @@ def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
 
 ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts",
                            "skymesh_internal_errors", "skymesh_rejected_peer_calls", "skymesh_config_reloads",
-                           "skymesh_cache_predictions")
+                           "skymesh_cache_predictions", "skymesh_slo_requests", "skymesh_slo_outcomes",
+                           "skymesh_slo_target_misses")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:

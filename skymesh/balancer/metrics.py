@@ -208,11 +208,12 @@ class BalancerMetrics:
         # SLO classes (skymesh/balancer/slo.py), counted by the balancer the client called:
         # requests admitted per class; how each ended (met every target it could be judged
         # on, missed one, rejected by the balancer, failed after its first byte); and which
-        # targets were missed. Attainment of a class = met / its requests.
+        # targets were missed; cancelled: the client went away first. Attainment of a class =
+        # met / its requests.
         self.slo_requests = Counter("skymesh_slo_requests_total", "Requests admitted per SLO class.",
                                     ("slo_class",), registry=None)
         self.slo_outcomes = Counter(
-            "skymesh_slo_outcomes_total", "Requests of an SLO class by how they ended (met, missed, rejected, failed).",
+            "skymesh_slo_outcomes_total", "Requests of an SLO class by how they ended (met, missed, rejected, failed, cancelled).",
             ("slo_class", "outcome"), registry=None,
         )
         self.slo_target_misses = Counter(

@@ -691,6 +691,9 @@ class Balancer:
                 return self._reject(action)
             self.wake.set()
             return await self._serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1, slo)
+        except asyncio.CancelledError:
+            self._count_slo_outcome(req, slo, "cancelled")  # the client went away
+            raise
         finally:
             self.waiters.pop(req.request_id, None)
             # no-op when the request ended; frees its queue slot or replica otherwise
