@@ -58,6 +58,7 @@ def controller_rules(dns_provider: str) -> Rules:
         (("client_auth",), Kind.UNUSED),
         (("slo_classes",), Kind.UNUSED),
         (("default_slo_class",), Kind.UNUSED),
+        (("slo_early_rejection",), Kind.UNUSED),
         (("client_timeouts",), Kind.UNUSED),
         (("emulate_latency",), Kind.UNUSED),
     )

@@ -739,6 +739,9 @@ class MeshConfig(ConfigModel):
     # default_slo_class (none configured: requests carry no class)
     slo_classes: dict[SloClassName, SloClassConfig] = Field(default_factory=dict)
     default_slo_class: SloClassName | None = None
+    # Mooncake's early rejection: a request whose class's TTFT target no replica here or at a
+    # peer can meet even at best is answered 429 at once; false: it is queued anyway
+    slo_early_rejection: Bool = True
 
     # (a, b) with a < b -> one-way ms, built from `latencies` by the validator
     _latency_ms: dict[tuple[str, str], float] = PrivateAttr(default_factory=dict)

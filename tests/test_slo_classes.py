@@ -29,7 +29,15 @@ from skymesh.routing.dispatcher import BalancerCore
 from skymesh.routing.hashing import prompt_chunk_hashes
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.region import ForwardToRegion, ProbeSample, RegionCore, Reject
+from skymesh.routing.region import (
+    ForwardToRegion,
+    HeartbeatSnapshot,
+    ProbeSample,
+    RegionCore,
+    RegionSettings,
+    Reject,
+    SendToReplica,
+)
 from skymesh.routing.registry import make_policy
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica, start_balancer
@@ -181,9 +189,7 @@ def test_a_class_that_can_go_nowhere_gets_an_immediate_503_when_its_replicas_are
     assert core.submit(req(1, ttft=2.0), 0.01) == []  # a looser class waits for the peer
 
 
-def _beat() -> Any:
-    from skymesh.routing.region import HeartbeatSnapshot
-
+def _beat() -> HeartbeatSnapshot:
     return HeartbeatSnapshot(replicas_total=2, replicas_available=2, queue_length=0, pending_prefill_tokens=0,
                              placements_per_s=5.0)
 
@@ -270,3 +276,48 @@ async def test_a_forward_carries_the_class_to_the_peer() -> None:
         assert target is not None and SLO_CLASS_HEADER not in target.headers
     finally:
         await b.stop()
+
+
+# ----------------------------------------------------------------------------- early rejection
+
+
+def _busy_region(peers: dict[str, float] | None = None, **settings: Any) -> tuple[RegionCore, float]:
+    """One replica placing one request every 0.5 s for 2 s, with 15 requests of priority 0
+    still queued: a new one of that priority waits ~15 / 2 s = 7.5 s here."""
+    offload = OffloadRouter("here", peers or {}, enabled=bool(peers))
+    core = RegionCore("here", make_policy("least_load", PolicyContext()), offload,
+                      RegionSettings(dispatch_budget=1, **settings))
+    core.set_replicas(["r0"], 0.0)
+    for i in range(20):
+        assert core.submit(req(100 + i), 0.0) == []
+    t = 0.0
+    for step in range(5):
+        t = step * 0.5
+        core.probe("r0", ProbeSample(), t)
+        placed = [a for a in core.tick(t) if isinstance(a, SendToReplica)]
+        assert len(placed) == 1
+        core.first_token(placed[0].request_id, t + 0.01)
+        core.complete(placed[0].request_id, t + 0.02)
+    return core, t + 0.02
+
+
+def test_a_class_target_nothing_can_meet_is_a_429_at_once_and_nothing_else_is() -> None:
+    core, now = _busy_region()
+    wait = core.soonest_local_first_token_s(req(0), now)
+    assert wait is not None and 5.0 < wait < 10.0
+    actions = core.submit(req(1, ttft=1.0), now)
+    assert len(actions) == 1 and isinstance(actions[0], Reject)
+    assert actions[0].status == 429 and actions[0].code == "slo_unreachable"
+    assert actions[0].retry_after_s is not None and actions[0].retry_after_s >= wait - 1.0 - 1e-9
+    assert core.state_of("q1") is None  # never queued
+    assert core.submit(req(2, ttft=30.0), now) == []  # a target it can still meet: queued
+    assert core.submit(req(3), now) == []  # no class, no target of its own: queued
+    assert core.submit(req(4, ttft=1.0, priority=10), now) == []  # nothing ahead of its priority
+
+
+def test_early_rejection_off_queues_everything_and_a_peer_that_could_meet_it_saves_it() -> None:
+    core, now = _busy_region(early_rejection=False)
+    assert core.submit(req(1, ttft=1.0), now) == []
+    core, now = _busy_region(peers={"there": 0.04})
+    core.peer_heartbeat("there", _beat(), now)
+    assert core.submit(req(1, ttft=1.0), now) == []  # 40 ms away with free replicas

@@ -55,6 +55,7 @@ def balancer_rules(region: str, *, own_replicas: bool) -> Rules:
         # read per request: a reload's classes name the requests admitted after it
         (("slo_classes",), Kind.LIVE),
         (("default_slo_class",), Kind.LIVE),
+        (("slo_early_rejection",), Kind.LIVE),
         (("admin",), Kind.LIVE),
         (("upstream",), Kind.LIVE),
         (("health",), Kind.LIVE),

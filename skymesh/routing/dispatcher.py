@@ -195,6 +195,10 @@ class BalancerCore:
     def in_flight_count(self) -> int:
         return len(self._in_flight)
 
+    def queued_ahead_of(self, priority: int) -> int:
+        """Queued requests a new request of ``priority`` would wait behind."""
+        return self._queue.at_or_above(priority)
+
     def queued_requests(self) -> list[RoutingRequest]:
         return [q.req for q in self._queue.values()]
 

@@ -256,6 +256,20 @@ class OffloadRouter:
                 best, best_s = r, remote
         return best if best_s + self.min_gain_s < local else None
 
+    def soonest_first_token_s(self, req: RoutingRequest, now: float) -> float:
+        """A lower bound on when any allowed, affordable peer could start ``req``'s first
+        token: the round trip plus its wait there (its own prefill left out, so this never
+        overstates). inf when none could take it (or offload is off, or it was forwarded)."""
+        if not self.enabled or req.forwarded:
+            return math.inf
+        src = req.origin_region or self.region
+        return min(
+            (self.rtt_s.get(r, math.inf) + self.peer_wait_s(p) for r, p in self.peers.items()
+             if self.allowed(src, r) and self.affordable(r, req.slo_ttft_s) and self.is_fresh(r, now)
+             and p.replicas_total > 0 and p.queue_length <= self.max_remote_queue),
+            default=math.inf,
+        )
+
     def _prefill_s(self, req: RoutingRequest, cached_chunks: int) -> float:
         uncached = req.prompt_tokens - cached_chunks * self.chunk_tokens
         return self.prefill_s_per_token * max(0, uncached)

@@ -65,6 +65,10 @@ class PriorityQueue(Generic[Item]):
             self._order.remove(priority)
         return item
 
+    def at_or_above(self, priority: int) -> int:
+        """How many queued requests a new one of ``priority`` would wait behind."""
+        return sum(len(self._lanes[p]) for p in self._order if p >= priority)
+
     def ids(self) -> list[str]:
         """The request ids in queue order (a copy: the queue may change while it is walked)."""
         return [rid for p in self._order for rid in self._lanes[p]]

@@ -141,6 +141,9 @@ class RegionSettings:
     # simulator does for goodput sweeps)
     max_queue_wait_s: float | None = 60.0
     retry_after_s: float = 2.0
+    # Mooncake's early rejection: a request whose SLO class's TTFT target no placement here
+    # or at a peer can meet, even at best, gets 429 at once instead of queueing to a miss
+    early_rejection: bool = True
     health: HealthSettings = field(default_factory=HealthSettings)
 
 
@@ -485,6 +488,10 @@ class RegionCore:
             return [Reject(req.request_id, 429, "queue_wait",
                            f"the balancer's queue would take ~{expected:.0f} s to reach this request "
                            f"(bound {bound:.0f} s)", min(expected - bound, bound) + self.settings.retry_after_s)]
+        unreachable = self._unreachable_ttft(req, now) if self.settings.early_rejection else None
+        if unreachable is not None:
+            self.transitions[("new", str(RequestState.REJECTED))] += 1
+            return [unreachable]
         try:
             self.local.submit(req, front=front)
         except QueueFull as e:
@@ -498,6 +505,45 @@ class RegionCore:
             self.offloaded_in += 1
         self._arm_deadline(t, req.arrival)
         return []
+
+    def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
+        """A lower bound on when a replica here could start ``req``'s first token if it
+        were queued now: nothing while the free dispatch slots cover every request of its
+        priority or higher already queued, else the requests beyond them over the recent
+        placement rate; plus the prefill already on the least loaded healthy replica its
+        rules allow. Its own prefill is left out (what it will find cached is the policy's
+        call), so the bound never overstates. None while there is no drain rate to go by."""
+        ahead = self.local.queued_ahead_of(req.priority)
+        free = self.local.free_dispatch_slots()
+        if ahead < free:
+            wait = 0.0
+        else:
+            rate = self.placement_rate(now)
+            if rate is None:
+                return None
+            wait = (ahead - free + 1) / rate
+        forbidden = self._forbidden_replicas(req)
+        pending = min((v.pending_prefill_tokens for rid, v in self.local.replicas.items()
+                       if v.healthy and rid not in forbidden), default=None)
+        if pending is None:
+            return None  # no replica here: the no-capacity rule decides
+        return wait + self.offload.prefill_s_per_token * max(0, pending)
+
+    def _unreachable_ttft(self, req: RoutingRequest, now: float) -> Reject | None:
+        """Mooncake's early rejection, for a request with a TTFT target of its own (its
+        SLO class's): 429 when neither here nor any peer could meet it even at best."""
+        target = req.slo_ttft_s
+        if target is None or req.forwarded:  # a peer's forward: the origin already judged
+            return None
+        here = self.soonest_local_first_token_s(req, now)
+        if here is None or here <= target:
+            return None
+        soonest = min(here, self.offload.soonest_first_token_s(req, now))
+        if soonest <= target:
+            return None
+        return Reject(req.request_id, 429, "slo_unreachable",
+                      f"no replica can start this request within its SLO class's {target:g} s time to first "
+                      f"token (at best {soonest:.1f} s): not queued", max(self.settings.retry_after_s, soonest - target))
 
     def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
         """A probe result: ``sample`` None when the scrape failed or made no sense."""
