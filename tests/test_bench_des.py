@@ -237,3 +237,30 @@ def test_events_view_index_matches_the_engine_cache(policy: str) -> None:
 def test_events_view_needs_chunks_equal_to_blocks() -> None:
     with pytest.raises(ValueError, match="chunk_tokens == block_size"):
         Simulator(SimConfig(regions={"c": 1}, profile="tiny-test", block_size=16, cache_view="events"))
+
+
+def test_simulated_classes_get_their_priority_and_a_report_each() -> None:
+    from skymesh.bench.traces import assign_slo_classes
+    from skymesh.config import SloClassConfig
+
+    # 120 req/s on 4 tiny replicas: a queue builds, and who waits in it is the priority's call
+    trace = assign_slo_classes(_trace(400, 120.0), {"gold": 1, "bronze": 1}, seed=3)
+    assert {r.slo_class for r in trace} == {"gold", "bronze"}
+    by_session: dict[int, set[str]] = {}
+    for r in trace:
+        by_session.setdefault(r.session, set()).add(r.slo_class)
+    assert all(len(c) == 1 for c in by_session.values())  # a conversation keeps its class
+    figures = {}
+    for gold_priority in (5, 0):
+        classes = {"gold": SloClassConfig(ttft_s=1.0, priority=gold_priority), "bronze": SloClassConfig(ttft_s=1.0)}
+        cfg = SimConfig(policy="least_load", regions={"c": 4}, profile="tiny-test", block_size=16,
+                        slo_classes=classes, early_rejection=False)
+        figures[gold_priority] = Simulator(cfg).run(trace).class_summaries()
+    gold, bronze = figures[5]["gold"], figures[5]["bronze"]
+    assert gold["requests"] + bronze["requests"] == 400
+    assert gold["ttft_mean"] < 0.5 * bronze["ttft_mean"]
+    assert gold["slo_attainment"] > bronze["slo_attainment"]
+    # the same classes without the priority share the queue alike
+    even_gold, even_bronze = figures[0]["gold"], figures[0]["bronze"]
+    assert 0.5 < even_gold["ttft_mean"] / even_bronze["ttft_mean"] < 2.0
+    assert gold["ttft_mean"] < even_gold["ttft_mean"] < bronze["ttft_mean"]

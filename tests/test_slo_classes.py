@@ -15,13 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from skymesh.balancer.errors import RequestError
 from skymesh.balancer.server import ORIGIN_HEADER, Balancer
-from skymesh.balancer.slo import (
-    SLO_CLASS_HEADER,
-    SloClass,
-    apply_slo_class,
-    missed_targets,
-    resolve_slo_class,
-)
+from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.config import ConfigError, SloClassConfig, parse_config
 from skymesh.procs import free_port
 from skymesh.routing.base import PolicyContext, RoutingRequest
@@ -39,6 +33,7 @@ from skymesh.routing.region import (
     SendToReplica,
 )
 from skymesh.routing.registry import make_policy
+from skymesh.slo import SloClass, apply_slo_class, missed_targets
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica, start_balancer
 
@@ -321,3 +316,44 @@ def test_early_rejection_off_queues_everything_and_a_peer_that_could_meet_it_sav
     core, now = _busy_region(peers={"there": 0.04})
     core.peer_heartbeat("there", _beat(), now)
     assert core.submit(req(1, ttft=1.0), now) == []  # 40 ms away with free replicas
+
+
+# ----------------------------------------------------------------------------- reports and traces
+
+
+def test_class_summary_judges_every_target_and_a_rejected_request_meets_none() -> None:
+    import numpy as np
+
+    from skymesh.bench.metrics import class_summary
+
+    nan = float("nan")
+    arrival = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
+    ttft = np.array([0.5, 0.5, 1.5, nan, 0.5])
+    e2e = np.array([2.5, 10.5, 3.5, nan, 2.5])
+    out = np.array([21.0, 21.0, 21.0, 21.0, 21.0])
+    rejected = np.array([False, False, False, True, False])
+    member = np.array([True, True, True, True, False])
+    chat = SloClassConfig(ttft_s=1.0, tpot_s=0.1)  # request 1: 10 s over 20 tokens, too slow
+    got = class_summary(arrival, ttft, e2e, out, rejected, member, chat)
+    assert got["requests"] == 4 and got["slo_attainment"] == 0.25 and got["rejected_share"] == 0.25
+    assert got["ttft_mean"] == pytest.approx((0.5 + 0.5 + 1.5) / 3, abs=1e-4)
+    batch = SloClassConfig(e2e_s=5.0)
+    assert class_summary(arrival, ttft, e2e, out, rejected, member, batch)["slo_attainment"] == 0.5
+
+
+def test_a_trace_row_may_name_its_class_and_a_mix_is_reproducible(tmp_path: Any) -> None:
+    import json
+
+    from skymesh.bench.traces import assign_slo_classes, load_mooncake
+
+    rows = [{"timestamp": i * 100, "input_length": 600, "output_length": 8, "hash_ids": [i, 1000 + i],
+             **({"slo_class": "code"} if i % 2 else {})} for i in range(40)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    trace = load_mooncake(path)
+    assert [r.slo_class for r in trace[:4]] == ["", "code", "", "code"]
+    mixed = assign_slo_classes(trace, {"chat": 0.7, "batch": 0.3}, seed=7)
+    assert mixed == assign_slo_classes(trace, {"chat": 0.7, "batch": 0.3}, seed=7)
+    assert {r.slo_class for r in mixed} == {"chat", "batch"}
+    with pytest.raises(ValueError):
+        assign_slo_classes(trace, {"chat": 0.0})

@@ -205,7 +205,7 @@ class BalancerMetrics:
             "expectation compared (within one chunk, over, under).",
             ("result", "cache_source"), registry=None,
         )
-        # SLO classes (skymesh/balancer/slo.py), counted by the balancer the client called:
+        # SLO classes (skymesh/balancer/slo_class.py, skymesh/slo.py), counted by the balancer the client called:
         # requests admitted per class; how each ended (met every target it could be judged
         # on, missed one, rejected by the balancer, failed after its first byte); and which
         # targets were missed; cancelled: the client went away first. Attainment of a class =

@@ -43,13 +43,7 @@ from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import ParsedRequest, parse_body
-from skymesh.balancer.slo import (
-    SLO_CLASS_HEADER,
-    SloClass,
-    apply_slo_class,
-    missed_targets,
-    resolve_slo_class,
-)
+from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.balancer.usage import (
     judge_prediction,
     reported_cached_tokens,
@@ -80,6 +74,7 @@ from skymesh.routing.region import (
     SendToReplica,
 )
 from skymesh.routing.registry import make_policy
+from skymesh.slo import SloClass, apply_slo_class, missed_targets
 from skymesh.supervise import SupervisedLoop
 
 log = logging.getLogger("skymesh.balancer")
@@ -807,7 +802,7 @@ class Balancer:
 
     def _judge_slo(self, req: RoutingRequest, slo: SloClass | None, waiter: _Waiter,
                    outcome: AttemptOutcome, now: float) -> None:
-        """Count a served answer against its class's targets (see skymesh/balancer/slo.py)."""
+        """Count a served answer against its class's targets (see skymesh/slo.py)."""
         if slo is None or req.forwarded:
             return
         ttft = None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival

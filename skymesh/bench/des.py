@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from skymesh.bench.metrics import cv, summarize_arrays
+from skymesh.bench.metrics import class_summary, cv, summarize_arrays
 from skymesh.bench.traces import TraceRequest, fit_request
+from skymesh.config import SloClassConfig
 from skymesh.prompt_tokens import id_chunk_hashes
 from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
@@ -56,6 +57,7 @@ from skymesh.routing.region import (
     SendToReplica,
 )
 from skymesh.routing.registry import make_policy
+from skymesh.slo import SloClass, apply_slo_class
 from skymesh.tokens import TRACE_BLOCK_TOKENS
 
 
@@ -91,6 +93,11 @@ class SimConfig:
     # region core's per-replica block index, as with vLLM's --kv-events-config). "events"
     # gives requests token ids and needs chunk_tokens == block_size.
     cache_view: str = "history"
+    # SLO classes by name (a trace request's ``slo_class`` picks one; unknown or "": none):
+    # their targets and priorities reach the region core as the balancer stamps them
+    slo_classes: dict[str, SloClassConfig] = field(default_factory=dict)
+    # Mooncake's early rejection of requests whose class's TTFT no placement can meet
+    early_rejection: bool = True
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:
@@ -245,7 +252,8 @@ class _Region:
                                 prefill_s_per_token=per_tok, chunk_tokens=cfg.chunk_tokens)
         # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
         settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
-                                  lookahead=cfg.lookahead, max_queue_wait_s=None)
+                                  lookahead=cfg.lookahead, max_queue_wait_s=None,
+                                  early_rejection=cfg.early_rejection)
         self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, self.kv_indexes)
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
         self.core.set_replicas(self.replica_ids, 0.0)
@@ -278,6 +286,19 @@ class SimResult:
     events: int
     sim_time_s: float
     lazy_mismatches: int
+    # per request: the index of its SLO class in ``slo_class_names``; -1: none
+    slo_class: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    slo_class_names: tuple[str, ...] = ()
+    slo_class_targets: tuple[SloClassConfig, ...] = ()
+
+    def class_summaries(self, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """Per SLO class: its requests, attainment (every target it can be judged on met;
+        a rejected request misses), share rejected and mean / P90 latencies."""
+        return {
+            name: class_summary(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
+                                self.slo_class == k, targets, warmup_s=warmup_s)
+            for k, (name, targets) in enumerate(zip(self.slo_class_names, self.slo_class_targets, strict=True))
+        }
 
     def summary(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, Any]:
         return summarize_arrays(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
@@ -355,6 +376,9 @@ class Simulator:
         self._flags = bytearray()  # 1: rejected, 2: offloaded
         self._predicted = array("d")
         self._actual = array("d")
+        class_names = tuple(cfg.slo_classes)
+        class_index = {name: k for k, name in enumerate(class_names)}
+        self._class = array("h")
         it: Iterator[TraceRequest] = iter(trace)
         self._next_index = 0
         outstanding = 0
@@ -379,6 +403,7 @@ class Simulator:
             self._flags.append(0)
             self._predicted.append(math.nan)
             self._actual.append(math.nan)
+            self._class.append(class_index.get(r.slo_class, -1))
             region = r.region if r.region in self.regions else default_region
             self._push(r.arrival_s, self.ARRIVE, (i, region, r, in_len, out_len))
             return True
@@ -434,6 +459,9 @@ class Simulator:
                 self._origin[rid] = region
                 rreq = RoutingRequest(rid, chunks, in_len, r.arrival_s, max_tokens=out_len,
                                       session_key=str(r.session))
+                targets = cfg.slo_classes.get(r.slo_class) if r.slo_class else None
+                if targets is not None:
+                    apply_slo_class(rreq, SloClass(r.slo_class, targets))
                 if not self._admit(self.regions[region], rreq, t):
                     outstanding -= 1
                     if progress:
@@ -482,6 +510,9 @@ class Simulator:
             events=self.events,
             sim_time_s=self.now,
             lazy_mismatches=self.lazy_mismatches,
+            slo_class=np.frombuffer(self._class, dtype=np.int16)[:n].copy(),
+            slo_class_names=class_names,
+            slo_class_targets=tuple(cfg.slo_classes[c] for c in class_names),
         )
 
     # ------------------------------------------------------------------ balancer side

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from skymesh.config import SloClassConfig
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for no values."""
@@ -133,6 +135,37 @@ def summarize_arrays(arrival: np.ndarray, ttft: np.ndarray, e2e: np.ndarray, out
         out["itl_p50"] = _p(itl, 50)
         out["itl_p99"] = _p(itl, 99)
     return out
+
+
+def class_summary(arrival: np.ndarray, ttft: np.ndarray, e2e: np.ndarray, output_len: np.ndarray,
+                  rejected: np.ndarray, member: np.ndarray, targets: SloClassConfig, *,
+                  warmup_s: float = 0.0) -> dict[str, Any]:
+    """One SLO class's figures over per-request arrays (``member`` selects its requests;
+    ``ttft``/``e2e`` NaN when missing). Attainment: the share of its requests that met
+    every target of the class (TTFT; TPOT over the output tokens after the first; end to
+    end); a rejected or unfinished request meets none."""
+    keep = member & (arrival >= (arrival.min() + warmup_s if arrival.size else 0.0))
+    ttft, e2e, out = ttft[keep], e2e[keep], output_len[keep]
+    n = int(keep.sum())
+    ok = ~np.isnan(e2e) & ~np.isnan(ttft)
+    if targets.ttft_s is not None:
+        ok &= ttft <= targets.ttft_s
+    if targets.tpot_s is not None:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = (e2e - ttft) / np.maximum(out - 1, 1)
+        ok &= (out <= 1) | (tpot <= targets.tpot_s)
+    if targets.e2e_s is not None:
+        ok &= e2e <= targets.e2e_s
+    got, fin = ~np.isnan(ttft), ~np.isnan(e2e)
+    return {
+        "requests": n,
+        "slo_attainment": round(float(ok.sum()) / n, 4) if n else 0.0,
+        "rejected_share": round(float(np.count_nonzero(rejected[keep])) / n, 4) if n else 0.0,
+        "ttft_mean": round(float(ttft[got].mean()), 4) if got.any() else None,
+        "ttft_p90": _p(ttft[got], 90),
+        "e2e_mean": round(float(e2e[fin].mean()), 4) if fin.any() else None,
+        "e2e_p90": _p(e2e[fin], 90),
+    }
 
 
 def summarize(results: Sequence[Any], slo_s: float, prefix_hit_rate: float | None = None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +38,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     region: str = ""
     session: int = 0
+    slo_class: str = ""  # its SLO class ("" for none)
 
 
 def shared_prefix_blocks(reqs: Iterable[TraceRequest]) -> set[int]:
@@ -83,8 +84,8 @@ def assign_sessions(reqs: Sequence[TraceRequest], min_shared_blocks: int = 2) ->
 def load_mooncake(path: str | Path, first_n: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake JSONL trace (``timestamp`` ms); arrivals start at 0 s.
 
-    A row may carry its own ``region`` (a region name) and ``session_id`` (any JSON
-    scalar): both are kept as they are. Sessions are inferred from the prefix chains
+    A row may carry its own ``region`` (a region name), ``session_id`` (any JSON scalar)
+    and ``slo_class`` (a class name): all are kept as they are. Sessions are inferred from the prefix chains
     (:func:`assign_sessions`) only when no row names one."""
     rows: list[TraceRequest] = []
     session_ids: dict[object, int] = {}
@@ -105,11 +106,33 @@ def load_mooncake(path: str | Path, first_n: int | None = None) -> list[TraceReq
                 named_sessions += 1
                 session = session_ids.setdefault(row["session_id"], len(session_ids))
             rows.append(TraceRequest(ts - t0, int(row["input_length"]), int(row["output_length"]), ids,
-                                     region=str(row.get("region") or ""), session=session))
+                                     region=str(row.get("region") or ""), session=session,
+                                     slo_class=str(row.get("slo_class") or "")))
     rows.sort(key=lambda r: r.arrival_s)
     if named_sessions and named_sessions != len(rows):
         raise ValueError(f"{path}: {named_sessions} of {len(rows)} rows name a session_id: all or none must")
     return rows if named_sessions else assign_sessions(rows)
+
+
+def assign_slo_classes(reqs: Sequence[TraceRequest], shares: Mapping[str, float], seed: int = 0
+                       ) -> list[TraceRequest]:
+    """Give every session one SLO class, drawn with the given ``shares`` (class name ->
+    weight) by a generator seeded with ``seed``: a conversation keeps its class across its
+    turns, as a client (a chat app, a code assistant, a batch job) does. Sessions are
+    drawn in order of first appearance, so the same trace and seed give the same classes."""
+    names = [n for n, w in shares.items() if w > 0]
+    if not names:
+        raise ValueError("an SLO class mix needs at least one class with a positive share")
+    weights = [shares[n] for n in names]
+    rng = random.Random(seed)
+    of_session: dict[int, str] = {}
+    out = []
+    for r in reqs:
+        cls = of_session.get(r.session)
+        if cls is None:
+            cls = of_session[r.session] = rng.choices(names, weights)[0]
+        out.append(replace(r, slo_class=cls))
+    return out
 
 
 def fit_request(r: TraceRequest, max_model_len: int, kv_tokens: int) -> TraceRequest:

@@ -257,9 +257,9 @@ class OffloadRouter:
         return best if best_s + self.min_gain_s < local else None
 
     def soonest_first_token_s(self, req: RoutingRequest, now: float) -> float:
-        """A lower bound on when any allowed, affordable peer could start ``req``'s first
-        token: the round trip plus its wait there (its own prefill left out, so this never
-        overstates). inf when none could take it (or offload is off, or it was forwarded)."""
+        """When any allowed, affordable peer is expected to start ``req``'s first token at
+        the soonest: the round trip plus its wait there (its own prefill left out). inf
+        when none could take it (or offload is off, or it was forwarded)."""
         if not self.enabled or req.forwarded:
             return math.inf
         src = req.origin_region or self.region

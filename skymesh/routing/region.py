@@ -142,7 +142,7 @@ class RegionSettings:
     max_queue_wait_s: float | None = 60.0
     retry_after_s: float = 2.0
     # Mooncake's early rejection: a request whose SLO class's TTFT target no placement here
-    # or at a peer can meet, even at best, gets 429 at once instead of queueing to a miss
+    # or at a peer is expected to meet gets 429 at once instead of queueing to a miss
     early_rejection: bool = True
     health: HealthSettings = field(default_factory=HealthSettings)
 
@@ -507,12 +507,13 @@ class RegionCore:
         return []
 
     def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
-        """A lower bound on when a replica here could start ``req``'s first token if it
-        were queued now: nothing while the free dispatch slots cover every request of its
+        """When a replica here is expected to start ``req``'s first token at the soonest if
+        it were queued now: nothing while the free dispatch slots cover every request of its
         priority or higher already queued, else the requests beyond them over the recent
-        placement rate; plus the prefill already on the least loaded healthy replica its
-        rules allow. Its own prefill is left out (what it will find cached is the policy's
-        call), so the bound never overstates. None while there is no drain rate to go by."""
+        placement rate (the one predicted term); plus the prefill already on the least
+        loaded healthy replica its rules allow. Its own prefill is left out (what it will
+        find cached is the policy's call), so the estimate leans early. None while there is
+        no drain rate to go by."""
         ahead = self.local.queued_ahead_of(req.priority)
         free = self.local.free_dispatch_slots()
         if ahead < free:
@@ -531,7 +532,8 @@ class RegionCore:
 
     def _unreachable_ttft(self, req: RoutingRequest, now: float) -> Reject | None:
         """Mooncake's early rejection, for a request with a TTFT target of its own (its
-        SLO class's): 429 when neither here nor any peer could meet it even at best."""
+        SLO class's): 429 when neither here nor any peer is expected to meet it, even
+        leaving its own prefill out."""
         target = req.slo_ttft_s
         if target is None or req.forwarded:  # a peer's forward: the origin already judged
             return None
