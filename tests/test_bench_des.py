@@ -264,3 +264,23 @@ def test_simulated_classes_get_their_priority_and_a_report_each() -> None:
     even_gold, even_bronze = figures[0]["gold"], figures[0]["bronze"]
     assert 0.5 < even_gold["ttft_mean"] / even_bronze["ttft_mean"] < 2.0
     assert gold["ttft_mean"] < even_gold["ttft_mean"] < bronze["ttft_mean"]
+
+
+def test_sim_cli_mixes_classes_and_reports_each(tmp_path: Path) -> None:
+    classes = tmp_path / "classes.yaml"
+    classes.write_text("slo_classes:\n  chat: {ttft_s: 1.0, priority: 1}\n  batch: {e2e_s: 60.0}\n")
+    p = argparse.ArgumentParser()
+    sim_main.add_arguments(p)
+    argv = ["--trace", "hot-prefix", "--requests", "200", "--rate", "20", "--replicas", "2", "--profile", "tiny-test",
+            "--block-size", "16", "--systems", "dualmap", "--rates", "1", "--jobs", "1", "--out", str(tmp_path),
+            "--slo-classes", str(classes), "--slo-mix", "chat=0.7,batch=0.3"]
+    assert sim_main.run(p.parse_args(argv)) == 0
+    got = json.loads((tmp_path / "results.json").read_text())["sweeps"]["dualmap"][0]["classes"]
+    assert set(got) == {"chat", "batch"} and got["chat"]["requests"] + got["batch"]["requests"] == 200
+    assert got["chat"]["requests"] > got["batch"]["requests"]
+    for bad in (["--slo-mix", "gold=1"], ["--slo-mix", "chat=x"]):
+        with pytest.raises(SystemExit):
+            sim_main.build_trace(p.parse_args(argv[:-2] + bad))
+    classes.write_text("slo_classes:\n  chat: {}\n")
+    with pytest.raises(SystemExit, match="slo_classes.chat"):
+        sim_main.slo_classes(p.parse_args(argv))

@@ -31,6 +31,7 @@ from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
     assign_regions,
+    assign_slo_classes,
     diurnal,
     fit_to_context,
     load_mooncake,
@@ -39,6 +40,7 @@ from skymesh.bench.traces import (
     window,
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
+from skymesh.config import SloClassConfig
 from skymesh.replica_sim.profiles import PROFILES
 from skymesh.routing.offload import OffloadTrigger
 from skymesh.routing.registry import (
@@ -112,6 +114,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="policy option for every system (repeatable), e.g. max_hold_fraction=0.2")
+    p.add_argument("--slo-classes", default=None, metavar="YAML",
+                   help="a YAML file with a slo_classes: mapping (a mesh config will do): the classes' targets")
+    p.add_argument("--slo-mix", default=None, metavar="NAME=SHARE,...",
+                   help="give each session a class drawn with these shares (seeded by --seed); rows "
+                        "naming their own slo_class keep it")
+    p.add_argument("--no-early-rejection", action="store_true",
+                   help="queue requests whose class's TTFT cannot be met instead of rejecting them")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
     p.add_argument("--goodput-search", action="store_true",
                    help="instead of the --rates sweep: each system's monotone goodput by bisection "
@@ -128,6 +137,8 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
     """The workload at rate multiplier ``rate`` (a list, or a lazy stream for synthetic)."""
     names, _ = region_layout(args.regions)
     if args.trace == "synthetic":
+        if args.slo_mix:
+            raise SystemExit("--slo-mix: the synthetic stream carries no classes (use a trace or a workload)")
         return synthetic_conversations(args.requests, names, args.rate * rate, skew=args.skew,
                                        diurnal_period_s=args.diurnal_period_s, amplitude=args.amplitude,
                                        seed=args.seed)
@@ -147,7 +158,52 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
         reqs = assign_regions(reqs, names, args.skew, args.seed)
         if args.diurnal_period_s > 0:
             reqs = diurnal(reqs, names, args.diurnal_period_s, args.amplitude, seed=args.seed)
+    mix = slo_mix(args)
+    if mix:
+        reqs = [r if r.slo_class else m for r, m in zip(reqs, assign_slo_classes(reqs, mix, args.seed), strict=True)]
     return scale_rate(reqs, rate) if rate != 1.0 else reqs
+
+
+def slo_classes(args: argparse.Namespace) -> dict[str, SloClassConfig]:
+    """The classes of ``--slo-classes`` (validated as the mesh config validates them)."""
+    if not args.slo_classes:
+        return {}
+    import yaml
+    from pydantic import TypeAdapter, ValidationError
+
+    from skymesh.config import SloClassName
+    from skymesh.validation import first_error
+
+    try:
+        data = yaml.safe_load(Path(args.slo_classes).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SystemExit(f"--slo-classes {args.slo_classes}: {e}") from None
+    raw = data.get("slo_classes") if isinstance(data, dict) else None
+    if not isinstance(raw, dict) or not raw:
+        raise SystemExit(f"--slo-classes {args.slo_classes}: no slo_classes: mapping in it")
+    try:
+        return TypeAdapter(dict[SloClassName, SloClassConfig]).validate_python(raw)
+    except ValidationError as e:
+        path, message = first_error(e)
+        raise SystemExit(f"--slo-classes {args.slo_classes}: slo_classes.{path}: {message}") from None
+
+
+def slo_mix(args: argparse.Namespace) -> dict[str, float]:
+    if not args.slo_mix:
+        return {}
+    known = slo_classes(args)
+    out: dict[str, float] = {}
+    for item in args.slo_mix.split(","):
+        name, sep, share = item.partition("=")
+        try:
+            value = float(share)
+        except ValueError:
+            value = -1.0
+        if not sep or name not in known or not value >= 0:
+            raise SystemExit(f"--slo-mix {item!r}: expected NAME=SHARE with NAME one of --slo-classes "
+                             f"({', '.join(known) or 'none given'})")
+        out[name] = value
+    return out
 
 
 def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, bool, OffloadTrigger]:
@@ -167,7 +223,8 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                      allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
                      offload_trigger=trigger, block_size=args.block_size, probe_interval_s=args.probe_interval_s,
                      cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
-                     policy_options=options_for(policy, parse_policy_options(args.policy_option)))
+                     policy_options=options_for(policy, parse_policy_options(args.policy_option)),
+                     slo_classes=slo_classes(args), early_rejection=not args.no_early_rejection)
 
 
 def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:
@@ -256,6 +313,8 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
     m["prediction_within_block"] = None if acc is None else round(acc, 4)
     m["prediction_over"] = res.prediction_over(args.block_size, args.warmup_s)
     m["simulated_s"] = round(res.sim_time_s, 1)
+    if res.slo_class_names:
+        m["classes"] = res.class_summaries(args.warmup_s)
     ttfts = res.ttft[~(res.ttft != res.ttft)]
     if ttfts.size > 50_000:
         ttfts = ttfts[:: ttfts.size // 50_000 + 1]
@@ -314,6 +373,10 @@ def run(args: argparse.Namespace) -> int:
     write_report(out, summaries, config, sweeps, ttfts, first_run["load"], systems[0],
                  first_run["load_replicas"])
     print(markdown_table(summaries))
+    for s, r in jobs:
+        for name, c in results[(s, r)]["metrics"].get("classes", {}).items():
+            print(f"{s} x{r:g} class {name}: requests={c['requests']} attainment={c['slo_attainment']} "
+                  f"rejected={c['rejected_share']} ttft_mean={c['ttft_mean']} e2e_mean={c['e2e_mean']}")
     if oracle is not None:
         print(f"\noracle (infinite shared cache) prefix hit rate: {oracle:.4f}")
     print("wall time per run (s): " + ", ".join(f"{s}@x{r:g}={results[(s, r)]['metrics']['wall_s']} (cpu {results[(s, r)]['metrics']['cpu_s']})"
