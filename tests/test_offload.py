@@ -112,13 +112,18 @@ def test_forward_only_when_a_peer_answers_sooner_than_the_wait_here() -> None:
     assert r.choose(q, 0.0, local_wait_s=0.5) is None  # not sooner by the margin asked for
 
 
+def context_sent_to_eu_central(r: OffloadRouter) -> RoutingRequest:
+    """eu-central-1 (30 ms away, free replicas) was sent a 256-token context; the next turn
+    of that conversation, which it holds all but the last token of."""
+    beat(r, "eu-central-1", 0.0, avail=2)
+    r.on_forwarded(req(5, 0), "eu-central-1", 0.0)
+    beat(r, "eu-central-1", 0.1, avail=2, seq=2)
+    return req(5, 1)
+
+
 def test_a_prefix_a_peer_holds_pulls_its_follow_up_there_and_one_held_here_keeps_it() -> None:
     r = router()
-    beat(r, "eu-central-1", 0.0, avail=2)  # 30 ms away
-    first = req(5, 0)
-    r.on_forwarded(first, "eu-central-1", 0.0)
-    beat(r, "eu-central-1", 0.1, avail=2, seq=2)
-    follow_up = req(5, 1)  # the same 256-token context, a new turn
+    follow_up = context_sent_to_eu_central(r)
     # idle here, but here it would prefill the whole context (~150 ms) and there only the turn
     assert r.choose(follow_up, 0.1, local_wait_s=0.0) == "eu-central-1"
     other = req(6, 0)
@@ -169,11 +174,7 @@ def test_prefill_is_priced_by_the_refitted_ttft_model_once_attached() -> None:
     from skymesh.routing.ttft import TTFTEstimator
 
     r = router()
-    beat(r, "eu-central-1", 0.0, avail=2)  # 30 ms away
-    first = req(5, 0)
-    r.on_forwarded(first, "eu-central-1", 0.0)
-    beat(r, "eu-central-1", 0.1, avail=2, seq=2)
-    follow_up = req(5, 1)  # the peer holds 256 of its 257 tokens; here it would prefill all
+    follow_up = context_sent_to_eu_central(r)
     # at the profile's seed (~0.59 ms/token) prefilling here costs ~150 ms, more than the RTT
     assert r.choose(follow_up, 0.1, local_wait_s=0.0) == "eu-central-1"
     model = TTFTEstimator(300e-3 / 512, 0.02)
