@@ -31,13 +31,19 @@ def test_live_replay_through_a_balancer(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
     live.add_arguments(p)
     systems = "round_robin" + ("" if peer_available("vllm-router") else ",vllm-router")
+    # the balancer is configured with the classes its requests name (an unknown one would be a 400)
+    classes = tmp_path / "classes.yaml"
+    classes.write_text("slo_classes:\n  chat: {ttft_s: 4.0, priority: 1}\n  batch: {e2e_s: 120.0}\n")
     args = p.parse_args(["--trace", str(trace), "--systems", systems, "--requests", "12", "--replicas", "2",
                          "--profile", "tiny-test", "--time-scale", "0.5", "--slo", "4", "--timeout-s", "60",
+                         "--slo-classes", str(classes), "--slo-mix", "chat=1,batch=1",
                          "--out", str(tmp_path / "out")])
     assert live.run(args) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     m = data["systems"]["round_robin"]
     assert m["requests"] == 12 and m["completed"] == 12 and m["rejected"] == 0
+    assert sum(c["requests"] for c in m["classes"].values()) == 12
+    assert all(c["rejected_share"] == 0 for c in m["classes"].values())
     assert m["replicas_used"] == 2
     assert m["ttft_p50"] is not None and m["itl_p50"] is not None
     assert m["prefix_hit_rate"] is not None
@@ -72,3 +78,48 @@ def test_live_replay_over_the_three_region_mesh(tmp_path: Path) -> None:
     # the balancers' per-replica load was sampled during the burst: a CV and a load plot
     assert mesh["load_cv"] is not None and mesh["load_cv"] > 0
     assert (tmp_path / "out" / "replica_load.png").stat().st_size > 0
+
+
+def test_the_generator_names_each_request_s_class(tmp_path: Path) -> None:
+    """Every request carries its trace row's class in X-SLO-Class (none without one), and
+    the live report judges each class at the client."""
+    import asyncio
+
+    from aiohttp import web
+
+    from skymesh.bench.loadgen import replay
+    from skymesh.bench.traces import TraceRequest
+    from skymesh.config import SloClassConfig
+
+    seen: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("X-SLO-Class"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(3):
+            await resp.write(b'data: {"choices":[{"text":"x"}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> list:  # type: ignore[type-arg]
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        trace = [TraceRequest(0.01 * i, 100, 3, (i,), session=i, slo_class=c)
+                 for i, c in enumerate(("chat", "", "rush", "chat"))]
+        try:
+            return await replay(trace, lambda _r: url, 30.0)
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(main())
+    assert sorted(seen, key=str) == sorted(["chat", None, "rush", "chat"], key=str)
+    classes = {"chat": SloClassConfig(ttft_s=30.0), "rush": SloClassConfig(e2e_s=1e-9)}
+    got = live.live_class_summaries(results, classes, 0.0)
+    assert got["chat"]["requests"] == 2 and got["chat"]["slo_attainment"] == 1.0
+    assert got["rush"]["requests"] == 1 and got["rush"]["slo_attainment"] == 0.0

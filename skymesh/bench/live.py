@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import secrets
 import shutil
@@ -26,8 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from skymesh.bench.classes import slo_classes, with_slo_mix
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
-from skymesh.bench.metrics import monotone_goodput, summarize
+from skymesh.bench.metrics import class_summary, monotone_goodput, summarize
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.traces import (
@@ -38,6 +42,7 @@ from skymesh.bench.traces import (
     oracle_hit_rate,
     scale_rate,
 )
+from skymesh.config import SloClassConfig
 from skymesh.procs import Child, free_port, start_sim_replicas, wait_healthy
 from skymesh.replica_sim.profiles import PROFILES
 
@@ -53,7 +58,36 @@ def _metrics(results: list[LiveResult], args: argparse.Namespace, hit: float | N
     m["slo_s_scaled"] = slo
     m["max_send_lateness_s"] = round(max((r.late_s for r in results), default=0.0), 4)
     m["replicas_used"] = len({r.replica for r in results if r.replica})
+    classes = scaled_slo_classes(args)
+    if classes:
+        m["classes"] = live_class_summaries(results, classes, args.warmup_s * args.time_scale)
     return m
+
+
+def scaled_slo_classes(args: argparse.Namespace) -> dict[str, SloClassConfig]:
+    """``--slo-classes`` with every target scaled by the time scale, as the TTFT SLO is."""
+    ts = args.time_scale
+    return {
+        name: c.model_copy(update={k: None if getattr(c, k) is None else getattr(c, k) * ts
+                                   for k in ("ttft_s", "tpot_s", "e2e_s")})
+        for name, c in slo_classes(args).items()
+    }
+
+
+def live_class_summaries(results: list[LiveResult], classes: dict[str, SloClassConfig],
+                         warmup_s: float) -> dict[str, dict[str, Any]]:
+    """Per class, the figures of :func:`class_summary`, judged at the client (output
+    tokens counted from the stream's events)."""
+    def arr(vals: list[float | None]) -> np.ndarray:
+        return np.array([math.nan if v is None else v for v in vals], dtype=float)
+
+    arrival = arr([r.arrival_s for r in results])
+    ttft, e2e = arr([r.ttft for r in results]), arr([r.e2e for r in results])
+    tokens = np.array([r.tokens for r in results], dtype=float)
+    rejected = np.array([r.rejected for r in results])
+    names = np.array([r.slo_class for r in results])
+    return {name: class_summary(arrival, ttft, e2e, tokens, rejected, names == name, targets, warmup_s=warmup_s)
+            for name, targets in classes.items()}
 
 
 async def run_geo_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,
@@ -90,7 +124,8 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
         # a skymesh balancer binds port 0 and reports it; a peer router cannot report, so
         # it gets a picked port and is polled
         port = 0 if system not in PEERS else free_port()
-        router = router_child(system, urls, port, tmp, slo)
+        classes = {name: c.model_dump(exclude_none=True) for name, c in scaled_slo_classes(args).items()}
+        router = router_child(system, urls, port, tmp, slo, classes, not args.no_early_rejection)
         if router is None:
             print(f"skipping {system}: not installed ({INSTALL_HINT})", file=sys.stderr)
             return None
@@ -131,6 +166,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
     p.add_argument("--no-eu-rule", action="store_true", help="3 regions: let eu-* regions offload anywhere")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-classes", default=None, metavar="YAML",
+                   help="a YAML file with a slo_classes: mapping: the classes' targets (scaled by --time-scale)")
+    p.add_argument("--slo-mix", default=None, metavar="NAME=SHARE,...",
+                   help="give each session a class drawn with these shares (seeded by --seed); requests "
+                        "send it as X-SLO-Class")
+    p.add_argument("--no-early-rejection", action="store_true",
+                   help="the balancer queues requests whose class's TTFT cannot be met instead of rejecting them")
     p.add_argument("--load-sample-s", type=float, default=1.0,
                    help="trace seconds between samples of the balancers' per-replica load")
 
@@ -144,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         from skymesh.bench.live_geo import geo_trace
 
         base = geo_trace(base, args.skew, args.diurnal_period_s, args.amplitude, args.seed)
+        if args.slo_classes:
+            raise SystemExit("--slo-classes: the 3-region live mode does not configure classes on its mesh yet")
+    base = with_slo_mix(base, args)
     rates = [float(x) for x in args.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-live-"))
     systems: dict[str, dict[str, Any]] = {}

@@ -51,6 +51,7 @@ class LiveResult:
     replica: str = ""
     offloaded: bool = False
     late_s: float = 0.0  # how late the generator sent it (a sign of an overloaded client)
+    slo_class: str = ""  # the class it asked for in X-SLO-Class ("" for none)
 
 
 def _content_events(buf: bytearray) -> tuple[int, bool]:
@@ -117,7 +118,8 @@ async def replay(trace: Sequence[TraceRequest], url_for: Callable[[TraceRequest]
 
     ``source_for`` names the client's source address per request (a client *in* its
     region: the local mesh's delay proxies tell regions apart by source network)."""
-    results = [LiveResult(r.arrival_s, r.input_len, r.output_len, origin=r.region) for r in trace]
+    results = [LiveResult(r.arrival_s, r.input_len, r.output_len, origin=r.region, slo_class=r.slo_class)
+               for r in trace]
     tasks: list[asyncio.Task[None]] = []
     deadline = time.perf_counter() + timeout_s
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -141,8 +143,11 @@ async def replay(trace: Sequence[TraceRequest], url_for: Callable[[TraceRequest]
                 await asyncio.sleep(delay)
             res.late_s = max(0.0, (time.perf_counter() - t0) - r.arrival_s)
             prompt = trace_prompt(r.hash_ids, r.input_len)
+            headers = {"X-Session-ID": str(r.session)}
+            if r.slo_class:
+                headers["X-SLO-Class"] = r.slo_class
             task = asyncio.create_task(send_one(session_for(r), url_for(r), prompt, r.output_len, res,
-                                                headers={"X-Session-ID": str(r.session)}))
+                                                headers=headers))
             if on_done is not None:
                 task.add_done_callback(lambda _t: on_done())
             tasks.append(task)

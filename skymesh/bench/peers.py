@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -51,10 +52,17 @@ def peer_child(system: str, urls: Sequence[str], port: int, log_dir: Path, polic
 
 
 def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, region: str = "bench-1",
-                    chunk_tokens: int = 512) -> dict[str, object]:
+                    chunk_tokens: int = 512, slo_classes: Mapping[str, Any] | None = None,
+                    early_rejection: bool = True) -> dict[str, object]:
     """A one-region mesh config: one balancer owning every replica, no offload. Port 0
-    (bind any, report it) is the balancer's --http-port, not the config's (which wants 1-65535)."""
+    (bind any, report it) is the balancer's --http-port, not the config's (which wants 1-65535).
+    ``slo_classes``: the classes the load generator's requests name (as the mesh config
+    writes them)."""
+    classes: dict[str, object] = {}
+    if slo_classes:
+        classes = {"slo_classes": dict(slo_classes), "slo_early_rejection": early_rejection}
     return {
+        **classes,
         "model": "skymesh-sim",
         "regions": [{"name": region, "source_networks": ["127.1.0.0/16"],
                      "balancer": {"listen": f"127.0.0.1:{port or free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}"},
@@ -66,16 +74,21 @@ def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, r
     }
 
 
-def balancer_child(policy: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float) -> Child:
+def balancer_child(policy: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float,
+                   slo_classes: Mapping[str, Any] | None = None, early_rejection: bool = True) -> Child:
     path = log_dir / f"{policy}-balancer.yaml"
-    path.write_text(yaml.safe_dump(balancer_config(policy, urls, port, slo_s)))
+    path.write_text(yaml.safe_dump(balancer_config(policy, urls, port, slo_s, slo_classes=slo_classes,
+                                                   early_rejection=early_rejection)))
     return Child(f"balancer-{policy}", skymesh_cmd("balancer", "--config", str(path), "--region", "bench-1",
                                                    "--http-port", str(port), "--no-controller", "--no-peers",
                                                    "--log-level", "WARNING"),
                  log_dir)
 
 
-def router_child(system: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float) -> Child | None:
+def router_child(system: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float,
+                 slo_classes: Mapping[str, Any] | None = None, early_rejection: bool = True) -> Child | None:
+    """The router under test. A peer router knows no SLO classes: the header its requests
+    carry passes through unread, and the classes are judged at the client alike."""
     if system in PEERS:
         return peer_child(system, urls, port, log_dir)
-    return balancer_child(system, urls, port, log_dir, slo_s)
+    return balancer_child(system, urls, port, log_dir, slo_s, slo_classes, early_rejection)

@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from skymesh.bench.classes import slo_classes, with_slo_mix
 from skymesh.bench.des import SimConfig, Simulator
 from skymesh.bench.metrics import goodput
 from skymesh.bench.report import markdown_table, write_report
@@ -31,7 +32,6 @@ from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
     assign_regions,
-    assign_slo_classes,
     diurnal,
     fit_to_context,
     load_mooncake,
@@ -40,7 +40,6 @@ from skymesh.bench.traces import (
     window,
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
-from skymesh.config import SloClassConfig
 from skymesh.replica_sim.profiles import PROFILES
 from skymesh.routing.offload import OffloadTrigger
 from skymesh.routing.registry import (
@@ -158,52 +157,8 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
         reqs = assign_regions(reqs, names, args.skew, args.seed)
         if args.diurnal_period_s > 0:
             reqs = diurnal(reqs, names, args.diurnal_period_s, args.amplitude, seed=args.seed)
-    mix = slo_mix(args)
-    if mix:
-        reqs = [r if r.slo_class else m for r, m in zip(reqs, assign_slo_classes(reqs, mix, args.seed), strict=True)]
+    reqs = with_slo_mix(reqs, args)
     return scale_rate(reqs, rate) if rate != 1.0 else reqs
-
-
-def slo_classes(args: argparse.Namespace) -> dict[str, SloClassConfig]:
-    """The classes of ``--slo-classes`` (validated as the mesh config validates them)."""
-    if not args.slo_classes:
-        return {}
-    import yaml
-    from pydantic import TypeAdapter, ValidationError
-
-    from skymesh.config import SloClassName
-    from skymesh.validation import first_error
-
-    try:
-        data = yaml.safe_load(Path(args.slo_classes).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise SystemExit(f"--slo-classes {args.slo_classes}: {e}") from None
-    raw = data.get("slo_classes") if isinstance(data, dict) else None
-    if not isinstance(raw, dict) or not raw:
-        raise SystemExit(f"--slo-classes {args.slo_classes}: no slo_classes: mapping in it")
-    try:
-        return TypeAdapter(dict[SloClassName, SloClassConfig]).validate_python(raw)
-    except ValidationError as e:
-        path, message = first_error(e)
-        raise SystemExit(f"--slo-classes {args.slo_classes}: slo_classes.{path}: {message}") from None
-
-
-def slo_mix(args: argparse.Namespace) -> dict[str, float]:
-    if not args.slo_mix:
-        return {}
-    known = slo_classes(args)
-    out: dict[str, float] = {}
-    for item in args.slo_mix.split(","):
-        name, sep, share = item.partition("=")
-        try:
-            value = float(share)
-        except ValueError:
-            value = -1.0
-        if not sep or name not in known or not value >= 0:
-            raise SystemExit(f"--slo-mix {item!r}: expected NAME=SHARE with NAME one of --slo-classes "
-                             f"({', '.join(known) or 'none given'})")
-        out[name] = value
-    return out
 
 
 def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, bool, OffloadTrigger]:
