@@ -59,6 +59,7 @@ def controller_rules(dns_provider: str) -> Rules:
         (("slo_classes",), Kind.UNUSED),
         (("default_slo_class",), Kind.UNUSED),
         (("slo_early_rejection",), Kind.UNUSED),
+        (("queue",), Kind.UNUSED),
         (("client_timeouts",), Kind.UNUSED),
         (("emulate_latency",), Kind.UNUSED),
     )

@@ -500,6 +500,17 @@ class PolicyConfig(ConfigModel):
         return policy_options(name, raw)
 
 
+class QueueConfig(ConfigModel):
+    """The order of the balancer's queue within a priority (skymesh/routing/disciplines.py)."""
+
+    # "fcfs": arrival order; "slo": each head window ordered for SLO attainment
+    discipline: Literal["fcfs", "slo"] = "fcfs"
+    # slo: how many requests at the head of each priority are ordered
+    window: Annotated[Int, Field(ge=2, le=64)] = 8
+    # slo: the search's budget per decision, in schedule evaluations
+    iterations: Annotated[Int, Field(ge=0, le=100_000)] = 300
+
+
 class HealthConfig(ConfigModel):
     """Replica health with hysteresis (Envoy's thresholds): failed probes and connection
     failures both count; one bad probe only pauses dispatch until the next good one."""
@@ -725,6 +736,7 @@ class MeshConfig(ConfigModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     # the shared secret of forwarded requests and the DNS control API; no default is
     # shipped: $SKYMESH_PEER_TOKEN, this, or the local-mode file (skymesh/admin_auth.py)

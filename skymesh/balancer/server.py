@@ -184,6 +184,10 @@ def region_settings(cfg: MeshConfig) -> RegionSettings:
         max_queue_wait_s=cfg.upstream.max_queue_wait_s or max(60.0, cfg.policy.ttft_slo_s * 30),
         retry_after_s=max(1, round(cfg.policy.ttft_slo_s)),
         early_rejection=cfg.slo_early_rejection,
+        queue_discipline=cfg.queue.discipline,
+        slo_window=cfg.queue.window,
+        slo_iterations=cfg.queue.iterations,
+        ttft_slo_s=cfg.policy.ttft_slo_s,
         health=HealthSettings(
             unhealthy_threshold=cfg.health.unhealthy_threshold,
             healthy_threshold=cfg.health.healthy_threshold,

@@ -46,6 +46,7 @@ from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
 from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.disciplines import QueueDiscipline
 from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.region import (
@@ -98,6 +99,8 @@ class SimConfig:
     slo_classes: dict[str, SloClassConfig] = field(default_factory=dict)
     # Mooncake's early rejection of requests whose class's TTFT no placement can meet
     early_rejection: bool = True
+    queue_discipline: QueueDiscipline = "fcfs"  # or "slo" (skymesh/routing/disciplines.py)
+    slo_iterations: int = 300
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:
@@ -253,7 +256,8 @@ class _Region:
         # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
         settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
                                   lookahead=cfg.lookahead, max_queue_wait_s=None,
-                                  early_rejection=cfg.early_rejection)
+                                  early_rejection=cfg.early_rejection, queue_discipline=cfg.queue_discipline,
+                                  slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s)
         self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, self.kv_indexes)
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
         self.core.set_replicas(self.replica_ids, 0.0)

@@ -120,6 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "naming their own slo_class keep it")
     p.add_argument("--no-early-rejection", action="store_true",
                    help="queue requests whose class's TTFT cannot be met instead of rejecting them")
+    p.add_argument("--queue-discipline", choices=("fcfs", "slo"), default="fcfs",
+                   help="order within a priority: arrival, or each head annealed for SLO attainment")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
     p.add_argument("--goodput-search", action="store_true",
                    help="instead of the --rates sweep: each system's monotone goodput by bisection "
@@ -179,7 +181,8 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                      offload_trigger=trigger, block_size=args.block_size, probe_interval_s=args.probe_interval_s,
                      cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
                      policy_options=options_for(policy, parse_policy_options(args.policy_option)),
-                     slo_classes=slo_classes(args), early_rejection=not args.no_early_rejection)
+                     slo_classes=slo_classes(args), early_rejection=not args.no_early_rejection,
+                     queue_discipline=args.queue_discipline)
 
 
 def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:

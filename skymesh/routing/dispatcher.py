@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
+from skymesh.routing.disciplines import SloOrder
 from skymesh.routing.queueing import PriorityQueue
 
 
@@ -88,6 +89,8 @@ class BalancerCore:
         # residency: request -> replicas it may never run on (set by the region core only
         # while it holds replicas of another home region, e.g. adopted on failover)
         self.forbidden_for: Callable[[RoutingRequest], frozenset[str]] | None = None
+        # queue discipline within a priority: None is FCFS; SloOrder orders each head window
+        self.discipline: SloOrder | None = None
 
     # ------------------------------------------------------------------ membership/probes
 
@@ -228,6 +231,8 @@ class BalancerCore:
             self._last_rebalance = now
             self.migrations = self.policy.rebalance(self.queued_requests(), self.replicas, now)
             self.counters.migrated += len(self.migrations)
+        if self.discipline is not None:
+            self._order_heads(self.discipline, now)
         placed: list[tuple[RoutingRequest, Decision]] = []
         held = 0
         for rid in self._queue.ids():
@@ -253,6 +258,12 @@ class BalancerCore:
             self._commit(q, decision, now)
             placed.append((q.req, decision))
         return placed
+
+    def _order_heads(self, discipline: SloOrder, now: float) -> None:
+        for priority, head in self._queue.heads(discipline.window):
+            order = discipline.order_head(priority, [q.req for q in head], self.replicas, now)
+            if order is not None:
+                self._queue.reorder_head(priority, order)
 
     def _views_for(self, q: _Queued) -> dict[str, ReplicaView]:
         excluded: set[str] | frozenset[str] = q.excluded

@@ -69,6 +69,26 @@ class PriorityQueue(Generic[Item]):
         """How many queued requests a new one of ``priority`` would wait behind."""
         return sum(len(self._lanes[p]) for p in self._order if p >= priority)
 
+    def heads(self, n: int) -> list[tuple[int, list[Item]]]:
+        """Each priority present (highest first) with its first ``n`` items."""
+        out = []
+        for p in self._order:
+            lane = self._lanes[p]
+            head = []
+            for item in lane.values():
+                if len(head) >= n:
+                    break
+                head.append(item)
+            out.append((p, head))
+        return out
+
+    def reorder_head(self, priority: int, request_ids: list[str]) -> None:
+        """Put ``request_ids`` (the first ones of ``priority``, in any order) first in their
+        priority, in the order given; the rest of it keeps its order."""
+        lane = self._lanes[priority]
+        for rid in reversed(request_ids):
+            lane.move_to_end(rid, last=False)
+
     def ids(self) -> list[str]:
         """The request ids in queue order (a copy: the queue may change while it is walked)."""
         return [rid for p in self._order for rid in self._lanes[p]]

@@ -35,6 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
+from skymesh.routing.disciplines import QueueDiscipline, SloOrder
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
@@ -144,6 +145,13 @@ class RegionSettings:
     # Mooncake's early rejection: a request whose SLO class's TTFT target no placement here
     # or at a peer is expected to meet gets 429 at once instead of queueing to a miss
     early_rejection: bool = True
+    # the order within a priority (skymesh/routing/disciplines.py): "fcfs", or "slo" (each
+    # head of ``slo_window`` requests annealed for SLO attainment, ``slo_iterations``
+    # evaluations a decision); ``ttft_slo_s`` is the deadline of requests without a class
+    queue_discipline: QueueDiscipline = "fcfs"
+    slo_window: int = 8
+    slo_iterations: int = 300
+    ttft_slo_s: float = 2.0
     health: HealthSettings = field(default_factory=HealthSettings)
 
 
@@ -243,6 +251,12 @@ class RegionCore:
         self._placement_rate_at = float("-inf")
         self._first_placement_at: float | None = None
         self.local.forbidden_for = self._forbidden_replicas
+        if s.queue_discipline == "slo":
+            # prefill priced as offload prices it: the policy's refitted model when it has one
+            self.local.discipline = SloOrder(
+                window=s.slo_window, iterations=s.slo_iterations, default_slo_s=s.ttft_slo_s,
+                prefill_s=lambda tokens: offload.prefill_s_per_token * tokens,
+            )
         self.offloaded_out = 0
         self.offloaded_in = 0
 
