@@ -509,6 +509,8 @@ class QueueConfig(ConfigModel):
     window: Annotated[Int, Field(ge=2, le=64)] = 8
     # slo: the search's budget per decision, in schedule evaluations
     iterations: Annotated[Int, Field(ge=0, le=100_000)] = 300
+    # slo: the starvation bound: a request queued this long goes first, in arrival order
+    max_age_s: Annotated[Float, Field(gt=0, le=3600)] = 30.0
 
 
 class HealthConfig(ConfigModel):

@@ -109,3 +109,37 @@ def test_the_slo_order_serves_a_tight_request_queued_behind_loose_ones_first() -
         core.probe("r0", ProbeSample(), 0.3)
         placed[discipline] = [a.request_id for a in core.tick(0.3) if isinstance(a, SendToReplica)]
     assert placed == {"fcfs": ["q0"], "slo": ["q2"]}
+
+
+def _placed_at(max_age_s: float, horizon_s: float = 10.0) -> float | None:
+    """An adversarial stream: one long prompt that is already hopeless (tight target, long
+    prefill) behind a steady stream of short prompts, each of which can still make its
+    deadline. One replica, one placement per 0.1 s. When is the long one placed?"""
+    core = RegionCore("here", make_policy("least_load", PolicyContext()), OffloadRouter("here", {}, enabled=False),
+                      RegionSettings(dispatch_budget=1, queue_discipline="slo", slo_max_age_s=max_age_s,
+                                     early_rejection=False))
+    core.set_replicas(["r0"], 0.0)
+    long = RoutingRequest("long", prompt_chunk_hashes("long " * 4000, 64), 4000, 0.0, slo_ttft_s=0.05)
+    assert core.submit(long, 0.0) == []
+    t, i = 0.0, 0
+    while t < horizon_s:
+        for _ in range(2):  # arrivals outpace placements: the queue never empties
+            i += 1
+            assert core.submit(_req(i, t, 1.0), t) == []
+        core.probe("r0", ProbeSample(), t)
+        for a in core.tick(t):
+            if isinstance(a, SendToReplica):
+                if a.request_id == "long":
+                    return t
+                core.first_token(a.request_id, t + 0.01)
+                core.complete(a.request_id, t + 0.02)
+        t = round(t + 0.1, 6)
+    return None
+
+
+def test_the_age_bound_stops_the_slo_order_from_starving_a_hopeless_request() -> None:
+    # without a bound the search keeps the long, already-late request behind every short
+    # one that can still make its deadline: it is never placed
+    assert _placed_at(max_age_s=1000.0) is None
+    placed = _placed_at(max_age_s=2.0)
+    assert placed is not None and 2.0 <= placed <= 2.2

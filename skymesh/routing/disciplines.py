@@ -15,6 +15,7 @@ discipline owns.
   sweeps); the best order seen is kept, so whatever the budget the answer is EDF or
   better. A head whose members and order did not change since its last decision is not
   searched again (a new arrival in the window, or a placement, starts a new search).
+  Starvation bound: a request queued ``max_age_s`` or longer goes first, in arrival order.
 
 Why by hand: no maintained library anneals a permutation under a custom cost in a few
 hundred microseconds; the loop is twenty lines.
@@ -149,10 +150,14 @@ class SloOrder:
     """The ``slo`` discipline (see the module docstring)."""
 
     def __init__(self, *, window: int, iterations: int, default_slo_s: float,
-                 prefill_s: Callable[[int], float], seed: int = 0) -> None:
+                 prefill_s: Callable[[int], float], max_age_s: float, seed: int = 0) -> None:
         self.window = window
         self.iterations = iterations
         self.default_slo_s = default_slo_s
+        # the starvation bound: a request waiting this long goes first, in arrival order,
+        # whatever the search would prefer (one that already missed its deadline counts
+        # as a miss wherever it stands, so nothing else would ever move it forward)
+        self.max_age_s = max_age_s
         self.prefill_s = prefill_s  # seconds of prefill for a prompt of n tokens
         self.rng = random.Random(seed)
         self._last: dict[int, tuple[str, ...]] = {}  # priority -> the head it last ordered
@@ -168,12 +173,19 @@ class SloOrder:
             0.0 if v.available else self.prefill_s(max(0, v.pending_prefill_tokens))
             for v in replicas.values() if v.healthy
         )
+        overdue = sorted((r for r in head if now - r.arrival >= self.max_age_s), key=lambda r: (r.arrival, r.request_id))
+        pinned = {r.request_id for r in overdue}
         cands = [
             Candidate(r.request_id, r.arrival + (r.slo_ttft_s if r.slo_ttft_s is not None else self.default_slo_s),
                       r.arrival, self.prefill_s(r.prompt_tokens))
-            for r in head
+            for r in head if r.request_id not in pinned
         ]
-        order = [c.request_id for c in anneal(cands, free_at, now, self.iterations, self.rng)]
+        # the overdue ones hold the replicas first: the rest is planned behind them
+        for r in overdue:
+            free_at[0] += self.prefill_s(r.prompt_tokens) if free_at else 0.0
+            free_at.sort()
+        order = [r.request_id for r in overdue] + [
+            c.request_id for c in anneal(cands, free_at, now, self.iterations, self.rng)]
         self.decisions += 1
         self._last[priority] = tuple(order)
         return None if tuple(order) == ids else order

@@ -152,6 +152,8 @@ class RegionSettings:
     slo_window: int = 8
     slo_iterations: int = 300
     ttft_slo_s: float = 2.0
+    # the slo discipline's starvation bound: queued this long, a request goes first
+    slo_max_age_s: float = 30.0
     health: HealthSettings = field(default_factory=HealthSettings)
 
 
@@ -255,7 +257,7 @@ class RegionCore:
             # prefill priced as offload prices it: the policy's refitted model when it has one
             self.local.discipline = SloOrder(
                 window=s.slo_window, iterations=s.slo_iterations, default_slo_s=s.ttft_slo_s,
-                prefill_s=lambda tokens: offload.prefill_s_per_token * tokens,
+                prefill_s=lambda tokens: offload.prefill_s_per_token * tokens, max_age_s=s.slo_max_age_s,
             )
         self.offloaded_out = 0
         self.offloaded_in = 0
