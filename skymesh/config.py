@@ -43,6 +43,7 @@ from pydantic import (
     model_validator,
 )
 
+from skymesh.routing.disciplines import DEFAULT_ITERATIONS
 from skymesh.routing.options import PolicyOptions
 from skymesh.routing.registry import POLICIES, policy_options
 from skymesh.validation import PathError, first_error, kind
@@ -507,8 +508,9 @@ class QueueConfig(ConfigModel):
     discipline: Literal["fcfs", "slo"] = "fcfs"
     # slo: how many requests at the head of each priority are ordered
     window: Annotated[Int, Field(ge=2, le=64)] = 8
-    # slo: the search's budget per decision, in schedule evaluations
-    iterations: Annotated[Int, Field(ge=0, le=100_000)] = 300
+    # slo: the search's budget per decision, in schedule evaluations (annealing, then as many
+    # again at most for the polish; see skymesh/routing/disciplines.py)
+    iterations: Annotated[Int, Field(ge=0, le=100_000)] = DEFAULT_ITERATIONS
     # slo: the starvation bound: a request queued this long goes first, in arrival order
     max_age_s: Annotated[Float, Field(gt=0, le=3600)] = 30.0
 

@@ -46,7 +46,7 @@ from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
 from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.disciplines import QueueDiscipline
+from skymesh.routing.disciplines import DEFAULT_ITERATIONS, QueueDiscipline
 from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.region import (
@@ -100,7 +100,7 @@ class SimConfig:
     # Mooncake's early rejection of requests whose class's TTFT no placement can meet
     early_rejection: bool = True
     queue_discipline: QueueDiscipline = "fcfs"  # or "slo" (skymesh/routing/disciplines.py)
-    slo_iterations: int = 300
+    slo_iterations: int = DEFAULT_ITERATIONS
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:

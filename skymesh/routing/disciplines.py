@@ -12,7 +12,7 @@ discipline owns.
   is simulated annealing over the order (swap and move-one steps, geometric cooling) from
   the earliest-deadline-first order, bounded by ``iterations`` evaluations per decision,
   then polished by moving one request or swapping two while that helps (at most two
-  sweeps); the best order seen is kept, so whatever the budget the answer is EDF or
+  sweeps, and ``iterations`` evaluations more); the best order seen is kept, so whatever the budget the answer is EDF or
   better. A head whose members and order did not change since its last decision is not
   searched again (a new arrival in the window, or a placement, starts a new search).
   Starvation bound: a request queued ``max_age_s`` or longer goes first, in arrival order.
@@ -33,6 +33,9 @@ from typing import Literal
 from skymesh.routing.base import ReplicaView, RoutingRequest
 
 QueueDiscipline = Literal["fcfs", "slo"]
+# evaluations per decision: ~0.5 ms p50 / 0.9 ms p99 for a head of 8 on the development
+# machine, within 1% of the exhaustive optimum on 98% of such heads (benchmarks/slo_order.py)
+DEFAULT_ITERATIONS = 100
 @dataclass(frozen=True, slots=True)
 class Candidate:
     request_id: str
@@ -117,12 +120,13 @@ def anneal(cands: Sequence[Candidate], free_at: Sequence[float], now: float, ite
             if e < best:
                 best, best_order = e, new
         t *= cooling
-    return [edf[k] for k in _descend(best_order, best, energy)]
+    return [edf[k] for k in _descend(best_order, best, energy, iterations)]
 
 
-def _descend(order: list[int], e: float, energy: Callable[[list[int]], float], passes: int = 2) -> list[int]:
+def _descend(order: list[int], e: float, energy: Callable[[list[int]], float], budget: int,
+             passes: int = 2) -> list[int]:
     """Polish: move one request or swap two while that helps (first improvement), at most
-    ``passes`` sweeps of every such step."""
+    ``passes`` sweeps of every such step and ``budget`` evaluations."""
     n = len(order)
     for _ in range(passes):
         improved = False
@@ -138,6 +142,9 @@ def _descend(order: list[int], e: float, energy: Callable[[list[int]], float], p
                         new[i], new[j] = new[j], new[i]
                     else:
                         new.insert(j, new.pop(i))
+                    if budget <= 0:
+                        return order
+                    budget -= 1
                     e_new = energy(new)
                     if e_new < e:
                         order, e, improved = new, e_new, True

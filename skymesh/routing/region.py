@@ -35,7 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
-from skymesh.routing.disciplines import QueueDiscipline, SloOrder
+from skymesh.routing.disciplines import DEFAULT_ITERATIONS, QueueDiscipline, SloOrder
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
@@ -150,7 +150,7 @@ class RegionSettings:
     # evaluations a decision); ``ttft_slo_s`` is the deadline of requests without a class
     queue_discipline: QueueDiscipline = "fcfs"
     slo_window: int = 8
-    slo_iterations: int = 300
+    slo_iterations: int = DEFAULT_ITERATIONS
     ttft_slo_s: float = 2.0
     # the slo discipline's starvation bound: queued this long, a request goes first
     slo_max_age_s: float = 30.0
