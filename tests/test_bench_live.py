@@ -36,7 +36,7 @@ def test_live_replay_through_a_balancer(tmp_path: Path) -> None:
     classes.write_text("slo_classes:\n  chat: {ttft_s: 4.0, priority: 1}\n  batch: {e2e_s: 120.0}\n")
     args = p.parse_args(["--trace", str(trace), "--systems", systems, "--requests", "12", "--replicas", "2",
                          "--profile", "tiny-test", "--time-scale", "0.5", "--slo", "4", "--timeout-s", "60",
-                         "--slo-classes", str(classes), "--slo-mix", "chat=1,batch=1",
+                         "--slo-classes", str(classes), "--slo-mix", "chat=1,batch=1", "--queue-discipline", "slo",
                          "--out", str(tmp_path / "out")])
     assert live.run(args) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -125,7 +125,8 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
         # it gets a picked port and is polled
         port = 0 if system not in PEERS else free_port()
         classes = {name: c.model_dump(exclude_none=True) for name, c in scaled_slo_classes(args).items()}
-        router = router_child(system, urls, port, tmp, slo, classes, not args.no_early_rejection)
+        router = router_child(system, urls, port, tmp, slo, classes, not args.no_early_rejection,
+                              args.queue_discipline)
         if router is None:
             print(f"skipping {system}: not installed ({INSTALL_HINT})", file=sys.stderr)
             return None
@@ -173,6 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "send it as X-SLO-Class")
     p.add_argument("--no-early-rejection", action="store_true",
                    help="the balancer queues requests whose class's TTFT cannot be met instead of rejecting them")
+    p.add_argument("--queue-discipline", choices=("fcfs", "slo"), default="fcfs",
+                   help="the skymesh balancer's order within a priority")
     p.add_argument("--load-sample-s", type=float, default=1.0,
                    help="trace seconds between samples of the balancers' per-replica load")
 
