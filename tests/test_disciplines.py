@@ -9,6 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.slo_order import head
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.disciplines import DEFAULT_ITERATIONS, Candidate, anneal, schedule_cost
 from skymesh.routing.hashing import prompt_chunk_hashes
@@ -20,13 +21,8 @@ from skymesh.routing.registry import make_policy
 
 def instance(rng: random.Random, n: int) -> tuple[list[Candidate], list[float], float]:
     """``n`` queued requests of 0-2 s age with mixed TTFT targets and prefills, and 1-3
-    replicas freeing within half a second."""
-    now = 10.0
-    cands = []
-    for i in range(n):
-        arrival = now - rng.uniform(0, 2)
-        cands.append(Candidate(f"q{i}", arrival + rng.choice([0.5, 1.0, 2.0, 5.0]), arrival, rng.uniform(0.02, 0.8)))
-    return cands, sorted(rng.uniform(0, 0.5) for _ in range(rng.randint(1, 3))), now
+    replicas freeing within half a second (the decision benchmark's generator)."""
+    return head(rng, n)
 
 
 def optimum(cands: list[Candidate], free: list[float], now: float) -> tuple[int, float]:

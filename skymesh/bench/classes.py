@@ -17,6 +17,20 @@ from skymesh.config import SloClassConfig, SloClassName
 from skymesh.validation import first_error
 
 
+def add_class_arguments(p: argparse.ArgumentParser) -> None:
+    """The class options both modes take (``skymesh sim`` and ``skymesh bench``)."""
+    p.add_argument("--slo-classes", default=None, metavar="YAML",
+                   help="a YAML file with a slo_classes: mapping (a mesh config will do): the classes' targets "
+                        "(live: scaled by --time-scale)")
+    p.add_argument("--slo-mix", default=None, metavar="NAME=SHARE,...",
+                   help="give each session a class drawn with these shares (seeded by --seed); rows naming "
+                        "their own slo_class keep it; live requests send it as X-SLO-Class")
+    p.add_argument("--no-early-rejection", action="store_true",
+                   help="the balancer queues requests whose class's TTFT cannot be met instead of rejecting them")
+    p.add_argument("--queue-discipline", choices=("fcfs", "slo"), default="fcfs",
+                   help="the balancer's order within a priority: arrival, or each head annealed for SLO attainment")
+
+
 def slo_classes(args: argparse.Namespace) -> dict[str, SloClassConfig]:
     """The classes of ``--slo-classes`` (validated as the mesh config validates them)."""
     if not args.slo_classes:

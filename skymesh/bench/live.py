@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from skymesh.bench.classes import slo_classes, with_slo_mix
+from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
 from skymesh.bench.metrics import class_summary, monotone_goodput, summarize
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
@@ -167,15 +167,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
     p.add_argument("--no-eu-rule", action="store_true", help="3 regions: let eu-* regions offload anywhere")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-classes", default=None, metavar="YAML",
-                   help="a YAML file with a slo_classes: mapping: the classes' targets (scaled by --time-scale)")
-    p.add_argument("--slo-mix", default=None, metavar="NAME=SHARE,...",
-                   help="give each session a class drawn with these shares (seeded by --seed); requests "
-                        "send it as X-SLO-Class")
-    p.add_argument("--no-early-rejection", action="store_true",
-                   help="the balancer queues requests whose class's TTFT cannot be met instead of rejecting them")
-    p.add_argument("--queue-discipline", choices=("fcfs", "slo"), default="fcfs",
-                   help="the skymesh balancer's order within a priority")
+    add_class_arguments(p)
     p.add_argument("--load-sample-s", type=float, default=1.0,
                    help="trace seconds between samples of the balancers' per-replica load")
 

@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from skymesh.bench.classes import slo_classes, with_slo_mix
+from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
 from skymesh.bench.des import SimConfig, Simulator
 from skymesh.bench.metrics import goodput
 from skymesh.bench.report import markdown_table, write_report
@@ -113,15 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="policy option for every system (repeatable), e.g. max_hold_fraction=0.2")
-    p.add_argument("--slo-classes", default=None, metavar="YAML",
-                   help="a YAML file with a slo_classes: mapping (a mesh config will do): the classes' targets")
-    p.add_argument("--slo-mix", default=None, metavar="NAME=SHARE,...",
-                   help="give each session a class drawn with these shares (seeded by --seed); rows "
-                        "naming their own slo_class keep it")
-    p.add_argument("--no-early-rejection", action="store_true",
-                   help="queue requests whose class's TTFT cannot be met instead of rejecting them")
-    p.add_argument("--queue-discipline", choices=("fcfs", "slo"), default="fcfs",
-                   help="order within a priority: arrival, or each head annealed for SLO attainment")
+    add_class_arguments(p)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
     p.add_argument("--goodput-search", action="store_true",
                    help="instead of the --rates sweep: each system's monotone goodput by bisection "
