@@ -10,7 +10,8 @@ realistic bound (one shared LRU of all KV) and the rankings every variant agrees
 
 A system name is a policy (``dualmap`` with its defaults, which wait for a faster busy
 candidate), or ``dualmap-nowait`` (dualmap with ``wait_for_faster_candidate=false``:
-plain selective pushing, the default before the matrix was run). Every (workload, system, variant) search runs in a
+plain selective pushing, the default before the matrix was run); ``NAME/DISCIPLINE`` runs
+it behind that queue discipline (``dualmap/prefix``: FEATHER's order; ``/slo``). Every (workload, system, variant) search runs in a
 process pool; the same variant gives every system the same requests.
 """
 
@@ -56,8 +57,14 @@ def workload_args(name: str, resolution: float) -> argparse.Namespace:
 
 
 def system_args(args: argparse.Namespace, label: str) -> tuple[argparse.Namespace, str]:
-    policy, options = VARIANT_OPTIONS.get(label, (label, []))
-    return argparse.Namespace(**{**vars(args), "policy_option": [*args.policy_option, *options]}), policy
+    """A label is a system, optionally with the balancer's queue discipline after a slash
+    (``dualmap/prefix``: dualmap behind FEATHER's order; no slash: the workload's, fcfs)."""
+    system, _, discipline = label.partition("/")
+    policy, options = VARIANT_OPTIONS.get(system, (system, []))
+    over: dict[str, Any] = {"policy_option": [*args.policy_option, *options]}
+    if discipline:
+        over["queue_discipline"] = discipline
+    return argparse.Namespace(**{**vars(args), **over}), policy
 
 
 def run_search(label: str, args: argparse.Namespace, v: dict[str, Any]) -> dict[str, Any]:

@@ -504,15 +504,20 @@ class PolicyConfig(ConfigModel):
 class QueueConfig(ConfigModel):
     """The order of the balancer's queue within a priority (skymesh/routing/disciplines.py)."""
 
-    # "fcfs": arrival order; "slo": each head window ordered for SLO attainment
-    discipline: Literal["fcfs", "slo"] = "fcfs"
+    # "fcfs": arrival order; "slo": each head window ordered for SLO attainment; "prefix"
+    # (FEATHER): a replica that frees up gets the queued request it holds the most of first
+    discipline: Literal["fcfs", "slo", "prefix"] = "fcfs"
     # slo: how many requests at the head of each priority are ordered
     window: Annotated[Int, Field(ge=2, le=64)] = 8
     # slo: the search's budget per decision, in schedule evaluations (annealing, then as many
     # again at most for the polish; see skymesh/routing/disciplines.py)
     iterations: Annotated[Int, Field(ge=0, le=100_000)] = DEFAULT_ITERATIONS
-    # slo: the starvation bound: a request queued this long goes first, in arrival order
+    # slo and prefix: the starvation bound: a request queued this long goes first, in arrival order
     max_age_s: Annotated[Float, Field(gt=0, le=3600)] = 30.0
+    # prefix: a request that has waited this share of its TTFT target (its class's, else
+    # policy.ttft_slo_s) also goes first, in arrival order: ordering by cache match alone
+    # lowers the median TTFT but lets the unmatched requests' tail run past their targets
+    prefix_ttft_share: Annotated[Float, Field(gt=0, le=1)] = 0.5
 
 
 class HealthConfig(ConfigModel):

@@ -188,6 +188,7 @@ def region_settings(cfg: MeshConfig) -> RegionSettings:
         slo_window=cfg.queue.window,
         slo_iterations=cfg.queue.iterations,
         slo_max_age_s=cfg.queue.max_age_s,
+        prefix_ttft_share=cfg.queue.prefix_ttft_share,
         ttft_slo_s=cfg.policy.ttft_slo_s,
         health=HealthSettings(
             unhealthy_threshold=cfg.health.unhealthy_threshold,

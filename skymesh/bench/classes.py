@@ -27,8 +27,15 @@ def add_class_arguments(p: argparse.ArgumentParser) -> None:
                         "their own slo_class keep it; live requests send it as X-SLO-Class")
     p.add_argument("--no-early-rejection", action="store_true",
                    help="the balancer queues requests whose class's TTFT cannot be met instead of rejecting them")
-    p.add_argument("--queue-discipline", choices=("fcfs", "slo"), default="fcfs",
-                   help="the balancer's order within a priority: arrival, or each head annealed for SLO attainment")
+    p.add_argument("--queue-discipline", choices=("fcfs", "slo", "prefix"), default="fcfs",
+                   help="the balancer's order within a priority: arrival, each head annealed for SLO attainment, "
+                        "or a freed replica's best-matching request first (FEATHER)")
+    p.add_argument("--queue-max-age-s", type=float, default=30.0,
+                   help="the slo and prefix disciplines' starvation bound (queue.max_age_s): a request queued "
+                        "this long goes first")
+    p.add_argument("--prefix-ttft-share", type=float, default=0.5,
+                   help="the prefix discipline's tail bound (queue.prefix_ttft_share): a request that waited this "
+                        "share of its TTFT target goes first")
 
 
 def slo_classes(args: argparse.Namespace) -> dict[str, SloClassConfig]:

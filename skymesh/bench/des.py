@@ -101,6 +101,8 @@ class SimConfig:
     early_rejection: bool = True
     queue_discipline: QueueDiscipline = "fcfs"  # or "slo" (skymesh/routing/disciplines.py)
     slo_iterations: int = DEFAULT_ITERATIONS
+    queue_max_age_s: float = 30.0  # the slo and prefix disciplines' starvation bound
+    prefix_ttft_share: float = 0.5  # the prefix discipline's tail bound (RegionSettings)
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:
@@ -257,7 +259,8 @@ class _Region:
         settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
                                   lookahead=cfg.lookahead, max_queue_wait_s=None,
                                   early_rejection=cfg.early_rejection, queue_discipline=cfg.queue_discipline,
-                                  slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s)
+                                  slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s,
+                                  slo_max_age_s=cfg.queue_max_age_s, prefix_ttft_share=cfg.prefix_ttft_share)
         self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, self.kv_indexes)
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
         self.core.set_replicas(self.replica_ids, 0.0)

@@ -174,7 +174,8 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                      cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
                      policy_options=options_for(policy, parse_policy_options(args.policy_option)),
                      slo_classes=slo_classes(args), early_rejection=not args.no_early_rejection,
-                     queue_discipline=args.queue_discipline)
+                     queue_discipline=args.queue_discipline, queue_max_age_s=args.queue_max_age_s,
+                     prefix_ttft_share=args.prefix_ttft_share)
 
 
 def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:

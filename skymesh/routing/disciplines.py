@@ -28,11 +28,13 @@ import math
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from skymesh.routing.base import ReplicaView, RoutingRequest
+from skymesh.routing.queueing import PriorityQueue
 
-QueueDiscipline = Literal["fcfs", "slo"]
+# "prefix" is FEATHER's, in skymesh/routing/feather.py
+QueueDiscipline = Literal["fcfs", "slo", "prefix"]
 # evaluations per decision: ~0.5 ms p50 / 0.9 ms p99 for a head of 8 on the development
 # machine, within 1% of the exhaustive optimum on 98% of such heads (benchmarks/slo_order.py)
 DEFAULT_ITERATIONS = 100
@@ -169,6 +171,32 @@ class SloOrder:
         self.rng = random.Random(seed)
         self._last: dict[int, tuple[str, ...]] = {}  # priority -> the head it last ordered
         self.decisions = 0
+
+    # the QueueOrder protocol (skymesh/routing/queueing.py): the head window is read anew at
+    # every decision, so queue events need no bookkeeping here
+    def set_replicas(self, replica_ids: Sequence[str]) -> None:
+        return None
+
+    def on_queued(self, req: RoutingRequest) -> None:
+        return None
+
+    def on_dequeued(self, request_id: str) -> None:
+        return None
+
+    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
+        return None
+
+    def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
+                       free_slots: Mapping[str, int], now: float) -> list[str]:
+        """Each priority's head window put in the order found; the queue in that order."""
+        for priority, head in queue.heads(self.window):
+            order = self.order_head(priority, [q.req for q in head], replicas, now)
+            if order is not None:
+                queue.reorder_head(priority, order)
+        return queue.ids()
+
+    def stats(self) -> dict[str, int]:
+        return {"decisions": self.decisions}
 
     def order_head(self, priority: int, head: Sequence[RoutingRequest],
                    replicas: Mapping[str, ReplicaView], now: float) -> list[str] | None:

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
-from skymesh.routing.disciplines import SloOrder
-from skymesh.routing.queueing import PriorityQueue
+from skymesh.routing.queueing import PriorityQueue, QueueOrder
 
 
 @dataclass(slots=True)
@@ -89,8 +88,9 @@ class BalancerCore:
         # residency: request -> replicas it may never run on (set by the region core only
         # while it holds replicas of another home region, e.g. adopted on failover)
         self.forbidden_for: Callable[[RoutingRequest], frozenset[str]] | None = None
-        # queue discipline within a priority: None is FCFS; SloOrder orders each head window
-        self.discipline: SloOrder | None = None
+        # queue discipline within a priority: None is FCFS; else the order it gives
+        # (disciplines.SloOrder, feather.PrefixOrder); set before the first request
+        self.discipline: QueueOrder | None = None
 
     # ------------------------------------------------------------------ membership/probes
 
@@ -109,6 +109,8 @@ class BalancerCore:
                 self._unstarted[rid] = 0
                 self.dispatches_per_replica.setdefault(rid, 0)
         self.policy.set_replicas(wanted)
+        if self.discipline is not None:
+            self.discipline.set_replicas(wanted)
 
     def update_replica(
         self,
@@ -188,6 +190,8 @@ class BalancerCore:
         if req.request_id in self._queue or req.request_id in self._in_flight:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self._queue.push(req.request_id, _Queued(req), req.priority, front=front)
+        if self.discipline is not None:
+            self.discipline.on_queued(req)
         self.counters.submitted += 1
 
     @property
@@ -232,10 +236,12 @@ class BalancerCore:
             self.migrations = self.policy.rebalance(self.queued_requests(), self.replicas, now)
             self.counters.migrated += len(self.migrations)
         if self.discipline is not None:
-            self._order_heads(self.discipline, now)
+            order = self.discipline.dispatch_order(self._queue, self.replicas, self._free_slots(), now)
+        else:
+            order = self._queue.ids()
         placed: list[tuple[RoutingRequest, Decision]] = []
         held = 0
-        for rid in self._queue.ids():
+        for rid in order:
             if held >= self.lookahead or not self.any_available():
                 break
             q = self._queue[rid]
@@ -254,16 +260,23 @@ class BalancerCore:
                 raise RuntimeError(
                     f"policy {self.policy.name!r} chose unavailable replica {decision.replica_id!r}"
                 )
-            self._queue.pop(rid)
+            self._dequeue(rid)
             self._commit(q, decision, now)
             placed.append((q.req, decision))
         return placed
 
-    def _order_heads(self, discipline: SloOrder, now: float) -> None:
-        for priority, head in self._queue.heads(discipline.window):
-            order = discipline.order_head(priority, [q.req for q in head], self.replicas, now)
-            if order is not None:
-                self._queue.reorder_head(priority, order)
+    def _free_slots(self) -> dict[str, int]:
+        """Per available replica, the requests it can still be sent before its next probe."""
+        return {
+            rid: self.dispatch_budget - self._since_probe[rid]
+            for rid, v in self.replicas.items() if v.available and self._since_probe[rid] < self.dispatch_budget
+        }
+
+    def _dequeue(self, request_id: str) -> _Queued | None:
+        q = self._queue.pop(request_id)
+        if q is not None and self.discipline is not None:
+            self.discipline.on_dequeued(request_id)
+        return q
 
     def _views_for(self, q: _Queued) -> dict[str, ReplicaView]:
         excluded: set[str] | frozenset[str] = q.excluded
@@ -305,13 +318,15 @@ class BalancerCore:
         if decision.reason == "spill":
             self.counters.spilled += 1
         self.dispatches_per_replica[rid] = self.dispatches_per_replica.get(rid, 0) + 1
+        if self.discipline is not None:
+            self.discipline.on_dispatch(q.req, rid, now)
         self.policy.on_dispatch(q.req, rid, now)
 
     def take_for_offload(self, request_ids: Iterable[str]) -> list[RoutingRequest]:
         """Remove queued requests that the region layer forwards to a peer balancer."""
         out = []
         for rid in request_ids:
-            q = self._queue.pop(rid)
+            q = self._dequeue(rid)
             if q is not None:
                 out.append(q.req)
                 self.counters.offloaded += 1
@@ -375,12 +390,14 @@ class BalancerCore:
             return False
         q = _Queued(f.req, excluded=f.excluded | {f.replica_id}, attempts=attempts)
         self._queue.push(request_id, q, f.req.priority, front=True)
+        if self.discipline is not None:
+            self.discipline.on_queued(f.req)
         self.counters.retried += 1
         return True
 
     def cancel(self, request_id: str, now: float) -> None:
         """The client went away: forget the request wherever it is."""
-        if self._queue.pop(request_id) is not None:
+        if self._dequeue(request_id) is not None:
             return
         self.on_complete(request_id, False, now)
 
@@ -422,4 +439,6 @@ class BalancerCore:
             },
             "counters": {k: getattr(self.counters, k) for k in self.counters.__slots__},
             "policy": {"name": self.policy.name, **self.policy.stats()},
+            # the queue discipline's own counters (absent for fcfs)
+            **({"discipline": self.discipline.stats()} if self.discipline is not None else {}),
         }

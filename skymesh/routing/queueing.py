@@ -10,8 +10,11 @@ case) this is exactly the FCFS queue, and a lookup, insert or removal stays O(1)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Generic, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from skymesh.routing.base import ReplicaView, RoutingRequest
 
 Item = TypeVar("Item")
 
@@ -89,6 +92,10 @@ class PriorityQueue(Generic[Item]):
         for rid in reversed(request_ids):
             lane.move_to_end(rid, last=False)
 
+    def lanes(self) -> list[tuple[int, list[str]]]:
+        """Each priority present (highest first) with its request ids in queue order (copies)."""
+        return [(p, list(self._lanes[p])) for p in self._order]
+
     def ids(self) -> list[str]:
         """The request ids in queue order (a copy: the queue may change while it is walked)."""
         return [rid for p in self._order for rid in self._lanes[p]]
@@ -97,3 +104,23 @@ class PriorityQueue(Generic[Item]):
         """Items in queue order, lazily: the queue must not change meanwhile."""
         for p in self._order:
             yield from self._lanes[p].values()
+
+
+class QueueOrder(Protocol):
+    """A queue discipline other than FCFS (skymesh/routing/disciplines.py, feather.py): told
+    of every request joining and leaving the queue and of every dispatch, it gives the order
+    in which the dispatcher offers queued requests to the policy. Priorities always come
+    first; the discipline decides within one."""
+
+    def set_replicas(self, replica_ids: Sequence[str]) -> None: ...
+
+    def on_queued(self, req: RoutingRequest) -> None: ...
+
+    def on_dequeued(self, request_id: str) -> None: ...
+
+    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None: ...
+
+    def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
+                       free_slots: Mapping[str, int], now: float) -> list[str]: ...
+
+    def stats(self) -> dict[str, int]: ...

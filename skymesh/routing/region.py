@@ -37,6 +37,7 @@ from typing import Any
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines import DEFAULT_ITERATIONS, QueueDiscipline, SloOrder
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
+from skymesh.routing.feather import PrefixOrder
 from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.ttft import TTFTEstimator
@@ -145,15 +146,20 @@ class RegionSettings:
     # Mooncake's early rejection: a request whose SLO class's TTFT target no placement here
     # or at a peer is expected to meet gets 429 at once instead of queueing to a miss
     early_rejection: bool = True
-    # the order within a priority (skymesh/routing/disciplines.py): "fcfs", or "slo" (each
+    # the order within a priority: "fcfs"; "slo" (skymesh/routing/disciplines.py: each
     # head of ``slo_window`` requests annealed for SLO attainment, ``slo_iterations``
-    # evaluations a decision); ``ttft_slo_s`` is the deadline of requests without a class
+    # evaluations a decision; ``ttft_slo_s`` is the deadline of requests without a class);
+    # or "prefix" (FEATHER, skymesh/routing/feather.py: a freed replica's best-matching
+    # queued request first)
     queue_discipline: QueueDiscipline = "fcfs"
     slo_window: int = 8
     slo_iterations: int = DEFAULT_ITERATIONS
     ttft_slo_s: float = 2.0
-    # the slo discipline's starvation bound: queued this long, a request goes first
+    # the slo and prefix disciplines' starvation bound: queued this long, a request goes first
     slo_max_age_s: float = 30.0
+    # the prefix discipline also puts a request first, in arrival order, once it has waited
+    # this share of its TTFT target (its tail is bounded while the fresh ones match)
+    prefix_ttft_share: float = 0.5
     health: HealthSettings = field(default_factory=HealthSettings)
 
 
@@ -259,6 +265,11 @@ class RegionCore:
                 window=s.slo_window, iterations=s.slo_iterations, default_slo_s=s.ttft_slo_s,
                 prefill_s=lambda tokens: offload.prefill_s_per_token * tokens, max_age_s=s.slo_max_age_s,
             )
+        elif s.queue_discipline == "prefix":
+            # reads the replicas' KV-event indexes where they flow, as the policies do
+            self.local.discipline = PrefixOrder(chunk_tokens=offload.chunk_tokens, max_age_s=s.slo_max_age_s,
+                                                kv_indexes=kv_indexes, ttft_share=s.prefix_ttft_share,
+                                                default_slo_s=s.ttft_slo_s)
         self.offloaded_out = 0
         self.offloaded_in = 0
 
