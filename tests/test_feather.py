@@ -29,8 +29,8 @@ def req(rid: str, parts: list[str], arrival: float, *, tail: int = 0, priority: 
     return RoutingRequest(rid, hashes, len(parts) * CHUNK + tail, arrival, priority=priority)
 
 
-def core(discipline: str, replicas: list[str], **settings: Any) -> RegionCore:
-    c = RegionCore("here", make_policy("least_load", PolicyContext(chunk_tokens=CHUNK)),
+def core(discipline: str, replicas: list[str], policy: str = "least_load", **settings: Any) -> RegionCore:
+    c = RegionCore("here", make_policy(policy, PolicyContext(chunk_tokens=CHUNK)),
                    OffloadRouter("here", {}, enabled=False, chunk_tokens=CHUNK),
                    RegionSettings(dispatch_budget=1, queue_discipline=discipline, early_rejection=False,  # type: ignore[arg-type]
                                   **settings))
@@ -68,7 +68,7 @@ def test_a_freed_replica_gets_the_queued_request_it_holds_the_most_of_first() ->
 
 
 def test_each_free_replica_gets_its_own_best_match() -> None:
-    c = core("prefix", ["r0", "r1"])
+    c = core("prefix", ["r0", "r1"], policy="prefix_tree")
     c.probe("r0", ProbeSample(), 0.0)
     c.probe("r1", ProbeSample(), 0.0)
     c.submit(req("a", ["A", "a1", "a2"], 0.0), 0.0)
@@ -84,7 +84,7 @@ def test_each_free_replica_gets_its_own_best_match() -> None:
     c.probe("r1", ProbeSample(), 1.5)
     got = dict(sent(c.tick(1.5)))
     assert set(got) == {"fa", "fb"}
-    # least_load sent each follow-up where it was offered: to the replica holding its prefix
+    # the cache-aware policy sent each follow-up to the replica holding its prefix
     assert {got["fa"]: "a", got["fb"]: "b"} == where
 
 
@@ -200,21 +200,25 @@ ops = st.lists(st.tuples(st.sampled_from(["queue", "queue", "dispatch", "leave",
 
 def _truth_pick(order: PrefixOrder, queued: dict[str, tuple[RoutingRequest, int]], replicas: list[str]) -> list[str]:
     """The greedy round the discipline should make with one free slot per replica, from the
-    cache itself: each replica in name order takes its smallest (missing tokens, arrival,
-    admission) among those not yet taken."""
-    out: list[str] = []
-    for r in sorted(replicas):
+    cache itself: each replica in name order, from the one whose turn it is to start, takes
+    its smallest (missing tokens, arrival, admission) among those not yet taken; the picks
+    of a replica that holds part of the prompt are offered first."""
+    matched: list[str] = []
+    unmatched: list[str] = []
+    names = sorted(replicas)
+    start = order.decisions % len(names)
+    for r in names[start:] + names[:start]:
         best = None
         for rid, (rq, seq) in queued.items():
-            if rid in out:
+            if rid in matched or rid in unmatched:
                 continue
             held = order.cache.match_per_target(rq.chunk_hashes, [r])[r] if rq.chunk_hashes else 0
             key = (max(0, rq.prompt_tokens - held * CHUNK), rq.arrival, seq)
             if best is None or key < best[0]:
-                best = (key, rid)
+                best = (key, rid, held > 0)
         if best is not None:
-            out.append(best[1])
-    return out
+            (matched if best[2] else unmatched).append(best[1])
+    return matched + unmatched
 
 
 @settings(max_examples=150, deadline=None)
@@ -345,3 +349,69 @@ def test_blocks_seen_only_in_kv_events_rekey_a_request_when_it_comes_up() -> Non
                            block_size=4)], 1.0)
     assert order.dispatch_order(queue, {}, {"r0": 1}, 2.0) == ["x"]
     assert order.held_chunks("x") == {"r0": 2} and order.corrections == 1
+
+
+def test_a_retried_request_is_never_picked_for_the_replica_that_failed_it() -> None:
+    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    bc = BalancerCore(make_policy("prefix_tree", PolicyContext(chunk_tokens=CHUNK)), dispatch_budget=1)
+    bc.discipline = order
+    bc.set_replicas(["r0", "r1"])
+    bc.update_replica("r0", healthy=True)
+    bc.submit(req("x", ["P", "p1", "p2", "p3"], 0.0))
+    assert [(r.request_id, d.replica_id) for r, d in bc.dispatch(0.0)] == [("x", "r0")]
+    assert bc.retry("x", 1.0)  # r0 failed it: x may never go back there, though r0 holds all of it
+    bc.submit(req("y", ["P", "p1", "p2", "y"], 1.1))  # r0's best match among what may run there
+    bc.submit(req("z", ["Q", "q1"], 1.2))
+    bc.update_replica("r0", healthy=True)
+    bc.update_replica("r1", healthy=True)
+    assert dict((r.request_id, d.replica_id) for r, d in bc.dispatch(2.0))["y"] == "r0"
+
+
+def test_a_priority_that_empties_leaves_nothing_behind() -> None:
+    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order.set_replicas(["r0"])
+    queue: PriorityQueue[str] = PriorityQueue()
+    for i in range(500):
+        r = req(f"h{i}", ["S", f"x{i}"], 0.0, priority=1)
+        queue.push(r.request_id, r.request_id, 1)
+        order.on_queued(r)
+    order.on_dispatch(req("warm", ["S"], 0.0), "r0", 0.0)
+    order.dispatch_order(queue, {}, {"r0": 1}, 1.0)
+    for i in range(500):
+        queue.pop(f"h{i}")
+        order.on_dequeued(f"h{i}")
+    _enqueue(order, queue, req("low", ["L"], 2.0))
+    assert order.dispatch_order(queue, {}, {"r0": 1}, 3.0) == ["low"]
+    # low's two entries (the shared heap and the age heap; r0 holds none of it) and nothing
+    # of priority 1, whose 500 requests had over 1,500
+    assert order.stats()["heap_entries"] == 2
+
+
+def test_a_request_rekeyed_back_and_forth_does_not_pile_up_in_its_heap() -> None:
+    from skymesh.routing.hashing import id_chunk_hashes
+    from skymesh.routing.kv_index import BlockStored, KvIndexes
+
+    indexes = KvIndexes(chunk_tokens=4)
+    order = PrefixOrder(chunk_tokens=4, max_age_s=1e9, kv_indexes=indexes)
+    order.set_replicas(["r0"])
+    idx = indexes.index("r0")
+    idx.in_step = True
+    idx.apply([BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4)], 0.0)
+    queue: PriorityQueue[str] = PriorityQueue()
+    _enqueue(order, queue, RoutingRequest("x", id_chunk_hashes(list(range(1, 13)), 4), 12, 0.0))
+    for i in range(300):
+        # a sibling's second block comes and goes on r0 (stored, then evicted): x is re-keyed
+        # up by the events and down again at the next pick
+        sib = id_chunk_hashes([*range(1, 9), *[100 + i] * 4], 4)
+        order.on_cached("r0", [])  # nothing stored: no work
+        stored = idx.apply([BlockStored(block_hashes=[2, 3 + i], parent_block_hash=1, token_ids=[*range(5, 9),
+                                                                                           *[100 + i] * 4],
+                                        block_size=4)], float(i))
+        assert stored == list(sib[1:])
+        order.on_cached("r0", stored)
+        assert order.held_chunks("x") == {"r0": 2}
+        from skymesh.routing.kv_index import BlockRemoved
+        idx.apply([BlockRemoved(block_hashes=[2, 3 + i])], float(i))
+        assert order.dispatch_order(queue, {}, {"r0": 1}, float(i)) == ["x"]
+        assert order.held_chunks("x") == {"r0": 1}
+    assert order.stats()["heap_entries"] <= 3 * (2 + 64)

@@ -125,8 +125,10 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
         # it gets a picked port and is polled
         port = 0 if system not in PEERS else free_port()
         classes = {name: c.model_dump(exclude_none=True) for name, c in scaled_slo_classes(args).items()}
-        router = router_child(system, urls, port, tmp, slo, classes, not args.no_early_rejection,
-                              args.queue_discipline)
+        # the queue's bounds are seconds of the trace's time, scaled as the SLO is
+        queue = {"discipline": args.queue_discipline, "max_age_s": args.queue_max_age_s * args.time_scale,
+                 "prefix_ttft_share": args.prefix_ttft_share}
+        router = router_child(system, urls, port, tmp, slo, classes, not args.no_early_rejection, queue)
         if router is None:
             print(f"skipping {system}: not installed ({INSTALL_HINT})", file=sys.stderr)
             return None

@@ -53,17 +53,17 @@ def peer_child(system: str, urls: Sequence[str], port: int, log_dir: Path, polic
 
 def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, region: str = "bench-1",
                     chunk_tokens: int = 512, slo_classes: Mapping[str, Any] | None = None,
-                    early_rejection: bool = True, queue_discipline: str = "fcfs") -> dict[str, object]:
+                    early_rejection: bool = True, queue: Mapping[str, Any] | None = None) -> dict[str, object]:
     """A one-region mesh config: one balancer owning every replica, no offload. Port 0
     (bind any, report it) is the balancer's --http-port, not the config's (which wants 1-65535).
     ``slo_classes``: the classes the load generator's requests name (as the mesh config
-    writes them)."""
+    writes them); ``queue``: the config's ``queue:`` section (discipline and its bounds)."""
     classes: dict[str, object] = {}
     if slo_classes:
         classes = {"slo_classes": dict(slo_classes), "slo_early_rejection": early_rejection}
     return {
         **classes,
-        "queue": {"discipline": queue_discipline},
+        "queue": dict(queue or {}),
         "model": "skymesh-sim",
         "regions": [{"name": region, "source_networks": ["127.1.0.0/16"],
                      "balancer": {"listen": f"127.0.0.1:{port or free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}"},
@@ -77,11 +77,11 @@ def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, r
 
 def balancer_child(policy: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float,
                    slo_classes: Mapping[str, Any] | None = None, early_rejection: bool = True,
-                   queue_discipline: str = "fcfs") -> Child:
+                   queue: Mapping[str, Any] | None = None) -> Child:
     path = log_dir / f"{policy}-balancer.yaml"
     path.write_text(yaml.safe_dump(balancer_config(policy, urls, port, slo_s, slo_classes=slo_classes,
                                                    early_rejection=early_rejection,
-                                                   queue_discipline=queue_discipline)))
+                                                   queue=queue)))
     return Child(f"balancer-{policy}", skymesh_cmd("balancer", "--config", str(path), "--region", "bench-1",
                                                    "--http-port", str(port), "--no-controller", "--no-peers",
                                                    "--log-level", "WARNING"),
@@ -90,9 +90,9 @@ def balancer_child(policy: str, urls: Sequence[str], port: int, log_dir: Path, s
 
 def router_child(system: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float,
                  slo_classes: Mapping[str, Any] | None = None, early_rejection: bool = True,
-                 queue_discipline: str = "fcfs") -> Child | None:
+                 queue: Mapping[str, Any] | None = None) -> Child | None:
     """The router under test. A peer router knows no SLO classes: the header its requests
     carry passes through unread, and the classes are judged at the client alike."""
     if system in PEERS:
         return peer_child(system, urls, port, log_dir)
-    return balancer_child(system, urls, port, log_dir, slo_s, slo_classes, early_rejection, queue_discipline)
+    return balancer_child(system, urls, port, log_dir, slo_s, slo_classes, early_rejection, queue)

@@ -27,6 +27,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -186,8 +187,12 @@ class SloOrder:
     def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
         return None
 
+    def on_cached(self, replica_id: str, chunk_hashes: Sequence[int]) -> None:
+        return None
+
     def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
-                       free_slots: Mapping[str, int], now: float) -> list[str]:
+                       free_slots: Mapping[str, int], now: float,
+                       excluded: Callable[[str], AbstractSet[str]] | None = None) -> list[str]:
         """Each priority's head window put in the order found; the queue in that order."""
         for priority, head in queue.heads(self.window):
             order = self.order_head(priority, [q.req for q in head], replicas, now)

@@ -15,6 +15,7 @@ drive this class; it never reads a clock or touches I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,7 +237,8 @@ class BalancerCore:
             self.migrations = self.policy.rebalance(self.queued_requests(), self.replicas, now)
             self.counters.migrated += len(self.migrations)
         if self.discipline is not None:
-            order = self.discipline.dispatch_order(self._queue, self.replicas, self._free_slots(), now)
+            order = self.discipline.dispatch_order(self._queue, self.replicas, self._free_slots(), now,
+                                                   self._excluded)
         else:
             order = self._queue.ids()
         placed: list[tuple[RoutingRequest, Decision]] = []
@@ -271,6 +273,14 @@ class BalancerCore:
             rid: self.dispatch_budget - self._since_probe[rid]
             for rid, v in self.replicas.items() if v.available and self._since_probe[rid] < self.dispatch_budget
         }
+
+    def _excluded(self, request_id: str) -> AbstractSet[str]:
+        """The replicas a queued request may not run on (failed it before, or residency)."""
+        q = self._queue.get(request_id)
+        if q is None:
+            return frozenset()
+        forbidden = self.forbidden_for(q.req) if self.forbidden_for is not None else frozenset()
+        return q.excluded | forbidden if forbidden else q.excluded
 
     def _dequeue(self, request_id: str) -> _Queued | None:
         q = self._queue.pop(request_id)

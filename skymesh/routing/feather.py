@@ -47,7 +47,9 @@ algorithm itself, which no library provides.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,10 +86,10 @@ class _LazyHeap:
     def top(self) -> _Entry | None:
         return self.entries[0] if self.entries else None
 
-    def compact(self, live: int, keep: set[_Entry]) -> None:
-        if len(self.entries) > 2 * live + _COMPACT_SLACK:
-            self.entries = [e for e in self.entries if e in keep]
-            heapq.heapify(self.entries)
+    def rebuild(self, live: Callable[[_Entry], bool]) -> None:
+        # a set: a request re-keyed back to an earlier key has two equal entries
+        self.entries = list({e for e in self.entries if live(e)})
+        heapq.heapify(self.entries)
 
 
 class PrefixOrder:
@@ -104,6 +106,7 @@ class PrefixOrder:
         self.cache = CacheView(BoundedPrefixTrie(trie_max_nodes), kv_indexes)
         self.replica_ids: list[str] = []
         self._queued: dict[str, _Queued] = {}
+        self._per_priority: Counter[int] = Counter()
         self._sharers: dict[int, set[str]] = {}
         self._by_replica: dict[tuple[int, str], _LazyHeap] = {}
         self._whole: dict[int, _LazyHeap] = {}  # priority -> every request, keyed by its prompt
@@ -111,9 +114,10 @@ class PrefixOrder:
         self._overdue_at: dict[int, list[tuple[float, float, int, str]]] = {}
         self._seq = 0
         self.decisions = 0
-        self.picks_matched = 0  # picks a replica held some of (the rest were its cheapest prompt)
-        self.picks_overdue = 0
-        self.corrections = 0  # heap tops the cache no longer held as recorded (evictions)
+        self.picks_matched = 0  # offers made because a replica held part of the prompt
+        self.picks_overdue = 0  # offers made because the request was overdue
+        self.corrections = 0  # heap tops the cache held otherwise than recorded (evictions, events)
+        self.compactions = 0
 
     # ------------------------------------------------------------------ keys
 
@@ -132,7 +136,23 @@ class PrefixOrder:
 
     def _live(self, entry: _Entry, replica_id: str | None) -> bool:
         q = self._queued.get(entry[3])
-        return q is not None and q.seq == entry[2] and entry == self._entry(q, replica_id)
+        if q is None or q.seq != entry[2]:
+            return False
+        if replica_id is not None and replica_id not in q.held_chunks:
+            return False  # its key there is its whole prompt: the shared heap holds it
+        return entry == self._entry(q, replica_id)
+
+    def _held_now(self, q: _Queued, replica_id: str) -> int:
+        if not q.req.chunk_hashes:
+            return 0
+        return self.cache.match_per_target(q.req.chunk_hashes, [replica_id]).get(replica_id, 0)
+
+    def _set_held(self, q: _Queued, replica_id: str, chunks: int) -> None:
+        if chunks > 0:
+            q.held_chunks[replica_id] = chunks
+            self._heap(q.priority, replica_id).push(self._entry(q, replica_id))
+        else:
+            q.held_chunks.pop(replica_id, None)
 
     # ------------------------------------------------------------------ membership
 
@@ -157,6 +177,7 @@ class PrefixOrder:
         self._seq += 1
         q = _Queued(req, req.priority, self._seq)
         self._queued[req.request_id] = q
+        self._per_priority[req.priority] += 1
         for h in req.chunk_hashes:
             self._sharers.setdefault(h, set()).add(req.request_id)
         whole = self._whole.get(req.priority)
@@ -170,9 +191,7 @@ class PrefixOrder:
         if not q.req.chunk_hashes or not replica_ids:
             return
         for rid, chunks in self.cache.match_per_target(q.req.chunk_hashes, replica_ids).items():
-            if chunks > 0:
-                q.held_chunks[rid] = chunks
-                self._heap(q.priority, rid).push(self._entry(q, rid))
+            self._set_held(q, rid, chunks)
 
     def on_dequeued(self, request_id: str) -> None:
         """A request left the queue (placed, offloaded, cancelled, expired)."""
@@ -185,14 +204,26 @@ class PrefixOrder:
                 sharing.discard(request_id)
                 if not sharing:
                     del self._sharers[h]
+        self._per_priority[q.priority] -= 1
+        if self._per_priority[q.priority] <= 0:
+            # the priority emptied: its heaps hold only dead entries
+            del self._per_priority[q.priority]
+            self._whole.pop(q.priority, None)
+            self._overdue_at.pop(q.priority, None)
+            for key in [k for k in self._by_replica if k[0] == q.priority]:
+                del self._by_replica[key]
 
     def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
-        """``req`` was sent to ``replica_id``: the chunks it did not hold are there now."""
+        """``req`` was sent to ``replica_id``: the chunks it did not hold are there now (a
+        replica whose KV events flow says so itself: :meth:`on_cached`)."""
         chunks = req.chunk_hashes
         if not chunks:
             return
-        before = self.cache.match_per_target(chunks, [replica_id]).get(replica_id, 0)
+        events = self.cache.indexes.live(replica_id) if self.cache.indexes is not None else None
+        before = self.cache.match_per_target(chunks, [replica_id]).get(replica_id, 0) if events is None else 0
         self.cache.insert(chunks, replica_id, now)
+        if events is not None:
+            return
         updated: set[str] = set()
         # deepest new chunk first: a queued request sharing it gets its best key at once
         for depth in range(len(chunks), before, -1):
@@ -202,40 +233,45 @@ class PrefixOrder:
                 updated.add(rid)
                 q = self._queued[rid]
                 if q.held_chunks.get(replica_id, 0) < depth:
-                    q.held_chunks[replica_id] = depth
-                    self._heap(q.priority, replica_id).push(self._entry(q, replica_id))
+                    self._set_held(q, replica_id, depth)
+
+    def on_cached(self, replica_id: str, chunk_hashes: Iterable[int]) -> None:
+        """A replica's KV events stored blocks (``chunk_hashes``, the balancer's own): the
+        queued requests sharing one are re-scored there."""
+        touched = {rid for h in chunk_hashes for rid in self._sharers.get(h, ())}
+        for rid in touched:
+            q = self._queued[rid]
+            held = self._held_now(q, replica_id)
+            if held != q.held_chunks.get(replica_id, 0):
+                self._set_held(q, replica_id, held)
 
     # ------------------------------------------------------------------ ordering
 
     def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
-                       free_slots: Mapping[str, int], now: float) -> list[str]:
+                       free_slots: Mapping[str, int], now: float,
+                       excluded: Callable[[str], AbstractSet[str]] | None = None) -> list[str]:
         """The order in which the dispatcher offers queued requests to the policy: per
         priority (highest first), the overdue ones in arrival order, then each free
-        replica's best matches (round-robin over the replicas, as many as the free slots
-        left), then the rest in queue order."""
+        replica's best matches (round-robin over the replicas, as many as its free slots
+        left after the higher priorities; a request never for a replica ``excluded`` names
+        for it), then the rest in queue order."""
         order: list[str] = []
         slots = {r: n for r, n in free_slots.items() if n > 0}
         for priority, ids in queue.lanes():
             first = self._overdue(priority, now)
             self.picks_overdue += len(first)
+            for _ in first:  # placed wherever the policy says: charge the roomiest replica
+                if slots:
+                    roomiest = max(slots, key=lambda r: (slots[r], r))
+                    slots[roomiest] -= 1
+                    if not slots[roomiest]:
+                        del slots[roomiest]
             taken = set(first)
-            budget = sum(slots.values()) - len(first)
-            if budget > 0:
-                picks = self._best_matches(priority, slots, taken, budget)
+            if slots:
+                picks = self._best_matches(priority, slots, taken, excluded)
                 first.extend(picks)
-                taken.update(picks)
             order.extend(first)
             order.extend(rid for rid in ids if rid not in taken)
-            # the free slots this priority's requests will fill are gone for the next one
-            used = min(len(ids), sum(slots.values()))
-            for r in list(slots):
-                if used <= 0:
-                    break
-                spent = min(slots[r], used)
-                slots[r] -= spent
-                used -= spent
-                if not slots[r]:
-                    del slots[r]
             self._compact(priority)
         self.decisions += 1
         return order
@@ -262,118 +298,118 @@ class PrefixOrder:
             heapq.heappush(heap, item)
         return [item[3] for item in sorted(keep, key=lambda i: (i[1], i[2]))]
 
-    def _best_matches(self, priority: int, slots: Mapping[str, int], taken: set[str], budget: int) -> list[str]:
+    def _best_matches(self, priority: int, slots: dict[str, int], taken: set[str],
+                      excluded: Callable[[str], AbstractSet[str]] | None) -> list[str]:
+        """Each replica with a free slot, in turn, takes its best match not ``taken`` (one a
+        round, a slot each); ``slots`` is charged for every pick. Picks of a replica that
+        holds part of the prompt come first: a cache-aware policy sends them there, and a
+        pick nobody holds, placed by load, then takes what is left."""
         picks: list[str] = []
+        unmatched: list[str] = []
         popped: list[tuple[_LazyHeap, _Entry]] = []
-        remaining = dict(slots)
         whole = self._whole.get(priority)
+        # the round starts at a different replica each decision, so no name always goes first
+        names = sorted(slots)
+        start = self.decisions % len(names)
+        turn = names[start:] + names[:start]
         try:
-            while budget > 0 and remaining:
-                progressed = False
-                for replica_id in sorted(remaining):
-                    best = self._pop_best(priority, replica_id, whole, taken, popped)
+            while turn:
+                still: list[str] = []
+                for replica_id in turn:
+                    best = self._pop_best(priority, replica_id, whole, taken, excluded, popped)
                     if best is None:
-                        return picks
-                    picks.append(best)
-                    taken.add(best)
-                    budget -= 1
-                    progressed = True
-                    remaining[replica_id] -= 1
-                    if not remaining[replica_id]:
-                        del remaining[replica_id]
-                    if budget <= 0:
-                        break
-                if not progressed:
-                    break
-            return picks
+                        continue  # nothing left this replica may take
+                    request_id, matched = best
+                    (picks if matched else unmatched).append(request_id)
+                    taken.add(request_id)
+                    slots[replica_id] -= 1
+                    if slots[replica_id]:
+                        still.append(replica_id)
+                    else:
+                        del slots[replica_id]
+                turn = still
+            return picks + unmatched
         finally:
             # a pick stays queued until the policy places it: its entries go back
             for heap, entry in popped:
                 heap.push(entry)
 
     def _pop_best(self, priority: int, replica_id: str, whole: _LazyHeap | None, taken: set[str],
-                  popped: list[tuple[_LazyHeap, _Entry]]) -> str | None:
-        """The request with the smallest key on ``replica_id`` not ``taken``; its entry is
-        popped (and recorded in ``popped`` to be pushed back)."""
-        mine = self._by_replica.get((priority, replica_id))
+                  excluded: Callable[[str], AbstractSet[str]] | None,
+                  popped: list[tuple[_LazyHeap, _Entry]]) -> tuple[str, bool] | None:
+        """The request with the smallest key on ``replica_id`` that is not ``taken`` and may
+        run there, and whether the replica holds part of it; its entry is popped (and
+        recorded in ``popped`` to be pushed back)."""
+
+        def skip(request_id: str) -> bool:
+            return request_id in taken or (excluded is not None and replica_id in excluded(request_id))
+
         while True:
-            a = self._clean_top(mine, replica_id, taken, popped)
-            b = self._clean_top(whole, None, taken, popped)
+            mine = self._by_replica.get((priority, replica_id))
+            a = self._clean_top(mine, replica_id, skip, popped)
+            b = self._clean_top(whole, None, skip, popped)
             if a is None and b is None:
                 return None
             if b is None or (a is not None and a <= b):
                 assert mine is not None and a is not None
-                entry = mine.pop()
-                q = self._queued[entry[3]]
-                held = self.cache.match_per_target(q.req.chunk_hashes, [replica_id]).get(replica_id, 0)
-                if held != q.held_chunks.get(replica_id, 0):
-                    # the cache changed under the record (an eviction, or blocks seen only in
-                    # its KV events): re-key it and look again
+                q = self._queued[a[3]]
+                held = self._held_now(q, replica_id)
+                if held != q.held_chunks[replica_id]:
+                    # the cache changed under the record (an eviction): re-key it, look again
                     self.corrections += 1
-                    if held > 0:
-                        q.held_chunks[replica_id] = held
-                        mine.push(self._entry(q, replica_id))
-                    else:
-                        q.held_chunks.pop(replica_id, None)
+                    mine.pop()
+                    self._set_held(q, replica_id, held)
                     continue
-                popped.append((mine, entry))
+                popped.append((mine, mine.pop()))
                 self.picks_matched += 1
-                return entry[3]
-            assert whole is not None and b is not None
+                return a[3], True
+            assert whole is not None
             q = self._queued[b[3]]
-            held = self.cache.match_per_target(q.req.chunk_hashes, [replica_id]).get(replica_id, 0) \
-                if q.req.chunk_hashes else 0
+            held = self._held_now(q, replica_id)
             if held > 0:
                 # the replica holds part of it after all (blocks seen only in its KV events):
                 # it competes in the replica's own heap with that key
                 self.corrections += 1
-                q.held_chunks[replica_id] = held
-                self._heap(priority, replica_id).push(self._entry(q, replica_id))
-                mine = self._by_replica[(priority, replica_id)]
+                self._set_held(q, replica_id, held)
                 continue
-            entry = whole.pop()
-            popped.append((whole, entry))
-            return entry[3]
+            popped.append((whole, whole.pop()))
+            return b[3], False
 
-    def _clean_top(self, heap: _LazyHeap | None, replica_id: str | None, taken: set[str],
+    def _clean_top(self, heap: _LazyHeap | None, replica_id: str | None, skip: Callable[[str], bool],
                    popped: list[tuple[_LazyHeap, _Entry]]) -> _Entry | None:
-        """The heap's top live entry of a request not yet taken. Dead entries are dropped;
-        live ones of taken requests are set aside to be pushed back."""
+        """The heap's top live entry of a request not skipped. Dead entries are dropped;
+        live ones that are skipped are set aside to be pushed back."""
         if heap is None:
             return None
         while (top := heap.top()) is not None:
             if not self._live(top, replica_id):
                 heap.pop()
-            elif top[3] in taken:
+            elif skip(top[3]):
                 popped.append((heap, heap.pop()))
             else:
                 return top
         return None
 
     def _compact(self, priority: int) -> None:
-        members = [q for q in self._queued.values() if q.priority == priority] if self._needs_compaction(priority) else None
-        if members is None:
-            return
-        whole = self._whole.get(priority)
-        if whole is not None:
-            whole.compact(len(members), {self._entry(q, None) for q in members})
-        for (p, rid), heap in self._by_replica.items():
-            if p == priority:
-                live = {self._entry(q, rid) for q in members if rid in q.held_chunks}
-                heap.compact(len(live), live)
-        due = self._overdue_at.get(priority)
-        if due is not None and len(due) > 2 * len(members) + _COMPACT_SLACK:
-            self._overdue_at[priority] = [(self._due(q.req), q.req.arrival, q.seq, q.req.request_id) for q in members]
-            heapq.heapify(self._overdue_at[priority])
-
-    def _needs_compaction(self, priority: int) -> bool:
-        limit = 2 * len(self._queued) + _COMPACT_SLACK
+        """Rebuild a heap of ``priority`` from its live entries once it holds more than
+        twice the priority's queued requests (and some slack): O(heap), amortised over the
+        pushes that made it grow."""
+        limit = 2 * self._per_priority[priority] + _COMPACT_SLACK
         whole = self._whole.get(priority)
         if whole is not None and len(whole.entries) > limit:
-            return True
-        if len(self._overdue_at.get(priority, ())) > limit:
-            return True
-        return any(len(h.entries) > limit for (p, _), h in self._by_replica.items() if p == priority)
+            whole.rebuild(lambda e: self._live(e, None))
+            self.compactions += 1
+        for (p, rid), heap in self._by_replica.items():
+            if p == priority and len(heap.entries) > limit:
+                heap.rebuild(lambda e, r=rid: self._live(e, r))  # type: ignore[misc]
+                self.compactions += 1
+        due = self._overdue_at.get(priority)
+        if due is not None and len(due) > limit:
+            live = {(self._due(q.req), q.req.arrival, q.seq, q.req.request_id)
+                    for q in self._queued.values() if q.priority == priority}
+            self._overdue_at[priority] = [d for d in due if d in live]
+            heapq.heapify(self._overdue_at[priority])
+            self.compactions += 1
 
     # ------------------------------------------------------------------ introspection
 
@@ -390,6 +426,8 @@ class PrefixOrder:
             "picks_matched": self.picks_matched,
             "picks_overdue": self.picks_overdue,
             "corrections": self.corrections,
+            "compactions": self.compactions,
             "heap_entries": sum(len(h.entries) for h in self._by_replica.values())
-            + sum(len(h.entries) for h in self._whole.values()),
+            + sum(len(h.entries) for h in self._whole.values())
+            + sum(len(h) for h in self._overdue_at.values()),
         }

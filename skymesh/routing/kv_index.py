@@ -85,10 +85,12 @@ class ReplicaBlockIndex:
         """Its chunks are the balancer's (else lookups would never match)."""
         return self.block_size is None or self.block_size == self.chunk_tokens
 
-    def apply(self, events: Iterable[KvEvent], now: float) -> None:
+    def apply(self, events: Iterable[KvEvent], now: float) -> list[int]:
+        """Apply a batch; returns the blocks (the balancer's chunk hashes) newly stored."""
+        stored: list[int] = []
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._stored(ev)
+                self._stored(ev, stored)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
                     self._drop(h)
@@ -96,8 +98,9 @@ class ReplicaBlockIndex:
             else:
                 self.clear()
         self.last_event_at = now
+        return stored
 
-    def _stored(self, ev: BlockStored) -> None:
+    def _stored(self, ev: BlockStored, stored: list[int]) -> None:
         self.block_size = ev.block_size
         size = ev.block_size
         if ev.parent_block_hash is None:
@@ -118,6 +121,7 @@ class ReplicaBlockIndex:
                 self._ours[vllm_hash] = ours
                 self._held[ours] = self._held.get(ours, 0) + 1
                 self.stored_total += 1
+                stored.append(ours)
             parent = ours
         while len(self._ours) > self.max_blocks:
             old, ours = self._ours.popitem(last=False)

@@ -10,7 +10,8 @@ case) this is exactly the FCFS queue, and a lookup, insert or removal stays O(1)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -120,7 +121,13 @@ class QueueOrder(Protocol):
 
     def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None: ...
 
+    def on_cached(self, replica_id: str, chunk_hashes: Sequence[int]) -> None:
+        """A replica's KV events stored these blocks (the balancer's chunk hashes)."""
+
     def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
-                       free_slots: Mapping[str, int], now: float) -> list[str]: ...
+                       free_slots: Mapping[str, int], now: float,
+                       excluded: Callable[[str], AbstractSet[str]] | None = None) -> list[str]:
+        """The ids of every queued request, in the order to offer them to the policy;
+        ``excluded(request_id)``: the replicas that request may not run on."""
 
     def stats(self) -> dict[str, int]: ...

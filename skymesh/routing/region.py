@@ -486,8 +486,10 @@ class RegionCore:
         if self.kv_indexes is None or replica_id not in self.local.replicas:
             return
         idx = self.kv_indexes.index(replica_id, max_blocks)
-        idx.apply(events, now)
         idx.in_step = True
+        stored = idx.apply(events, now)
+        if stored and self.local.discipline is not None:
+            self.local.discipline.on_cached(replica_id, stored)
 
     def kv_stream_reset(self, replica_id: str) -> None:
         """The replica's event stream started over (its sequence went back: a restarted
