@@ -15,13 +15,15 @@ Kept incrementally, never by rescanning the queue:
   balancer sends a request to p, only the chunks p did not hold before are new there; the
   queued requests that share one of them get a better key on p (walked deepest chunk first,
   so each such request is updated once).
-- One lazy min-heap per (priority, replica) holds a request's entry only while p holds some
-  of its prompt; one per priority holds every queued request keyed by its whole prompt (what
-  a replica that holds none of it would prefill). The best match on p is the smaller of the
-  two tops: a request p holds part of has a smaller key in p's heap than in the shared one.
-  Memory is the queue plus the (request, replica) pairs that share a prefix, not queue x
-  replicas. An entry whose request left, or whose key changed since it was pushed, is
-  skipped when it reaches the top; heaps are rebuilt when stale entries outnumber live ones.
+- Each request has a *floor*: the chunks of it that most replicas held when it was queued
+  (0 for a new prompt; a system prompt cached everywhere counts). One lazy min-heap per
+  priority holds every queued request keyed by its floor; one per (priority, replica) holds
+  a request only where that replica holds more or less than its floor. The best match on p
+  is the smaller of p's top and the shared top among requests not recorded apart for p.
+  Memory is the queue plus the (request, replica) pairs that differ from the floor, not
+  queue x replicas (a prefix every replica holds costs one entry, not one per replica). An
+  entry whose request left, or whose key changed since it was pushed, is skipped when it
+  reaches the top; heaps are rebuilt when stale entries outnumber live ones.
 - A cache forgets (vLLM evicts blocks, the history trie drops its least recent leaves): an
   entry reaching the top of p's heap is checked against the cache before it is chosen, and
   pushed back with its true key when that differs.
@@ -62,6 +64,9 @@ from skymesh.routing.trie import BoundedPrefixTrie
 _Entry = tuple[int, float, int, str]
 # a heap is rebuilt from its live entries once it holds this many more than twice them
 _COMPACT_SLACK = 64
+# why a heap top is passed over: not at all, taken by another replica this round, or not
+# for the replica looking now
+_KEEP, _TAKEN, _NOT_HERE = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -69,7 +74,10 @@ class _Queued:
     req: RoutingRequest
     priority: int
     seq: int
-    # replica -> chunks of this prompt it holds, as last known (absent: none)
+    # chunks of this prompt most replicas held when it was queued (a system prompt cached
+    # everywhere): the shared heap's key counts them, so they cost no per-replica entry
+    floor: int = 0
+    # replica -> chunks of this prompt it holds, as last known, where that is not ``floor``
     held_chunks: dict[str, int] = field(default_factory=dict)
 
 
@@ -122,7 +130,7 @@ class PrefixOrder:
     # ------------------------------------------------------------------ keys
 
     def _missing(self, q: _Queued, replica_id: str | None) -> int:
-        held = q.held_chunks.get(replica_id, 0) if replica_id is not None else 0
+        held = q.held_chunks.get(replica_id, q.floor) if replica_id is not None else q.floor
         return max(0, q.req.prompt_tokens - held * self.chunk_tokens)
 
     def _entry(self, q: _Queued, replica_id: str | None) -> _Entry:
@@ -139,7 +147,7 @@ class PrefixOrder:
         if q is None or q.seq != entry[2]:
             return False
         if replica_id is not None and replica_id not in q.held_chunks:
-            return False  # its key there is its whole prompt: the shared heap holds it
+            return False  # it holds the floor there: the shared heap holds that key
         return entry == self._entry(q, replica_id)
 
     def _held_now(self, q: _Queued, replica_id: str) -> int:
@@ -148,7 +156,9 @@ class PrefixOrder:
         return self.cache.match_per_target(q.req.chunk_hashes, [replica_id]).get(replica_id, 0)
 
     def _set_held(self, q: _Queued, replica_id: str, chunks: int) -> None:
-        if chunks > 0:
+        if chunks != q.floor:
+            # above the floor, or below it (an eviction): the replica's own heap has its key,
+            # and the shared heap's entry is not offered to this replica
             q.held_chunks[replica_id] = chunks
             self._heap(q.priority, replica_id).push(self._entry(q, replica_id))
         else:
@@ -180,12 +190,20 @@ class PrefixOrder:
         self._per_priority[req.priority] += 1
         for h in req.chunk_hashes:
             self._sharers.setdefault(h, set()).add(req.request_id)
+        held = (self.cache.match_per_target(req.chunk_hashes, self.replica_ids)
+                if req.chunk_hashes and self.replica_ids else {})
+        if held:
+            # the most common holding (ties: the larger): the fewest replicas recorded apart
+            counts = Counter(held.values())
+            q.floor = max(counts, key=lambda chunks: (counts[chunks], chunks))
+        for rid, chunks in held.items():
+            if chunks != q.floor:
+                self._set_held(q, rid, chunks)
         whole = self._whole.get(req.priority)
         if whole is None:
             whole = self._whole[req.priority] = _LazyHeap()
         whole.push(self._entry(q, None))
         heapq.heappush(self._overdue_at.setdefault(req.priority, []), (self._due(req), req.arrival, q.seq, req.request_id))
-        self._score(q, self.replica_ids)
 
     def _score(self, q: _Queued, replica_ids: Sequence[str]) -> None:
         if not q.req.chunk_hashes or not replica_ids:
@@ -232,7 +250,7 @@ class PrefixOrder:
                     continue
                 updated.add(rid)
                 q = self._queued[rid]
-                if q.held_chunks.get(replica_id, 0) < depth:
+                if q.held_chunks.get(replica_id, q.floor) < depth:
                     self._set_held(q, replica_id, depth)
 
     def on_cached(self, replica_id: str, chunk_hashes: Iterable[int]) -> None:
@@ -242,7 +260,7 @@ class PrefixOrder:
         for rid in touched:
             q = self._queued[rid]
             held = self._held_now(q, replica_id)
-            if held != q.held_chunks.get(replica_id, 0):
+            if held != q.held_chunks.get(replica_id, q.floor):
                 self._set_held(q, replica_id, held)
 
     # ------------------------------------------------------------------ ordering
@@ -339,55 +357,74 @@ class PrefixOrder:
                   popped: list[tuple[_LazyHeap, _Entry]]) -> tuple[str, bool] | None:
         """The request with the smallest key on ``replica_id`` that is not ``taken`` and may
         run there, and whether the replica holds part of it; its entry is popped (and
-        recorded in ``popped`` to be pushed back)."""
+        recorded in ``popped`` to be pushed back after the round)."""
+        # entries passed over for this replica only (excluded here, or recorded apart from
+        # the shared key): back in their heaps before the next replica looks
+        aside: list[tuple[_LazyHeap, _Entry]] = []
 
-        def skip(request_id: str) -> bool:
-            return request_id in taken or (excluded is not None and replica_id in excluded(request_id))
+        def skip(request_id: str) -> int:
+            if request_id in taken:
+                return _TAKEN
+            if excluded is not None and replica_id in excluded(request_id):
+                return _NOT_HERE
+            return _KEEP
 
-        while True:
-            mine = self._by_replica.get((priority, replica_id))
-            a = self._clean_top(mine, replica_id, skip, popped)
-            b = self._clean_top(whole, None, skip, popped)
-            if a is None and b is None:
-                return None
-            if b is None or (a is not None and a <= b):
-                assert mine is not None and a is not None
-                q = self._queued[a[3]]
+        def skip_shared(request_id: str) -> int:
+            # the shared key (its floor) is not its key on a replica recorded apart
+            why = skip(request_id)
+            return _NOT_HERE if why == _KEEP and replica_id in self._queued[request_id].held_chunks else why
+
+        try:
+            while True:
+                mine = self._by_replica.get((priority, replica_id))
+                a = self._clean_top(mine, replica_id, skip, popped, aside)
+                b = self._clean_top(whole, None, skip_shared, popped, aside)
+                if a is None and b is None:
+                    return None
+                if b is None or (a is not None and a <= b):
+                    assert mine is not None and a is not None
+                    q = self._queued[a[3]]
+                    held = self._held_now(q, replica_id)
+                    if held != q.held_chunks[replica_id]:
+                        # the cache changed under the record (an eviction): re-key it, look again
+                        self.corrections += 1
+                        mine.pop()
+                        self._set_held(q, replica_id, held)
+                        continue
+                    popped.append((mine, mine.pop()))
+                    self.picks_matched += held > 0
+                    return a[3], held > 0
+                assert whole is not None
+                q = self._queued[b[3]]
                 held = self._held_now(q, replica_id)
-                if held != q.held_chunks[replica_id]:
-                    # the cache changed under the record (an eviction): re-key it, look again
+                if held != q.floor:
+                    # the replica holds more of it (blocks seen only in its KV events) or less
+                    # (an eviction) than the floor: it competes in the replica's own heap
                     self.corrections += 1
-                    mine.pop()
                     self._set_held(q, replica_id, held)
                     continue
-                popped.append((mine, mine.pop()))
-                self.picks_matched += 1
-                return a[3], True
-            assert whole is not None
-            q = self._queued[b[3]]
-            held = self._held_now(q, replica_id)
-            if held > 0:
-                # the replica holds part of it after all (blocks seen only in its KV events):
-                # it competes in the replica's own heap with that key
-                self.corrections += 1
-                self._set_held(q, replica_id, held)
-                continue
-            popped.append((whole, whole.pop()))
-            return b[3], False
+                popped.append((whole, whole.pop()))
+                self.picks_matched += held > 0
+                return b[3], held > 0
+        finally:
+            for heap, entry in aside:
+                heap.push(entry)
 
-    def _clean_top(self, heap: _LazyHeap | None, replica_id: str | None, skip: Callable[[str], bool],
-                   popped: list[tuple[_LazyHeap, _Entry]]) -> _Entry | None:
+    def _clean_top(self, heap: _LazyHeap | None, replica_id: str | None, skip: Callable[[str], int],
+                   popped: list[tuple[_LazyHeap, _Entry]], aside: list[tuple[_LazyHeap, _Entry]]) -> _Entry | None:
         """The heap's top live entry of a request not skipped. Dead entries are dropped;
-        live ones that are skipped are set aside to be pushed back."""
+        live ones skipped are set aside (``popped`` for the round: taken; ``aside`` for this
+        replica's look only)."""
         if heap is None:
             return None
         while (top := heap.top()) is not None:
             if not self._live(top, replica_id):
                 heap.pop()
-            elif skip(top[3]):
-                popped.append((heap, heap.pop()))
-            else:
+                continue
+            why = skip(top[3])
+            if why == _KEEP:
                 return top
+            (popped if why == _TAKEN else aside).append((heap, heap.pop()))
         return None
 
     def _compact(self, priority: int) -> None:
@@ -417,7 +454,10 @@ class PrefixOrder:
         """The chunks of a queued request's prompt each replica holds, as this discipline
         knows it (for tests and status)."""
         q = self._queued.get(request_id)
-        return dict(q.held_chunks) if q is not None else {}
+        if q is None:
+            return {}
+        held = {r: q.held_chunks.get(r, q.floor) for r in self.replica_ids}
+        return {r: n for r, n in held.items() if n > 0}
 
     def stats(self) -> dict[str, int]:
         return {
