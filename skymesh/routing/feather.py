@@ -117,7 +117,7 @@ class PrefixOrder:
         self._per_priority: Counter[int] = Counter()
         self._sharers: dict[int, set[str]] = {}
         self._by_replica: dict[tuple[int, str], _LazyHeap] = {}
-        self._whole: dict[int, _LazyHeap] = {}  # priority -> every request, keyed by its prompt
+        self._whole: dict[int, _LazyHeap] = {}  # priority -> every request, keyed by its floor
         # priority -> (when it is overdue, arrival, admission sequence, request id)
         self._overdue_at: dict[int, list[tuple[float, float, int, str]]] = {}
         self._seq = 0
