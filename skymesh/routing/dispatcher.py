@@ -171,10 +171,7 @@ class BalancerCore:
 
     def free_dispatch_slots(self) -> int:
         """Requests the available replicas can still be sent before their next probe."""
-        return sum(
-            max(0, self.dispatch_budget - self._since_probe[rid])
-            for rid, v in self.replicas.items() if v.available
-        )
+        return sum(self._free_slots().values())
 
     def available_count(self) -> int:
         return sum(1 for v in self.replicas.values() if v.available)
@@ -275,12 +272,18 @@ class BalancerCore:
         }
 
     def _excluded(self, request_id: str) -> AbstractSet[str]:
-        """The replicas a queued request may not run on (failed it before, or residency)."""
+        """The replicas a queued request may not run on (the discipline's question)."""
         q = self._queue.get(request_id)
-        if q is None:
-            return frozenset()
-        forbidden = self.forbidden_for(q.req) if self.forbidden_for is not None else frozenset()
-        return q.excluded | forbidden if forbidden else q.excluded
+        return frozenset() if q is None else self._disallowed(q)
+
+    def _disallowed(self, q: _Queued) -> AbstractSet[str]:
+        # a retried request never goes back to a replica that already failed it, and no
+        # request runs where the operator's residency rules forbid it
+        if self.forbidden_for is not None:
+            forbidden = self.forbidden_for(q.req)
+            if forbidden:
+                return q.excluded | forbidden
+        return q.excluded
 
     def _dequeue(self, request_id: str) -> _Queued | None:
         q = self._queue.pop(request_id)
@@ -289,15 +292,9 @@ class BalancerCore:
         return q
 
     def _views_for(self, q: _Queued) -> dict[str, ReplicaView]:
-        excluded: set[str] | frozenset[str] = q.excluded
-        if self.forbidden_for is not None:
-            forbidden = self.forbidden_for(q.req)
-            if forbidden:
-                excluded = excluded | forbidden
+        excluded = self._disallowed(q)
         if not excluded:
             return self.replicas
-        # a retried request never goes back to a replica that already failed it, and no
-        # request runs where the operator's residency rules forbid it
         return {k: v for k, v in self.replicas.items() if k not in excluded}
 
     def has_allowed_available(self, req: RoutingRequest) -> bool:
