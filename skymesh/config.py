@@ -43,7 +43,11 @@ from pydantic import (
     model_validator,
 )
 
-from skymesh.routing.disciplines import DEFAULT_ITERATIONS
+from skymesh.routing.disciplines import (
+    DEFAULT_ITERATIONS,
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_PREFIX_TTFT_SHARE,
+)
 from skymesh.routing.options import PolicyOptions
 from skymesh.routing.registry import POLICIES, policy_options
 from skymesh.validation import PathError, first_error, kind
@@ -513,11 +517,11 @@ class QueueConfig(ConfigModel):
     # again at most for the polish; see skymesh/routing/disciplines.py)
     iterations: Annotated[Int, Field(ge=0, le=100_000)] = DEFAULT_ITERATIONS
     # slo and prefix: the starvation bound: a request queued this long goes first, in arrival order
-    max_age_s: Annotated[Float, Field(gt=0, le=3600)] = 30.0
+    max_age_s: Annotated[Float, Field(gt=0, le=3600)] = DEFAULT_MAX_AGE_S
     # prefix: a request that has waited this share of its TTFT target (its class's, else
     # policy.ttft_slo_s) also goes first, in arrival order: ordering by cache match alone
     # lowers the median TTFT but lets the unmatched requests' tail run past their targets
-    prefix_ttft_share: Annotated[Float, Field(gt=0, le=1)] = 0.5
+    prefix_ttft_share: Annotated[Float, Field(gt=0, le=1)] = DEFAULT_PREFIX_TTFT_SHARE
 
 
 class HealthConfig(ConfigModel):

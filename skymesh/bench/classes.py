@@ -14,6 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from skymesh.bench.traces import TraceRequest, assign_slo_classes
 from skymesh.config import SloClassConfig, SloClassName
+from skymesh.routing.disciplines import DEFAULT_MAX_AGE_S, DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.validation import first_error
 
 
@@ -30,10 +31,10 @@ def add_class_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-discipline", choices=("fcfs", "slo", "prefix"), default="fcfs",
                    help="the balancer's order within a priority: arrival, each head annealed for SLO attainment, "
                         "or a freed replica's best-matching request first (FEATHER)")
-    p.add_argument("--queue-max-age-s", type=float, default=30.0,
+    p.add_argument("--queue-max-age-s", type=float, default=DEFAULT_MAX_AGE_S,
                    help="the slo and prefix disciplines' starvation bound (queue.max_age_s): a request queued "
                         "this long goes first")
-    p.add_argument("--prefix-ttft-share", type=float, default=0.5,
+    p.add_argument("--prefix-ttft-share", type=float, default=DEFAULT_PREFIX_TTFT_SHARE,
                    help="the prefix discipline's tail bound (queue.prefix_ttft_share): a request that waited this "
                         "share of its TTFT target goes first")
 

@@ -46,7 +46,12 @@ from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
 from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.disciplines import DEFAULT_ITERATIONS, QueueDiscipline
+from skymesh.routing.disciplines import (
+    DEFAULT_ITERATIONS,
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_PREFIX_TTFT_SHARE,
+    QueueDiscipline,
+)
 from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.region import (
@@ -101,8 +106,8 @@ class SimConfig:
     early_rejection: bool = True
     queue_discipline: QueueDiscipline = "fcfs"  # or "slo" (skymesh/routing/disciplines.py)
     slo_iterations: int = DEFAULT_ITERATIONS
-    queue_max_age_s: float = 30.0  # the slo and prefix disciplines' starvation bound
-    prefix_ttft_share: float = 0.5  # the prefix discipline's tail bound (RegionSettings)
+    queue_max_age_s: float = DEFAULT_MAX_AGE_S  # the slo and prefix disciplines' starvation bound
+    prefix_ttft_share: float = DEFAULT_PREFIX_TTFT_SHARE  # the prefix discipline's tail bound (RegionSettings)
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:

@@ -39,6 +39,11 @@ QueueDiscipline = Literal["fcfs", "slo", "prefix"]
 # evaluations per decision: ~0.5 ms p50 / 0.9 ms p99 for a head of 8 on the development
 # machine, within 1% of the exhaustive optimum on 98% of such heads (benchmarks/slo_order.py)
 DEFAULT_ITERATIONS = 100
+# the slo and prefix disciplines' starvation bound: queued this long, a request goes first
+DEFAULT_MAX_AGE_S = 30.0
+# the prefix discipline's tail bound, as a share of the request's TTFT target (the one
+# probe behind it: docs/benchmarks.md, "Queue order: prefix (FEATHER) vs fcfs")
+DEFAULT_PREFIX_TTFT_SHARE = 0.5
 @dataclass(frozen=True, slots=True)
 class Candidate:
     request_id: str

@@ -35,7 +35,13 @@ from enum import StrEnum
 from typing import Any
 
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
-from skymesh.routing.disciplines import DEFAULT_ITERATIONS, QueueDiscipline, SloOrder
+from skymesh.routing.disciplines import (
+    DEFAULT_ITERATIONS,
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_PREFIX_TTFT_SHARE,
+    QueueDiscipline,
+    SloOrder,
+)
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.feather import PrefixOrder
 from skymesh.routing.kv_index import KvEvent, KvIndexes
@@ -156,10 +162,10 @@ class RegionSettings:
     slo_iterations: int = DEFAULT_ITERATIONS
     ttft_slo_s: float = 2.0
     # the slo and prefix disciplines' starvation bound: queued this long, a request goes first
-    slo_max_age_s: float = 30.0
+    slo_max_age_s: float = DEFAULT_MAX_AGE_S
     # the prefix discipline also puts a request first, in arrival order, once it has waited
     # this share of its TTFT target (its tail is bounded while the fresh ones match)
-    prefix_ttft_share: float = 0.5
+    prefix_ttft_share: float = DEFAULT_PREFIX_TTFT_SHARE
     health: HealthSettings = field(default_factory=HealthSettings)
 
 
