@@ -6,6 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from skymesh.edge.metrics import EdgeMetrics
+
 # the controller's supervised background loops, pre-created at 0 so a scrape shows them
 # before the first restart
 LOOPS = ("probe", "dns-sync")
@@ -15,6 +17,8 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 class ControllerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # the HTTP API's connection gauge, cap refusals and parser rejections (skymesh/edge/)
+        self.edge = EdgeMetrics.create(self.registry)
         self.loop_restarts = Counter(
             "skymesh_loop_restarts", "Background loops restarted after an exception.", ("loop",),
             registry=self.registry,

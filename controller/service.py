@@ -34,6 +34,7 @@ from controller.topology import assign_owners, nearest_alive
 from skymesh.admin_auth import admin_middleware, resolve_admin_token
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
+from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.pki import (
     ADMIN_IDENTITY,
     Credentials,
@@ -101,7 +102,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self._dns_dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._grpc: grpc.aio.Server | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner: EdgeAppRunner | None = None
         # name ("grpc", "http") -> port bound by start()
         self.bound_ports: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -454,7 +455,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         else:
             self.bound_ports["grpc"] = self._grpc.add_insecure_port(f"{g.host}:{g.port}")
         await self._grpc.start()
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        # bounded heads, connections and idle time; no body is decoded (skymesh/edge/server.py)
+        self._runner = EdgeAppRunner(self.make_app(), metrics=self.metrics.edge,
+                                     limits=EdgeLimits.from_config(self.cfg))
         await self._runner.setup()
         h = self.cfg.controller.http_listen
         await web.TCPSite(self._runner, h.host, h.port, reuse_address=True).start()

@@ -709,12 +709,24 @@ class AdminConfig(ConfigModel):
 
 
 class ClientTimeoutsConfig(ConfigModel):
-    """Bounds on slow clients (slowloris) at the balancer's HTTP server."""
+    """Bounds on slow clients (slowloris) at every skymesh HTTP server."""
 
     # from connect (or the end of the previous response) to a complete request head
     header_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 10.0
     # from the request head to the whole body
     body_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 30.0
+
+
+class HttpLimitsConfig(ConfigModel):
+    """Bounds on connections at every skymesh HTTP server (balancer, controller, DNS
+    control API): memory under a flood is bounded by these, not by the attacker
+    (skymesh/edge/server.py)."""
+
+    # open connections in all, and from one source address; over either: 503 and close
+    max_connections: Annotated[Int, Field(ge=1, le=1_000_000)] = 4096
+    max_connections_per_source: Annotated[Int, Field(ge=1, le=1_000_000)] = 1024
+    # bytes of one incomplete request head (request line and header fields); over: 431
+    max_head_bytes: Annotated[Int, Field(ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
 
 
 class TokenizerConfig(ConfigModel):
@@ -757,6 +769,7 @@ class MeshConfig(ConfigModel):
     client_auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     client_timeouts: ClientTimeoutsConfig = Field(default_factory=ClientTimeoutsConfig)
+    http_limits: HttpLimitsConfig = Field(default_factory=HttpLimitsConfig)
     emulate_latency: Bool = True
     # mTLS credentials of the gRPC mesh; None: gRPC only on loopback, without TLS
     tls: TlsConfig | None = None

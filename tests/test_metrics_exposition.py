@@ -79,7 +79,7 @@ def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
 ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts",
                            "skymesh_internal_errors", "skymesh_rejected_peer_calls", "skymesh_config_reloads",
                            "skymesh_cache_predictions", "skymesh_slo_requests", "skymesh_slo_outcomes",
-                           "skymesh_slo_target_misses")
+                           "skymesh_slo_target_misses", "skymesh_http_connections")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -127,6 +127,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_rejected_peer_calls_total{reason="wrong_region"}': 2.0,
         'skymesh_config_reloads_total{result="ok"}': 0.0,
         'skymesh_config_reloads_total{result="error"}': 0.0,
+        "skymesh_http_connections_open": 0.0,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added

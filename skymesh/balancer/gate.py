@@ -1,7 +1,8 @@
 """What a request passes before the balancer's handlers see it: client API keys and
-per-key limits on /v1/*, the admin token on /admin/*, /metrics access, and a bound on
-how long a client may take to send its body (slowloris). The bound on the request head
-is the server's ``keepalive_timeout`` (see :func:`server_options`).
+per-key limits on /v1/*, the admin token on /admin/*, /metrics access; then, and only
+then, the body is read: within ``client_timeouts.body_timeout_s`` (slowloris) and
+``policy.max_body_bytes``, inflated by the bounded decoder (skymesh/edge/body.py). The
+bounds on the request head and on connections are the server's (skymesh/edge/server.py).
 
 Peer balancers' forwarded requests carry no client key: they are let through on the
 peer token (checked here before the body is read, and again in the handler).
@@ -9,12 +10,10 @@ peer token (checked here before the body is read, and again in the handler).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -27,9 +26,9 @@ from skymesh.balancer.auth import (
     missing_key_response,
     openai_error,
 )
-from skymesh.balancer.errors import RequestError
 from skymesh.balancer.ratelimit import TokenBucket, retry_after_header
 from skymesh.config import ClientLimits, MeshConfig
+from skymesh.edge.body import BodyLimits, read_body_or_reject
 
 # request[CLIENT] is the authenticated ClientKey (None when the API is open or for peers)
 CLIENT = web.RequestKey("skymesh.client", ClientKey | None)
@@ -50,14 +49,6 @@ def _buckets(limits: ClientLimits) -> _Buckets:
     if limits.prompt_tokens_per_minute is not None:
         tok = TokenBucket(rate=limits.prompt_tokens_per_minute / 60.0, capacity=float(limits.prompt_tokens_per_minute))
     return _Buckets(req, tok)
-
-
-def server_options(cfg: MeshConfig) -> dict[str, Any]:
-    """AppRunner options bounding slow clients. aiohttp (3.14) arms its keep-alive timer
-    when a connection opens and after each response, does not re-arm it on bytes, and when
-    it fires closes a connection still waiting for a complete request head; so it is the
-    header timeout, for the first request and every kept-alive one."""
-    return {"keepalive_timeout": cfg.client_timeouts.header_timeout_s}
 
 
 class ClientGate:
@@ -161,12 +152,14 @@ class ClientGate:
             client, denied = self.admit(request, self._clock())
             if denied is not None:
                 self._on_reject(denied.status)
+                if request.body_exists:
+                    denied.force_close()  # its body is never read: the connection ends here
                 return denied
             request[CLIENT] = client
             if request.body_exists:
-                timed_out = await self._read_body(request)
-                if timed_out is not None:
-                    return timed_out
+                refused = await self._read_body(request)
+                if refused is not None:
+                    return refused
         elif path.startswith("/admin/"):
             denied = admin_denied(request, self.admin_token)
             if denied is not None:
@@ -178,29 +171,12 @@ class ClientGate:
         return await handler(request)
 
     async def _read_body(self, request: web.Request) -> web.Response | None:
-        """Read the body within ``client_timeouts.body_timeout_s`` (aiohttp keeps it, so
-        the handler's ``request.read()`` returns it at once)."""
-        try:
-            async with asyncio.timeout(self.cfg.client_timeouts.body_timeout_s):
-                await request.read()
-        except TimeoutError:
-            self._on_reject(408)
-            response = openai_error(
-                408,
-                f"the request body did not arrive within {self.cfg.client_timeouts.body_timeout_s:g} s",
-                "invalid_request_error",
-                "request_timeout",
-            )
-            # sent and closed here: aiohttp would otherwise linger reading the rest of the
-            # body (up to lingering_time) for the very client that is too slow to send it
-            response.force_close()
-            await response.prepare(request)
-            await response.write_eof()
-            if request.transport is not None:
-                request.transport.close()  # flushes the 408 first
-            return response
-        except web.HTTPRequestEntityTooLarge:
-            # answered here: a second read would go on from the middle of the body
-            self._on_reject(413)
-            return RequestError(413, f"request body exceeds {self.cfg.policy.max_body_bytes} bytes").response()
-        return None
+        """Read the body within its timeout and size bound, decoding it with bounds
+        (aiohttp keeps it, so the handler's ``request.read()`` returns it at once); the
+        answer instead when it cannot be read (408, 413, 415, 400), the connection closed
+        after it."""
+        limits = BodyLimits(self.cfg.policy.max_body_bytes, self.cfg.client_timeouts.body_timeout_s)
+        refused = await read_body_or_reject(request, limits)
+        if refused is not None:
+            self._on_reject(refused.status)
+        return refused

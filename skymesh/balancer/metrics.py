@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from skymesh.edge.metrics import EdgeMetrics
 from skymesh.routing.base import Decision, RoutingRequest
 
 if TYPE_CHECKING:
@@ -220,12 +221,15 @@ class BalancerMetrics:
             "skymesh_slo_target_misses_total", "Served requests that missed a target of their SLO class (ttft, tpot, e2e).",
             ("slo_class", "target"), registry=None,
         )
+        # the HTTP edge's connection gauge and cap refusals (skymesh/edge/server.py)
+        self.edge = EdgeMetrics.create(None, rejections=self.rejections, internal_errors=self.internal_errors)
         # registration order is the page's order: request-path metrics, then the load gauges
         self.registry.register(_WithoutCreatedSamples([
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
             self.internal_errors, self.config_reloads, self.cache_predictions,
             self.slo_requests, self.slo_outcomes, self.slo_target_misses,
+            self.edge.connections_open, self.edge.connections_refused,
         ]))
         self.registry.register(_LoadCollector(region, snapshot))
 

@@ -36,8 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.errors import RequestError, error_response
-from skymesh.balancer.gate import CLIENT, ClientGate, server_options
-from skymesh.balancer.http_server import JsonErrorAppRunner
+from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.prober import ProbeResult, probe_replica
@@ -56,6 +55,7 @@ from skymesh.config import (
     ReplicaConfig,
     region_of_address,
 )
+from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
@@ -290,7 +290,7 @@ class Balancer:
         self.topology_version = 0
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._runner: JsonErrorAppRunner | None = None
+        self._runner: EdgeAppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._egress: aiohttp.ClientSession | None = None
         self._stopping = False
@@ -435,10 +435,11 @@ class Balancer:
         )
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
         # handler_cancellation: a client that goes away frees its queue slot or replica at once;
-        # JsonErrorAppRunner: what aiohttp's HTTP parser rejects gets JSON too (http_server.py)
-        self._runner = JsonErrorAppRunner(
-            self.make_app(), metrics=self.metrics, access_log=None, handle_signals=False,
-            handler_cancellation=True, **server_options(self.cfg),
+        # EdgeAppRunner: bounded heads, connections and bodies, and what aiohttp's HTTP parser
+        # rejects answered in JSON too (skymesh/edge/server.py)
+        self._runner = EdgeAppRunner(
+            self.make_app(), metrics=self.metrics.edge, limits=EdgeLimits.from_config(self.cfg),
+            handler_cancellation=True,
         )
         await self._runner.setup()
         site = web.TCPSite(

@@ -40,18 +40,25 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from skymesh.admin_auth import (
     admin_denied,
     bearer_of,
+    metrics_denied,
     resolve_admin_token,
     resolve_peer_token,
     token_matches,
 )
 from skymesh.config import MeshConfig, source_network_of
 from skymesh.dns.base import BalancerEndpoint
+from skymesh.edge.body import BodyLimits, read_body_or_reject
+from skymesh.edge.metrics import EdgeMetrics
+from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 
 log = logging.getLogger("skymesh.dns")
+# the endpoint list the controller pushes: a few hundred bytes a region
+CONTROL_MAX_BODY_BYTES = 1024 * 1024
 
 
 def control_address(cfg: MeshConfig) -> tuple[str, int]:
@@ -77,9 +84,12 @@ class MeshDnsServer:
                 aws_region=r.aws_region,
             )
         self.queries = 0
+        # the control API's metrics (GET /metrics, by admin.metrics_access)
+        self.metrics_registry = CollectorRegistry()
+        self.edge_metrics = EdgeMetrics.create(self.metrics_registry)
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner: EdgeAppRunner | None = None
 
     # ------------------------------------------------------------------ answering
 
@@ -224,13 +234,28 @@ class MeshDnsServer:
 
         async def put_endpoints(request: web.Request) -> web.Response:
             if not token_matches(bearer_of(request), self.peer_token):
-                return web.json_response({"error": "bad token"}, status=401)
+                response = web.json_response({"error": "bad token"}, status=401)
+                response.force_close()  # the body is not read: nothing more from this caller
+                return response
+            # the caller is known: its body, within bounds (skymesh/edge/body.py)
+            refused = await read_body_or_reject(request, BodyLimits(
+                CONTROL_MAX_BODY_BYTES, self.cfg.client_timeouts.body_timeout_s))
+            if refused is not None:
+                return refused
             try:
                 eps = [BalancerEndpoint(**e) for e in await request.json()]
             except (ValueError, TypeError) as e:
                 return web.json_response({"error": f"bad endpoint list: {e}"}, status=400)
             return web.json_response({"changed": self.update(eps)})
 
+        async def metrics(request: web.Request) -> web.Response:
+            denied = metrics_denied(request, self.cfg, admin_token)
+            if denied is not None:
+                return denied
+            return web.Response(body=generate_latest(self.metrics_registry),
+                                headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app.router.add_get("/metrics", metrics)
         app.router.add_get("/v1/endpoints", get_endpoints)
         app.router.add_put("/v1/endpoints", put_endpoints)
         return app
@@ -256,7 +281,9 @@ class MeshDnsServer:
         # with port 0 the kernel picks the UDP port; TCP serves the same number
         port = int(self._udp.get_extra_info("sockname")[1])
         self._tcp = await asyncio.start_server(self._serve_tcp, host, port)
-        self._runner = web.AppRunner(self._control_app(), access_log=None, handle_signals=False)
+        # bounded heads, connections, idle time and bodies (skymesh/edge/)
+        self._runner = EdgeAppRunner(self._control_app(), metrics=self.edge_metrics,
+                                     limits=EdgeLimits.from_config(self.cfg))
         await self._runner.setup()
         chost, cport = control_address(self.cfg)
         if self.cfg.dns.listen.port == 0:

@@ -28,6 +28,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from skymesh.edge.metrics import EdgeMetrics
+from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import EventPublisher, NullPublisher, make_publisher
@@ -58,6 +60,8 @@ MAX_CLOCK_LAG_S = 0.25
 # must not hide behind a server that still answers
 ENGINE_UNHEALTHY_AFTER_CRASHES = 3
 ENGINE_LOOP_NAME = "engine"
+# vLLM's uvicorn closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+STAND_IN_EDGE = EdgeLimits(header_timeout_s=5.0)
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
 
@@ -180,7 +184,7 @@ class ReplicaServer:
         self.engine_loop = SupervisedLoop(ENGINE_LOOP_NAME, self._run_engine, on_restart=self._engine_restarted,
                                           logger=log, backoff_s=0.05, max_backoff_s=2.0)
         self._loop_task: asyncio.Task[None] | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner: EdgeAppRunner | None = None
         self.host = "127.0.0.1"
         self.port = 0
 
@@ -271,7 +275,10 @@ class ReplicaServer:
         self._loop_task = self.engine_loop.start()
         # handler_cancellation: a client that disconnects cancels its handler, whose
         # finally-block aborts the request in the engine
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False,
+        # EdgeAppRunner: bounded heads and connections, and no Content-Encoding inflated (as
+        # vLLM's uvicorn: a coded body fails as JSON). Its counters stay off /metrics, which
+        # is vLLM's page (skymesh/edge/server.py)
+        self._runner = EdgeAppRunner(self.make_app(), metrics=EdgeMetrics.create(None), limits=STAND_IN_EDGE,
                                      handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
