@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint fmt proto clean vllm-env
+.PHONY: setup run test lint fmt proto clean vllm-env checkov-env
 
 setup: $(STAMP)
 
@@ -21,7 +21,12 @@ run: setup
 vllm-env: setup
 	$(BIN)/python -m skymesh.testing.vllm_env build
 
-test: setup vllm-env
+# checkov (pinned) for the terraform test: its own venv, built once, instant afterwards;
+# when it cannot be built this says why and that test skips (tests never install anything)
+checkov-env: setup
+	$(BIN)/python -m skymesh.testing.checkov_env build
+
+test: setup vllm-env checkov-env
 	$(BIN)/ruff check skymesh controller tests benchmarks
 	$(BIN)/python -m pytest -q
 
@@ -36,4 +41,4 @@ proto: setup
 	$(BIN)/python -m skymesh.proto_build
 
 clean:
-	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache
+	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache .venv-checkov

@@ -3,6 +3,14 @@
 The one process wrapper of the project: ``skymesh up``, the benchmarks and the test suite
 all start their children through :class:`Child`.
 
+A child dies with its parent, however the parent dies (SIGKILL included): on Linux each
+child asks the kernel for SIGKILL when its parent goes (``prctl(PR_SET_PDEATHSIG)``), set
+between fork and exec, and exits at once if the parent was already gone by then. A child
+that starts children of its own through :class:`Child` passes this on, so a whole tree
+goes when its root does. (The kernel sends it when the *thread* that forked the child
+exits: start children from a thread that lives as long as they should, e.g. the event
+loop's.) :func:`port_holders` names the process holding a port (from /proc).
+
 Ready protocol: every skymesh daemon (balancer, replica-sim, controller, dns) prints one
 line ``SKYMESH_READY {"http": 43121, "grpc": 40211}`` on stdout once it listens, naming
 the ports it actually bound (so a child started on port 0 tells which one it got).
@@ -13,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import json
 import os
 import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -49,9 +59,43 @@ def parse_ready(text: str) -> dict[str, int] | None:
     return None
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+# resolved once, in the parent: the function run between fork and exec only calls it
+_PRCTL = _load_prctl()
+
+
+def die_with_parent_preexec(parent_pid: int, sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get ``sig`` when its parent dies; None where
+    the platform has no ``PR_SET_PDEATHSIG``. If the parent died before the ``prctl``
+    took effect (the child was reparented), the child exits at once instead."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
 class Child:
     """A child process in its own process group, output appended to ``log_dir/NAME.log``;
-    stopped by its PID's group, never by name."""
+    stopped by its PID's group, never by name; killed by the kernel if this process dies
+    first (see the module's docstring)."""
 
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
                  cwd: Path | None = None) -> None:
@@ -78,6 +122,7 @@ class Child:
             self.proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, **(self.env or {})}, cwd=self.cwd,
+                preexec_fn=die_with_parent_preexec(os.getpid()),
             )
         finally:
             log.close()
@@ -264,6 +309,85 @@ def bind_problem(host: str, port: int, udp: bool = False) -> str | None:
                 return "already in use"
             return e.strerror or str(e)
     return None
+
+
+def _proc_net_addr(hex_addr: str) -> tuple[str, int]:
+    """(address, port) of a /proc/net/{tcp,udp}{,6} ``local_address`` field."""
+    addr, port = hex_addr.split(":")
+    if len(addr) == 8:
+        ip = socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(addr, 16)))
+    else:
+        raw = b"".join(struct.pack("<I", int(addr[i:i + 8], 16)) for i in range(0, 32, 8))
+        ip = socket.inet_ntop(socket.AF_INET6, raw)
+        if ip.startswith("::ffff:") and "." in ip:
+            ip = ip[len("::ffff:"):]
+    return ip, int(port, 16)
+
+
+_WILDCARDS = ("0.0.0.0", "::")
+_TCP_LISTEN = "0A"
+
+
+def _socket_inodes(host: str, port: int, udp: bool) -> set[str]:
+    """Inodes of the sockets bound to host:port (TCP: listening), a wildcard address
+    counting as every host, from /proc/net."""
+    inodes: set[str] = set()
+    for table in (("udp", "udp6") if udp else ("tcp", "tcp6")):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or (not udp and fields[3] != _TCP_LISTEN):
+                continue
+            try:
+                ip, p = _proc_net_addr(fields[1])
+            except (ValueError, OSError):
+                continue
+            if p == port and (ip == host or ip in _WILDCARDS or host in _WILDCARDS):
+                inodes.add(fields[9])
+    inodes.discard("0")
+    return inodes
+
+
+def port_holders(host: str, port: int, udp: bool = False) -> list[tuple[int, str]]:
+    """(pid, command line) of each process holding a socket bound to host:port (TCP: a
+    listening one), found through /proc/net and /proc/*/fd (Linux; processes of other
+    users may not be visible: then the list is shorter or empty)."""
+    wanted = {f"socket:[{inode}]" for inode in _socket_inodes(host, port, udp)}
+    if not wanted:
+        return []
+    out: list[tuple[int, str]] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target in wanted:
+                try:
+                    cmd = " ".join((proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+                except OSError:
+                    cmd = ""
+                out.append((int(proc.name), cmd or "?"))
+                break
+    return sorted(out)
+
+
+def describe_port_holders(host: str, port: int, udp: bool = False) -> str:
+    """``"pid 123 (cmd ...)"`` for each process holding host:port, or a note that none
+    could be found (another user's process, or one that just let go)."""
+    holders = port_holders(host, port, udp)
+    if not holders:
+        return "by a process not visible here (another user's?)"
+    return "by " + ", ".join(f"pid {pid} ({cmd[:200]})" for pid, cmd in holders)
 
 
 async def start_sim_replicas(n: int, profile: str, time_scale: float, log_dir: Path,

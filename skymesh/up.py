@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import signal
@@ -37,6 +38,7 @@ from skymesh.procs import (
     Child,
     bind_problem,
     cancel_tasks,
+    describe_port_holders,
     skymesh_cmd,
     wait_all_ready,
     wait_healthy,
@@ -136,12 +138,15 @@ class Mesh:
         return out
 
     def preflight(self) -> None:
-        """Fail before starting anything when an address is taken (another `skymesh up`?)."""
-        problems = [
-            f"  {what}: {host}:{port} {why}"
-            for what, host, port, udp in self.listen_addresses()
-            if (why := bind_problem(host, port, udp)) is not None
-        ]
+        """Fail before starting anything when an address is taken (another `skymesh up`?),
+        naming the process that holds it (pid and command line)."""
+        problems = []
+        for what, host, port, udp in self.listen_addresses():
+            why = bind_problem(host, port, udp)
+            if why == "already in use":
+                why += " " + describe_port_holders(host, port, udp)
+            if why is not None:
+                problems.append(f"  {what}: {host}:{port} {why}")
         if problems:
             raise MeshStartError(
                 "cannot listen on these addresses (is another `skymesh up` running?):\n" + "\n".join(problems)
@@ -178,7 +183,10 @@ class Mesh:
             try:
                 await p.start()
             except OSError as e:
-                raise MeshStartError(f"delay proxy {p.name} cannot listen: {e.strerror or e}") from None
+                why = e.strerror or str(e)
+                if e.errno == errno.EADDRINUSE:
+                    why += " " + describe_port_holders(p.listen[0], p.listen[1])
+                raise MeshStartError(f"delay proxy {p.name} cannot listen: {why}") from None
             self.proxies.append(p)
 
     async def start_replicas(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -203,3 +204,68 @@ async def test_a_failing_lookup_answers_servfail_and_the_server_lives_on(
             assert (await query(server, NAME, source="127.1.0.5", tcp=tcp)).rcode() == dns.rcode.SERVFAIL
     for tcp in (False, True):
         assert a_records(await query(server, NAME, source="127.1.0.5", tcp=tcp)) == [balancer_ip(server, "us-east-1")]
+
+
+# ----------------------------------------------------------------------------- hostile packets
+
+
+def dropped_by_reason(page: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["reason"]: s.value for fam in text_string_to_metric_families(page)
+            for s in fam.samples if s.name == "skymesh_dns_dropped_packets_total"}
+
+
+@pytest.mark.fault
+async def test_response_truncated_and_malformed_packets_are_dropped_counted_and_not_logged(
+        tmp_path: Path) -> None:
+    import aiohttp
+    import yaml
+
+    from skymesh.procs import Child, skymesh_cmd
+    from tests.mesh_helpers import report_figures
+
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(local_config_free_ports()))
+    child = Child("dns", skymesh_cmd("dns", "--config", str(path), "--port", "0", "--log-level", "INFO"), tmp_path)
+    child.start()
+    try:
+        ports = await child.wait_ready(within_s=60)
+        host = "127.0.0.1"
+        metrics_url = f"http://{host}:{ports['control']}/metrics"
+        async with aiohttp.ClientSession() as s, s.get(metrics_url) as r:
+            assert r.status == 200
+            before = dropped_by_reason(await r.text())
+        log_start = child.log_path.stat().st_size
+        query = dns.message.make_query(NAME, "A")
+        response = dns.message.make_response(query).to_wire()  # QR set: 35 bytes
+        assert response[2] & 0x80 and len(response) == 35
+        wire = query.to_wire()
+        bad = {
+            "response": [response, response[:20] + b"\x00" * 20, b"\xff" * 40],
+            "truncated": [b"", b"\x00", wire[:11]],
+            "malformed": [wire[:20], wire + b"junk", b"\x12\x34\x01\x00" + b"\x00\x05" + b"\x01" * 30],
+        }
+        sent = sum(len(v) for v in bad.values())
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for packets in bad.values():
+                for p in packets:
+                    sock.sendto(p, (host, ports["dns"]))
+        # one socket, one loop: once a query sent after them is answered, all were handled
+        msg = await asyncio.to_thread(dns.query.udp, query, host, port=ports["dns"], timeout=10,
+                                      source="127.1.0.5")
+        assert msg.rcode() == dns.rcode.NOERROR and a_records(msg)
+        async with aiohttp.ClientSession() as s, s.get(metrics_url) as r:
+            after = dropped_by_reason(await r.text())
+        logged = child.log_path.read_bytes()[log_start:]
+        for reason, packets in bad.items():
+            assert after[reason] - before.get(reason, 0.0) == len(packets), (reason, before, after)
+        assert after["error"] == before.get("error", 0.0) == 0
+        assert b"Traceback" not in logged
+        levels = [json.loads(line)["level"] for line in logged.decode().splitlines() if line.startswith("{")]
+        assert not {"warning", "error", "critical"} & set(levels), logged.decode()[:2000]
+        report_figures("dns_hostile_packets", packets=sent, log_bytes=len(logged),
+                       log_bytes_per_bad_packet=len(logged) / sent)
+        assert child.running()
+    finally:
+        await child.stop()

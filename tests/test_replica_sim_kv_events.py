@@ -416,6 +416,47 @@ async def test_replay_from_a_seq_and_contiguous_sequence_numbers(tmp_path: Path)
     assert int.from_bytes(end[1], "big", signed=True) == -1
 
 
+class _LatePublisher(ZmqPublisher):
+    """A publisher whose thread starts its loop only when told: what a loaded machine does
+    when the thread is scheduled late (a batch and a replay request wait for it together)."""
+
+    def __init__(self, cfg: KVEventsConfig) -> None:
+        self.go = threading.Event()
+        super().__init__(cfg)
+
+    def _run(self) -> None:
+        self.go.wait()
+        super()._run()
+
+
+@pytest.mark.fault
+async def test_a_replay_answers_a_batch_published_before_it_even_when_the_thread_wakes_late(
+        tmp_path: Path) -> None:
+    from skymesh.replica_sim.kv_events import AllBlocksCleared
+
+    pub = _LatePublisher(events_config(endpoint=f"ipc://{tmp_path}/pub.sock",
+                                       replay_endpoint=f"ipc://{tmp_path}/replay.sock"))
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        pub.publish([AllBlocksCleared()])  # batch 0: queued, not sent (the thread waits)
+        assert pub.replay_endpoint is not None and pub._replay is not None
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        # the thread is parked before its loop: this one may read the socket meanwhile
+        assert pub._replay.poll() == zmq.POLLIN  # the request is there, beside the batch
+        pub.go.set()
+        frames = await asyncio.to_thread(dealer.recv_multipart)
+        # batch 0 first (the old loop served the request first: only the end marker)
+        assert frames[2:3] == [(0).to_bytes(8, "big")], frames
+        assert (await asyncio.to_thread(dealer.recv_multipart))[2] == END_SEQ
+    finally:
+        pub.go.set()
+        dealer.close(linger=0)
+        ctx.term()
+        await asyncio.to_thread(pub.close)
+
+
 async def test_replay_keeps_the_last_buffer_steps_batches(tmp_path: Path) -> None:
     async with publishing_replica(tmp_path, events={"buffer_steps": 2}) as (srv, sub), aiohttp.ClientSession() as s:
         await subscribed(s, srv, sub)

@@ -33,6 +33,7 @@ from skymesh.pki import (
     peer_identity,
     secure_channel,
 )
+from skymesh.testing import checkov_env
 from tests.mesh_helpers import ROOT
 
 pytestmark = pytest.mark.timeout(600)
@@ -485,20 +486,31 @@ async def handshakes(creds: dict[str, Credentials], forged: Credentials) -> None
     with pytest.raises(grpc.aio.AioRpcError):  # a certificate from another CA is refused
         await whoami(creds["controller"], forged, CONTROLLER_SERVER_NAME)
 
-CHECKOV_VENV = ROOT / ".venv-checkov"
-CHECKOV_PIN = "checkov==3.3.30"
-
-
 def checkov_bin() -> Path:
-    """checkov lives in its own venv (its dependency tree conflicts with ours)."""
-    exe = CHECKOV_VENV / "bin" / "checkov"
-    stamp = CHECKOV_VENV / ".installed"
-    if not stamp.exists() or stamp.read_text() != CHECKOV_PIN:
-        subprocess.run(["python3", "-m", "venv", str(CHECKOV_VENV)], check=True, timeout=120)
-        subprocess.run([str(CHECKOV_VENV / "bin" / "pip"), "install", "--quiet", CHECKOV_PIN], check=True,
-                       timeout=900)
-        stamp.write_text(CHECKOV_PIN)
-    return exe
+    """checkov lives in its own venv, built by `make checkov-env` (never by a test): skip
+    with the reason when it is not there."""
+    reason = checkov_env.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return checkov_env.checkov_bin()
+
+
+@pytest.mark.fault
+def test_the_checkov_venv_is_found_or_the_reason_given_without_installing(tmp_path: Path) -> None:
+    venv = tmp_path / "venv-checkov"
+    assert "make checkov-env" in (checkov_env.unavailable_reason(venv) or "")
+    assert not venv.exists()  # asking never builds
+    venv.mkdir()
+    (venv / "build-failed").write_text("pip install checkov==3.3.30 failed (exit 1); log: x\nno index\n")
+    reason = checkov_env.unavailable_reason(venv) or ""
+    assert "could not be built" in reason and "pip install checkov==3.3.30 failed" in reason
+    (venv / "bin").mkdir()
+    (venv / "bin" / "checkov").write_text("")
+    (venv / ".installed").write_text("checkov==3.0.0")  # another pin: not this one
+    assert checkov_env.unavailable_reason(venv) is not None
+    (venv / ".installed").write_text(checkov_env.CHECKOV_PIN)
+    assert checkov_env.unavailable_reason(venv) is None
+    assert checkov_env.checkov_bin(venv) == venv / "bin" / "checkov"
 
 
 @pytest.mark.slow

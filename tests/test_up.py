@@ -30,7 +30,7 @@ from skymesh.procs import (
     wait_all_ready,
 )
 from skymesh.up import Mesh, MeshStartError
-from tests.mesh_helpers import ROOT, local_config_free_ports
+from tests.mesh_helpers import ROOT, local_config_free_ports, report_figures
 
 
 def mesh_parts_missing() -> str | None:
@@ -328,3 +328,160 @@ async def test_a_stand_in_that_dies_is_restarted_with_backoff(tmp_path: Path) ->
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
         await mesh.stop()
+
+
+# ----------------------------------------------------------------------------- a parent killed hard
+
+# a process that starts a chain of descendants through Child: `tree.py N` starts `tree.py
+# N-1` (until 0), then reports its own pid and its descendants' on its ready line
+TREE = """
+import asyncio, os, sys
+from pathlib import Path
+from skymesh.procs import Child, report_ready
+
+async def main(depth: int, log_dir: Path) -> None:
+    pids = {f"level{depth}": os.getpid()}
+    if depth > 0:
+        child = Child(f"level{depth - 1}", [sys.executable, __file__, str(depth - 1), str(log_dir)], log_dir)
+        child.start()
+        pids.update(await child.wait_ready(within_s=120))
+    report_ready(pids)
+    await asyncio.Event().wait()
+
+asyncio.run(main(int(sys.argv[1]), Path(sys.argv[2])))
+"""
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), None when it is gone or a
+    zombie: (pid, start time) names one process even if the pid is reused later."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def children_of(ppid: int) -> dict[int, int]:
+    """pid -> start time of the live children of ``ppid``."""
+    out: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == ppid and fields[0] not in ("Z", "X"):
+            out[int(d.name)] = int(fields[19])
+    return out
+
+
+async def survivors(procs: dict[int, int], polls: int = 400) -> dict[int, int]:
+    """The processes (pid -> start time) still alive after polling until none is, at most
+    ``polls`` times 50 ms apart (the kernel kills them as soon as their parent is gone)."""
+    left = dict(procs)
+    for _ in range(polls):
+        left = {pid: t for pid, t in left.items() if proc_start_time(pid) == t}
+        if not left:
+            break
+        await asyncio.sleep(0.05)
+    return left
+
+
+def kill_leftovers(procs: dict[int, int]) -> None:
+    """SIGKILL what the test started and outlived its parent (by pid, checked against its
+    start time so a reused pid is never hit)."""
+    for pid, t in procs.items():
+        if proc_start_time(pid) == t:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.fault
+async def test_children_and_grandchildren_die_with_a_parent_killed_hard(tmp_path: Path) -> None:
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    root = Child("level2", [sys.executable, str(script), "2", str(tmp_path)], tmp_path,
+                 env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    root.start()
+    procs: dict[int, int] = {}
+    try:
+        pids = await root.wait_ready(within_s=120)
+        assert pids["level2"] == root.pid
+        for name in ("level1", "level0"):
+            t = proc_start_time(pids[name])
+            assert t is not None, f"{name} is not running"
+            procs[pids[name]] = t
+        assert root.proc is not None
+        os.kill(root.pid, signal.SIGKILL)  # the parent alone, as `kill -9 PID` does
+        root.proc.wait()
+        left = await survivors(procs)
+        assert left == {}, f"still running after their parent was SIGKILLed: {sorted(left)}"
+    finally:
+        await root.stop()
+        kill_leftovers(procs)
+
+
+@pytest.mark.fault
+async def test_a_port_held_by_another_process_is_named_with_its_pid_and_command(tmp_path: Path) -> None:
+    path, data = write_config(tmp_path)
+    host, port = data["controller"]["http_listen"].rsplit(":", 1)
+    holder = Child("holder", [sys.executable, "-c", (
+        "import socket, sys, time\n"
+        "s = socket.socket()\n"
+        "s.bind((sys.argv[1], int(sys.argv[2])))\n"
+        "s.listen()\n"
+        "print('SKYMESH_READY {}', flush=True)\n"
+        "time.sleep(3600)\n"), host, port], tmp_path)
+    holder.start()
+    try:
+        await holder.wait_ready(within_s=60)
+        mesh = Mesh(path, tmp_path / "run")
+        with pytest.raises(MeshStartError) as e:
+            await mesh.start()
+        msg = str(e.value)
+        assert f"controller HTTP: {host}:{port} already in use by pid {holder.pid} (" in msg, msg
+        assert "import socket, sys, time s = socket.socket()" in msg  # its command line
+        assert mesh.children() == []
+    finally:
+        await holder.stop()
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_skymesh_up_killed_hard_leaves_no_child_running(tmp_path: Path) -> None:
+    if (why := mesh_parts_missing()) is not None:
+        pytest.skip(why)
+    data = local_config_free_ports(time_scale=0.1)
+    for r in data["regions"]:
+        r["replicas"] = r["replicas"][:1]  # one stand-in per region: 8 children in all
+    data["controller"]["state_path"] = str(tmp_path / "controller.sqlite")
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(data))
+    up = Child("up", skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run")), tmp_path,
+               cwd=ROOT)
+    up.start()
+    procs: dict[int, int] = {}
+    try:
+        while "skymesh is up" not in up.log_path.read_text():  # the test's timeout guards against never
+            assert up.running(), up.tail()
+            await asyncio.sleep(0.2)
+        assert up.pid is not None and up.proc is not None
+        procs = children_of(up.pid)
+        assert len(procs) == 3 + 1 + 1 + 3, (procs, up.tail())
+        os.kill(up.pid, signal.SIGKILL)  # not its group: only `skymesh up` itself
+        await asyncio.to_thread(up.proc.wait)
+        left = await survivors(procs)
+        report_figures("up_sigkill", children=len(procs), children_left=len(left))
+        assert left == {}, f"children of a SIGKILLed `skymesh up` still running: {sorted(left)}"
+        # and nothing holds the mesh's addresses any more: the next `make run` starts
+        mesh = Mesh(path, tmp_path / "check")
+        assert [(what, host, port) for what, host, port, udp in mesh.listen_addresses()
+                if bind_problem(host, port, udp) is not None] == []
+    finally:
+        await up.kill()
+        kill_leftovers(procs)

@@ -15,7 +15,14 @@ client's EDNS buffer (512 bytes without EDNS) is truncated (TC) for a TCP retry.
 
 It runs as its own process so answers keep flowing when the controller is down; the
 controller pushes balancer health to a small HTTP control endpoint on
-``dns.listen`` host, port + 1, authenticated with the mesh's peer token.
+``dns.listen`` host, port + 1, authenticated with the mesh's peer token. That endpoint
+also serves ``/metrics`` (``admin.metrics_access``).
+
+A packet that is not a query it can answer is dropped without a reply and without a log
+line above DEBUG (a log line per packet would let anyone who can send UDP fill the
+disk): shorter than a DNS header (``truncated``), a response (QR bit set: answering
+responses is how two servers end up in a loop), or unparseable (``malformed``); each
+counted in ``skymesh_dns_dropped_packets_total{reason}``.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.admin_auth import (
     admin_denied,
@@ -59,6 +67,32 @@ from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 log = logging.getLogger("skymesh.dns")
 # the endpoint list the controller pushes: a few hundred bytes a region
 CONTROL_MAX_BODY_BYTES = 1024 * 1024
+
+HEADER_LEN = 12  # a DNS message header: id, flags, four section counts
+QR_BIT = 0x80  # in the first flags byte (byte 2): set on responses
+# why a packet got no answer (skymesh_dns_dropped_packets_total's reason label)
+DROP_REASONS = ("truncated", "response", "malformed", "error")
+
+
+class DnsMetrics:
+    """The DNS server's own registry (served on the control endpoint's /metrics)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.queries = Counter("skymesh_dns_queries_total", "DNS queries parsed and answered.",
+                               registry=self.registry)
+        self.dropped = Counter(
+            "skymesh_dns_dropped_packets_total",
+            "Packets dropped without an answer: truncated (shorter than a DNS header), response "
+            "(QR bit set), malformed (does not parse), error (no answer could be built).",
+            ("reason",), registry=self.registry)
+        self.servfails = Counter("skymesh_dns_servfail_total",
+                                 "Queries answered SERVFAIL because building the answer failed.",
+                                 registry=self.registry)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)  # every reason on the page from the start, at 0
+        # the control API's connection gauge, cap refusals and parser rejections (skymesh/edge/)
+        self.edge = EdgeMetrics.create(self.registry)
 
 
 def control_address(cfg: MeshConfig) -> tuple[str, int]:
@@ -84,9 +118,8 @@ class MeshDnsServer:
                 aws_region=r.aws_region,
             )
         self.queries = 0
-        # the control API's metrics (GET /metrics, by admin.metrics_access)
-        self.metrics_registry = CollectorRegistry()
-        self.edge_metrics = EdgeMetrics.create(self.metrics_registry)
+        self.metrics = DnsMetrics()
+        self._failures_logged: set[str] = set()  # exception class names already warned about
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._runner: EdgeAppRunner | None = None
@@ -109,24 +142,52 @@ class MeshDnsServer:
             return None
         return min(candidates, key=lambda e: (self.cfg.one_way_ms(region, e.region), e.region))
 
+    def _drop(self, reason: str, source_ip: str, error: BaseException | None = None) -> None:
+        self.metrics.dropped.labels(reason).inc()
+        log.debug("dns packet dropped", extra={"reason": reason, "client": source_ip,
+                                               "error": None if error is None else repr(error)})
+
     def answer(self, wire: bytes, source_ip: str, udp: bool = False) -> bytes | None:
-        """The response to one query in wire format; None drops it (unparseable).
+        """The response to one query in wire format; None drops it: a packet shorter than
+        a header, a response (QR set), one that does not parse, or one no answer could be
+        built for (counted by reason, logged at DEBUG only). Never raises.
 
         Over UDP an answer longer than the client's EDNS buffer size (512 bytes without
         EDNS, at most 4096) goes back truncated (TC) so the client retries over TCP.
         """
+        if len(wire) < HEADER_LEN:
+            self._drop("truncated", source_ip)
+            return None
+        if wire[2] & QR_BIT:
+            # a response is never answered, not even with FORMERR (no reply loops)
+            self._drop("response", source_ip)
+            return None
         try:
             q = dns.message.from_wire(wire)
-        except Exception:  # noqa: BLE001 - any unparseable packet is dropped, never fatal
-            return None  # malformed: drop (a FORMERR needs a parseable header)
+        except Exception as e:  # noqa: BLE001 - any unparseable packet is dropped, never fatal
+            self._drop("malformed", source_ip, e)  # a FORMERR needs a parseable message
+            return None
         self.queries += 1
+        self.metrics.queries.inc()
         try:
-            out = self._respond(q, source_ip)
+            return self._answer(q, source_ip, udp)
         except Exception as e:  # noqa: BLE001 - one bad query never takes the server down
-            log.warning("dns query failed", extra={"error": repr(e)})
+            self.metrics.servfails.inc()
+            # a server bug, not the client's: said once per kind of error, not per packet
+            kind = type(e).__name__
+            (log.debug if kind in self._failures_logged else log.warning)(
+                "dns query failed", extra={"error": repr(e), "client": source_ip})
+            self._failures_logged.add(kind)
+        try:
             resp = dns.message.make_response(q)
             resp.set_rcode(dns.rcode.SERVFAIL)
             return resp.to_wire()
+        except Exception as e:  # noqa: BLE001 - not even a SERVFAIL: drop it
+            self._drop("error", source_ip, e)
+            return None
+
+    def _answer(self, q: dns.message.Message, source_ip: str, udp: bool) -> bytes:
+        out = self._respond(q, source_ip)
         limit = min(4096, max(512, q.payload)) if q.edns >= 0 else 512
         if udp and len(out) > limit:
             tc = dns.message.from_wire(out)
@@ -226,6 +287,13 @@ class MeshDnsServer:
         app = web.Application()
         admin_token = resolve_admin_token(self.cfg)
 
+        async def metrics(request: web.Request) -> web.Response:
+            denied = metrics_denied(request, self.cfg, admin_token)
+            if denied is not None:
+                return denied
+            return web.Response(body=generate_latest(self.metrics.registry),
+                                headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
         async def get_endpoints(request: web.Request) -> web.Response:
             denied = admin_denied(request, admin_token)
             if denied is not None:
@@ -248,16 +316,9 @@ class MeshDnsServer:
                 return web.json_response({"error": f"bad endpoint list: {e}"}, status=400)
             return web.json_response({"changed": self.update(eps)})
 
-        async def metrics(request: web.Request) -> web.Response:
-            denied = metrics_denied(request, self.cfg, admin_token)
-            if denied is not None:
-                return denied
-            return web.Response(body=generate_latest(self.metrics_registry),
-                                headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app.router.add_get("/metrics", metrics)
         app.router.add_get("/v1/endpoints", get_endpoints)
         app.router.add_put("/v1/endpoints", put_endpoints)
+        app.router.add_get("/metrics", metrics)
         return app
 
     # ------------------------------------------------------------------ serving
@@ -273,16 +334,20 @@ class MeshDnsServer:
                 self.transport = transport  # type: ignore[assignment]
 
             def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-                out = server.answer(data, addr[0], udp=True)
+                out = server.answer(data, addr[0], udp=True)  # never raises
                 if out is not None:
                     self.transport.sendto(out, addr)  # type: ignore[attr-defined]
+
+            def error_received(self, exc: Exception) -> None:
+                # e.g. an ICMP port unreachable for an earlier answer: the client is gone
+                log.debug("dns udp error", extra={"error": repr(exc)})
 
         self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(host, port))
         # with port 0 the kernel picks the UDP port; TCP serves the same number
         port = int(self._udp.get_extra_info("sockname")[1])
         self._tcp = await asyncio.start_server(self._serve_tcp, host, port)
         # bounded heads, connections, idle time and bodies (skymesh/edge/)
-        self._runner = EdgeAppRunner(self._control_app(), metrics=self.edge_metrics,
+        self._runner = EdgeAppRunner(self._control_app(), metrics=self.metrics.edge,
                                      limits=EdgeLimits.from_config(self.cfg))
         await self._runner.setup()
         chost, cport = control_address(self.cfg)

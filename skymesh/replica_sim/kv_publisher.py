@@ -12,7 +12,8 @@ Framing (``vllm/distributed/kv_events.py`` ``ZmqEventPublisher``):
   in the buffer (the last ``buffer_steps``) with ``seq >= start_seq`` is answered as
   ``[identity, b"", topic, seq, payload]``, then ``[identity, b"", b"", END_SEQ, b""]``
   with ``END_SEQ`` = -1 as 8 bytes big-endian signed (``ff`` * 8). A request of any
-  other shape is ignored.
+  other shape is ignored. A replay answers every batch published (``publish`` returned)
+  before the request arrived, even one the thread had not sent yet when it woke.
 
 As in vLLM, a thread owns the sockets and does the encoding and sending; the engine loop
 only enqueues. Unlike vLLM, whose ``publish`` blocks when its queue is full, the
@@ -193,13 +194,16 @@ class ZmqPublisher:
         try:
             while True:
                 ready = dict(poller.poll())
-                if self._replay is not None and self._replay in ready:
-                    self._serve_replays()
                 if self._wake_r in ready:
                     with contextlib.suppress(BlockingIOError, OSError):
                         while self._wake_r.recv(4096):
                             pass
-                if not self._send_queued(encoder):
+                # queued batches first: a replay request that arrived with them (the
+                # thread woke late) must answer every batch published before it was sent
+                stop = not self._send_queued(encoder)
+                if self._replay is not None and self._replay in ready:
+                    self._serve_replays()
+                if stop:
                     return
         except Exception:  # never take the process down; the stream just stops
             log.exception("kv events publisher failed")
