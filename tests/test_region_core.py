@@ -468,6 +468,19 @@ def test_a_peer_whose_heartbeats_time_out_is_declared_dead_by_the_tick_at_the_ti
 
 
 @pytest.mark.fault
+def test_the_controller_s_word_keeps_forwards_in_flight_and_one_that_breaks_gets_503() -> None:
+    core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22})
+    # the controller lost eu-west-1's balancer (dead, or deregistered to drain: it would
+    # finish what it holds): the waiting client is answered, the forward is left alone
+    acts = core.peer_down("eu-west-1", 0.2, cut_forwards=False)
+    assert set(no_capacity(acts)) == {"eu1"} and len(acts) == 1
+    assert core.state_of("eu0") is RequestState.PLACED
+    # its connection breaks before any output: nowhere else may take it, 503 now (not a wait)
+    assert set(no_capacity(core.fail("eu0", 0.3, reason="ServerDisconnectedError"))) == {"eu0"}
+    assert core.active_requests == 1
+
+
+@pytest.mark.fault
 def test_a_dead_peer_s_requests_go_to_another_allowed_region_and_a_started_stream_stays() -> None:
     core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22, "eu-central-1": 0.25})
     core.submit(eu_client(6), 0.0)

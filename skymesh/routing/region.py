@@ -649,7 +649,7 @@ class RegionCore:
             placements_per_s=snapshot.placements_per_s,
         )
 
-    def peer_down(self, region: str, now: float) -> list[Action]:
+    def peer_down(self, region: str, now: float, *, cut_forwards: bool = True) -> list[Action]:
         """Peer region ``region`` is dead: its heartbeats timed out (``tick`` notices), the
         heartbeat stream this balancer dialed broke, or the controller declared its
         balancer dead. Nothing waits for it any longer, at this ``now``:
@@ -662,12 +662,18 @@ class RegionCore:
           queued where a replica it may use here is healthy (or not yet probed) or another
           region its residency allows is alive, else it gets 503 with Retry-After now.
 
+        ``cut_forwards`` False (the controller's word: a balancer it lost may be draining,
+        and finishes what it holds) leaves the forwards in flight to end on their own; one
+        that fails before any output is decided by the same rule in :meth:`fail`.
+
         The peer is no target until its next heartbeat. Idempotent: a peer already down
         (or never heard from) changes nothing."""
         if not self.offload.mark_down(region):
             return []
         actions: list[Action] = []
         for request_id, t in list(self._requests.items()):
+            if not cut_forwards:
+                break
             if t.state is not RequestState.PLACED or not t.on_peer or t.target != region:
                 continue
             try:
@@ -729,6 +735,13 @@ class RegionCore:
         exhausted = t.placements >= self.settings.max_placements
         if t.on_peer:
             self.offload.mark_unavailable(target)
+            if not exhausted and self._nothing_can_serve(t.req, now):
+                # its peer is down and nothing else it may use is left: say so now
+                self._move(t, RequestState.REJECTED)
+                del self._requests[request_id]
+                return [Reject(request_id, 503, "no_capacity",
+                               f"peer region {target} failed ({reason}) and no other replica or region that "
+                               "may serve this request is available", self.settings.retry_after_s)]
             if not exhausted:
                 try:
                     self.local.submit(t.req, front=True)
