@@ -241,7 +241,7 @@ async def test_requests_waiting_for_a_killed_region_are_answered_at_failover_not
             t_kill = time.monotonic()
             await mesh.stop_balancer(EU, kill=True)
 
-            async def eu_down_at_ap() -> bool:
+            async def eu_unavailable_at_ap() -> bool:
                 st = await admin(mesh, AP)
                 return st is not None and not st["peers"][EU]["available"]
 
@@ -251,7 +251,7 @@ async def test_requests_waiting_for_a_killed_region_are_answered_at_failover_not
             async def all_answered() -> bool:
                 return all(t.done() for t in waiting)
 
-            marked_s = await wait_for(eu_down_at_ap, 30, "ap-northeast-1 marking eu-west-1 down")
+            marked_s = await wait_for(eu_unavailable_at_ap, 30, "ap-northeast-1 seeing eu-west-1 unavailable")
             failover_s = await wait_for(dns_moved, 30, "the controller failing eu-west-1 over") + marked_s
             # bounded: answers at failover come within ~1 s; on a stranding balancer none
             # comes until eu-west-1 is back (or a 60 s queue-wait bound runs out)
@@ -264,7 +264,7 @@ async def test_requests_waiting_for_a_killed_region_are_answered_at_failover_not
         answer_s = sorted(round(r["at"] - t_kill, 3) for r in results)
         report_figures("eu_requests_waiting_at_ap_when_eu_killed", requests=len(results),
                        forwarded_before_kill=ap_before["offloaded_out"], queued_at_ap_before_kill=ap_before["queue_length"],
-                       ap_marked_eu_down_s=marked_s, controller_failover_dns_moved_s=failover_s,
+                       ap_sees_eu_unavailable_s=marked_s, controller_failover_dns_moved_s=failover_s,
                        answered_after_kill_s=answer_s, answered_before_restart=len(answered_before_restart),
                        restarted_after_kill_s=round(t_restart - t_kill, 3),
                        statuses=sorted(str(r["status"]) for r in results))
