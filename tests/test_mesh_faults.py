@@ -5,6 +5,7 @@ or drained, the links into a region cut. Each test prints one ``FIGURES {json}``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -196,3 +197,79 @@ async def test_links_cut_into_a_region_peers_stop_offloading_there_and_resume(tm
                        marked_unavailable_after_s=down_s, us_requests_during=len(during_us),
                        us_offloaded_during=offloaded_during, failed_during=0,
                        available_again_after_mend_s=up_s, us_offloaded_to_eu_after=to_eu)
+
+
+async def ask_answer(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One non-streaming completion (its first byte comes only with its whole answer): the
+    status, Retry-After, the OpenAI error code and when it came (status 0: no answer)."""
+    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": max_tokens}
+    try:
+        async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=150)) as r:
+            data = await r.json(content_type=None)
+            error = data.get("error") if isinstance(data, dict) else None
+            return {"status": r.status, "retry_after": r.headers.get("Retry-After"), "at": time.monotonic(),
+                    "code": error.get("code") if isinstance(error, dict) else None,
+                    "replica": r.headers.get("X-Skymesh-Replica", "")}
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+        return {"status": 0, "error": type(e).__name__, "at": time.monotonic()}
+
+
+async def test_requests_waiting_for_a_killed_region_are_answered_at_failover_not_at_its_return(
+        tmp_path: Path) -> None:
+    """EU clients that reached ap-northeast-1 (their own region's replicas are the only ones
+    their residency allows) wait there for eu-west-1: forwarded and waiting for the answer,
+    or queued for a free eu-west-1 replica. eu-west-1's balancer is SIGKILLed: each of them
+    is answered (503 + Retry-After: nothing else may serve it) before eu-west-1 returns."""
+    async with mesh_with(tmp_path, probe_interval_s=0.5, failure_threshold=3) as mesh:
+        ap_url = mesh.cfg.region(AP).balancer.advertise_url
+        us_ip = mesh.cfg.region(US).balancer.advertise.host
+        async with client_session(REGION_SOURCES[EU]) as s:
+            # ~3000 output tokens: several seconds at an eu-west-1 replica, no byte before
+            waiting = [asyncio.create_task(ask_answer(s, ap_url, f"eu user {i} asks far away", 3000))
+                       for i in range(24)]
+
+            async def forwarded_and_queued() -> bool:
+                # more than eu-west-1 takes at once: the rest queue at ap-northeast-1
+                ap, eu = await admin(mesh, AP), await admin(mesh, EU)
+                return (ap is not None and eu is not None and ap["offloaded_out"] >= 1 and eu["in_flight"] >= 1
+                        and ap["queue_length"] >= 1)
+
+            await wait_for(forwarded_and_queued, 30, "EU requests forwarded from ap-northeast-1 and queued there")
+            ap_before = await admin(mesh, AP)
+            assert ap_before is not None
+            assert not any(t.done() for t in waiting), [t.result() for t in waiting if t.done()]
+            t_kill = time.monotonic()
+            await mesh.stop_balancer(EU, kill=True)
+
+            async def eu_unavailable_at_ap() -> bool:
+                st = await admin(mesh, AP)
+                return st is not None and not st["peers"][EU]["available"]
+
+            async def dns_moved() -> bool:
+                return await asyncio.to_thread(resolve, mesh, REGION_SOURCES[EU]) == us_ip
+
+            async def all_answered() -> bool:
+                return all(t.done() for t in waiting)
+
+            marked_s = await wait_for(eu_unavailable_at_ap, 30, "ap-northeast-1 seeing eu-west-1 unavailable")
+            failover_s = await wait_for(dns_moved, 30, "the controller failing eu-west-1 over") + marked_s
+            # bounded: answers at failover come within ~1 s; on a stranding balancer none
+            # comes until eu-west-1 is back (or a 60 s queue-wait bound runs out)
+            with contextlib.suppress(TimeoutError):
+                await wait_for(all_answered, 30, "every waiting EU request answered")
+            answered_before_restart = [t.result() for t in waiting if t.done()]
+            t_restart = time.monotonic()
+            await mesh.start_balancer(EU)
+            results = await asyncio.gather(*waiting)
+        answer_s = sorted(round(r["at"] - t_kill, 3) for r in results)
+        report_figures("eu_requests_waiting_at_ap_when_eu_killed", requests=len(results),
+                       forwarded_before_kill=ap_before["offloaded_out"], queued_at_ap_before_kill=ap_before["queue_length"],
+                       ap_sees_eu_unavailable_s=marked_s, controller_failover_dns_moved_s=failover_s,
+                       answered_after_kill_s=answer_s, answered_before_restart=len(answered_before_restart),
+                       restarted_after_kill_s=round(t_restart - t_kill, 3),
+                       statuses=sorted(str(r["status"]) for r in results))
+        # every one answered while eu-west-1 was still down: 503 (no region its residency
+        # allows is alive) with Retry-After in OpenAI's error shape
+        assert len(answered_before_restart) == len(results), results
+        for r in results:
+            assert r["status"] == 503 and r["code"] == "no_capacity" and r["retry_after"], r

@@ -406,6 +406,95 @@ def test_nothing_allowed_can_serve_is_an_immediate_503_not_a_long_wait() -> None
     assert isinstance(rej, Reject) and rej.status == 503
 
 
+# ---------------------------------------------------------------------- a peer region dies
+
+
+def eu_client(i: int) -> RoutingRequest:
+    return RoutingRequest(f"eu{i}", req(i, prefix=10 + i).chunk_hashes, 256, 0.0, origin_region="eu-west-1")
+
+
+def ap_core_forwarding_eu_clients(peers: dict[str, float]) -> RegionCore:
+    """ap-northeast-1's balancer holding two EU clients (its replica is closed to them):
+    eu-west-1 advertised one free replica, so eu0 is forwarded there and eu1 waits for it."""
+    core = residency_core("ap-northeast-1", {"ap0": "ap-northeast-1"}, peers=peers)
+    core.peer_heartbeat("eu-west-1", HeartbeatSnapshot(3, 1, 0, 0), 0.0, epoch=1, seq=1)
+    core.submit(eu_client(0), 0.0)
+    core.submit(eu_client(1), 0.0)
+    core.submit(req(2), 0.0)  # ap-northeast-1's own client
+    acts = core.tick(0.0)
+    assert [a for a in acts if isinstance(a, ForwardToRegion)] == [ForwardToRegion("eu0", "eu-west-1")]
+    assert sends(acts) == {"q2": "ap0"}
+    assert core.state_of("eu1") is RequestState.QUEUED
+    return core
+
+
+def no_capacity(actions: list[object]) -> dict[str, Reject]:
+    return {a.request_id: a for a in actions
+            if isinstance(a, Reject) and a.status == 503 and a.code == "no_capacity" and a.retry_after_s}
+
+
+@pytest.mark.fault
+def test_requests_queued_for_or_forwarded_to_a_dead_peer_get_503_at_that_moment() -> None:
+    core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22})
+    core.submit(req(3, prefix=3), 0.0)  # an own client queued behind q2 (budget 1)
+    acts = core.peer_down("eu-west-1", 0.2)
+    # the forward is cut (nothing reached its client) and both EU clients are answered now:
+    # no other region their residency allows is alive, and ap0 is closed to them
+    assert [a for a in acts if isinstance(a, AbandonAttempt)] == [AbandonAttempt("eu0", "eu-west-1")]
+    assert set(no_capacity(acts)) == {"eu0", "eu1"} and len(acts) == 3
+    assert core.state_of("eu0") is None and core.state_of("eu1") is None
+    assert core.transitions[("placed", "queued")] == 1 and core.transitions[("queued", "rejected")] == 2
+    assert core.state_of("q3") is RequestState.QUEUED  # its own clients wait for ap0 as usual
+    assert core.peer_down("eu-west-1", 0.3) == []  # declared once
+    assert not core.offload.could_serve(0.3, "eu-west-1")
+    # a new EU client gets the same answer; the peer's next heartbeat brings it back
+    (rej,) = core.submit(eu_client(4), 0.3)
+    assert isinstance(rej, Reject) and rej.status == 503
+    core.peer_heartbeat("eu-west-1", HeartbeatSnapshot(3, 3, 0, 0), 0.4, epoch=2, seq=1)
+    core.submit(eu_client(5), 0.4)
+    assert ForwardToRegion("eu5", "eu-west-1") in core.tick(0.4)
+
+
+@pytest.mark.fault
+def test_a_peer_whose_heartbeats_time_out_is_declared_dead_by_the_tick_at_the_timeout() -> None:
+    core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22})
+    bound = core.offload.heartbeat_interval_s * core.offload.miss_limit
+    assert not no_capacity(core.tick(bound))  # fresh up to the bound: nothing happens
+    assert core.state_of("eu0") is RequestState.PLACED and core.state_of("eu1") is RequestState.QUEUED
+    acts = core.tick(bound + 1e-6)  # the first tick past it decides both
+    assert [a for a in acts if isinstance(a, AbandonAttempt)] == [AbandonAttempt("eu0", "eu-west-1")]
+    assert set(no_capacity(acts)) == {"eu0", "eu1"}
+    assert core.active_requests == 1  # q2, on ap0
+
+
+@pytest.mark.fault
+def test_the_controller_s_word_keeps_forwards_in_flight_and_one_that_breaks_gets_503() -> None:
+    core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22})
+    # the controller lost eu-west-1's balancer (dead, or deregistered to drain: it would
+    # finish what it holds): the waiting client is answered, the forward is left alone
+    acts = core.peer_down("eu-west-1", 0.2, cut_forwards=False)
+    assert set(no_capacity(acts)) == {"eu1"} and len(acts) == 1
+    assert core.state_of("eu0") is RequestState.PLACED
+    # its connection breaks before any output: nowhere else may take it, 503 now (not a wait)
+    assert set(no_capacity(core.fail("eu0", 0.3, reason="ServerDisconnectedError"))) == {"eu0"}
+    assert core.active_requests == 1
+
+
+@pytest.mark.fault
+def test_a_dead_peer_s_requests_go_to_another_allowed_region_and_a_started_stream_stays() -> None:
+    core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22, "eu-central-1": 0.25})
+    core.submit(eu_client(6), 0.0)
+    core.peer_heartbeat("eu-west-1", HeartbeatSnapshot(3, 1, 0, 0), 0.05, epoch=1, seq=2)
+    assert [a for a in core.tick(0.05) if isinstance(a, ForwardToRegion)] == [ForwardToRegion("eu1", "eu-west-1")]
+    core.first_token("eu1", 0.1)  # eu1's answer is streaming to its client already
+    core.peer_heartbeat("eu-central-1", HeartbeatSnapshot(3, 3, 0, 0), 0.1, epoch=1, seq=1)
+    acts = core.peer_down("eu-west-1", 0.2)
+    assert acts == [AbandonAttempt("eu0", "eu-west-1")]  # queued again; eu6 keeps waiting
+    assert core.state_of("eu1") is RequestState.STREAMING  # bytes sent cannot be taken back
+    forwards = [a for a in core.tick(0.2) if isinstance(a, ForwardToRegion)]
+    assert forwards == [ForwardToRegion("eu0", "eu-central-1"), ForwardToRegion("eu6", "eu-central-1")]
+
+
 def test_a_queue_that_cannot_drain_in_time_rejects_at_once_with_retry_after() -> None:
     core = region(n=1, dispatch_budget=1, max_queue_wait_s=10.0)
     probe_all(core)

@@ -373,6 +373,18 @@ class Balancer:
             self.set_replicas([ReplicaInfo(r.id, r.url, self.region) for r in region_cfg.replicas])
         self.wake.set()  # queued requests: a placement round under the new settings
 
+    def peer_down(self, region: str, why: str, *, cut_forwards: bool = True) -> None:
+        """A peer region is dead (its heartbeat stream broke, or the controller says its
+        balancer is): what waited for it is decided again now (``RegionCore.peer_down``);
+        with ``cut_forwards`` its forwards that returned nothing yet are cut too. Heartbeat
+        timeouts reach the core through the dispatch loop's ticks."""
+        actions = self.core.peer_down(region, self._now(), cut_forwards=cut_forwards)
+        if actions:
+            log.info("peer region down: its requests decided again",
+                     extra={"peer": region, "why": why, "requests": len({a.request_id for a in actions})})
+        self._apply(actions)
+        self.wake.set()
+
     @staticmethod
     def _now() -> float:
         # the clock asyncio's loop.time() reads, usable before the loop runs (construction)
@@ -763,8 +775,9 @@ class Balancer:
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     raise  # the client went away (the finally in _handle releases it)
-                # AbandonAttempt: the core queued it again already; wait for the next word
-                self.metrics.retries.labels("replica").inc()
+                # AbandonAttempt: the core queued it again already (or a Reject follows);
+                # wait for the next word
+                self.metrics.retries.labels("peer" if on_peer else "replica").inc()
                 continue
             finally:
                 waiter.attempt_task = None

@@ -114,6 +114,9 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         # as, by claimed region
         self.rejected_heartbeats: dict[str, int] = {}
         self.refused_streams = 0  # heartbeat streams from a mesh identity that is no peer
+        # heartbeats received on a dialed stream and held for the emulated link delay, by
+        # region: dropped when that stream breaks (a dead peer's last words must not revive it)
+        self._held: dict[str, set[asyncio.TimerHandle]] = {}
 
     # ------------------------------------------------------------------ what we send
 
@@ -180,9 +183,24 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             delay = max(0.0, (cfg.one_way_ms(hb.region, self.b.region) - cfg.local_latency_ms) / 1000)
         loop = asyncio.get_running_loop()
         if delay > 0:
-            loop.call_later(delay, self._apply, hb)
+            held = self._held.setdefault(hb.region, set())
+
+            def apply_held() -> None:
+                held.discard(handle)
+                self._apply(hb)
+
+            handle = loop.call_later(delay, apply_held)
+            held.add(handle)
         else:
             self._apply(hb)
+
+    def stream_broke(self, region: str) -> None:
+        """The heartbeat stream this balancer dialed to ``region`` ended after heartbeats
+        had come on it: the path forwards take is gone (its balancer died, or the link).
+        The peer is declared dead now rather than at its heartbeat timeout."""
+        for handle in self._held.pop(region, set()):
+            handle.cancel()
+        self.b.peer_down(region, "heartbeat stream broke")
 
     def _apply(self, hb: Any) -> None:
         b = self.b
@@ -231,6 +249,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             peer = self.b.peers.get(region)
             if peer is None:
                 return
+            heard = False
             try:
                 # TLS verifies that whoever answers at the address holds region's key
                 channel = (grpc.aio.insecure_channel(peer.grpc_address) if self.creds is None
@@ -240,11 +259,14 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
                     call = stub.Heartbeat(self._outgoing())
                     async for hb in call:
                         backoff = self.interval
+                        heard = True
                         self.receive(hb, region)
             except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
                 # a peer that is down or restarting is routine; anything else is a bug and
                 # goes to the supervisor (logged, counted, redialled)
                 log.debug("heartbeat stream to %s ended: %s", region, type(e).__name__)
+            if heard:
+                self.stream_broke(region)
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
 
@@ -433,6 +455,11 @@ class ControllerLink(SupervisedService):
                 )
             elif assignment.region in b.peers:
                 peer = b.peers[assignment.region]
+                if peer.alive and not assignment.alive:
+                    # the controller's probes found its balancer dead, or it deregistered to
+                    # drain: what waits for it is decided again now; forwards in flight are
+                    # left to a draining balancer to finish (a dead one's break on their own)
+                    b.peer_down(assignment.region, "controller declared its balancer dead", cut_forwards=False)
                 peer.alive = assignment.alive
                 if assignment.http_url:
                     peer.http_url = assignment.http_url

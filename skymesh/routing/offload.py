@@ -55,6 +55,9 @@ class PeerState:
     # how fast the peer's balancer has been placing requests on its replicas (per second,
     # its own recent average): what its queue drains at; 0 when it has no history
     placements_per_s: float = 0.0
+    # declared dead (heartbeats timed out, its heartbeat stream broke, or the controller
+    # said so): no target until its next heartbeat
+    down: bool = False
 
 
 OffloadTrigger = Literal["predicted_ttft", "saturated"]
@@ -154,6 +157,7 @@ class OffloadRouter:
         p.placements_per_s = placements_per_s if math.isfinite(placements_per_s) and placements_per_s > 0 else 0.0
         p.last_seen = now
         p.forwarded_since_heartbeat = 0
+        p.down = False
         return True
 
     def mark_unavailable(self, region: str) -> None:
@@ -161,6 +165,21 @@ class OffloadRouter:
         p = self.peers.get(region)
         if p is not None:
             p.forwarded_since_heartbeat = max(p.forwarded_since_heartbeat, p.replicas_available)
+
+    def mark_down(self, region: str) -> bool:
+        """``region`` is dead: no target (nor a reason to keep a request waiting) until its
+        next heartbeat. False when it was down already (or never heard from)."""
+        p = self.peers.get(region)
+        if p is None or p.down:
+            return False
+        p.down = True
+        return True
+
+    def newly_dead(self, now: float) -> list[str]:
+        """Peers whose heartbeats timed out since they were last seen alive (not yet
+        declared down): the heartbeat timeout as an event, for the region core's tick."""
+        return [r for r, p in self.peers.items()
+                if not p.down and p.last_seen != float("-inf") and not self.is_fresh(r, now)]
 
     def remove_peer(self, region: str) -> None:
         self.peers.pop(region, None)
@@ -171,7 +190,8 @@ class OffloadRouter:
         return float("inf") if p is None else now - p.last_seen
 
     def is_fresh(self, region: str, now: float) -> bool:
-        return self.staleness_s(region, now) <= self.heartbeat_interval_s * self.miss_limit
+        p = self.peers.get(region)
+        return p is not None and not p.down and now - p.last_seen <= self.heartbeat_interval_s * self.miss_limit
 
     def peer_available(self, region: str, now: float) -> bool:
         p = self.peers.get(region)
@@ -292,6 +312,7 @@ class OffloadRouter:
                 "balancer_id": p.balancer_id,
                 "epoch": p.epoch,
                 "available": self.peer_available(r, now),
+                "down": p.down,
                 "allowed": self.allowed(self.region, r),
                 "staleness_s": None if p.last_seen == float("-inf") else round(now - p.last_seen, 4),
                 "replicas_total": p.replicas_total,

@@ -7,7 +7,7 @@ the heartbeat it publishes, retries, queue-wait deadlines — and the lifecycle 
 request it accepted. The daemon (real sockets, real clock) and the discrete-event
 simulator both drive only this object: they report what happened (``submit``,
 ``probe``, ``peer_heartbeat``, ``first_token``, ``complete``, ``fail``,
-``client_gone``, ``tick``) and carry out the actions it returns (:class:`SendToReplica`,
+``client_gone``, ``peer_down``, ``tick``) and carry out the actions it returns (:class:`SendToReplica`,
 :class:`ForwardToRegion`, :class:`Reject`, :class:`AbandonAttempt`).
 
 A request's life is one explicit state machine::
@@ -113,7 +113,8 @@ class Reject:
 @dataclass(frozen=True, slots=True)
 class AbandonAttempt:
     """Stop the attempt in progress on ``target``: the request is queued again already
-    (its replica was ejected or left membership before it produced a byte)."""
+    (its replica was ejected or left membership, or its peer region went down, before it
+    produced a byte), or a :class:`Reject` for it follows in the same actions."""
 
     request_id: str
     target: str
@@ -648,6 +649,59 @@ class RegionCore:
             placements_per_s=snapshot.placements_per_s,
         )
 
+    def peer_down(self, region: str, now: float, *, cut_forwards: bool = True) -> list[Action]:
+        """Peer region ``region`` is dead: its heartbeats timed out (``tick`` notices), the
+        heartbeat stream this balancer dialed broke, or the controller declared its
+        balancer dead. Nothing waits for it any longer, at this ``now``:
+
+        - a forward to it that has returned nothing to the client yet is cut
+          (:class:`AbandonAttempt`) and queued again at the head, like a failed attempt
+          (one that streamed to the client already is left to end on its own: its bytes
+          cannot be taken back);
+        - every queued request that could have gone there is decided again: it stays
+          queued where a replica it may use here is healthy (or not yet probed) or another
+          region its residency allows is alive, else it gets 503 with Retry-After now.
+
+        ``cut_forwards`` False (the controller's word: a balancer it lost may be draining,
+        and finishes what it holds) leaves the forwards in flight to end on their own; one
+        that fails before any output is decided by the same rule in :meth:`fail`.
+
+        The peer is no target until its next heartbeat. Idempotent: a peer already down
+        (or never heard from) changes nothing."""
+        if not self.offload.mark_down(region):
+            return []
+        actions: list[Action] = []
+        for request_id, t in list(self._requests.items()):
+            if not cut_forwards:
+                break
+            if t.state is not RequestState.PLACED or not t.on_peer or t.target != region:
+                continue
+            try:
+                self.local.submit(t.req, front=True)
+            except QueueFull:
+                self._move(t, RequestState.REJECTED)
+                del self._requests[request_id]
+                actions += [AbandonAttempt(request_id, region),
+                            Reject(request_id, 503, "no_capacity", f"peer region {region} went down and "
+                                   "the queue here is full", self.settings.retry_after_s)]
+                continue
+            self._move(t, RequestState.QUEUED)
+            t.target, t.on_peer = "", False
+            self._arm_deadline(t, now)
+            actions.append(AbandonAttempt(request_id, region))
+        allowed = self.offload.allowed
+        for request_id, t in list(self._requests.items()):
+            req = t.req
+            if (t.state is not RequestState.QUEUED or req.forwarded
+                    or not allowed(req.origin_region or self.region, region)
+                    or not self._nothing_can_serve(req, now)):
+                continue
+            self._leave(t, RequestState.REJECTED, now)
+            actions.append(Reject(request_id, 503, "no_capacity",
+                                  f"peer region {region} went down and no other replica or region that may "
+                                  "serve this request is available", self.settings.retry_after_s))
+        return actions
+
     def first_token(self, request_id: str, now: float, *, observe: bool = True) -> float | None:
         """The first byte of the answer reached the balancer (and is about to reach the
         client). Returns the dispatch → first-token time for a local replica."""
@@ -681,6 +735,13 @@ class RegionCore:
         exhausted = t.placements >= self.settings.max_placements
         if t.on_peer:
             self.offload.mark_unavailable(target)
+            if not exhausted and self._nothing_can_serve(t.req, now):
+                # its peer is down and nothing else it may use is left: say so now
+                self._move(t, RequestState.REJECTED)
+                del self._requests[request_id]
+                return [Reject(request_id, 503, "no_capacity",
+                               f"peer region {target} failed ({reason}) and no other replica or region that "
+                               "may serve this request is available", self.settings.retry_after_s)]
             if not exhausted:
                 try:
                     self.local.submit(t.req, front=True)
@@ -716,6 +777,8 @@ class RegionCore:
         predicted-TTFT trigger), place what the replicas can take, offload the rest."""
         actions: list[Action] = self._expire(now)
         offload = self.offload
+        for region in offload.newly_dead(now):  # heartbeats timed out: decide again now
+            actions.extend(self.peer_down(region, now))
         predicted = offload.enabled and offload.trigger == "predicted_ttft"
         if predicted and self.local.queue_length and offload.peers:
             actions.extend(self._forward(self._faster_elsewhere(now), now))
