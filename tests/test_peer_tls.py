@@ -25,6 +25,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.peer_capture import RecordingRelay
 from skymesh.balancer.server import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER, Balancer
 from skymesh.balancer.services import ControllerLink, attach_services
 from skymesh.config import ConfigError, MeshConfig, parse_config
@@ -41,48 +42,6 @@ pytestmark = [pytest.mark.timeout(90), pytest.mark.fault]
 
 US, EU, AP = "us-east-1", "eu-west-1", "ap-northeast-1"
 SECRET_PROMPT = "the quarterly figures of ACME-7f3a9c, strictly confidential " * 4
-
-
-class RecordingRelay:
-    """A TCP relay on loopback that keeps every byte it carries (both directions): what
-    anyone on the path between two balancers could read."""
-
-    def __init__(self, port: int, target: tuple[str, int]) -> None:
-        self.port = port
-        self.target = target
-        self.captured = bytearray()
-        self.connections = 0
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                self.captured += data
-                writer.write(data)
-                await writer.drain()
-        except OSError:
-            pass
-        finally:
-            writer.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        self._writers.append(writer)
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-        self._writers.append(up_writer)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for w in self._writers:
-            w.close()
-        if self._server is not None:
-            await self._server.wait_closed()
 
 
 def region(name: str, net: str, replica_url: str, **balancer: str) -> dict[str, Any]:
