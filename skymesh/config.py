@@ -377,6 +377,13 @@ class BalancerConfig(ConfigModel):
     grpc_advertise: DerivedHostPort = Field(default=None, description="default: grpc_listen")
     # the address DNS publishes for clients (a public IP in the cloud); None: advertise host
     public_ip: IpAddress | None = None
+    # HTTPS listener for peer balancers' forwarded requests only (mTLS under the mesh CA
+    # with tls set; plain HTTP on loopback without it); forwards are refused on `listen`.
+    # Required in a mesh that offloads (more than one region, offload enabled).
+    peer_listen: HostPortField | None = None
+    # where peers send their forwards (default: peer_listen); a delay proxy with
+    # emulate_latency, like advertise
+    peer_advertise: DerivedHostPort = Field(default=None, description="default: peer_listen")
 
     @model_validator(mode="after")
     def _advertise_defaults_to_listen(self) -> BalancerConfig:
@@ -384,6 +391,10 @@ class BalancerConfig(ConfigModel):
             _derive(self, "advertise", self.listen)
         if self.grpc_advertise is None:
             _derive(self, "grpc_advertise", self.grpc_listen)
+        if self.peer_advertise is None:
+            _derive(self, "peer_advertise", self.peer_listen)
+        elif self.peer_listen is None:
+            raise ConfigError("peer_advertise", "needs peer_listen (the listener it reaches)")
         return self
 
     @property
@@ -591,7 +602,8 @@ class CertKeyFiles(ConfigModel):
 
 
 class TlsConfig(ConfigModel):
-    """Mesh identity: mTLS on every gRPC channel under one mesh CA (see skymesh/pki.py).
+    """Mesh identity: mTLS on every gRPC channel and every peer forward (HTTPS between
+    balancers) under one mesh CA (see skymesh/pki.py).
 
     File paths only; each component reads its own files when it starts, so a host needs
     only the CA certificate and its own key pair. ``skymesh up`` generates all of them.
@@ -771,7 +783,8 @@ class MeshConfig(ConfigModel):
     client_timeouts: ClientTimeoutsConfig = Field(default_factory=ClientTimeoutsConfig)
     http_limits: HttpLimitsConfig = Field(default_factory=HttpLimitsConfig)
     emulate_latency: Bool = True
-    # mTLS credentials of the gRPC mesh; None: gRPC only on loopback, without TLS
+    # mTLS credentials of the mesh (gRPC and peer forwards); None: gRPC and the peer
+    # listeners only on loopback, without TLS
     tls: TlsConfig | None = None
     # SLO classes by name; a request names one in X-SLO-Class, else its API key's, else
     # default_slo_class (none configured: requests carry no class)
@@ -797,6 +810,12 @@ class MeshConfig(ConfigModel):
             if not any(fnmatch.fnmatchcase(n, rule.source) for n in names):
                 raise ConfigError(f"offload.rules[{i}].from", f"pattern {rule.source!r} matches no configured region")
         _check_slo_class_names(self)
+        if self.offload.enabled and len(self.regions) > 1:
+            for i, r in enumerate(self.regions):
+                if r.balancer.peer_listen is None:
+                    raise ConfigError(f"regions[{i}].balancer.peer_listen",
+                                      "is required when offload is enabled: peers forward requests to this "
+                                      "listener (mTLS), never to the client port")
         if self.dns.routing == "failover" and len(self.regions) != 2:
             raise ConfigError(
                 "dns.routing", f"failover routing needs exactly 2 regions, the config has {len(self.regions)}"
@@ -894,6 +913,10 @@ def _check_unique_endpoints(regions: tuple[RegionConfig, ...]) -> None:
             claim(b.advertise, f"regions[{i}].balancer.advertise")
         if b.grpc_advertise != b.grpc_listen:
             claim(b.grpc_advertise, f"regions[{i}].balancer.grpc_advertise")
+        if b.peer_listen is not None:
+            claim(b.peer_listen, f"regions[{i}].balancer.peer_listen")
+        if b.peer_advertise is not None and b.peer_advertise != b.peer_listen:
+            claim(b.peer_advertise, f"regions[{i}].balancer.peer_advertise")
         for j, rep in enumerate(r.replicas):
             if rep.sim is not None:
                 claim(HostPort(rep.sim.host, rep.sim.port), f"regions[{i}].replicas[{j}].sim.port")

@@ -242,8 +242,8 @@ class DelayProxy:
 
 
 def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
-    """One HTTP and one gRPC delay proxy per region whose advertised address differs from
-    its listen address."""
+    """One HTTP, one gRPC and one peer-listener delay proxy per region whose advertised
+    address differs from its listen address."""
     out = []
     for r in cfg.regions:
         b = r.balancer
@@ -256,6 +256,11 @@ def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
             out.append(DelayProxy((b.grpc_advertise.host, b.grpc_advertise.port),
                                   (b.grpc_listen.host, b.grpc_listen.port), d, name=f"{r.name} grpc {b.grpc_advertise}",
                                   region=r.name, kind="grpc", preserve_client_ip=True))
+        if b.peer_listen is not None and b.peer_advertise is not None and b.peer_advertise != b.peer_listen:
+            # byte-level: the forwards' TLS passes through untouched (and unreadable)
+            out.append(DelayProxy((b.peer_advertise.host, b.peer_advertise.port),
+                                  (b.peer_listen.host, b.peer_listen.port), d, name=f"{r.name} peer {b.peer_advertise}",
+                                  region=r.name, kind="peer", preserve_client_ip=True))
     return out
 
 

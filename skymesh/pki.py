@@ -1,6 +1,7 @@
 """Mesh identity: the mesh CA, per-component certificates and the mTLS gRPC plumbing.
 
-Every gRPC channel of the mesh (balancer<->balancer heartbeats, balancer->controller) is
+Every gRPC channel of the mesh (balancer<->balancer heartbeats, balancer->controller) and
+every forwarded request between balancers (HTTPS to the peer listener, :func:`peer_tls`) is
 mutual TLS under one mesh CA. A certificate names what it is in a SAN URI:
 
 * ``spiffe://skymesh/region/<region>``: the balancer of ``<region>`` (also the DNS SAN
@@ -25,6 +26,7 @@ import argparse
 import datetime
 import ipaddress
 import os
+import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,12 +148,57 @@ def load_credentials(cfg: MeshConfig, component: str) -> Credentials | None:
                        read(files.key, f"{where}.key"))
 
 
-def require_credentials_off_loopback(host: str, creds: Credentials | None, what: str) -> None:
-    """No default secrets: gRPC off loopback needs the mesh's certificates."""
+@dataclass(frozen=True)
+class PeerTls:
+    """The ``ssl`` contexts of one balancer's peer forwards (HTTPS between balancers):
+    ``server`` for its peer listener (a client certificate from the mesh CA is required),
+    ``client`` for its forwards (presents its own certificate, verifies the peer's against
+    the mesh CA; the name checked is the dialed region's :func:`balancer_server_name`,
+    given per connection as ``server_hostname``)."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+
+def peer_tls(cfg: MeshConfig, region: str) -> PeerTls | None:
+    """The TLS contexts of ``region``'s balancer for peer forwards, from the same files as
+    its gRPC credentials (:func:`load_credentials`); None when the config has no ``tls``
+    section. A missing or unusable file is a ConfigError naming its key."""
+    from skymesh.config import ConfigError
+
+    if load_credentials(cfg, region) is None:  # also: every file is readable
+        return None
+    assert cfg.tls is not None
+    files = cfg.tls.balancers[region]
+    try:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
+        for ctx in (server, client):
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_3  # both ends are skymesh
+            ctx.load_verify_locations(cafile=cfg.tls.ca_cert)
+            ctx.load_cert_chain(files.cert, files.key)
+        server.verify_mode = ssl.CERT_REQUIRED  # no certificate from the mesh CA: no handshake
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"tls.balancers.{region}", f"cannot use the certificate or key: {e}") from None
+    return PeerTls(server, client)
+
+
+def identity_of_peercert(cert: dict[str, Any] | None) -> str | None:
+    """The SPIFFE URI of a verified TLS peer certificate as ``ssl`` decodes it
+    (``SSLObject.getpeercert()``); None: no certificate, or not exactly one SPIFFE URI."""
+    if not cert:
+        return None
+    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI" and v.startswith("spiffe://")]
+    return uris[0] if len(uris) == 1 else None
+
+
+def require_credentials_off_loopback(host: str, creds: object | None, what: str, listener: str = "gRPC") -> None:
+    """No default secrets: gRPC (or the peer listener) off loopback needs the mesh's
+    certificates."""
     from skymesh.config import ConfigError
 
     if creds is None and not is_loopback_host(host):
-        raise ConfigError("tls", f"{what} binds gRPC to {host}, which is not loopback: set the config's "
+        raise ConfigError("tls", f"{what} binds {listener} to {host}, which is not loopback: set the config's "
                                  "tls section (ca_cert, controller, balancers.<region>; see docs/deploy.md)")
 
 

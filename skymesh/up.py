@@ -130,11 +130,15 @@ class Mesh:
             b = r.balancer
             out.append((f"balancer {r.name} HTTP", b.listen.host, b.listen.port, False))
             out.append((f"balancer {r.name} gRPC", b.grpc_listen.host, b.grpc_listen.port, False))
+            if b.peer_listen is not None:
+                out.append((f"balancer {r.name} peer listener", b.peer_listen.host, b.peer_listen.port, False))
             if cfg.emulate_latency:
                 if b.advertise != b.listen:
                     out.append((f"delay proxy {r.name} HTTP", b.advertise.host, b.advertise.port, False))
                 if b.grpc_advertise != b.grpc_listen:
                     out.append((f"delay proxy {r.name} gRPC", b.grpc_advertise.host, b.grpc_advertise.port, False))
+                if b.peer_advertise is not None and b.peer_advertise != b.peer_listen:
+                    out.append((f"delay proxy {r.name} peer", b.peer_advertise.host, b.peer_advertise.port, False))
         return out
 
     def preflight(self) -> None:
@@ -318,13 +322,13 @@ class Mesh:
 
     def cut_links_into(self, region: str) -> int:
         """Fault injection: the other regions' balancers can no longer reach ``region``'s
-        (its gRPC delay proxy refuses everyone, its HTTP one the other balancers' egress
-        addresses; its own clients and the controller's probes still get in). Open
+        (its gRPC and peer-listener delay proxies refuse everyone, its HTTP one the other
+        balancers' egress addresses; its own clients and the controller's probes still get in). Open
         connections are reset. Returns how many. :meth:`mend_links_into` undoes it."""
         others = {r.egress_source for r in self.cfg.regions if r.name != region and r.egress_source}
         reset = 0
         for p in self.proxies:
-            if p.region == region and p.kind == "grpc":
+            if p.region == region and p.kind in ("grpc", "peer"):
                 reset += p.cut(lambda ip: True)
             elif p.region == region and p.kind == "http":
                 reset += p.cut(others.__contains__)

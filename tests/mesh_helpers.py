@@ -54,6 +54,9 @@ def local_config_free_ports(time_scale: float = 1.0) -> dict[str, Any]:
         b["advertise"] = f"{adv_host}:{free_port(adv_host)}"
         gadv_host = b["grpc_advertise"].rsplit(":", 1)[0]
         b["grpc_advertise"] = f"{gadv_host}:{free_port(gadv_host)}"
+        b["peer_listen"] = f"127.0.0.1:{free_port()}"
+        padv_host = b["peer_advertise"].rsplit(":", 1)[0]
+        b["peer_advertise"] = f"{padv_host}:{free_port(padv_host)}"
         for rep in r["replicas"]:
             rep["sim"]["port"] = free_port()
             rep["sim"]["time_scale"] = time_scale

@@ -83,10 +83,13 @@ class FakeReplica:
 
 
 async def start_balancer(replicas: list[FakeReplica], policy: dict[str, Any] | None = None,
-                         **sections: Any) -> Balancer:
+                         peer_listener: bool = False, **sections: Any) -> Balancer:
+    """``peer_listener``: with a peer listener (plain HTTP on loopback: no tls section)."""
     data = one_region_config({r.name: r.url for r in replicas}, free_port(), free_port(),
                              name="round_robin", probe_interval_s=0.05, **(policy or {}))
     data.update(sections)
+    if peer_listener:
+        data["regions"][0]["balancer"]["peer_listen"] = f"127.0.0.1:{free_port()}"
     b = Balancer(parse_config(data), "us-east-1")
     await b.start(port=0)
     for _ in range(200):
@@ -216,6 +219,7 @@ async def test_residency_holds_on_replicas_adopted_on_failover(fakes: list[FakeR
         await r.start()
     data = one_region_config({"eu0": eu.url}, free_port(), free_port(), name="round_robin", probe_interval_s=0.05)
     data["regions"][0].update(name="eu-west-1")
+    data["regions"][0]["balancer"]["peer_listen"] = f"127.0.0.1:{free_port()}"  # forwards arrive there
     data["regions"].append({
         "name": "us-east-1", "source_networks": ["127.2.0.0/16"],
         "balancer": {"listen": f"127.0.0.1:{free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}"},
@@ -238,12 +242,12 @@ async def test_residency_holds_on_replicas_adopted_on_failover(fakes: list[FakeR
             assert results == [(200, "eu0")] * 6 and us.received == 0
             # a forwarded request must name a known origin region
             body = {"model": "skymesh-sim", "prompt": "x", "max_tokens": 1}
-            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
+            async with s.post(f"http://127.0.0.1:{b.peer_port}/v1/completions", json=body,
                               headers={HOP_HEADER: "1", TOKEN_HEADER: b.peer_token,
                                        ORIGIN_HEADER: "mars-1"}) as r:
                 assert r.status == 400
             # a request forwarded on behalf of us-east-1's clients may run on us0
-            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
+            async with s.post(f"http://127.0.0.1:{b.peer_port}/v1/completions", json=body,
                               headers={HOP_HEADER: "1", TOKEN_HEADER: b.peer_token,
                                        ORIGIN_HEADER: "us-east-1"}) as r:
                 assert r.status == 200
@@ -325,13 +329,15 @@ async def test_a_burst_of_ten_times_capacity_gets_only_fast_429s_with_retry_afte
 async def test_forged_peer_forwards_and_admin_calls_are_all_refused(fakes: list[FakeReplica]) -> None:
     """Calls that would steer the balancer or read its state without the mesh's secrets:
     a forwarded request (which skips client keys and carries another region's residency)
-    without the peer token or with a wrong one, and /admin/status without the admin token,
-    with a wrong one or with the peer token. Every one refused; no replica sees a request."""
+    without the peer token or with a wrong one (on the peer listener; on the client port
+    any forward is refused 403), and /admin/status without the admin token, with a wrong
+    one or with the peer token. Every one refused; no replica sees a request."""
     replica = FakeReplica("r0")
     fakes.append(replica)
     await replica.start()
-    b = await start_balancer(fakes)
+    b = await start_balancer(fakes, peer_listener=True)
     url = f"http://127.0.0.1:{b.bound_port}"
+    peer_url = f"http://127.0.0.1:{b.peer_port}"
     body = {"model": "skymesh-sim", "prompt": "forged", "max_tokens": 1}
     forged_forwards = [
         {HOP_HEADER: "1", ORIGIN_HEADER: "us-east-1"},
@@ -343,18 +349,25 @@ async def test_forged_peer_forwards_and_admin_calls_are_all_refused(fakes: list[
     forged_admin = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {b.peer_token}"},
                     {"Authorization": "Basic " + "x" * 20}]
     statuses: list[int] = []
+    on_client_port: list[int] = []
     try:
         async with aiohttp.ClientSession() as s:
             for headers in forged_forwards * 20:
-                async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+                async with s.post(peer_url + "/v1/completions", json=body, headers=headers) as r:
                     statuses.append(r.status)
+                    assert (await r.json())["error"]["message"]
+                async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    on_client_port.append(r.status)
                     assert (await r.json())["error"]["message"]
             for headers in forged_admin * 20:
                 async with s.get(url + "/admin/status", headers=headers) as r:
                     statuses.append(r.status)
         assert set(statuses) == {401}, sorted(set(statuses))
+        assert set(on_client_port) == {403}, sorted(set(on_client_port))
         assert replica.received == 0
-        report_figures("forged_peer_forwards_and_admin_calls", forged=len(statuses),
-                       refused=sum(st == 401 for st in statuses), reached_a_replica=replica.received)
+        forged = len(statuses) + len(on_client_port)
+        report_figures("forged_peer_forwards_and_admin_calls", forged=forged,
+                       refused=sum(st in (401, 403) for st in statuses + on_client_port),
+                       reached_a_replica=replica.received)
     finally:
         await b.stop()

@@ -193,10 +193,11 @@ def body(tokens: int = 8) -> dict[str, Any]:
     return {"model": "skymesh-sim", "prompt": "abcd" * tokens, "max_tokens": 4}
 
 
-async def post(b: Balancer, headers: dict[str, str] | None = None, payload: dict[str, Any] | None = None
-               ) -> tuple[int, dict[str, Any], dict[str, str]]:
+async def post(b: Balancer, headers: dict[str, str] | None = None, payload: dict[str, Any] | None = None,
+               port: int | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """``port``: another of the balancer's ports (its peer listener); default the client port."""
     async with aiohttp.ClientSession() as s, s.post(
-        f"http://127.0.0.1:{b.bound_port}/v1/completions", json=payload or body(), headers=headers or {}
+        f"http://127.0.0.1:{port or b.bound_port}/v1/completions", json=payload or body(), headers=headers or {}
     ) as r:
         return r.status, await r.json(), dict(r.headers)
 
@@ -267,7 +268,7 @@ async def test_prompt_tokens_per_minute_limit_gives_429(replica: FakeReplica) ->
 async def test_forwarded_requests_need_the_peer_token_compared_in_constant_time(
     replica: FakeReplica, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    b = await start_balancer([replica], client_auth=keyed())
+    b = await start_balancer([replica], peer_listener=True, client_auth=keyed())
     compared: list[bytes] = []
     real = server_mod.hmac.compare_digest
 
@@ -277,9 +278,10 @@ async def test_forwarded_requests_need_the_peer_token_compared_in_constant_time(
 
     monkeypatch.setattr(server_mod.hmac, "compare_digest", spy)
     try:
-        status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: "guess"})
+        status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: "guess"}, port=b.peer_port)
         assert status == 401
-        status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: b.peer_token, ORIGIN_HEADER: "x"})
+        status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: b.peer_token, ORIGIN_HEADER: "x"},
+                                  port=b.peer_port)
         # past the token (a peer's request carries no client key): refused only because
         # "x" is no configured peer region (residency is checked by the origin)
         assert status == 400
@@ -289,12 +291,12 @@ async def test_forwarded_requests_need_the_peer_token_compared_in_constant_time(
 
 
 async def test_the_origin_label_is_only_ever_a_configured_region(replica: FakeReplica) -> None:
-    b = await start_balancer([replica])
+    b = await start_balancer([replica], peer_listener=True)
     try:
         peer = {HOP_HEADER: "1", TOKEN_HEADER: b.peer_token}
         for i in range(20):
             # an origin that names no configured peer region is refused outright
-            status, _, _ = await post(b, {**peer, ORIGIN_HEADER: f"attacker-{i}"})
+            status, _, _ = await post(b, {**peer, ORIGIN_HEADER: f"attacker-{i}"}, port=b.peer_port)
             assert status == 400
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{b.bound_port}/metrics") as r:
             text = await r.text()

@@ -86,16 +86,19 @@ def test_delay_is_chosen_by_the_source_network() -> None:
     assert delay_for(cfg, "ap-northeast-1")("127.2.0.5") == pytest.approx(0.110)
 
 
-def test_one_http_and_one_grpc_proxy_per_advertised_region() -> None:
+def test_one_http_one_grpc_and_one_peer_proxy_per_advertised_region() -> None:
     data = local_config_free_ports()
     data["regions"][2]["balancer"].pop("advertise")  # advertised on listen: nothing to proxy
+    data["regions"][1]["balancer"].pop("peer_advertise")
     cfg = parse_config(data)
     proxies = proxies_for(cfg)
-    assert len(proxies) == 5
+    assert len(proxies) == 7
     b = cfg.regions[0].balancer
-    assert {(p.listen, p.target) for p in proxies[:2]} == {
-        ((b.advertise.host, b.advertise.port), (b.listen.host, b.listen.port)),
-        ((b.grpc_advertise.host, b.grpc_advertise.port), (b.grpc_listen.host, b.grpc_listen.port)),
+    assert b.peer_listen is not None and b.peer_advertise is not None
+    assert {(p.listen, p.target, p.kind) for p in proxies[:3]} == {
+        ((b.advertise.host, b.advertise.port), (b.listen.host, b.listen.port), "http"),
+        ((b.grpc_advertise.host, b.grpc_advertise.port), (b.grpc_listen.host, b.grpc_listen.port), "grpc"),
+        ((b.peer_advertise.host, b.peer_advertise.port), (b.peer_listen.host, b.peer_listen.port), "peer"),
     }
 
 

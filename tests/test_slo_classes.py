@@ -251,7 +251,8 @@ async def test_a_forward_carries_the_class_to_the_peer() -> None:
     data = one_region_config({"r0": "http://127.0.0.1:9"}, free_port(), free_port())
     data["regions"].append({
         "name": "eu-west-1", "source_networks": ["127.2.0.0/16"],
-        "balancer": {"listen": f"127.0.0.1:{free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}"},
+        "balancer": {"listen": f"127.0.0.1:{free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}",
+                     "peer_listen": f"127.0.0.1:{free_port()}"},
         "replicas": [{"id": "e0", "url": "http://127.0.0.1:9"}],
     })
     data["latencies"] = [{"regions": ["eu-west-1", "us-east-1"], "one_way_ms": 40}]

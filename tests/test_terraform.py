@@ -112,6 +112,9 @@ output "skymesh_config" {{
     assert cfg.regions[0].replicas[1].url == "http://10.10.1.11:8000"
     assert cfg.regions[0].balancer.public_ip == "3.80.0.10"
     assert cfg.dns.provider == "route53" and cfg.rtt_ms("us-east-1", "eu-west-1") == 76
+    # peers forward to each other's peer listener (mTLS), the port the region module opens
+    eu = cfg.regions[1].balancer
+    assert str(eu.peer_listen) == "0.0.0.0:8443" and str(eu.peer_advertise) == "10.20.0.10:8443"
     # credentials_dir: tls names the files the secrets module's fetch scripts write, the
     # admin token is a file there, and no secret is in the config
     assert cfg.tls is not None and cfg.tls.ca_cert == "/etc/skymesh/pki/ca.crt"

@@ -4,8 +4,10 @@ then, the body is read: within ``client_timeouts.body_timeout_s`` (slowloris) an
 ``policy.max_body_bytes``, inflated by the bounded decoder (skymesh/edge/body.py). The
 bounds on the request head and on connections are the server's (skymesh/edge/server.py).
 
-Peer balancers' forwarded requests carry no client key: they are let through on the
-peer token (checked here before the body is read, and again in the handler).
+Peer balancers' forwarded requests carry no client key and arrive only on the peer
+listener (peer_listener.py): there they are let through on the peer token (checked here
+before the body is read, and again in the handler), after the listener checked the
+sender's certificate. The client port refuses any request carrying the hop header.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class ClientGate:
         on_reject: Callable[[int], None] = lambda status: None,
         keyring: ClientKeyring | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_refused_forward: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.cfg = cfg
         self.admin_token = admin_token
@@ -70,6 +73,7 @@ class ClientGate:
         self._peer_token = peer_token
         self._hop_header = hop_header
         self._on_reject = on_reject
+        self._on_refused_forward = on_refused_forward
         self._clock = clock
         # per key name; bounded by the configured keys
         self._buckets = {k.name: _buckets(k.limits) for k in self.keyring.keys}
@@ -88,14 +92,15 @@ class ClientGate:
     # ------------------------------------------------------------------ checks
 
     def admit(self, request: web.BaseRequest, now: float) -> tuple[ClientKey | None, web.Response | None]:
-        """Who the client is, or the 401/429 it gets (before its body is read)."""
+        """Who the client is, or the 401/403/429 it gets (before its body is read)."""
         if self._hop_header in request.headers:
-            presented = request.headers.get(self._peer_token_header, "")
-            if not hmac.compare_digest(presented.encode(), self._peer_token.encode()):
-                return None, openai_error(
-                    401, "forwarded request without a valid peer token", "authentication_error", "invalid_peer_token"
-                )
-            return None, None
+            # forwards come only over the peer listener (mTLS): here the peer token would
+            # have crossed the network in clear, and nothing binds the origin it claims
+            self._on_refused_forward("client_port")
+            return None, openai_error(
+                403, "forwarded requests are accepted only on the peer listener (mTLS), not on the client port",
+                "permission_error", "forward_on_client_port",
+            )
         if not self.keyring.enabled:
             return None, None
         presented_key = bearer_of(request)
@@ -168,6 +173,28 @@ class ClientGate:
             denied = metrics_denied(request, self.cfg, self.admin_token)
             if denied is not None:
                 return denied
+        return await handler(request)
+
+    @web.middleware
+    async def peer_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The peer listener's gate (after its certificate check, peer_listener.py): only
+        forwarded /v1/ requests with the peer token, their body read within the bound."""
+        if not request.path.startswith("/v1/") or self._hop_header not in request.headers:
+            self._on_reject(404)
+            return openai_error(404, "the peer listener serves only forwarded /v1/ requests",
+                                "invalid_request_error", "not_found")
+        presented = request.headers.get(self._peer_token_header, "")
+        # constant time: a timing difference must not spell out the token
+        if not hmac.compare_digest(presented.encode(), self._peer_token.encode()):
+            self._on_reject(401)
+            return openai_error(
+                401, "forwarded request without a valid peer token", "authentication_error", "invalid_peer_token"
+            )
+        request[CLIENT] = None
+        if request.body_exists:
+            timed_out = await self._read_body(request)
+            if timed_out is not None:
+                return timed_out
         return await handler(request)
 
     async def _read_body(self, request: web.Request) -> web.Response | None:

@@ -6,14 +6,21 @@ import argparse
 import logging
 import sys
 
-from skymesh.config import ConfigError, HostPort, MeshConfig, load_config, load_config_digest
+from skymesh.config import (
+    BalancerConfig,
+    ConfigError,
+    HostPort,
+    MeshConfig,
+    load_config,
+    load_config_digest,
+)
 from skymesh.gc_tuning import tune_gc
 from skymesh.logging_setup import setup_logging
 from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = READY_HELP + ' Keys: "http", and "grpc" when it serves peers.'
+    p.epilog = READY_HELP + ' Keys: "http", "grpc" when it serves peers, "peer" when it has a peer listener.'
     p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local mesh)")
     p.add_argument("--region", required=True, help="which region of the config this balancer serves")
     p.add_argument("--policy", default=None, help="override the config's routing policy")
@@ -26,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="listen on this gRPC port instead of the config's (0: any free one, reported)."
                         " The advertised addresses stay the config's: use these for a balancer that"
                         " nobody finds through the config (benchmarks, --no-peers --no-controller)")
+    p.add_argument("--peer-port", type=int, default=None,
+                   help="run the peer listener (forwards from peer balancers, mTLS) on this port instead"
+                        " of the config's peer_listen port (0: any free one, reported)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: stop accepting, let accepted requests finish for at most this long")
     p.add_argument("--log-level", default="INFO")
@@ -35,17 +45,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "(see docs/deploy.md).")
 
 
-def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_port: int | None) -> MeshConfig:
-    """``cfg`` with ``region``'s balancer listening on the given ports (None: the config's)."""
+def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_port: int | None,
+                      peer_port: int | None = None) -> MeshConfig:
+    """``cfg`` with ``region``'s balancer listening on the given ports (None: the config's;
+    a peer port without a configured peer_listen listens on the HTTP listen host)."""
 
     def override(hp: HostPort, port: int | None) -> HostPort:
         return hp if port is None else HostPort(hp.host, port)
+
+    def peer(b: BalancerConfig) -> HostPort | None:
+        if peer_port is None:
+            return b.peer_listen
+        return HostPort((b.peer_listen or b.listen).host, peer_port)
 
     # model_copy: the config models are frozen; the advertised addresses stay as validated
     regions = tuple(
         r.model_copy(update={"balancer": r.balancer.model_copy(update={
             "listen": override(r.balancer.listen, http_port),
-            "grpc_listen": override(r.balancer.grpc_listen, grpc_port)})})
+            "grpc_listen": override(r.balancer.grpc_listen, grpc_port),
+            "peer_listen": peer(r.balancer)})})
         if r.name == region else r
         for r in cfg.regions
     )
@@ -58,7 +76,7 @@ async def serve(args: argparse.Namespace) -> int:
     from skymesh.balancer.services import attach_services
 
     def prepare(cfg: MeshConfig) -> MeshConfig:  # the command line's overrides, at start and on reload
-        return with_listen_ports(cfg, args.region, args.http_port, args.grpc_port)
+        return with_listen_ports(cfg, args.region, args.http_port, args.grpc_port, args.peer_port)
 
     cfg, digest = load_config_digest(args.config)
     balancer = Balancer(prepare(cfg), args.region, balancer_id=args.balancer_id, policy_name=args.policy,
@@ -69,6 +87,8 @@ async def serve(args: argparse.Namespace) -> int:
         await balancer.start()
         tune_gc()
         ports = {"http": balancer.bound_port}
+        if balancer.peer_port is not None:
+            ports["peer"] = balancer.peer_port
         for svc in balancer.extra_services:
             if isinstance(getattr(svc, "bound_port", None), int):  # the peers' gRPC server
                 ports["grpc"] = svc.bound_port
@@ -95,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"config error: no region named {args.region!r}", file=sys.stderr)
         return 2
     bad_ports = [f"--{k}-port must be 0-65535, got {v}" for k, v in (("http", args.http_port),
-                 ("grpc", args.grpc_port)) if v is not None and not 0 <= v <= 65535]
+                 ("grpc", args.grpc_port), ("peer", args.peer_port)) if v is not None and not 0 <= v <= 65535]
     if bad_ports:
         print("skymesh balancer: " + "; ".join(bad_ports), file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -76,6 +77,10 @@ class AttemptTarget:
     session: aiohttp.ClientSession
     # response headers for the client, given the upstream's headers
     client_headers: Callable[[aiohttp.ClientResponse], dict[str, str]]
+    # TLS of the connection (a peer balancer's listener): the context, and the name its
+    # certificate must carry; True / None: aiohttp's defaults
+    ssl: ssl.SSLContext | bool = True
+    server_hostname: str | None = None
 
 
 async def attempt(
@@ -96,7 +101,8 @@ async def attempt(
     upstream: aiohttp.ClientResponse | None = None
     try:
         async with asyncio.timeout(first_byte_deadline_s):
-            upstream = await target.session.post(target.url, data=raw, headers=target.headers, timeout=timeout)
+            upstream = await target.session.post(target.url, data=raw, headers=target.headers, timeout=timeout,
+                                                 ssl=target.ssl, server_hostname=target.server_hostname)
             if upstream.status != 200:
                 body = await upstream.read()
                 if upstream.status in RETRYABLE_STATUSES:

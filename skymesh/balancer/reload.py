@@ -51,6 +51,7 @@ def balancer_rules(region: str, *, own_replicas: bool) -> Rules:
         (("regions", ANY, "balancer", "public_ip"), Kind.UNUSED),
         (("regions", ANY, "balancer", "listen"), Kind.UNUSED),  # peers are dialled at advertise
         (("regions", ANY, "balancer", "grpc_listen"), Kind.UNUSED),
+        (("regions", ANY, "balancer", "peer_listen"), Kind.UNUSED),  # forwarded to at peer_advertise
         (("client_auth",), Kind.LIVE),
         # read per request: a reload's classes name the requests admitted after it
         (("slo_classes",), Kind.LIVE),

@@ -39,6 +39,7 @@ from skymesh.balancer.errors import RequestError, error_response
 from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
+from skymesh.balancer.peer_listener import make_binding_middleware, site_port, start_peer_site
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import ParsedRequest, parse_body
@@ -56,6 +57,7 @@ from skymesh.config import (
     region_of_address,
 )
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
+from skymesh.pki import balancer_server_name, peer_tls
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
@@ -101,6 +103,9 @@ class PeerInfo:
     http_url: str
     grpc_address: str
     alive: bool = True
+    # where forwards go: its peer listener (https:// under the mesh CA; http:// on loopback
+    # without tls); None: it has none (a mesh that does not offload)
+    peer_url: str | None = None
 
 
 def _profile_of(replicas: tuple[ReplicaConfig, ...]) -> tuple[Any, float] | None:
@@ -280,17 +285,29 @@ class Balancer:
         self.set_replicas(
             [ReplicaInfo(r.id, r.url, region) for r in self.region_cfg.replicas]
         )
+        # TLS of the peer listener and of forwards (None: no tls section, loopback only)
+        self.peer_tls = peer_tls(cfg, region)
+        scheme = "http" if self.peer_tls is None else "https"
         self.peers: dict[str, PeerInfo] = {
-            r.name: PeerInfo(r.name, r.balancer.advertise_url, str(r.balancer.grpc_advertise))
+            r.name: PeerInfo(r.name, r.balancer.advertise_url, str(r.balancer.grpc_advertise),
+                             peer_url=None if (pa := r.balancer.peer_advertise) is None
+                             else f"{scheme}://{pa.host}:{pa.port}")
             for r in cfg.regions
             if r.name != region
         }
+        # peer region -> the other regions whose replicas the controller gave it (failover):
+        # origins a forward from it may claim besides its own (ControllerLink keeps it)
+        self.peer_adoptions: dict[str, frozenset[str]] = {}
+        # forwards refused by mesh identity, by reason (skymesh_rejected_peer_calls)
+        self.refused_forwards: dict[str, int] = {}
         self.metrics = BalancerMetrics(region, lambda: balancer_snapshot(self))
         self.controller_connected = False
         self.topology_version = 0
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[Any]] = []
         self._runner: EdgeAppRunner | None = None
+        self._peer_runner: EdgeAppRunner | None = None
+        self._peer_site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self._egress: aiohttp.ClientSession | None = None
         self._stopping = False
@@ -302,9 +319,10 @@ class Balancer:
         self.gate = ClientGate(
             cfg, resolve_admin_token(cfg), TOKEN_HEADER, HOP_HEADER, self.peer_token,
             on_reject=lambda status: self.metrics.rejections.labels(str(status)).inc(),
+            on_refused_forward=self._count_refused_forward,
         )
         # a peer-supplied origin becomes a metrics label only if it names a configured region
-        self._region_names = frozenset(r.name for r in cfg.regions)
+        self.region_names = frozenset(r.name for r in cfg.regions)
 
     # ------------------------------------------------------------------ membership
 
@@ -393,7 +411,18 @@ class Balancer:
     def rejected_peer_calls(self) -> dict[str, int]:
         from skymesh.balancer.services import rejected_peer_calls
 
-        return rejected_peer_calls(self.extra_services)
+        out = rejected_peer_calls(self.extra_services)
+        for reason, n in self.refused_forwards.items():
+            out[reason] = out.get(reason, 0) + n
+        return out
+
+    def _count_refused_forward(self, reason: str) -> None:
+        self.refused_forwards[reason] = self.refused_forwards.get(reason, 0) + 1
+
+    def allowed_origins(self, peer_region: str) -> frozenset[str]:
+        """The origin regions a forward from ``peer_region``'s balancer may claim: its own,
+        and those whose replicas the controller gave it."""
+        return frozenset((peer_region,)) | self.peer_adoptions.get(peer_region, frozenset())
 
     def loop_restart_counts(self) -> dict[str, int]:
         """Restarts of this balancer's supervised loops and its services' (by loop name)."""
@@ -428,6 +457,28 @@ class Balancer:
         app.router.add_get("/admin/status", self._admin_status)
         return app
 
+    def make_peer_app(self) -> web.Application:
+        """The peer listener's app: forwarded requests only (peer_listener.py)."""
+        from skymesh.balancer.middleware import make_error_middleware
+
+        bind = make_binding_middleware(
+            tls=self.peer_tls is not None, peers=lambda: frozenset(self.peers),
+            allowed_origins=self.allowed_origins, origin_header=ORIGIN_HEADER,
+            on_refused=self._count_refused_forward)
+        app = web.Application(client_max_size=self.cfg.policy.max_body_bytes,
+                              middlewares=[make_error_middleware(self.metrics), bind, self.gate.peer_middleware])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    def _make_runner(self, app: web.Application) -> EdgeAppRunner:
+        # handler_cancellation: a client that goes away frees its queue slot or replica at once;
+        # EdgeAppRunner: bounded heads, connections and bodies, and what aiohttp's HTTP parser
+        # rejects answered in JSON too (skymesh/edge/server.py)
+        return EdgeAppRunner(
+            app, metrics=self.metrics.edge, limits=EdgeLimits.from_config(self.cfg), handler_cancellation=True,
+        )
+
     async def start(self, host: str | None = None, port: int | None = None) -> None:
         listen = self.region_cfg.balancer.listen
         if self.core.kv_indexes is not None:
@@ -446,18 +497,17 @@ class Balancer:
             limit=0, local_addr=(egress_addr, 0) if egress_addr else None
         )
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
-        # handler_cancellation: a client that goes away frees its queue slot or replica at once;
-        # EdgeAppRunner: bounded heads, connections and bodies, and what aiohttp's HTTP parser
-        # rejects answered in JSON too (skymesh/edge/server.py)
-        self._runner = EdgeAppRunner(
-            self.make_app(), metrics=self.metrics.edge, limits=EdgeLimits.from_config(self.cfg),
-            handler_cancellation=True,
-        )
+        self._runner = self._make_runner(self.make_app())
         await self._runner.setup()
         site = web.TCPSite(
             self._runner, host or listen.host, listen.port if port is None else port, reuse_address=True
         )
         await site.start()
+        if (peer_listen := self.region_cfg.balancer.peer_listen) is not None:
+            self._peer_runner = self._make_runner(self.make_peer_app())
+            await self._peer_runner.setup()
+            self._peer_site = await start_peer_site(self._peer_runner, peer_listen, self.peer_tls,
+                                                    f"the {self.region} balancer")
         interval = self.cfg.policy.probe_interval_s
         for name, body in (("probe", self._probe_loop), ("dispatch", self._dispatch_loop)):
             loop = SupervisedLoop(name, body, logger=log, backoff_s=interval, max_backoff_s=max(interval, 2.0))
@@ -479,6 +529,11 @@ class Balancer:
                 return int(server.sockets[0].getsockname()[1])
         return self.region_cfg.balancer.listen.port
 
+    @property
+    def peer_port(self) -> int | None:
+        """The port of the peer listener (None: none configured)."""
+        return None if self._peer_site is None else site_port(self._peer_site)
+
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Stop; with ``drain_timeout_s`` > 0 (SIGTERM), drain first: deregister from the
         controller (DNS and this region's replicas move now), stop accepting new
@@ -497,6 +552,8 @@ class Balancer:
                         log.exception("preparing the drain failed", extra={"region": self.region})
             for site in list(self._runner.sites):
                 await site.stop()  # the listening socket closes: new clients go elsewhere
+            if self._peer_site is not None:
+                await self._peer_site.stop()  # and peers forward elsewhere
             if self.core.active_requests:
                 await wait_event(self._drained, drain_timeout_s)  # set by the last handler out
             log.info("drained", extra={"region": self.region, "left": self.core.active_requests})
@@ -506,8 +563,9 @@ class Balancer:
         await cancel_tasks(self._tasks)
         if self.kv_subscriber is not None:
             await self.kv_subscriber.stop()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._peer_runner, self._runner):
+            if runner is not None:
+                await runner.cleanup()
         for s in (self._session, self._egress):
             if s is not None:
                 await s.close()
@@ -728,7 +786,8 @@ class Balancer:
 
     def _origin_of(self, request: web.Request, forwarded: bool) -> str | None:
         """The region whose residency rules bind this request: for a forwarded one, the
-        origin its (token-checked) peer names; else the region of the client's source
+        origin its peer names (with tls, bound to the peer's certificate by the peer
+        listener; and token-checked); else the region of the client's source
         network. None: this balancer's own region (an address in no source network)."""
         if forwarded:
             origin = request.headers.get(ORIGIN_HEADER, "")
@@ -873,6 +932,9 @@ class Balancer:
         if req.slo_class:  # the peer judges placement by the same class
             headers[SLO_CLASS_HEADER] = req.slo_class
         assert self._egress is not None
+        peer_url = self.peers[action.region].peer_url
+        if peer_url is None:  # no peer listener configured there (the config needs one to offload)
+            return None
 
         def peer_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
             return {
@@ -886,5 +948,8 @@ class Balancer:
             }
 
         return AttemptTarget(
-            self.peers[action.region].http_url + request.path, headers, self._egress, peer_headers
+            peer_url + request.path, headers, self._egress, peer_headers,
+            # mTLS: present this balancer's certificate, accept only the region dialed
+            ssl=True if self.peer_tls is None else self.peer_tls.client,
+            server_hostname=None if self.peer_tls is None else balancer_server_name(action.region),
         )

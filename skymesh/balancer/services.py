@@ -463,6 +463,11 @@ class ControllerLink(SupervisedService):
                 peer.alive = assignment.alive
                 if assignment.http_url:
                     peer.http_url = assignment.http_url
+                # the regions whose replicas it owns besides its own: origins its forwards
+                # may claim (the peer listener binds the claim to its certificate)
+                b.peer_adoptions[assignment.region] = frozenset(
+                    r.home_region for r in assignment.replicas
+                    if r.home_region != assignment.region and r.home_region in b.region_names)
         log.info("topology applied", extra={"version": topo.version, "replicas": len(b.replicas)})
 
 

@@ -54,7 +54,8 @@ def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_sc
         b = r["balancer"]
         b["listen"] = f"127.0.0.1:{free_port()}"
         b["grpc_listen"] = f"127.0.0.1:{free_port()}"
-        for key in ("advertise", "grpc_advertise"):
+        b["peer_listen"] = f"127.0.0.1:{free_port()}"
+        for key in ("advertise", "grpc_advertise", "peer_advertise"):
             host = b[key].rsplit(":", 1)[0]
             b[key] = f"{host}:{free_port(host)}"
         prefix = r["replicas"][0]["id"].rsplit("-", 1)[0]

@@ -31,6 +31,8 @@ locals {
             grpc_listen    = "0.0.0.0:${r.grpc_port}"
             advertise      = "${r.balancer_private_ip}:${r.balancer_port}"
             grpc_advertise = "${r.balancer_private_ip}:${r.grpc_port}"
+            peer_listen    = "0.0.0.0:${r.peer_port}"
+            peer_advertise = "${r.balancer_private_ip}:${r.peer_port}"
           },
           r.balancer_public_ip == null ? {} : { public_ip = r.balancer_public_ip },
         )

@@ -16,6 +16,7 @@ variable "regions" {
     replica_port        = optional(number, 8000)
     balancer_port       = optional(number, 8000)
     grpc_port           = optional(number, 9000)
+    peer_port           = optional(number, 8443) # forwards from peer balancers (mTLS)
   }))
 
   validation {

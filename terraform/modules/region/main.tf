@@ -48,11 +48,11 @@ resource "aws_route_table_association" "this" {
 
 resource "aws_security_group" "balancer" {
   name        = "skymesh-${var.name}-balancer"
-  description = "skymesh balancer: OpenAI API from clients, gRPC heartbeats from peers"
+  description = "skymesh balancer: OpenAI API from clients, gRPC heartbeats and mTLS forwards from peers"
   vpc_id      = aws_vpc.this.id
 
   ingress {
-    description = "OpenAI API, /health for Route53 checks and forwarding from peers"
+    description = "OpenAI API, /health for Route53 and controller checks"
     from_port   = 8000
     to_port     = 8000
     protocol    = "tcp"
@@ -62,6 +62,13 @@ resource "aws_security_group" "balancer" {
     description = "gRPC heartbeats from peer balancers"
     from_port   = 9000
     to_port     = 9000
+    protocol    = "tcp"
+    cidr_blocks = var.peer_cidrs
+  }
+  ingress {
+    description = "forwarded requests from peer balancers (HTTPS, mesh-CA client certificates)"
+    from_port   = 8443
+    to_port     = 8443
     protocol    = "tcp"
     cidr_blocks = var.peer_cidrs
   }

@@ -77,7 +77,7 @@ variable "client_cidrs" {
 }
 
 variable "peer_cidrs" {
-  description = "Networks of peer balancers and the controller (gRPC 9000, HTTP 8000 forwarding)."
+  description = "Networks of peer balancers and the controller (gRPC 9000, mTLS forwards 8443, /health on 8000)."
   type        = list(string)
 }
 

@@ -59,6 +59,15 @@ run "replica_port_only_from_balancer_and_peers" {
   }
 }
 
+run "peer_forwards_port_only_from_peers" {
+  command = plan
+
+  assert {
+    condition     = length([for r in aws_security_group.balancer.ingress : r if r.from_port == 8443 && r.to_port == 8443 && toset(r.cidr_blocks) == toset(var.peer_cidrs)]) == 1
+    error_message = "the peer listener (8443, mTLS forwards) is open to peer networks only"
+  }
+}
+
 run "rejects_zero_replicas" {
   command = plan
   variables {
