@@ -120,11 +120,11 @@ async def test_openai_shaped_errors_never_5xx(cluster: Cluster) -> None:
                           json={"model": "skymesh-sim", "messages": "hi"}) as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "messages"
-        # a forwarded request must carry the mesh's peer token
+        # a forwarded request is taken only on the peer listener (mTLS), never on the client port
         async with s.post(cluster.base + "/v1/completions", json={"model": "skymesh-sim", "prompt": "x"},
                           headers={"X-Skymesh-Hop": "1", "X-Skymesh-Peer-Token": "wrong"}) as r:
-            assert r.status == 401
-            assert (await r.json())["error"]["type"] == "authentication_error"
+            assert r.status == 403
+            assert (await r.json())["error"]["code"] == "forward_on_client_port"
 
 
 async def test_streaming_passthrough_and_chat(cluster: Cluster) -> None:
