@@ -181,7 +181,27 @@ def test_bookkeeping_returns_to_zero_after_any_path(ops: list[tuple[str, int]], 
             probe_all(c)
         for v in c.replicas.values():
             assert v.in_flight >= 0 and v.pending_prefill_tokens >= 0
+        # the running sum equals the queue's own
+        assert c.queued_prefill_tokens() == sum(r.prompt_tokens for r in c.queued_requests())
     for i in seen:
         c.cancel(f"q{i}", now)
-    assert c.queue_length == 0 and c.in_flight_count == 0
+    assert c.queue_length == 0 and c.in_flight_count == 0 and c.queued_prefill_tokens() == 0
     assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in c.replicas.values())
+
+
+def test_sustainable_rate_counts_what_unsaturated_replicas_can_take() -> None:
+    c = core(n=3, budget=2)
+    assert c.sustainable_dispatch_rate(0.0, 0.1) == 0.0  # nothing probed: nothing known
+    probe_all(c, waiting={"r2": 3})  # r2 has requests waiting in its own queue: saturated
+    assert c.sustainable_dispatch_rate(0.0, 0.1) == pytest.approx(2 * 2 / 0.1)
+    for i in range(4):
+        c.submit(req(i))
+    assert len(c.dispatch(1.0)) == 4  # r0 and r1 spend their budgets at t = 1
+    # just spent: the predicted first token brings a unit back; spent for 2 s with none
+    # back: that replica is taken at no more than its budget per 2 s
+    assert c.sustainable_dispatch_rate(1.0, 0.1) == pytest.approx(2 * 2 / 0.1)
+    assert c.sustainable_dispatch_rate(3.0, 0.1) == pytest.approx(2 * 2 / 2.0)
+    c.hold("r0")  # a failed probe: no signal to go by
+    assert c.sustainable_dispatch_rate(3.0, 0.1) == pytest.approx(2 / 2.0)
+    probe_all(c)  # every page shows what was pushed: budgets back, r2 no longer waiting
+    assert c.sustainable_dispatch_rate(3.0, 0.1) == pytest.approx(3 * 2 / 0.1)

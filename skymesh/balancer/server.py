@@ -175,6 +175,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         trigger=cfg.offload.trigger,
         min_gain_s=cfg.offload.min_gain_s,
         prefill_s_per_token=per_tok,
+        first_token_fixed_s=fixed,
         chunk_tokens=cfg.policy.chunk_tokens,
     )
     return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg), kv_indexes)

@@ -259,7 +259,8 @@ class _Region:
         offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
                                 heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
                                 enabled=cfg.offload and len(cfg.regions) > 1, trigger=cfg.offload_trigger,
-                                prefill_s_per_token=per_tok, chunk_tokens=cfg.chunk_tokens)
+                                prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
+                                chunk_tokens=cfg.chunk_tokens)
         # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
         settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
                                   lookahead=cfg.lookahead, max_queue_wait_s=None,

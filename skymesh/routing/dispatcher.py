@@ -79,8 +79,12 @@ class BalancerCore:
         self._since_probe: dict[str, int] = {}
         # per replica: this balancer's in-flight requests without a first token yet
         self._unstarted: dict[str, int] = {}
+        # per replica whose dispatch budget is spent: when the dispatch that spent it was
+        # (absent for a replica held after a failed probe or attempt: no signal to go by)
+        self._budget_spent_at: dict[str, float] = {}
         # highest priority first (SLO classes), FCFS within a priority
         self._queue: PriorityQueue[_Queued] = PriorityQueue()
+        self._queued_prompt_tokens = 0  # the prompt tokens of every queued request
         self._in_flight: dict[str, _InFlight] = {}
         self._last_rebalance = float("-inf")
         self.counters = DispatchCounters()
@@ -103,6 +107,7 @@ class BalancerCore:
                 del self.replicas[rid]
                 self._since_probe.pop(rid, None)
                 self._unstarted.pop(rid, None)
+                self._budget_spent_at.pop(rid, None)
         for rid in wanted:
             if rid not in self.replicas:
                 self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
@@ -143,17 +148,19 @@ class BalancerCore:
         self._refresh_available(view)
 
     def _refresh_available(self, view: ReplicaView) -> None:
-        view.available = (
-            view.healthy
-            and view.num_waiting == 0
-            and self._since_probe[view.replica_id] < self.dispatch_budget
-        )
+        budget_left = self._since_probe[view.replica_id] < self.dispatch_budget
+        if budget_left:
+            # a spent budget that comes back ends its wait; a page lagging the pushes that
+            # spends it again gives no time to go by (only a dispatch does)
+            self._budget_spent_at.pop(view.replica_id, None)
+        view.available = view.healthy and view.num_waiting == 0 and budget_left
 
     def hold(self, replica_id: str) -> None:
         """No new dispatch to ``replica_id`` until its next successful probe."""
         view = self.replicas.get(replica_id)
         if view is not None:
             self._since_probe[replica_id] = self.dispatch_budget
+            self._budget_spent_at.pop(replica_id, None)
             view.available = False
 
     def is_in_flight(self, request_id: str) -> bool:
@@ -176,6 +183,28 @@ class BalancerCore:
     def available_count(self) -> int:
         return sum(1 for v in self.replicas.values() if v.available)
 
+    def sustainable_dispatch_rate(self, now: float, first_token_s: float) -> float:
+        """Requests per second the replicas can at least be sent from the queue, from
+        what they can serve rather than from what they were recently sent: every healthy
+        replica whose last probe showed no waiting request takes its dispatch budget per
+        ``first_token_s`` (the predicted time a dispatched request takes to give its unit
+        of budget back with its first token), or per the time its budget has now been
+        spent with none back, when that is longer. A replica with requests waiting in its
+        own queue (saturated), an unhealthy one and one held without a fresh probe add
+        nothing: what they drain is the measured placement rate's to tell."""
+        budget = self.dispatch_budget
+        rate = 0.0
+        for rid, view in self.replicas.items():
+            if not view.healthy or view.num_waiting > 0:
+                continue
+            if self._since_probe[rid] < budget:
+                rate += budget / first_token_s
+                continue
+            spent_at = self._budget_spent_at.get(rid)
+            if spent_at is not None:
+                rate += budget / max(first_token_s, now - spent_at)
+        return rate
+
     # ------------------------------------------------------------------ admission
 
     def submit(self, req: RoutingRequest, front: bool = False) -> None:
@@ -188,6 +217,7 @@ class BalancerCore:
         if req.request_id in self._queue or req.request_id in self._in_flight:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self._queue.push(req.request_id, _Queued(req), req.priority, front=front)
+        self._queued_prompt_tokens += req.prompt_tokens
         if self.discipline is not None:
             self.discipline.on_queued(req)
         self.counters.submitted += 1
@@ -213,7 +243,7 @@ class BalancerCore:
         return (q.req for q in self._queue.values())
 
     def queued_prefill_tokens(self) -> int:
-        return sum(q.req.prompt_tokens for q in self._queue.values())
+        return self._queued_prompt_tokens
 
     def pending_prefill_tokens(self) -> int:
         return sum(v.pending_prefill_tokens for v in self.replicas.values()) + self.queued_prefill_tokens()
@@ -287,7 +317,10 @@ class BalancerCore:
 
     def _dequeue(self, request_id: str) -> _Queued | None:
         q = self._queue.pop(request_id)
-        if q is not None and self.discipline is not None:
+        if q is None:
+            return None
+        self._queued_prompt_tokens -= q.req.prompt_tokens
+        if self.discipline is not None:
             self.discipline.on_dequeued(request_id)
         return q
 
@@ -311,6 +344,8 @@ class BalancerCore:
         view.pending_prefill_tokens += prefill
         view.in_flight += 1
         self._since_probe[rid] += 1
+        if self._since_probe[rid] >= self.dispatch_budget:
+            self._budget_spent_at[rid] = now
         self._unstarted[rid] += 1
         self._refresh_available(view)
         self._in_flight[q.req.request_id] = _InFlight(
@@ -397,6 +432,7 @@ class BalancerCore:
             return False
         q = _Queued(f.req, excluded=f.excluded | {f.replica_id}, attempts=attempts)
         self._queue.push(request_id, q, f.req.priority, front=True)
+        self._queued_prompt_tokens += f.req.prompt_tokens
         if self.discipline is not None:
             self.discipline.on_queued(f.req)
         self.counters.retried += 1

@@ -5,17 +5,18 @@ only where that peer is expected to answer it sooner. Two triggers:
 
 - ``predicted_ttft`` (default): for each queued request the region core passes how long
   it is expected to wait here before a replica takes it (its place in the queue over the
-  recent placement rate). A peer's predicted time to first token is the link's round
-  trip + the wait there (nothing while it advertises a free replica this balancer has not
-  used up since its last heartbeat; else the requests ahead of ours, its queue and our own
-  forwards beyond its free replicas, over its advertised placement rate) + the prefill of
-  the part of the prompt it does not hold. Which prefixes a peer holds is what this region
+  queue's service rate: the placement rate measured over the current backlog, else what
+  the replicas can take by the TTFT model). A peer's predicted time to first token is the
+  link's round trip + the wait there (nothing while it advertises a free replica this
+  balancer has not used up since its last heartbeat; else the requests ahead of ours, its
+  queue and our own forwards beyond its free replicas, over its advertised service rate)
+  + the prefill of the part of the prompt it does not hold. Which prefixes a peer holds is what this region
   already sent there (the *snapshot trie*); which the region itself holds is what it
   dispatched locally, kept in the same trie. The fastest allowed peer wins if it beats
   staying here by ``min_gain_s``: so a region offloads while some local replicas are still
   busy holding requests when that is faster, keeps a follow-up turn where its context
   lives, and stops offloading (pulls back) as the peer's queue grows. Until the region has
-  placed requests for a while (no drain rate yet) it falls back to the next rule.
+  placed requests for a while (no service rate yet) it falls back to the next rule.
 - ``saturated`` (SkyWalker's rule): only when no local replica is available, to a peer
   that advertised a free replica not yet used up by our forwards since its heartbeat;
   among those, the longest snapshot-trie prefix wins, ties to the smallest RTT.
@@ -78,6 +79,7 @@ class OffloadRouter:
         trigger: OffloadTrigger = "predicted_ttft",
         min_gain_s: float = 0.0,
         prefill_s_per_token: float = 300e-3 / 512,
+        first_token_fixed_s: float = 0.02,
         chunk_tokens: int = 64,
     ) -> None:
         self.region = region
@@ -93,6 +95,8 @@ class OffloadRouter:
         # mesh run the same model): the replica profile's seed until a TTFT model refitted
         # from this region's observed first tokens is attached (``use_cost_model``)
         self.seed_prefill_s_per_token = prefill_s_per_token
+        # and the fixed part of a time to first token (whatever the prompt), likewise
+        self.seed_first_token_fixed_s = first_token_fixed_s
         self.cost_model: TTFTEstimator | None = None
         self.chunk_tokens = chunk_tokens
         self.peers: dict[str, PeerState] = {}
@@ -110,6 +114,11 @@ class OffloadRouter:
     def prefill_s_per_token(self) -> float:
         model = self.cost_model
         return self.seed_prefill_s_per_token if model is None else model.s_per_token
+
+    @property
+    def first_token_fixed_s(self) -> float:
+        model = self.cost_model
+        return self.seed_first_token_fixed_s if model is None else model.fixed_s
 
     def reconfigure(
         self, *, allowed: Callable[[str, str], bool], max_remote_queue: int, miss_limit: int,

@@ -178,8 +178,8 @@ class HeartbeatSnapshot:
     replicas_available: int
     queue_length: int
     pending_prefill_tokens: int
-    # how fast this region's queue drains (placements per second, recent average; 0 with
-    # no history): peers predict the wait of a request they forward here from it
+    # how fast this region's queue drains (requests per second: RegionCore.service_rate_per_s;
+    # 0 with no history): peers predict the wait of a request they forward here from it
     placements_per_s: float = 0.0
 
 
@@ -219,9 +219,13 @@ class _Health:
 # time constant of the placement-rate average: long enough to ride out one probe interval's
 # burst, short enough to follow a replica leaving
 PLACEMENT_RATE_TAU_S = 5.0
-# no early rejection before placements were seen over this long: a burst's first probe
-# round is no measure of how fast the queue drains
+# no early rejection before placements were seen over this long (in the region's life, and
+# for the measured rate, in the current backlog): a burst's first probe round is no
+# measure of how fast the queue drains
 MIN_RATE_HISTORY_S = 1.0
+# no replica gives a dispatched request's first token back sooner than this, whatever the
+# TTFT model says of an empty prompt (bounds the capacity-derived service rate)
+MIN_FIRST_TOKEN_S = 1e-3
 
 
 class RegionCore:
@@ -260,11 +264,13 @@ class RegionCore:
         self._adopted = False  # some replica lives in another region (failover)
         self._forbidden_cache: dict[str, frozenset[str]] = {}
         self._queued_from_elsewhere = 0  # queued requests whose origin is another region
-        # placements per second, exponentially decayed (time constant PLACEMENT_RATE_TAU_S):
-        # how fast the queue drains, for failing fast instead of queueing to a timeout
+        # placements per second over the current backlog (the queue not empty since its
+        # first placement), exponentially decayed (time constant PLACEMENT_RATE_TAU_S): how
+        # fast the queue drains while the replicas, not the arrivals, limit it
         self._placement_rate = 0.0
         self._placement_rate_at = float("-inf")
-        self._first_placement_at: float | None = None
+        self._backlog_first_placement_at: float | None = None
+        self._first_placement_at: float | None = None  # in the region's life
         self.local.forbidden_for = self._forbidden_replicas
         if s.queue_discipline == "slo":
             # prefill priced as offload prices it: the policy's refitted model when it has one
@@ -336,7 +342,7 @@ class RegionCore:
             replicas_available=self.local.available_count(),
             queue_length=self.local.queue_length,
             pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
-            placements_per_s=self.placement_rate(now) or 0.0,
+            placements_per_s=self.service_rate_per_s(now) or 0.0,
         )
 
     def health_of(self, replica_id: str) -> dict[str, Any]:
@@ -374,6 +380,7 @@ class RegionCore:
         rid = t.req.request_id
         if t.state is RequestState.QUEUED:
             self.local.cancel(rid, now)  # drops the queue slot
+            self._end_backlog_if_drained()
         elif not t.on_peer and self.local.is_in_flight(rid):
             self.local.on_complete(rid, to is RequestState.DONE, now)
         self._move(t, to)
@@ -382,14 +389,26 @@ class RegionCore:
     def _count_placement(self, now: float) -> None:
         if self._first_placement_at is None:
             self._first_placement_at = now
+        if self._backlog_first_placement_at is None:
+            self._backlog_first_placement_at = now
         decay = math.exp(-(now - self._placement_rate_at) / PLACEMENT_RATE_TAU_S)
         self._placement_rate = self._placement_rate * decay + 1.0 / PLACEMENT_RATE_TAU_S
         self._placement_rate_at = now
 
+    def _end_backlog_if_drained(self) -> None:
+        """The queue is empty: the backlog the placement rate measured is over. What was
+        placed while requests arrived slower than the replicas take them measures the
+        arrivals, and a quiet spell measures nothing, so the next backlog is measured
+        afresh (until then the replicas' capacity stands in)."""
+        if self.local.queue_length == 0 and self._backlog_first_placement_at is not None:
+            self._placement_rate = 0.0
+            self._placement_rate_at = float("-inf")
+            self._backlog_first_placement_at = None
+
     def placement_rate(self, now: float) -> float | None:
-        """Placements per second, recent average; None while there is too little history
-        to go by."""
-        first = self._first_placement_at
+        """Placements per second over the current backlog, recent average; None while
+        the backlog has too little history to go by."""
+        first = self._backlog_first_placement_at
         if first is None or now - first < MIN_RATE_HISTORY_S:
             return None
         decayed = self._placement_rate * math.exp(-(now - self._placement_rate_at) / PLACEMENT_RATE_TAU_S)
@@ -397,10 +416,38 @@ class RegionCore:
         rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
         return rate if rate > 0.0 else None
 
+    def first_token_s(self) -> float:
+        """How long a replica takes, by the TTFT model offload prices prefill with, to
+        give back a unit of its dispatch budget (a dispatched request's first token) while
+        the queue keeps its budget full: the fixed part of a first token plus the prefill
+        of a typical queued prompt and of the others its budget holds ahead of it."""
+        queued = self.local.queue_length
+        typical_tokens = self.local.queued_prefill_tokens() / queued if queued else 0.0
+        prefill = self.offload.prefill_s_per_token * self.local.dispatch_budget * typical_tokens
+        return max(MIN_FIRST_TOKEN_S, self.offload.first_token_fixed_s + prefill)
+
+    def service_rate_per_s(self, now: float) -> float | None:
+        """How fast the queue drains, in requests per second: the placement rate
+        measured over the current backlog once it has history; before that (a quiet
+        region, a fresh burst) what the healthy replicas can at least take
+        (:meth:`BalancerCore.sustainable_dispatch_rate`: their dispatch budgets per
+        predicted first token), never a rate that decayed while nothing arrived. None
+        until the region has placed requests for ``MIN_RATE_HISTORY_S`` (it never judges
+        replicas it has not seen take work), or when nothing says the queue drains at all
+        (every replica saturated, no backlog measured yet)."""
+        first = self._first_placement_at
+        if first is None or now - first < MIN_RATE_HISTORY_S:
+            return None
+        measured = self.placement_rate(now)
+        if measured is not None:
+            return measured
+        capacity = self.local.sustainable_dispatch_rate(now, self.first_token_s())
+        return capacity if capacity > 0.0 else None
+
     def expected_queue_wait_s(self, now: float) -> float | None:
-        """How long a request queued now would wait for its placement, at the recent
-        placement rate; None while there is too little history to go by."""
-        rate = self.placement_rate(now)
+        """How long a request queued now would wait for its placement, at the queue's
+        service rate; None while there is too little history to go by."""
+        rate = self.service_rate_per_s(now)
         return None if rate is None else (self.local.queue_length + 1) / rate
 
     def _forbidden_replicas(self, req: RoutingRequest) -> frozenset[str]:
@@ -510,6 +557,7 @@ class RegionCore:
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         t = _Tracked(req, RequestState.QUEUED)
+        self._end_backlog_if_drained()
         if self._nothing_can_serve(req, now):
             self.transitions[("new", str(RequestState.REJECTED))] += 1
             return [Reject(req.request_id, 503, "no_capacity",
@@ -519,11 +567,12 @@ class RegionCore:
         expected = self.expected_queue_wait_s(now) if bound is not None and self.local.queue_length else None
         if expected is not None and bound is not None and expected > bound:
             # it could only wait out its bound and get a 504: say so now (Mooncake's early
-            # rejection, by queue drain rate), with when to come back
+            # rejection, by queue drain rate), with when to come back: once the queue has
+            # drained to within the bound, and never later than one bound from now
             self.transitions[("new", str(RequestState.REJECTED))] += 1
             return [Reject(req.request_id, 429, "queue_wait",
                            f"the balancer's queue would take ~{expected:.0f} s to reach this request "
-                           f"(bound {bound:.0f} s)", min(expected - bound, bound) + self.settings.retry_after_s)]
+                           f"(bound {bound:.0f} s)", min(expected - bound + self.settings.retry_after_s, bound))]
         unreachable = self._unreachable_ttft(req, now) if self.settings.early_rejection else None
         if unreachable is not None:
             self.transitions[("new", str(RequestState.REJECTED))] += 1
@@ -545,8 +594,8 @@ class RegionCore:
     def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
         """When a replica here is expected to start ``req``'s first token at the soonest if
         it were queued now: nothing while the free dispatch slots cover every request of its
-        priority or higher already queued, else the requests beyond them over the recent
-        placement rate (the one predicted term); plus the prefill already on the least
+        priority or higher already queued, else the requests beyond them over the queue's
+        service rate (:meth:`service_rate_per_s`, the one predicted term); plus the prefill already on the least
         loaded healthy replica its rules allow. Its own prefill is left out (what it will
         find cached is the policy's call), so the estimate leans early. None while there is
         no drain rate to go by."""
@@ -555,7 +604,7 @@ class RegionCore:
         if ahead < free:
             wait = 0.0
         else:
-            rate = self.placement_rate(now)
+            rate = self.service_rate_per_s(now)
             if rate is None:
                 return None
             wait = (ahead - free + 1) / rate
@@ -777,8 +826,12 @@ class RegionCore:
         predicted-TTFT trigger), place what the replicas can take, offload the rest."""
         actions: list[Action] = self._expire(now)
         offload = self.offload
-        for region in offload.newly_dead(now):  # heartbeats timed out: decide again now
-            actions.extend(self.peer_down(region, now))
+        for region in offload.newly_dead(now):
+            # heartbeats timed out: the queued requests are decided again now; forwards in
+            # flight are not cut on a late heartbeat alone (a busy link or host would cost
+            # work already under way): a dead peer's connections break, and fail() decides
+            # those at once
+            actions.extend(self.peer_down(region, now, cut_forwards=False))
         predicted = offload.enabled and offload.trigger == "predicted_ttft"
         if predicted and self.local.queue_length and offload.peers:
             actions.extend(self._forward(self._faster_elsewhere(now), now))
@@ -791,28 +844,29 @@ class RegionCore:
             offload.on_local_dispatch(req, now)
             actions.append(SendToReplica(req.request_id, t.target, decision))
         # SkyWalker's rule: what is still queued while no local replica is available goes
-        # to a peer with a free replica (with the predicted trigger, only until the region
-        # has a drain rate to predict with). Residency may close local replicas to some
+        # to a peer with a free replica (with the predicted trigger, only while the region
+        # has no service rate to predict with). Residency may close local replicas to some
         # queued requests: those are offered to peers even while the replicas look free.
         restricted = self._adopted or self._queued_from_elsewhere > 0
         if (
             offload.enabled and self.local.queue_length
             and (restricted or not self.local.any_available())
-            and (not predicted or restricted or self.placement_rate(now) is None)
+            and (not predicted or restricted or self.service_rate_per_s(now) is None)
         ):
             actions.extend(self._forward(self._saturated_offload(now, restricted), now))
+        self._end_backlog_if_drained()
         return actions
 
     def _faster_elsewhere(self, now: float) -> list[tuple[RoutingRequest, str]]:
         """Queued requests (head first) a peer is expected to answer sooner than this
         region. A request's wait here: nothing while it fits in the replicas' free
         dispatch slots, else its place beyond them (after those forwarded ahead of it)
-        over the recent placement rate; plus the prefill already ahead of it on the least
+        over the queue's service rate; plus the prefill already ahead of it on the least
         loaded replica it could go to (an available one within the free slots, else any
         healthy one). Only the first ``lookahead`` requests kept here are
         looked at: further back the wait here is long, and they are reached as the head
         moves."""
-        rate = self.placement_rate(now)
+        rate = self.service_rate_per_s(now)
         free = self.local.free_dispatch_slots()
         s_per_token = self.offload.prefill_s_per_token
         views = self.local.replicas.values()
