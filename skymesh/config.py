@@ -306,7 +306,7 @@ class SimReplica(ConfigModel):
         if "profiles" in context:
             profiles = set(context["profiles"])
         else:
-            from skymesh.replica_sim.profiles import PROFILES
+            from skymesh.hardware import PROFILES
 
             profiles = set(PROFILES)
         if profiles and profile not in profiles:
@@ -331,7 +331,7 @@ class KvEventsEndpoint(ConfigModel):
 def _sim_kv_events(sim: SimReplica) -> KvEventsEndpoint:
     """Where a balancer subscribes to a publishing stand-in; the index bound is its KV
     capacity (the profile's blocks)."""
-    from skymesh.replica_sim.profiles import PROFILES
+    from skymesh.hardware import PROFILES
 
     kv = sim.kv_events
     assert kv is not None

@@ -109,8 +109,8 @@ class PeerInfo:
 
 
 def _profile_of(replicas: tuple[ReplicaConfig, ...]) -> tuple[Any, float] | None:
-    """The stand-in profile (and time scale) of the first replica that names one."""
-    from skymesh.replica_sim.profiles import PROFILES
+    """The hardware profile (and time scale) of the first replica that names one (skymesh/hardware.py)."""
+    from skymesh.hardware import PROFILES
 
     for r in replicas:
         if r.sim is not None and r.sim.profile in PROFILES:

@@ -1,0 +1,107 @@
+"""Production code never imports the vLLM stand-in (skymesh/replica_sim). The balancer,
+the controller, DNS, the edge, the config and the routing core run against real vLLM
+replicas; what they need of a replica's hardware (a named profile's cost model) lives in
+skymesh/hardware.py, which the stand-in imports, not the other way round. Only what starts
+or drives stand-ins may import them: the stand-in itself, the benchmarks and simulator
+(skymesh/bench), the test helpers (skymesh/testing) and the CLI's dispatch. Checked on the
+source with ``ast``, each violation named as file:line."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STANDIN = "skymesh.replica_sim"
+# paths (relative to the repository root) allowed to import the stand-in
+ALLOWED = ("skymesh/replica_sim/", "skymesh/bench/", "skymesh/testing/", "skymesh/cli.py")
+SCANNED = ("skymesh", "controller")
+
+
+def _package_of(filename: str) -> list[str]:
+    parts = filename.removesuffix(".py").split("/")
+    return parts[:-1]  # a module's package; __init__.py's package is its own directory
+
+
+def _absolute(node: ast.ImportFrom, filename: str) -> str:
+    if node.level == 0:
+        return node.module or ""
+    package = _package_of(filename)
+    base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _is_standin(name: str) -> bool:
+    return name == STANDIN or name.startswith(STANDIN + ".")
+
+
+def standin_imports(source: str, filename: str) -> list[str]:
+    """``file:line: imports NAME`` for every import of the stand-in in ``source``
+    (``filename`` relative to the repository root: relative imports are resolved by it)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(node, filename)
+            # `from skymesh import replica_sim` imports skymesh.replica_sim
+            names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            names = [node.args[0].value]
+        for name in names:
+            if _is_standin(name):
+                found.append(f"{filename}:{node.lineno}: imports {name}")
+                break
+    return found
+
+
+def test_production_code_never_imports_the_standin() -> None:
+    files = sorted(p for d in SCANNED for p in (ROOT / d).rglob("*.py"))
+    assert len(files) > 30, f"found only {len(files)} files under {SCANNED}"
+    violations = [
+        v for path in files
+        if not (rel := path.relative_to(ROOT).as_posix()).startswith(ALLOWED)
+        for v in standin_imports(path.read_text(), rel)
+    ]
+    assert not violations, "production code must not import skymesh.replica_sim:\n" + "\n".join(violations)
+
+
+def test_the_standin_reads_the_production_profiles() -> None:
+    # one table: the balancer's cost model is the stand-in's
+    from skymesh import hardware
+    from skymesh.replica_sim import profiles
+
+    assert profiles.PROFILES is hardware.PROFILES and profiles.Profile is hardware.Profile
+
+
+@pytest.mark.parametrize(("snippet", "filename", "expected"), [
+    ("import skymesh.replica_sim.engine\n", "skymesh/config.py",
+     "skymesh/config.py:1: imports skymesh.replica_sim.engine"),
+    ("def f():\n    from skymesh.replica_sim.profiles import PROFILES\n", "skymesh/balancer/server.py",
+     "skymesh/balancer/server.py:2: imports skymesh.replica_sim.profiles"),
+    ("from skymesh import replica_sim\n", "skymesh/up.py", "skymesh/up.py:1: imports skymesh.replica_sim"),
+    ("from ..replica_sim import engine\n", "skymesh/balancer/server.py",
+     "skymesh/balancer/server.py:1: imports skymesh.replica_sim"),
+    ("from . import replica_sim\n", "skymesh/config.py", "skymesh/config.py:1: imports skymesh.replica_sim"),
+    ("import importlib\nm = importlib.import_module('skymesh.replica_sim.server')\n", "skymesh/up.py",
+     "skymesh/up.py:2: imports skymesh.replica_sim.server"),
+])
+def test_checker_flags_each_kind_of_import(snippet: str, filename: str, expected: str) -> None:
+    """The checker can fail: each way of importing the stand-in fed to it is reported."""
+    assert standin_imports(snippet, filename) == [expected]
+
+
+@pytest.mark.parametrize("snippet", [
+    "from skymesh.hardware import PROFILES\n",
+    "import skymesh.replica_simulator_notes\n",  # a name that only starts alike
+    "from .routing import region\n",
+    "cmd = ['skymesh', 'replica-sim', '--port', '0']\n",  # starting a stand-in process is fine
+])
+def test_checker_allows_other_imports(snippet: str) -> None:
+    assert standin_imports(snippet, "skymesh/config.py") == []
