@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.ranking_matrix import system_args
 from skymesh.bench import sim_main
 from skymesh.bench.search_main import search_one
 
@@ -103,9 +104,6 @@ def _args(argv: list[str], **over: Any) -> argparse.Namespace:
 
 def _system(args: argparse.Namespace, label: str) -> tuple[argparse.Namespace, str]:
     # benchmarks/ranking_matrix.py's own label parsing (dualmap-nowait, NAME/DISCIPLINE)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.ranking_matrix import system_args
-
     return system_args(args, label)
 
 
