@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from skymesh.routing.base import RoutingRequest  # noqa: E402
-from skymesh.routing.feather import PrefixOrder  # noqa: E402
+from skymesh.routing.disciplines.prefix_match import PrefixMatchOrder  # noqa: E402
 from skymesh.routing.hashing import cumulative_hashes  # noqa: E402
 from skymesh.routing.queueing import PriorityQueue  # noqa: E402
 
@@ -45,7 +45,7 @@ def pct(xs: list[int], q: float) -> float:
 def run(queue_len: int, replicas: int, decisions: int, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
     names = [f"r{i}" for i in range(replicas)]
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
     order.set_replicas(names)
     queue: PriorityQueue[str] = PriorityQueue()
     waiting: dict[str, RoutingRequest] = {}

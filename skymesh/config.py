@@ -43,12 +43,11 @@ from pydantic import (
     model_validator,
 )
 
-from skymesh.routing.disciplines import (
-    DEFAULT_ITERATIONS,
-    DEFAULT_MAX_AGE_S,
-    DEFAULT_PREFIX_TTFT_SHARE,
-)
+from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
+from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
+from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
 from skymesh.routing.options import PolicyOptions
+from skymesh.routing.queue_registry import DisciplineName
 from skymesh.routing.registry import POLICIES, policy_options
 from skymesh.validation import PathError, first_error, kind
 
@@ -517,15 +516,16 @@ class PolicyConfig(ConfigModel):
 
 
 class QueueConfig(ConfigModel):
-    """The order of the balancer's queue within a priority (skymesh/routing/disciplines.py)."""
+    """The order of the balancer's queue within a priority (skymesh/routing/queue_registry.py
+    names the disciplines; each reads its options of these keys)."""
 
     # "fcfs": arrival order; "slo": each head window ordered for SLO attainment; "prefix"
     # (FEATHER): a replica that frees up gets the queued request it holds the most of first
-    discipline: Literal["fcfs", "slo", "prefix"] = "fcfs"
+    discipline: DisciplineName = "fcfs"
     # slo: how many requests at the head of each priority are ordered
-    window: Annotated[Int, Field(ge=2, le=64)] = 8
+    window: Annotated[Int, Field(ge=2, le=64)] = DEFAULT_WINDOW
     # slo: the search's budget per decision, in schedule evaluations (annealing, then as many
-    # again at most for the polish; see skymesh/routing/disciplines.py)
+    # again at most for the polish; see skymesh/routing/disciplines/slo_deadline.py)
     iterations: Annotated[Int, Field(ge=0, le=100_000)] = DEFAULT_ITERATIONS
     # slo and prefix: the starvation bound: a request queued this long goes first, in arrival order
     max_age_s: Annotated[Float, Field(gt=0, le=3600)] = DEFAULT_MAX_AGE_S

@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 
 from benchmarks.slo_order import head
 from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.disciplines import DEFAULT_ITERATIONS, Candidate, anneal, schedule_cost
+from skymesh.routing.disciplines.slo_deadline import (
+    DEFAULT_ITERATIONS,
+    Candidate,
+    anneal,
+    schedule_cost,
+)
 from skymesh.routing.hashing import prompt_chunk_hashes
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queueing import PriorityQueue

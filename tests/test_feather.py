@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from skymesh.config import QueueConfig
 from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.disciplines.prefix_match import PrefixMatchOrder
 from skymesh.routing.dispatcher import BalancerCore
-from skymesh.routing.feather import PrefixOrder
 from skymesh.routing.hashing import cumulative_hashes
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queueing import PriorityQueue
@@ -133,13 +133,13 @@ def test_the_age_bound_stops_the_prefix_order_from_starving_a_prompt_nobody_shar
     assert placed is not None and 1.55 <= placed <= 1.75
 
 
-def _order_with(trie_nodes: int) -> tuple[PrefixOrder, PriorityQueue[str], dict[str, RoutingRequest]]:
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9, trie_max_nodes=trie_nodes)
+def _order_with(trie_nodes: int) -> tuple[PrefixMatchOrder, PriorityQueue[str], dict[str, RoutingRequest]]:
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9, trie_max_nodes=trie_nodes)
     order.set_replicas(["r0", "r1"])
     return order, PriorityQueue(), {}
 
 
-def _enqueue(order: PrefixOrder, queue: PriorityQueue[str], r: RoutingRequest) -> None:
+def _enqueue(order: PrefixMatchOrder, queue: PriorityQueue[str], r: RoutingRequest) -> None:
     queue.push(r.request_id, r.request_id)
     order.on_queued(r)
 
@@ -198,7 +198,7 @@ ops = st.lists(st.tuples(st.sampled_from(["queue", "queue", "dispatch", "leave",
                          st.integers(0, 2), st.integers(0, 1000)), min_size=1, max_size=60)
 
 
-def _truth_pick(order: PrefixOrder, queued: dict[str, tuple[RoutingRequest, int]], replicas: list[str]) -> list[str]:
+def _truth_pick(order: PrefixMatchOrder, queued: dict[str, tuple[RoutingRequest, int]], replicas: list[str]) -> list[str]:
     """The greedy round the discipline should make with one free slot per replica, from the
     cache itself: each replica in name order, from the one whose turn it is to start, takes
     its smallest (missing tokens, arrival, admission) among those not yet taken; the picks
@@ -231,7 +231,7 @@ def test_the_incremental_keys_and_picks_match_the_cache(steps: list[tuple[str, t
     trie that never evicts the recorded holdings equal the cache's too. A trie of 3 or 8
     nodes evicts all the time: the picks must still be right (lazy correction)."""
     replicas = ["r0", "r1", "r2"]
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9, trie_max_nodes=trie_nodes)
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9, trie_max_nodes=trie_nodes)
     order.set_replicas(replicas)
     queue: PriorityQueue[str] = PriorityQueue()
     queued: dict[str, tuple[RoutingRequest, int]] = {}
@@ -270,7 +270,7 @@ def test_the_incremental_keys_and_picks_match_the_cache(steps: list[tuple[str, t
 def test_the_discipline_follows_every_queue_event_of_the_dispatcher(
         steps: list[tuple[str, tuple[list[str], int], int, int, int]]) -> None:
     replicas = ["r0", "r1", "r2"]
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=3.0)
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=3.0)
     bc = BalancerCore(make_policy("prefix_tree", PolicyContext(chunk_tokens=CHUNK)), dispatch_budget=2, max_retries=5)
     bc.discipline = order
     bc.set_replicas(replicas)
@@ -305,7 +305,7 @@ def test_the_discipline_follows_every_queue_event_of_the_dispatcher(
 
 def test_the_heaps_stay_bounded_by_the_queue_not_the_history() -> None:
     replicas = [f"r{i}" for i in range(4)]
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
     order.set_replicas(replicas)
     queue: PriorityQueue[str] = PriorityQueue()
     rng = random.Random(5)
@@ -338,7 +338,7 @@ def test_blocks_seen_only_in_kv_events_rekey_a_request_when_it_comes_up() -> Non
     from skymesh.routing.kv_index import BlockStored, KvIndexes
 
     indexes = KvIndexes(chunk_tokens=4)
-    order = PrefixOrder(chunk_tokens=4, max_age_s=1e9, kv_indexes=indexes)
+    order = PrefixMatchOrder(chunk_tokens=4, max_age_s=1e9, kv_indexes=indexes)
     order.set_replicas(["r0"])
     idx = indexes.index("r0")
     idx.in_step = True  # r0's events flow: its index answers for it
@@ -354,7 +354,7 @@ def test_blocks_seen_only_in_kv_events_rekey_a_request_when_it_comes_up() -> Non
 
 
 def test_a_retried_request_is_never_picked_for_the_replica_that_failed_it() -> None:
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
     bc = BalancerCore(make_policy("prefix_tree", PolicyContext(chunk_tokens=CHUNK)), dispatch_budget=1)
     bc.discipline = order
     bc.set_replicas(["r0", "r1"])
@@ -370,7 +370,7 @@ def test_a_retried_request_is_never_picked_for_the_replica_that_failed_it() -> N
 
 
 def test_a_priority_that_empties_leaves_nothing_behind() -> None:
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
     order.set_replicas(["r0"])
     queue: PriorityQueue[str] = PriorityQueue()
     for i in range(500):
@@ -394,7 +394,7 @@ def test_a_request_rekeyed_back_and_forth_does_not_pile_up_in_its_heap() -> None
     from skymesh.routing.kv_index import BlockStored, KvIndexes
 
     indexes = KvIndexes(chunk_tokens=4)
-    order = PrefixOrder(chunk_tokens=4, max_age_s=1e9, kv_indexes=indexes)
+    order = PrefixMatchOrder(chunk_tokens=4, max_age_s=1e9, kv_indexes=indexes)
     order.set_replicas(["r0"])
     idx = indexes.index("r0")
     idx.in_step = True
@@ -422,7 +422,7 @@ def test_a_request_rekeyed_back_and_forth_does_not_pile_up_in_its_heap() -> None
 def test_a_request_passed_over_by_one_replica_is_still_there_for_the_next() -> None:
     # r0 holds "sys" (more than the floor of the queued prompts, recorded apart for r0): r0's
     # look passes over them in the shared heap, and r1 and r2 must still see them there
-    order = PrefixOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
     order.set_replicas(["r0", "r1", "r2"])
     queue: PriorityQueue[str] = PriorityQueue()
     _enqueue(order, queue, req("q1", ["sys"], 0.0))

@@ -14,7 +14,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from skymesh.bench.traces import TraceRequest, assign_slo_classes
 from skymesh.config import SloClassConfig, SloClassName
-from skymesh.routing.disciplines import DEFAULT_MAX_AGE_S, DEFAULT_PREFIX_TTFT_SHARE
+from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
+from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
+from skymesh.routing.queue_registry import DISCIPLINES
 from skymesh.validation import first_error
 
 
@@ -28,7 +30,7 @@ def add_class_arguments(p: argparse.ArgumentParser) -> None:
                         "their own slo_class keep it; live requests send it as X-SLO-Class")
     p.add_argument("--no-early-rejection", action="store_true",
                    help="the balancer queues requests whose class's TTFT cannot be met instead of rejecting them")
-    p.add_argument("--queue-discipline", choices=("fcfs", "slo", "prefix"), default="fcfs",
+    p.add_argument("--queue-discipline", choices=tuple(DISCIPLINES), default="fcfs",
                    help="the balancer's order within a priority: arrival, each head annealed for SLO attainment, "
                         "or a freed replica's best-matching request first (FEATHER)")
     p.add_argument("--queue-max-age-s", type=float, default=DEFAULT_MAX_AGE_S,

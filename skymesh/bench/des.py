@@ -46,14 +46,12 @@ from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
 from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.disciplines import (
-    DEFAULT_ITERATIONS,
-    DEFAULT_MAX_AGE_S,
-    DEFAULT_PREFIX_TTFT_SHARE,
-    QueueDiscipline,
-)
+from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
+from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
+from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS
 from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
+from skymesh.routing.queue_registry import DisciplineName
 from skymesh.routing.region import (
     ForwardToRegion,
     ProbeSample,
@@ -104,7 +102,7 @@ class SimConfig:
     slo_classes: dict[str, SloClassConfig] = field(default_factory=dict)
     # Mooncake's early rejection of requests whose class's TTFT no placement can meet
     early_rejection: bool = True
-    queue_discipline: QueueDiscipline = "fcfs"  # or "slo" (skymesh/routing/disciplines.py)
+    queue_discipline: DisciplineName = "fcfs"  # a name of skymesh/routing/queue_registry.py
     slo_iterations: int = DEFAULT_ITERATIONS
     queue_max_age_s: float = DEFAULT_MAX_AGE_S  # the slo and prefix disciplines' starvation bound
     prefix_ttft_share: float = DEFAULT_PREFIX_TTFT_SHARE  # the prefix discipline's tail bound (RegionSettings)

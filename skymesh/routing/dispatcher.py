@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
-from skymesh.routing.queueing import PriorityQueue, QueueOrder
+from skymesh.routing.disciplines.base import QueueDiscipline
+from skymesh.routing.queueing import PriorityQueue
 
 
 @dataclass(slots=True)
@@ -94,8 +95,8 @@ class BalancerCore:
         # while it holds replicas of another home region, e.g. adopted on failover)
         self.forbidden_for: Callable[[RoutingRequest], frozenset[str]] | None = None
         # queue discipline within a priority: None is FCFS; else the order it gives
-        # (disciplines.SloOrder, feather.PrefixOrder); set before the first request
-        self.discipline: QueueOrder | None = None
+        # (skymesh/routing/queue_registry.py names them); set before the first request
+        self.discipline: QueueDiscipline | None = None
 
     # ------------------------------------------------------------------ membership/probes
 

@@ -10,12 +10,8 @@ case) this is exactly the FCFS queue, and a lookup, insert or removal stays O(1)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
-
-if TYPE_CHECKING:
-    from skymesh.routing.base import ReplicaView, RoutingRequest
+from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 
@@ -105,29 +101,3 @@ class PriorityQueue(Generic[Item]):
         """Items in queue order, lazily: the queue must not change meanwhile."""
         for p in self._order:
             yield from self._lanes[p].values()
-
-
-class QueueOrder(Protocol):
-    """A queue discipline other than FCFS (skymesh/routing/disciplines.py, feather.py): told
-    of every request joining and leaving the queue and of every dispatch, it gives the order
-    in which the dispatcher offers queued requests to the policy. Priorities always come
-    first; the discipline decides within one."""
-
-    def set_replicas(self, replica_ids: Sequence[str]) -> None: ...
-
-    def on_queued(self, req: RoutingRequest) -> None: ...
-
-    def on_dequeued(self, request_id: str) -> None: ...
-
-    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None: ...
-
-    def on_cached(self, replica_id: str, chunk_hashes: Sequence[int]) -> None:
-        """A replica's KV events stored these blocks (the balancer's chunk hashes)."""
-
-    def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
-                       free_slots: Mapping[str, int], now: float,
-                       excluded: Callable[[str], AbstractSet[str]] | None = None) -> list[str]:
-        """The ids of every queued request, in the order to offer them to the policy;
-        ``excluded(request_id)``: the replicas that request may not run on."""
-
-    def stats(self) -> dict[str, int]: ...

@@ -35,17 +35,13 @@ from enum import StrEnum
 from typing import Any
 
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
-from skymesh.routing.disciplines import (
-    DEFAULT_ITERATIONS,
-    DEFAULT_MAX_AGE_S,
-    DEFAULT_PREFIX_TTFT_SHARE,
-    QueueDiscipline,
-    SloOrder,
-)
+from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S, DisciplineContext
+from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
+from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
-from skymesh.routing.feather import PrefixOrder
 from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
+from skymesh.routing.queue_registry import DisciplineName, make_discipline
 from skymesh.routing.ttft import TTFTEstimator
 
 
@@ -153,13 +149,14 @@ class RegionSettings:
     # Mooncake's early rejection: a request whose SLO class's TTFT target no placement here
     # or at a peer is expected to meet gets 429 at once instead of queueing to a miss
     early_rejection: bool = True
-    # the order within a priority: "fcfs"; "slo" (skymesh/routing/disciplines.py: each
-    # head of ``slo_window`` requests annealed for SLO attainment, ``slo_iterations``
-    # evaluations a decision; ``ttft_slo_s`` is the deadline of requests without a class);
-    # or "prefix" (FEATHER, skymesh/routing/feather.py: a freed replica's best-matching
-    # queued request first)
-    queue_discipline: QueueDiscipline = "fcfs"
-    slo_window: int = 8
+    # the order within a priority, a name of skymesh/routing/queue_registry.py: "fcfs";
+    # "slo" (skymesh/routing/disciplines/slo_deadline.py: each head of ``slo_window``
+    # requests annealed for SLO attainment, ``slo_iterations`` evaluations a decision;
+    # ``ttft_slo_s`` is the deadline of requests without a class); or "prefix" (FEATHER,
+    # skymesh/routing/disciplines/prefix_match.py: a freed replica's best-matching queued
+    # request first)
+    queue_discipline: DisciplineName = "fcfs"
+    slo_window: int = DEFAULT_WINDOW
     slo_iterations: int = DEFAULT_ITERATIONS
     ttft_slo_s: float = 2.0
     # the slo and prefix disciplines' starvation bound: queued this long, a request goes first
@@ -168,6 +165,12 @@ class RegionSettings:
     # this share of its TTFT target (its tail is bounded while the fresh ones match)
     prefix_ttft_share: float = DEFAULT_PREFIX_TTFT_SHARE
     health: HealthSettings = field(default_factory=HealthSettings)
+
+    def queue_settings(self) -> dict[str, Any]:
+        """The queue discipline's settings by the config's ``queue:`` keys (each discipline's
+        options read theirs: skymesh/routing/queue_registry.py)."""
+        return {"window": self.slo_window, "iterations": self.slo_iterations, "max_age_s": self.slo_max_age_s,
+                "prefix_ttft_share": self.prefix_ttft_share}
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,17 +275,11 @@ class RegionCore:
         self._backlog_first_placement_at: float | None = None
         self._first_placement_at: float | None = None  # in the region's life
         self.local.forbidden_for = self._forbidden_replicas
-        if s.queue_discipline == "slo":
-            # prefill priced as offload prices it: the policy's refitted model when it has one
-            self.local.discipline = SloOrder(
-                window=s.slo_window, iterations=s.slo_iterations, default_slo_s=s.ttft_slo_s,
-                prefill_s=lambda tokens: offload.prefill_s_per_token * tokens, max_age_s=s.slo_max_age_s,
-            )
-        elif s.queue_discipline == "prefix":
-            # reads the replicas' KV-event indexes where they flow, as the policies do
-            self.local.discipline = PrefixOrder(chunk_tokens=offload.chunk_tokens, max_age_s=s.slo_max_age_s,
-                                                kv_indexes=kv_indexes, ttft_share=s.prefix_ttft_share,
-                                                default_slo_s=s.ttft_slo_s)
+        # prefill priced as offload prices it (the policy's refitted model when it has one);
+        # the replicas' KV-event indexes where they flow, as the policies read them
+        self.local.discipline = make_discipline(s.queue_discipline, s.queue_settings(), DisciplineContext(
+            chunk_tokens=offload.chunk_tokens, prefill_s=lambda tokens: offload.prefill_s_per_token * tokens,
+            default_slo_s=s.ttft_slo_s, kv_indexes=kv_indexes))
         self.offloaded_out = 0
         self.offloaded_in = 0
 

@@ -28,7 +28,7 @@ Kept incrementally, never by rescanning the queue:
   entry reaching the top of p's heap is checked against the cache before it is chosen, and
   pushed back with its true key when that differs.
 
-The discipline orders, the policy places: :meth:`PrefixOrder.dispatch_order` gives each
+The discipline orders, the policy places: :meth:`PrefixMatchOrder.dispatch_order` gives each
 available replica (one per replica per round, as many rounds as its free dispatch slots) its
 best-matching request, and the dispatcher offers them to the policy first, then the rest of
 the priority in arrival order. A cache-aware policy then sends a request where its prefix
@@ -53,9 +53,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from skymesh.routing.base import ReplicaView, RoutingRequest
+from skymesh.routing.disciplines.base import (
+    DEFAULT_MAX_AGE_S,
+    DisciplineContext,
+    DisciplineOptions,
+    QueueDiscipline,
+)
 from skymesh.routing.kv_index import CacheView, KvIndexes
 from skymesh.routing.queueing import PriorityQueue
 from skymesh.routing.trie import BoundedPrefixTrie
@@ -67,6 +73,19 @@ _COMPACT_SLACK = 64
 # why a heap top is passed over: not at all, taken by another replica this round, or not
 # for the replica looking now
 _KEEP, _TAKEN, _NOT_HERE = 0, 1, 2
+# the tail bound, as a share of the request's TTFT target (the one probe behind it:
+# docs/benchmarks.md, "Queue order: prefix (FEATHER) vs fcfs")
+DEFAULT_PREFIX_TTFT_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatchOptions(DisciplineOptions):
+    """The ``prefix`` discipline's options (the config's ``queue.max_age_s`` and
+    ``queue.prefix_ttft_share``)."""
+
+    max_age_s: float = DEFAULT_MAX_AGE_S  # the starvation bound
+    # also first once waited this share of its TTFT target (its class's, else the balancer's SLO)
+    prefix_ttft_share: float = DEFAULT_PREFIX_TTFT_SHARE
 
 
 @dataclass(slots=True)
@@ -100,7 +119,7 @@ class _LazyHeap:
         heapq.heapify(self.entries)
 
 
-class PrefixOrder:
+class PrefixMatchOrder(QueueDiscipline):
     """The ``prefix`` discipline (see the module docstring)."""
 
     def __init__(self, *, chunk_tokens: int, max_age_s: float, kv_indexes: KvIndexes | None = None,
@@ -126,6 +145,12 @@ class PrefixOrder:
         self.picks_overdue = 0  # offers made because the request was overdue
         self.corrections = 0  # heap tops the cache held otherwise than recorded (evictions, events)
         self.compactions = 0
+
+    @classmethod
+    def build(cls, options: PrefixMatchOptions, ctx: DisciplineContext) -> Self:
+        # reads the replicas' KV-event indexes where they flow, as the policies do
+        return cls(chunk_tokens=ctx.chunk_tokens, max_age_s=options.max_age_s, kv_indexes=ctx.kv_indexes,
+                   ttft_share=options.prefix_ttft_share, default_slo_s=ctx.default_slo_s)
 
     # ------------------------------------------------------------------ keys
 

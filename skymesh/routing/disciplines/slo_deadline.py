@@ -1,21 +1,19 @@
-"""Queue disciplines: the order in which queued requests of one priority are offered to
-the policy. Pure: no clock (``now`` is passed in), randomness from a seeded generator the
-discipline owns.
+"""The ``slo`` queue discipline (SLO-aware scheduling), pure: no clock (``now`` is passed
+in), randomness from a seeded generator the discipline owns.
 
-- ``fcfs``: arrival order (SkyWalker's; the queue as it is).
-- ``slo`` (SLO-aware scheduling): the head ``window`` of each priority's queue is ordered
-  to maximise how many meet their TTFT deadline (arrival + their class's TTFT target, else
-  the configured SLO), then to minimise their total time to first token, under a latency
-  predictor: list scheduling of the window, in the order tried, onto the replicas as each
-  frees (its prefill ahead, from the balancer's pending prefill tokens), each request
-  taking its own prefill (its prompt, at the region's refitted cost per token). The search
-  is simulated annealing over the order (swap and move-one steps, geometric cooling) from
-  the earliest-deadline-first order, bounded by ``iterations`` evaluations per decision,
-  then polished by moving one request or swapping two while that helps (at most two
-  sweeps, and ``iterations`` evaluations more); the best order seen is kept, so whatever the budget the answer is EDF or
-  better. A head whose members and order did not change since its last decision is not
-  searched again (a new arrival in the window, or a placement, starts a new search).
-  Starvation bound: a request queued ``max_age_s`` or longer goes first, in arrival order.
+The head ``window`` of each priority's queue is ordered to maximise how many meet their
+TTFT deadline (arrival + their class's TTFT target, else the configured SLO), then to
+minimise their total time to first token, under a latency predictor: list scheduling of
+the window, in the order tried, onto the replicas as each frees (its prefill ahead, from
+the balancer's pending prefill tokens), each request taking its own prefill (its prompt,
+at the region's refitted cost per token). The search is simulated annealing over the order
+(swap and move-one steps, geometric cooling) from the earliest-deadline-first order,
+bounded by ``iterations`` evaluations per decision, then polished by moving one request or
+swapping two while that helps (at most two sweeps, and ``iterations`` evaluations more);
+the best order seen is kept, so whatever the budget the answer is EDF or better. A head
+whose members and order did not change since its last decision is not searched again (a
+new arrival in the window, or a placement, starts a new search). Starvation bound: a
+request queued ``max_age_s`` or longer goes first, in arrival order.
 
 Why by hand: no maintained library anneals a permutation under a custom cost in a few
 hundred microseconds; the loop is twenty lines.
@@ -29,21 +27,34 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Self
 
 from skymesh.routing.base import ReplicaView, RoutingRequest
+from skymesh.routing.disciplines.base import (
+    DEFAULT_MAX_AGE_S,
+    DisciplineContext,
+    DisciplineOptions,
+    QueueDiscipline,
+)
 from skymesh.routing.queueing import PriorityQueue
 
-# "prefix" is FEATHER's, in skymesh/routing/feather.py
-QueueDiscipline = Literal["fcfs", "slo", "prefix"]
 # evaluations per decision: ~0.5 ms p50 / 0.9 ms p99 for a head of 8 on the development
 # machine, within 1% of the exhaustive optimum on 98% of such heads (benchmarks/slo_order.py)
 DEFAULT_ITERATIONS = 100
-# the slo and prefix disciplines' starvation bound: queued this long, a request goes first
-DEFAULT_MAX_AGE_S = 30.0
-# the prefix discipline's tail bound, as a share of the request's TTFT target (the one
-# probe behind it: docs/benchmarks.md, "Queue order: prefix (FEATHER) vs fcfs")
-DEFAULT_PREFIX_TTFT_SHARE = 0.5
+# how many requests at the head of each priority are ordered
+DEFAULT_WINDOW = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SloDeadlineOptions(DisciplineOptions):
+    """The ``slo`` discipline's options (the config's ``queue.window``, ``queue.iterations``,
+    ``queue.max_age_s``)."""
+
+    window: int = DEFAULT_WINDOW
+    iterations: int = DEFAULT_ITERATIONS  # schedule evaluations per decision
+    max_age_s: float = DEFAULT_MAX_AGE_S  # the starvation bound
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     request_id: str
@@ -161,8 +172,9 @@ def _descend(order: list[int], e: float, energy: Callable[[list[int]], float], b
     return order
 
 
-class SloOrder:
-    """The ``slo`` discipline (see the module docstring)."""
+class SloDeadlineOrder(QueueDiscipline):
+    """The ``slo`` discipline (see the module docstring). The head window is read anew at
+    every decision, so queue events need no bookkeeping here: only the order is its own."""
 
     def __init__(self, *, window: int, iterations: int, default_slo_s: float,
                  prefill_s: Callable[[int], float], max_age_s: float, seed: int = 0) -> None:
@@ -178,22 +190,10 @@ class SloOrder:
         self._last: dict[int, tuple[str, ...]] = {}  # priority -> the head it last ordered
         self.decisions = 0
 
-    # the QueueOrder protocol (skymesh/routing/queueing.py): the head window is read anew at
-    # every decision, so queue events need no bookkeeping here
-    def set_replicas(self, replica_ids: Sequence[str]) -> None:
-        return None
-
-    def on_queued(self, req: RoutingRequest) -> None:
-        return None
-
-    def on_dequeued(self, request_id: str) -> None:
-        return None
-
-    def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
-        return None
-
-    def on_cached(self, replica_id: str, chunk_hashes: Sequence[int]) -> None:
-        return None
+    @classmethod
+    def build(cls, options: SloDeadlineOptions, ctx: DisciplineContext) -> Self:
+        return cls(window=options.window, iterations=options.iterations, default_slo_s=ctx.default_slo_s,
+                   prefill_s=ctx.prefill_s, max_age_s=options.max_age_s)
 
     def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
                        free_slots: Mapping[str, int], now: float,
