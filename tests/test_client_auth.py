@@ -279,8 +279,14 @@ async def test_forwarded_requests_need_the_peer_token_compared_in_constant_time(
     # the one check of the peer token (admin_auth.peer_token_denied)
     monkeypatch.setattr(admin_auth_mod.hmac, "compare_digest", spy)
     try:
-        status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: "guess"}, port=b.peer_port)
-        assert status == 401
+        status, doc, headers = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: "guess"}, port=b.peer_port)
+        assert status == 401 and doc["error"]["code"] == "invalid_peer_token"
+        assert doc["error"]["type"] == "authentication_error"
+        assert headers["Connection"] == "close"  # its body is never read
+        # no hop header: not a forward, nothing the peer listener serves (a 404 typed as every 404)
+        status, doc, _ = await post(b, {TOKEN_HEADER: b.peer_token}, port=b.peer_port)
+        assert status == 404 and doc["error"]["code"] == "not_found"
+        assert doc["error"]["type"] == "not_found_error"
         status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: b.peer_token, ORIGIN_HEADER: "x"},
                                   port=b.peer_port)
         # past the token (a peer's request carries no client key): refused only because
