@@ -1,5 +1,7 @@
 """The admin credential shared by the balancer's /admin/*, the controller's HTTP API, the
-DNS control API and `skymesh status`: one bearer token, compared in constant time.
+DNS control API and `skymesh status`: one bearer token, compared in constant time. The
+peer token balancers and the controller present to each other is resolved and checked
+here too (:func:`peer_token_denied`).
 
 Where the token comes from (``admin:`` in the config), first found wins: the environment
 variable ``admin.token_env`` (``SKYMESH_ADMIN_TOKEN``), the file ``admin.token_file``, then
@@ -21,6 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from skymesh.config import MeshConfig
+from skymesh.edge.openai_errors import error_response
 from skymesh.pki import is_loopback_host
 
 DEFAULT_STATE_DIR = Path(".skymesh/run")
@@ -133,13 +136,20 @@ def admin_denied(request: web.BaseRequest, expected: str | None) -> web.Response
         if expected
         else "no admin token is configured (set SKYMESH_ADMIN_TOKEN or admin.token_file)"
     )
-    return web.json_response(
-        # the OpenAI error shape, as every other error skymesh answers
-        {"error": {"message": message, "type": "authentication_error", "param": None,
-                   "code": "invalid_admin_token"}},
-        status=401,
-        headers={"WWW-Authenticate": 'Bearer realm="skymesh-admin"'},
-    )
+    return error_response(401, message, code="invalid_admin_token",
+                          headers={"WWW-Authenticate": 'Bearer realm="skymesh-admin"'})
+
+
+def peer_token_denied(presented: str | None, expected: str) -> web.Response | None:
+    """None when ``presented`` is the mesh's peer token (compared in constant time), else
+    the 401 to answer, the connection closed after it (the body is never read). The one
+    check of the peer token: the peer listener's forwards (its ``X-Skymesh-Peer-Token``
+    header) and the DNS control API's endpoint pushes (a bearer token)."""
+    if token_matches(presented, expected):
+        return None
+    response = error_response(401, "request without a valid peer token", code="invalid_peer_token")
+    response.force_close()
+    return response
 
 
 def metrics_denied(request: web.BaseRequest, cfg: MeshConfig, expected: str | None) -> web.Response | None:

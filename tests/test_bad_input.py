@@ -370,7 +370,7 @@ def chat_bytes(content: Any) -> bytes:
     (b"\xff\xfe{}", None),
 ])
 def test_parse_body_answers_bad_input_with_a_400(raw: bytes, param: str | None) -> None:
-    from skymesh.balancer.errors import RequestError
+    from skymesh.edge.openai_errors import RequestError
 
     kind = "chat" if b"messages" in raw else "completions"
     with pytest.raises(RequestError) as e:

@@ -355,7 +355,8 @@ async def test_forged_peer_forwards_and_admin_calls_are_all_refused(fakes: list[
             for headers in forged_forwards * 20:
                 async with s.post(peer_url + "/v1/completions", json=body, headers=headers) as r:
                     statuses.append(r.status)
-                    assert (await r.json())["error"]["message"]
+                    # the one peer-token check's answer (admin_auth.peer_token_denied)
+                    assert (await r.json())["error"]["code"] == "invalid_peer_token"
                 async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
                     on_client_port.append(r.status)
                     assert (await r.json())["error"]["message"]

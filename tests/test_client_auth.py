@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import skymesh.admin_auth as admin_auth_mod
 import skymesh.balancer.auth as auth_mod
-import skymesh.balancer.server as server_mod
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.ratelimit import TokenBucket, retry_after_header
 from skymesh.balancer.server import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER, Balancer
@@ -270,16 +270,23 @@ async def test_forwarded_requests_need_the_peer_token_compared_in_constant_time(
 ) -> None:
     b = await start_balancer([replica], peer_listener=True, client_auth=keyed())
     compared: list[bytes] = []
-    real = server_mod.hmac.compare_digest
+    real = admin_auth_mod.hmac.compare_digest
 
     def spy(a: bytes, c: bytes) -> bool:
         compared.append(c)
         return real(a, c)
 
-    monkeypatch.setattr(server_mod.hmac, "compare_digest", spy)
+    # the one check of the peer token (admin_auth.peer_token_denied)
+    monkeypatch.setattr(admin_auth_mod.hmac, "compare_digest", spy)
     try:
-        status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: "guess"}, port=b.peer_port)
-        assert status == 401
+        status, doc, headers = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: "guess"}, port=b.peer_port)
+        assert status == 401 and doc["error"]["code"] == "invalid_peer_token"
+        assert doc["error"]["type"] == "authentication_error"
+        assert headers["Connection"] == "close"  # its body is never read
+        # no hop header: not a forward, nothing the peer listener serves (a 404 typed as every 404)
+        status, doc, _ = await post(b, {TOKEN_HEADER: b.peer_token}, port=b.peer_port)
+        assert status == 404 and doc["error"]["code"] == "not_found"
+        assert doc["error"]["type"] == "not_found_error"
         status, _, _ = await post(b, {HOP_HEADER: "1", TOKEN_HEADER: b.peer_token, ORIGIN_HEADER: "x"},
                                   port=b.peer_port)
         # past the token (a peer's request carries no client key): refused only because

@@ -116,8 +116,15 @@ async def test_control_endpoint_requires_the_token(server: MeshDnsServer) -> Non
     import aiohttp
 
     host, port = addr(server)
-    async with aiohttp.ClientSession() as s, s.put(f"http://{host}:{port + 1}/v1/endpoints", json=[]) as r:
-        assert r.status == 401
+    url = f"http://{host}:{port + 1}/v1/endpoints"
+    async with aiohttp.ClientSession() as s:
+        for auth in ({}, {"Authorization": "Bearer " + "x" * len(server.peer_token)}):
+            async with s.put(url, json=[], headers=auth) as r:
+                # OpenAI-shaped, as every skymesh error; the same code as the peer listener's
+                assert r.status == 401
+                assert await r.json() == {"error": {
+                    "message": "request without a valid peer token", "type": "authentication_error",
+                    "param": None, "code": "invalid_peer_token"}}
 
 
 async def test_ecs_with_source_prefix_zero_falls_back_to_the_source(server: MeshDnsServer) -> None:
@@ -165,6 +172,9 @@ async def test_malformed_tcp_frames_and_bad_control_bodies_are_harmless(server: 
         for body in (b"not json", b'{"a": 1}', b'[{"region": "x"}]', b"[1, 2]"):
             async with s.put(url, data=body, headers=auth) as r:
                 assert r.status == 400
+                error = (await r.json())["error"]
+                assert error["code"] == "invalid_endpoint_list" and error["type"] == "invalid_request_error"
+                assert error["message"].startswith("bad endpoint list: ")
         async with s.get(url, headers=admin_auth()) as r:
             assert {e["region"] for e in await r.json()} == {r.name for r in server.cfg.regions}
     for tcp in (False, True):

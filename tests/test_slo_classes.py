@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skymesh.balancer.errors import RequestError
 from skymesh.balancer.server import ORIGIN_HEADER, Balancer
 from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.config import ConfigError, SloClassConfig, parse_config
+from skymesh.edge.openai_errors import RequestError
 from skymesh.procs import free_port
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore

@@ -19,6 +19,7 @@ from pathlib import Path
 from aiohttp import web
 
 from skymesh.config import ClientAuthConfig, ClientLimits, ConfigError
+from skymesh.edge.openai_errors import error_response
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,30 +91,17 @@ class ClientKeyring:
         return found
 
 
-def openai_error(
-    status: int, message: str, err_type: str, code: str | None, headers: dict[str, str] | None = None
-) -> web.Response:
-    """An error in OpenAI's shape (the body its SDKs parse into their exception types)."""
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+def api_key_refused(message: str) -> web.Response:
+    """The 401 for a missing or wrong client API key, as OpenAI answers it (type
+    "invalid_request_error", code "invalid_api_key")."""
+    return error_response(401, message, code="invalid_api_key", error_type="invalid_request_error",
+                          headers={"WWW-Authenticate": 'Bearer realm="skymesh"'})
 
 
 def missing_key_response() -> web.Response:
-    return openai_error(
-        401,
-        "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
-        "invalid_request_error",
-        "invalid_api_key",
-        headers={"WWW-Authenticate": 'Bearer realm="skymesh"'},
-    )
+    return api_key_refused("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
 
 
 def invalid_key_response() -> web.Response:
     # OpenAI says "Incorrect API key provided" and never echoes the whole key back
-    return openai_error(
-        401,
-        "Incorrect API key provided.",
-        "invalid_request_error",
-        "invalid_api_key",
-        headers={"WWW-Authenticate": 'Bearer realm="skymesh"'},
-    )
+    return api_key_refused("Incorrect API key provided.")

@@ -5,14 +5,14 @@ then, the body is read: within ``client_timeouts.body_timeout_s`` (slowloris) an
 bounds on the request head and on connections are the server's (skymesh/edge/server.py).
 
 Peer balancers' forwarded requests carry no client key and arrive only on the peer
-listener (peer_listener.py): there they are let through on the peer token (checked here
-before the body is read, and again in the handler), after the listener checked the
-sender's certificate. The client port refuses any request carrying the hop header.
+listener (peer_listener.py): there they are let through on the peer token (checked here,
+before the body is read, by :func:`skymesh.admin_auth.peer_token_denied`), after the
+listener checked the sender's certificate. The client port refuses any request
+carrying the hop header.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,17 +20,17 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from skymesh.admin_auth import admin_denied, bearer_of, metrics_denied
+from skymesh.admin_auth import admin_denied, bearer_of, metrics_denied, peer_token_denied
 from skymesh.balancer.auth import (
     ClientKey,
     ClientKeyring,
     invalid_key_response,
     missing_key_response,
-    openai_error,
 )
 from skymesh.balancer.ratelimit import TokenBucket, retry_after_header
 from skymesh.config import ClientLimits, MeshConfig
 from skymesh.edge.body import BodyLimits, read_body_or_reject
+from skymesh.edge.openai_errors import error_response
 
 # request[CLIENT] is the authenticated ClientKey (None when the API is open or for peers)
 CLIENT = web.RequestKey("skymesh.client", ClientKey | None)
@@ -97,9 +97,9 @@ class ClientGate:
             # forwards come only over the peer listener (mTLS): here the peer token would
             # have crossed the network in clear, and nothing binds the origin it claims
             self._on_refused_forward("client_port")
-            return None, openai_error(
+            return None, error_response(
                 403, "forwarded requests are accepted only on the peer listener (mTLS), not on the client port",
-                "permission_error", "forward_on_client_port",
+                code="forward_on_client_port",
             )
         if not self.keyring.enabled:
             return None, None
@@ -111,12 +111,12 @@ class ClientGate:
             return None, invalid_key_response()
         bucket = self._buckets[client.name].requests
         if bucket is not None and not bucket.try_take(now):
-            return client, openai_error(
+            return client, error_response(
                 429,
                 f"Rate limit reached for requests of key {client.name!r}: "
                 f"{client.limits.requests_per_second:g} requests per second.",
-                "requests",
-                "rate_limit_exceeded",
+                code="rate_limit_exceeded",
+                error_type="requests",
                 headers={"Retry-After": retry_after_header(bucket.wait_s(now))},
             )
         return client, None
@@ -136,15 +136,15 @@ class ClientGate:
         limit = client.limits.prompt_tokens_per_minute
         self._on_reject(429)
         if wait == float("inf"):
-            return openai_error(
+            return error_response(
                 429, f"The prompt ({prompt_tokens} tokens) exceeds key {client.name!r}'s limit of "
-                f"{limit} prompt tokens per minute.", "tokens", "rate_limit_exceeded",
+                f"{limit} prompt tokens per minute.", code="rate_limit_exceeded", error_type="tokens",
             )
-        return openai_error(
+        return error_response(
             429,
             f"Rate limit reached for prompt tokens of key {client.name!r}: {limit} per minute.",
-            "tokens",
-            "rate_limit_exceeded",
+            code="rate_limit_exceeded",
+            error_type="tokens",
             headers={"Retry-After": retry_after_header(wait)},
         )
 
@@ -181,15 +181,11 @@ class ClientGate:
         forwarded /v1/ requests with the peer token, their body read within the bound."""
         if not request.path.startswith("/v1/") or self._hop_header not in request.headers:
             self._on_reject(404)
-            return openai_error(404, "the peer listener serves only forwarded /v1/ requests",
-                                "invalid_request_error", "not_found")
-        presented = request.headers.get(self._peer_token_header, "")
-        # constant time: a timing difference must not spell out the token
-        if not hmac.compare_digest(presented.encode(), self._peer_token.encode()):
-            self._on_reject(401)
-            return openai_error(
-                401, "forwarded request without a valid peer token", "authentication_error", "invalid_peer_token"
-            )
+            return error_response(404, "the peer listener serves only forwarded /v1/ requests", code="not_found")
+        denied = peer_token_denied(request.headers.get(self._peer_token_header), self._peer_token)
+        if denied is not None:
+            self._on_reject(denied.status)
+            return denied
         request[CLIENT] = None
         if request.body_exists:
             timed_out = await self._read_body(request)

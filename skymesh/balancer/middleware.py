@@ -6,7 +6,7 @@
 * A body aiohttp cannot read (bad chunked framing, a Content-Encoding that does not
   decode) is the client's fault: a 400 with ``Connection: close``, not the 500 aiohttp
   would make of it. What the parser rejects before the app has a request is answered by
-  the server itself (http_server.py), in the same JSON.
+  the server itself (skymesh/edge/server.py), in the same JSON.
 * Anything else a handler raises is a bug: one log line with a request id, a count in
   ``skymesh_internal_errors_total``, and a JSON 500 naming that id. Bad input must
   never get here (tests/test_bad_input.py), so the counter is an alarm, not a gauge.
@@ -24,28 +24,12 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import http_exceptions, web
 
-from skymesh.balancer.errors import describe_http_error, error_response
 from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.edge.openai_errors import describe_http_error, error_response, http_exception_response
 
 log = logging.getLogger("skymesh.balancer")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# headers of aiohttp's own error response that describe its text/plain body
-_BODY_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "transfer-encoding"})
-
-_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
-
-def _http_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return error_response(status, message, code=_CODES.get(status), headers=headers or None)
-
-
-def http_exception_response(e: web.HTTPException) -> web.Response:
-    """aiohttp's own HTTP error (status >= 400) as JSON: the same status and headers."""
-    headers = {k: v for k, v in e.headers.items() if k.lower() not in _BODY_HEADERS}
-    message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-    return _http_error_response(e.status, message, headers)
 
 
 def _started_sending(request: web.Request) -> bool:
@@ -71,7 +55,8 @@ def make_error_middleware(metrics: BalancerMetrics) -> Callable[[web.Request, Ha
             # raised by request.read() for a body whose framing or Content-Encoding is
             # broken (RequestPayloadError wraps the parser's error): the client's fault
             metrics.rejections.labels("400").inc()
-            response = _http_error_response(400, f"request body could not be read: {describe_http_error(e.__cause__ or e)}")
+            response = error_response(
+                400, f"request body could not be read: {describe_http_error(e.__cause__ or e)}")
             response.force_close()  # the parser stopped in the body: nothing more to read here
             return response
         except Exception:

@@ -22,8 +22,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from skymesh.balancer.auth import openai_error
 from skymesh.config import HostPort
+from skymesh.edge.openai_errors import error_response
 from skymesh.pki import (
     PeerTls,
     identity_of_peercert,
@@ -64,14 +64,13 @@ def make_binding_middleware(
             region = peer_region_of(request)
             if region is None or region not in peers():
                 on_refused("not_a_peer")
-                return openai_error(403, "only peer balancers may forward requests", "permission_error",
-                                    "not_a_peer")
+                return error_response(403, "only peer balancers may forward requests", code="not_a_peer")
             claimed = request.headers.get(origin_header, "")
             if claimed not in allowed_origins(region):
                 on_refused("wrong_origin")
-                return openai_error(
+                return error_response(
                     403, f"a forward from {region} may not claim origin region {claimed[:64]!r}",
-                    "permission_error", "origin_not_bound_to_certificate")
+                    code="origin_not_bound_to_certificate")
             request[PEER_REGION] = region
         return await handler(request)
 

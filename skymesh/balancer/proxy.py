@@ -24,8 +24,8 @@ from enum import Enum
 import aiohttp
 from aiohttp import web
 
-from skymesh.balancer.errors import sse_error_event
 from skymesh.balancer.usage import TAIL_BYTES
+from skymesh.edge.openai_errors import sse_error_event
 
 log = logging.getLogger("skymesh.balancer.proxy")
 

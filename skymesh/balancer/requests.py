@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from skymesh.balancer.errors import RequestError
+from skymesh.edge.openai_errors import RequestError
 from skymesh.tokens import ChatContentError, chat_prompt
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -83,7 +83,7 @@ def _finite_float(literal: str) -> float:
 
 
 def _bad(message: str, param: str | None = None) -> NoReturn:
-    raise RequestError(400, message, param)
+    raise RequestError(400, message, param=param)
 
 
 def load_json_body(raw: bytes) -> Any:
@@ -129,7 +129,7 @@ def parse_body(raw: bytes, kind: str, model: str) -> ParsedRequest:
     if not isinstance(m, str):
         _bad("'model' must be a string", "model")
     if m != model:
-        raise RequestError(404, f"The model `{m}` does not exist.", "model")
+        raise RequestError(404, f"The model `{m}` does not exist.", param="model")
     if kind == "chat":
         msgs = body.get("messages")
         if msgs is None:

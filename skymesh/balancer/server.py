@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 import os
@@ -35,10 +34,10 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 
 from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.balancer.auth import ClientKeyring
-from skymesh.balancer.errors import RequestError, error_response
 from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
+from skymesh.balancer.middleware import make_error_middleware
 from skymesh.balancer.peer_listener import make_binding_middleware, site_port, start_peer_site
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
@@ -56,6 +55,7 @@ from skymesh.config import (
     ReplicaConfig,
     region_of_address,
 )
+from skymesh.edge.openai_errors import RequestError, error_response
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.pki import balancer_server_name, peer_tls
 from skymesh.procs import cancel_tasks, wait_event
@@ -224,7 +224,7 @@ def encode_request(encoder: PromptEncoder, parsed: ParsedRequest) -> EncodedProm
         try:
             text = encoder.chat_template.render(parsed.messages)
         except Exception as e:  # the template's own raise_exception, or content it cannot render
-            raise RequestError(400, f"the chat template cannot render these messages: {e}", "messages") from None
+            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         encoded = encoder.encode_text(text, chat=True)
     else:
         encoded = encoder.encode_text(parsed.prompt, chat=parsed.messages is not None)
@@ -445,9 +445,6 @@ class Balancer:
     # ------------------------------------------------------------------ lifecycle
 
     def make_app(self) -> web.Application:
-        # imported here: this method is the one place server.py wires the middleware in
-        from skymesh.balancer.middleware import make_error_middleware
-
         app = web.Application(client_max_size=self.cfg.policy.max_body_bytes,
                               middlewares=[make_error_middleware(self.metrics), self.gate.middleware])
         app.router.add_post("/v1/completions", self._completions)
@@ -460,8 +457,6 @@ class Balancer:
 
     def make_peer_app(self) -> web.Application:
         """The peer listener's app: forwarded requests only (peer_listener.py)."""
-        from skymesh.balancer.middleware import make_error_middleware
-
         bind = make_binding_middleware(
             tls=self.peer_tls is not None, peers=lambda: frozenset(self.peers),
             allowed_origins=self.allowed_origins, origin_header=ORIGIN_HEADER,
@@ -716,18 +711,10 @@ class Balancer:
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         try:
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise RequestError(
-                    413, f"request body exceeds {self.cfg.policy.max_body_bytes} bytes"
-                ) from None
+            # the gate read the body within its bounds (its 413, 415, 408 answered there)
+            # and let a forward in only on the peer listener with the peer token
+            raw = await request.read()
             forwarded = HOP_HEADER in request.headers
-            # constant time: a timing difference must not spell out the token
-            if forwarded and not hmac.compare_digest(
-                request.headers.get(TOKEN_HEADER, "").encode(), self.peer_token.encode()
-            ):
-                raise RequestError(401, "forwarded request without a valid peer token")
             parsed = parse_body(raw, kind, self.cfg.model)
             origin = self._origin_of(request, forwarded)
             client = request.get(CLIENT)

@@ -16,8 +16,8 @@ non-streaming answer), end to end from arrival to the last byte.
 
 from __future__ import annotations
 
-from skymesh.balancer.errors import RequestError
 from skymesh.config import MeshConfig
+from skymesh.edge.openai_errors import RequestError
 from skymesh.slo import SloClass
 
 SLO_CLASS_HEADER = "X-SLO-Class"

@@ -54,14 +54,15 @@ from skymesh.admin_auth import (
     admin_denied,
     bearer_of,
     metrics_denied,
+    peer_token_denied,
     resolve_admin_token,
     resolve_peer_token,
-    token_matches,
 )
 from skymesh.config import MeshConfig, source_network_of
 from skymesh.dns.base import BalancerEndpoint
 from skymesh.edge.body import BodyLimits, read_body_or_reject
 from skymesh.edge.metrics import EdgeMetrics
+from skymesh.edge.openai_errors import error_response
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 
 log = logging.getLogger("skymesh.dns")
@@ -301,10 +302,9 @@ class MeshDnsServer:
             return web.json_response([asdict(e) for e in self.endpoints.values()])
 
         async def put_endpoints(request: web.Request) -> web.Response:
-            if not token_matches(bearer_of(request), self.peer_token):
-                response = web.json_response({"error": "bad token"}, status=401)
-                response.force_close()  # the body is not read: nothing more from this caller
-                return response
+            denied = peer_token_denied(bearer_of(request), self.peer_token)
+            if denied is not None:
+                return denied
             # the caller is known: its body, within bounds (skymesh/edge/body.py)
             refused = await read_body_or_reject(request, BodyLimits(
                 CONTROL_MAX_BODY_BYTES, self.cfg.client_timeouts.body_timeout_s))
@@ -313,7 +313,7 @@ class MeshDnsServer:
             try:
                 eps = [BalancerEndpoint(**e) for e in await request.json()]
             except (ValueError, TypeError) as e:
-                return web.json_response({"error": f"bad endpoint list: {e}"}, status=400)
+                return error_response(400, f"bad endpoint list: {e}", code="invalid_endpoint_list")
             return web.json_response({"changed": self.update(eps)})
 
         app.router.add_get("/v1/endpoints", get_endpoints)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from skymesh.balancer.errors import error_response
+from skymesh.edge.openai_errors import error_response
 
 # at most this many decoded bytes per zlib call (one step between yields to the loop)
 DECODE_STEP_BYTES = 256 * 1024

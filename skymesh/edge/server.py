@@ -61,11 +61,15 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
-from skymesh.balancer.errors import describe_http_error, error_body, error_response
-from skymesh.balancer.middleware import http_exception_response
 from skymesh.config import MeshConfig
 from skymesh.edge.connections import ConnectionLimiter
 from skymesh.edge.metrics import EdgeMetrics
+from skymesh.edge.openai_errors import (
+    describe_http_error,
+    error_body,
+    error_response,
+    http_exception_response,
+)
 
 log = logging.getLogger("skymesh.edge")
 
