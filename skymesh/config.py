@@ -49,6 +49,11 @@ from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT
 from skymesh.routing.options import PolicyOptions
 from skymesh.routing.queue_registry import DisciplineName
 from skymesh.routing.registry import POLICIES, policy_options
+from skymesh.source_networks import (  # the lookup's callers import it from here too
+    SourceNetworkTable,
+    region_of_address,  # noqa: F401
+    source_network_of,  # noqa: F401
+)
 from skymesh.validation import PathError, first_error, kind
 
 REGION_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,62}$")
@@ -72,29 +77,6 @@ def _first_repeat(values: Iterable[Hashable]) -> tuple[int, int] | None:
             return i, seen[value]
         seen[value] = i
     return None
-
-
-SourceNetworkTable = list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]]
-
-
-def source_network_of(
-    table: SourceNetworkTable, ip: str
-) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str] | None:
-    """The (network, region) of ``table`` holding ``ip`` (most specific first), or None."""
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return None
-    for net, region in table:
-        if addr.version == net.version and addr in net:
-            return net, region
-    return None
-
-
-def region_of_address(table: SourceNetworkTable, ip: str) -> str | None:
-    """The region whose source network holds ``ip`` (most specific wins), None if none."""
-    found = source_network_of(table, ip)
-    return None if found is None else found[1]
 
 
 # ----------------------------------------------------------------------------- value types
