@@ -5,23 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
-from skymesh.config.base import (
-    ConfigError,
-    ConfigModel,
-    Float,
-    Int,
-    Text,
-)
-from skymesh.config.network import (
-    DnsName,
-    HostPortField,
-    HttpUrlStr,
-)
+from skymesh.config.base import ConfigError, ConfigModel, Float, Int, Text
+from skymesh.config.network import DnsName, HostPortField, HttpUrlStr
 
 
 class ControllerConfig(ConfigModel):

@@ -5,15 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import (
-    Field,
-)
+from pydantic import Field
 
-from skymesh.config.base import (
-    ConfigModel,
-    Float,
-    Int,
-)
+from skymesh.config.base import ConfigModel, Float, Int
 
 
 class ClientTimeoutsConfig(ConfigModel):

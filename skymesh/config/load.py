@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import (
-    ValidationError,
-)
+from pydantic import ValidationError
 
 from skymesh.config.base import ConfigError
 from skymesh.config.mesh import MeshConfig

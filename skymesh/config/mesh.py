@@ -8,25 +8,12 @@ from __future__ import annotations
 import fnmatch
 from typing import Annotated
 
-from pydantic import (
-    Field,
-    PrivateAttr,
-    model_validator,
-)
+from pydantic import Field, PrivateAttr, model_validator
 
-from skymesh.config.base import (
-    Bool,
-    ConfigError,
-    ConfigModel,
-    Float,
-    Text,
-    first_repeat,
-)
+from skymesh.config.base import Bool, ConfigError, ConfigModel, Float, Text, first_repeat
 from skymesh.config.control_plane import ControllerConfig, DnsConfig
 from skymesh.config.edge import ClientTimeoutsConfig, HttpLimitsConfig
-from skymesh.config.network import (
-    HostPort,
-)
+from skymesh.config.network import HostPort
 from skymesh.config.region import LatencyConfig, RegionConfig
 from skymesh.config.routing import (
     HealthConfig,

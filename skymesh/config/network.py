@@ -11,23 +11,15 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import urlparse
 
-from pydantic import (
-    AfterValidator,
-    Field,
-)
+from pydantic import AfterValidator, Field
 
-from skymesh.config.base import (
-    ConfigError,
-    Text,
-    matching,
-    nonempty_str,
-    or_null,
-    string_type,
-)
+from skymesh.config.base import ConfigError, Text, matching, nonempty_str, or_null, string_type
 
 
 @dataclass(frozen=True)
 class HostPort:
+    """A parsed ``host:port`` (a listener or an advertised address); ``str()`` writes it back."""
+
     host: str
     port: int
 

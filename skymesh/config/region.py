@@ -7,11 +7,7 @@ import ipaddress
 import re
 from typing import Annotated
 
-from pydantic import (
-    AfterValidator,
-    Field,
-    model_validator,
-)
+from pydantic import AfterValidator, Field, model_validator
 
 from skymesh.config.base import (
     ConfigError,
@@ -22,12 +18,7 @@ from skymesh.config.base import (
     matching,
     set_derived,
 )
-from skymesh.config.network import (
-    DerivedHostPort,
-    HostPortField,
-    IpAddress,
-    Network,
-)
+from skymesh.config.network import DerivedHostPort, HostPortField, IpAddress, Network
 from skymesh.config.replica import ReplicaConfig
 
 REGION_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,62}$")

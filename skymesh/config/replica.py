@@ -6,23 +6,10 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import (
-    AfterValidator,
-    Field,
-    model_validator,
-)
+from pydantic import AfterValidator, Field, model_validator
 
-from skymesh.config.base import (
-    ConfigError,
-    ConfigModel,
-    Int,
-    Text,
-    matching,
-    set_derived,
-)
-from skymesh.config.network import (
-    DerivedHttpUrl,
-)
+from skymesh.config.base import ConfigError, ConfigModel, Int, Text, matching, set_derived
+from skymesh.config.network import DerivedHttpUrl
 from skymesh.config.sim import SimReplica
 
 REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

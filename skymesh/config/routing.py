@@ -8,22 +8,9 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    SerializeAsAny,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
-from skymesh.config.base import (
-    Bool,
-    ConfigError,
-    ConfigModel,
-    Float,
-    Int,
-    Text,
-)
+from skymesh.config.base import Bool, ConfigError, ConfigModel, Float, Int, Text
 from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW

@@ -6,21 +6,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import (
-    AfterValidator,
-    Field,
-    model_validator,
-)
+from pydantic import AfterValidator, Field, model_validator
 
-from skymesh.config.base import (
-    ConfigError,
-    ConfigModel,
-    Float,
-    Int,
-    Text,
-    first_repeat,
-    matching,
-)
+from skymesh.config.base import ConfigError, ConfigModel, Float, Int, Text, first_repeat, matching
 from skymesh.config.region import RegionName
 from skymesh.config.slo import SloClassName
 

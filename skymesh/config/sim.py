@@ -7,22 +7,9 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import (
-    Field,
-    Strict,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, Strict, ValidationInfo, field_validator, model_validator
 
-from skymesh.config.base import (
-    ConfigError,
-    ConfigModel,
-    Float,
-    Int,
-    Port,
-    Text,
-)
+from skymesh.config.base import ConfigError, ConfigModel, Float, Int, Port, Text
 
 
 class SimKvEvents(ConfigModel):

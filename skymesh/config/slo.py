@@ -6,20 +6,9 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import (
-    AfterValidator,
-    Field,
-    model_validator,
-)
+from pydantic import AfterValidator, Field, model_validator
 
-from skymesh.config.base import (
-    ConfigError,
-    ConfigModel,
-    Float,
-    Int,
-    Text,
-    matching,
-)
+from skymesh.config.base import ConfigError, ConfigModel, Float, Int, Text, matching
 
 # an SLO class name travels in a header and becomes a metrics label: short and plain
 SLO_CLASS_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
