@@ -1,5 +1,5 @@
-# Provider-free: turns the variables into the skymesh YAML config (skymesh/config.py's
-# format), so `terraform output -raw skymesh_config > mesh.yaml` feeds `skymesh` directly.
+# Provider-free: turns the variables into the skymesh YAML config (the format skymesh/config/
+# reads), so `terraform output -raw skymesh_config > mesh.yaml` feeds `skymesh` directly.
 terraform {
   required_version = ">= 1.6"
 }
