@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from skymesh.routing.admission.base import first_refusal
+from skymesh.routing.admission.rules import admission_rules
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S, DisciplineContext
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
@@ -231,6 +233,31 @@ MIN_RATE_HISTORY_S = 1.0
 MIN_FIRST_TOKEN_S = 1e-3
 
 
+class _AdmissionView:
+    """The admission rules' read-only window on a region (:class:`~skymesh.routing.admission.base.RegionView`)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: RegionCore) -> None:
+        self._core = core
+
+    @property
+    def queue_length(self) -> int:
+        return self._core.queue_length
+
+    def service_rate_per_s(self, now: float) -> float | None:
+        return self._core.service_rate_per_s(now)
+
+    def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
+        return self._core.soonest_local_first_token_s(req, now)
+
+    def soonest_peer_first_token_s(self, req: RoutingRequest, now: float) -> float:
+        return self._core.offload.soonest_first_token_s(req, now)
+
+    def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
+        return self._core._nothing_can_serve(req, now)
+
+
 class RegionCore:
     def __init__(
         self,
@@ -282,6 +309,17 @@ class RegionCore:
             default_slo_s=s.ttft_slo_s, kv_indexes=kv_indexes))
         self.offloaded_out = 0
         self.offloaded_in = 0
+        self._admission_view = _AdmissionView(self)
+
+    @property
+    def settings(self) -> RegionSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: RegionSettings) -> None:
+        """New settings rebuild the admission list (skymesh/routing/admission/rules.py)."""
+        self._settings = settings
+        self._admission = admission_rules(settings)
 
     # ------------------------------------------------------------------ read side
 
@@ -555,25 +593,10 @@ class RegionCore:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         t = _Tracked(req, RequestState.QUEUED)
         self._end_backlog_if_drained()
-        if self._nothing_can_serve(req, now):
+        refusal = first_refusal(self._admission, req, now, self._admission_view)
+        if refusal is not None:
             self.transitions[("new", str(RequestState.REJECTED))] += 1
-            return [Reject(req.request_id, 503, "no_capacity",
-                           "no replica or region that may serve this request is available",
-                           self.settings.retry_after_s)]
-        bound = self.settings.max_queue_wait_s
-        expected = self.expected_queue_wait_s(now) if bound is not None and self.local.queue_length else None
-        if expected is not None and bound is not None and expected > bound:
-            # it could only wait out its bound and get a 504: say so now (Mooncake's early
-            # rejection, by queue drain rate), with when to come back: once the queue has
-            # drained to within the bound, and never later than one bound from now
-            self.transitions[("new", str(RequestState.REJECTED))] += 1
-            return [Reject(req.request_id, 429, "queue_wait",
-                           f"the balancer's queue would take ~{expected:.0f} s to reach this request "
-                           f"(bound {bound:.0f} s)", min(expected - bound + self.settings.retry_after_s, bound))]
-        unreachable = self._unreachable_ttft(req, now) if self.settings.early_rejection else None
-        if unreachable is not None:
-            self.transitions[("new", str(RequestState.REJECTED))] += 1
-            return [unreachable]
+            return [Reject(req.request_id, refusal.status, refusal.code, refusal.message, refusal.retry_after_s)]
         try:
             self.local.submit(req, front=front)
         except QueueFull as e:
@@ -611,23 +634,6 @@ class RegionCore:
         if pending is None:
             return None  # no replica here: the no-capacity rule decides
         return wait + self.offload.prefill_s_per_token * max(0, pending)
-
-    def _unreachable_ttft(self, req: RoutingRequest, now: float) -> Reject | None:
-        """Mooncake's early rejection, for a request with a TTFT target of its own (its
-        SLO class's): 429 when neither here nor any peer is expected to meet it, even
-        leaving its own prefill out."""
-        target = req.slo_ttft_s
-        if target is None or req.forwarded:  # a peer's forward: the origin already judged
-            return None
-        here = self.soonest_local_first_token_s(req, now)
-        if here is None or here <= target:
-            return None
-        soonest = min(here, self.offload.soonest_first_token_s(req, now))
-        if soonest <= target:
-            return None
-        return Reject(req.request_id, 429, "slo_unreachable",
-                      f"no replica can start this request within its SLO class's {target:g} s time to first "
-                      f"token (at best {soonest:.1f} s): not queued", max(self.settings.retry_after_s, soonest - target))
 
     def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
         """A probe result: ``sample`` None when the scrape failed or made no sense."""
