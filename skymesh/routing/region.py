@@ -1,10 +1,11 @@
 """One region's decisions, pure: events in, actions out.
 
-:class:`RegionCore` is everything a regional balancer decides — the FCFS queue and the
-policy (:class:`~skymesh.routing.dispatcher.BalancerCore`), replica health with
-hysteresis, offload to peer regions (:class:`~skymesh.routing.offload.OffloadRouter`),
-the heartbeat it publishes, retries, queue-wait deadlines — and the lifecycle of every
-request it accepted. The daemon (real sockets, real clock) and the discrete-event
+:class:`RegionCore` coordinates everything a regional balancer decides — the FCFS queue
+and the policy (:class:`~skymesh.routing.dispatcher.BalancerCore`), admission (the
+ordered rules of :mod:`skymesh.routing.admission.rules`), replica health with hysteresis
+(:class:`~skymesh.routing.health.ReplicaHealth`), offload to peer regions
+(:class:`~skymesh.routing.offload.OffloadRouter`), the heartbeat it publishes, retries,
+queue-wait deadlines — and owns the lifecycle of every request it accepted. The daemon (real sockets, real clock) and the discrete-event
 simulator both drive only this object: they report what happened (``submit``,
 ``probe``, ``peer_heartbeat``, ``first_token``, ``complete``, ``fail``,
 ``client_gone``, ``peer_down``, ``tick``) and carry out the actions it returns (:class:`SendToReplica`,
@@ -41,6 +42,7 @@ from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S, DisciplineContex
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
+from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
 from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.queue_registry import DisciplineName, make_discipline
@@ -125,16 +127,6 @@ Action = SendToReplica | ForwardToRegion | Reject | AbandonAttempt
 
 
 @dataclass(frozen=True, slots=True)
-class HealthSettings:
-    """Envoy-style hysteresis: ``unhealthy_threshold`` consecutive failures (failed probes
-    or connection failures) eject a replica; ``healthy_threshold`` consecutive good probes
-    bring an ejected one back. A replica never seen healthy joins on its first good probe."""
-
-    unhealthy_threshold: int = 3
-    healthy_threshold: int = 2
-
-
-@dataclass(frozen=True, slots=True)
 class RegionSettings:
     queue_bound: int = 1024
     dispatch_budget: int = 2
@@ -188,15 +180,6 @@ class HeartbeatSnapshot:
     placements_per_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeSample:
-    """One successful scrape of a replica's metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-
-
 # ---------------------------------------------------------------------------- state
 
 
@@ -210,15 +193,6 @@ class _Tracked:
     # when it gets 504 if still queued: arrival + max wait, renewed when it is queued
     # again after a failed attempt (a client that got nothing waits one bound per queueing)
     queue_deadline: float = float("inf")
-
-
-@dataclass(slots=True)
-class _Health:
-    ejected: bool = True  # until the first good probe
-    ever_healthy: bool = False
-    consecutive_failures: int = 0
-    consecutive_successes: int = 0
-    ejections: int = 0
 
 
 # time constant of the placement-rate average: long enough to ride out one probe interval's
@@ -270,7 +244,7 @@ class RegionCore:
         self.region = region
         # the replicas' KV-event indexes (the same object the policy's CacheView reads)
         self.kv_indexes = kv_indexes
-        self.settings = s = settings or RegionSettings()
+        s = settings or RegionSettings()
         self.local = BalancerCore(
             policy,
             queue_bound=s.queue_bound,
@@ -279,13 +253,15 @@ class RegionCore:
             rebalance_interval_s=s.rebalance_interval_s,
             max_retries=s.max_retries,
         )
+        # the only writer of the replicas' health flags (skymesh/routing/health.py)
+        self.health = ReplicaHealth(self.local, s.health)
+        self.settings = s
         self.offload = offload
         # a policy that refits a TTFT model online lends it to offload: both price prefill alike
         estimator = getattr(policy, "estimator", None)
         if isinstance(estimator, TTFTEstimator):
             offload.use_cost_model(estimator)
         self._requests: dict[str, _Tracked] = {}
-        self._health: dict[str, _Health] = {}
         # (arrival + max wait, seq, request id): lazily skipped once the request moved on
         self._deadlines: list[tuple[float, int, str]] = []
         self._deadline_seq = 0
@@ -317,9 +293,11 @@ class RegionCore:
 
     @settings.setter
     def settings(self, settings: RegionSettings) -> None:
-        """New settings rebuild the admission list (skymesh/routing/admission/rules.py)."""
+        """New settings rebuild the admission list (skymesh/routing/admission/rules.py) and
+        give the health part its thresholds."""
         self._settings = settings
         self._admission = admission_rules(settings)
+        self.health.settings = settings.health
 
     # ------------------------------------------------------------------ read side
 
@@ -352,7 +330,7 @@ class RegionCore:
         return self.local.available_count()
 
     def ejected_count(self) -> int:
-        return sum(1 for rid, h in self._health.items() if h.ejected and h.ever_healthy)
+        return self.health.ejected_count()
 
     def any_available(self) -> bool:
         return self.local.any_available()
@@ -381,15 +359,7 @@ class RegionCore:
         )
 
     def health_of(self, replica_id: str) -> dict[str, Any]:
-        h = self._health.get(replica_id)
-        if h is None:
-            return {}
-        return {
-            "ejected": h.ejected,
-            "consecutive_failures": h.consecutive_failures,
-            "consecutive_successes": h.consecutive_successes,
-            "ejections": h.ejections,
-        }
+        return self.health.report(replica_id)
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.local.snapshot()
@@ -502,10 +472,8 @@ class RegionCore:
     def _nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
         """No replica this request may use is healthy or still unprobed, and no allowed
         peer region is alive with replicas: queueing it could only end in a timeout."""
-        forbidden = self._forbidden_replicas(req)
-        for rid, h in self._health.items():
-            if rid not in forbidden and not (h.ejected and h.ever_healthy):
-                return False
+        if self.health.any_usable(excluding=self._forbidden_replicas(req)):
+            return False
         return req.forwarded or not self.offload.could_serve(now, req.origin_region, req.slo_ttft_s)
 
     def _arm_deadline(self, t: _Tracked, since: float) -> None:
@@ -559,12 +527,11 @@ class RegionCore:
         for rid in list(self.local.replicas):
             if rid not in wanted:
                 actions.extend(self._abandon_unstarted(rid, now))
-                self._health.pop(rid, None)
+                self.health.forget(rid)
                 if self.kv_indexes is not None:
                     self.kv_indexes.forget(rid)
         self.local.set_replicas(replica_ids)
-        for rid in replica_ids:
-            self._health.setdefault(rid, _Health())
+        self.health.track(replica_ids)
         return actions
 
     def kv_events(self, replica_id: str, events: Sequence[KvEvent], now: float,
@@ -637,38 +604,8 @@ class RegionCore:
 
     def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
         """A probe result: ``sample`` None when the scrape failed or made no sense."""
-        h = self._health.get(replica_id)
-        if h is None or replica_id not in self.local.replicas:
-            return []
-        if sample is None:
-            return self._health_failure(replica_id, h, now)
-        h.consecutive_failures = 0
-        h.consecutive_successes += 1
-        if h.ejected and (not h.ever_healthy or h.consecutive_successes >= self.settings.health.healthy_threshold):
-            h.ejected = False
-            h.ever_healthy = True
-        self.local.update_replica(
-            replica_id,
-            healthy=not h.ejected,
-            num_running=sample.num_running,
-            num_waiting=sample.num_waiting,
-            kv_usage=sample.kv_usage,
-        )
-        return []
-
-    def _health_failure(self, replica_id: str, h: _Health, now: float) -> list[Action]:
-        h.consecutive_successes = 0
-        h.consecutive_failures += 1
-        view = self.local.replicas[replica_id]
-        if not h.ejected and h.consecutive_failures >= self.settings.health.unhealthy_threshold:
-            h.ejected = True
-            h.ejections += 1
-            view.healthy = False
-            view.available = False
+        if self.health.probed(replica_id, sample) is HealthChange.EJECTED:
             return self._abandon_unstarted(replica_id, now)
-        # not ejected yet, but no fresh "nothing waiting" signal: no new work until the
-        # next good probe (selective pushing); what it is already serving stays there
-        self.local.hold(replica_id)
         return []
 
     def _abandon_unstarted(self, replica_id: str, now: float) -> list[Action]:
@@ -805,9 +742,8 @@ class RegionCore:
                 if self.local.is_in_flight(request_id):
                     self.local.on_complete(request_id, False, now)
                 exhausted = True
-            h = self._health.get(target)
-            if counts_against_health and h is not None:
-                actions.extend(self._health_failure(target, h, now))
+            if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
+                actions.extend(self._abandon_unstarted(target, now))
         if exhausted:
             self._move(t, RequestState.REJECTED)
             del self._requests[request_id]
