@@ -9,8 +9,10 @@ from skymesh.routing.admission.no_capacity import NoCapacityRule
 from skymesh.routing.admission.queue_wait import QueueWaitRule
 from skymesh.routing.admission.rules import admission_rules
 from skymesh.routing.admission.slo_unreachable import SloUnreachableRule
-from skymesh.routing.base import RoutingRequest
-from skymesh.routing.region import RegionSettings
+from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import RegionCore, RegionSettings
+from skymesh.routing.registry import make_policy
 
 
 @dataclass
@@ -96,3 +98,11 @@ def test_a_custom_rule_is_one_class_in_the_list() -> None:
     assert codes(rules, busy, req(priority=-1)) == "low_priority"
     assert codes(rules, busy, req(priority=0)) is None
     assert codes(rules, FakeRegion(nothing=True), req(priority=-1)) == "no_capacity"  # earlier rules first
+
+
+def test_the_region_core_rebuilds_its_list_on_reconfigure() -> None:
+    core = RegionCore("here", make_policy("least_load", PolicyContext()), OffloadRouter("here", {}, enabled=False))
+    assert [type(r) for r in core.admission] == [NoCapacityRule, QueueWaitRule, SloUnreachableRule]
+    core.reconfigure(RegionSettings(early_rejection=False), allowed=lambda a, b: True, max_remote_queue=8,
+                     miss_limit=3)
+    assert [type(r) for r in core.admission] == [NoCapacityRule, QueueWaitRule]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from skymesh.routing.admission.base import first_refusal
+from skymesh.routing.admission.base import AdmissionRule, first_refusal
 from skymesh.routing.admission.rules import admission_rules
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S, DisciplineContext
@@ -298,6 +298,11 @@ class RegionCore:
         self._settings = settings
         self._admission = admission_rules(settings)
         self.health.settings = settings.health
+
+    @property
+    def admission(self) -> tuple[AdmissionRule, ...]:
+        """The admission rules :meth:`submit` checks, in order."""
+        return self._admission
 
     # ------------------------------------------------------------------ read side
 
