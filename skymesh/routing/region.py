@@ -5,11 +5,12 @@ and the policy (:class:`~skymesh.routing.dispatcher.BalancerCore`), admission (t
 ordered rules of :mod:`skymesh.routing.admission.rules`), replica health with hysteresis
 (:class:`~skymesh.routing.health.ReplicaHealth`), offload to peer regions
 (:class:`~skymesh.routing.offload.OffloadRouter`), the heartbeat it publishes, retries,
-queue-wait deadlines — and owns the lifecycle of every request it accepted. The daemon (real sockets, real clock) and the discrete-event
-simulator both drive only this object: they report what happened (``submit``,
-``probe``, ``peer_heartbeat``, ``first_token``, ``complete``, ``fail``,
-``client_gone``, ``peer_down``, ``tick``) and carry out the actions it returns (:class:`SendToReplica`,
-:class:`ForwardToRegion`, :class:`Reject`, :class:`AbandonAttempt`).
+queue-wait deadlines — and owns the lifecycle of every request it accepted. The daemon
+(real sockets, real clock) and the discrete-event simulator both drive only this object:
+they report what happened (``submit``, ``probe``, ``peer_heartbeat``, ``first_token``,
+``complete``, ``fail``, ``client_gone``, ``peer_down``, ``tick``) and carry out the
+actions it returns (:class:`SendToReplica`, :class:`ForwardToRegion`, :class:`Reject`,
+:class:`AbandonAttempt`).
 
 A request's life is one explicit state machine::
 
