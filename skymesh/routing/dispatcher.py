@@ -156,6 +156,12 @@ class BalancerCore:
             self._budget_spent_at.pop(view.replica_id, None)
         view.available = view.healthy and view.num_waiting == 0 and budget_left
 
+    def eject(self, replica_id: str) -> None:
+        """No dispatch to ``replica_id`` at all until a probe says it is healthy again."""
+        view = self.replicas[replica_id]
+        view.healthy = False
+        view.available = False
+
     def hold(self, replica_id: str) -> None:
         """No new dispatch to ``replica_id`` until its next successful probe."""
         view = self.replicas.get(replica_id)

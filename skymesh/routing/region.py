@@ -1,14 +1,16 @@
 """One region's decisions, pure: events in, actions out.
 
-:class:`RegionCore` is everything a regional balancer decides — the FCFS queue and the
-policy (:class:`~skymesh.routing.dispatcher.BalancerCore`), replica health with
-hysteresis, offload to peer regions (:class:`~skymesh.routing.offload.OffloadRouter`),
-the heartbeat it publishes, retries, queue-wait deadlines — and the lifecycle of every
-request it accepted. The daemon (real sockets, real clock) and the discrete-event
-simulator both drive only this object: they report what happened (``submit``,
-``probe``, ``peer_heartbeat``, ``first_token``, ``complete``, ``fail``,
-``client_gone``, ``peer_down``, ``tick``) and carry out the actions it returns (:class:`SendToReplica`,
-:class:`ForwardToRegion`, :class:`Reject`, :class:`AbandonAttempt`).
+:class:`RegionCore` coordinates everything a regional balancer decides — the FCFS queue
+and the policy (:class:`~skymesh.routing.dispatcher.BalancerCore`), admission (the
+ordered rules of :mod:`skymesh.routing.admission.rules`), replica health with hysteresis
+(:class:`~skymesh.routing.health.ReplicaHealth`), offload to peer regions
+(:class:`~skymesh.routing.offload.OffloadRouter`), the heartbeat it publishes, retries,
+queue-wait deadlines — and owns the lifecycle of every request it accepted. The daemon
+(real sockets, real clock) and the discrete-event simulator both drive only this object:
+they report what happened (``submit``, ``probe``, ``peer_heartbeat``, ``first_token``,
+``complete``, ``fail``, ``client_gone``, ``peer_down``, ``tick``) and carry out the
+actions it returns (:class:`SendToReplica`, :class:`ForwardToRegion`, :class:`Reject`,
+:class:`AbandonAttempt`).
 
 A request's life is one explicit state machine::
 
@@ -34,11 +36,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from skymesh.routing.admission.base import AdmissionRule, first_refusal
+from skymesh.routing.admission.rules import admission_rules
 from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S, DisciplineContext
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
+from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
 from skymesh.routing.kv_index import KvEvent, KvIndexes
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.queue_registry import DisciplineName, make_discipline
@@ -123,24 +128,18 @@ Action = SendToReplica | ForwardToRegion | Reject | AbandonAttempt
 
 
 @dataclass(frozen=True, slots=True)
-class HealthSettings:
-    """Envoy-style hysteresis: ``unhealthy_threshold`` consecutive failures (failed probes
-    or connection failures) eject a replica; ``healthy_threshold`` consecutive good probes
-    bring an ejected one back. A replica never seen healthy joins on its first good probe."""
-
-    unhealthy_threshold: int = 3
-    healthy_threshold: int = 2
-
-
-@dataclass(frozen=True, slots=True)
 class RegionSettings:
     queue_bound: int = 1024
     dispatch_budget: int = 2
     lookahead: int = 64
     rebalance_interval_s: float = 0.05
+    # failed attempts on this region's replicas after the first (BalancerCore.retry): an
+    # attempt the balancer abandoned (ejection, membership) is free, and the count starts
+    # over when the request comes back from a peer
     max_retries: int = 2
-    # every placement (replica or peer) counts: a peer that keeps refusing cannot bounce
-    # a request forever
+    # every placement (replica or peer) counts, abandoned ones included: a peer that keeps
+    # refusing cannot bounce a request forever. Two budgets, not one: neither count can be
+    # derived from the other (tests/test_retry_budgets.py shows where each one ends a request)
     max_placements: int = 6
     # a request still queued this long after arrival gets 504 (None: wait forever, as the
     # simulator does for goodput sweeps)
@@ -186,15 +185,6 @@ class HeartbeatSnapshot:
     placements_per_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeSample:
-    """One successful scrape of a replica's metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-
-
 # ---------------------------------------------------------------------------- state
 
 
@@ -210,15 +200,6 @@ class _Tracked:
     queue_deadline: float = float("inf")
 
 
-@dataclass(slots=True)
-class _Health:
-    ejected: bool = True  # until the first good probe
-    ever_healthy: bool = False
-    consecutive_failures: int = 0
-    consecutive_successes: int = 0
-    ejections: int = 0
-
-
 # time constant of the placement-rate average: long enough to ride out one probe interval's
 # burst, short enough to follow a replica leaving
 PLACEMENT_RATE_TAU_S = 5.0
@@ -229,6 +210,31 @@ MIN_RATE_HISTORY_S = 1.0
 # no replica gives a dispatched request's first token back sooner than this, whatever the
 # TTFT model says of an empty prompt (bounds the capacity-derived service rate)
 MIN_FIRST_TOKEN_S = 1e-3
+
+
+class _AdmissionView:
+    """The admission rules' read-only window on a region (:class:`~skymesh.routing.admission.base.RegionView`)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: RegionCore) -> None:
+        self._core = core
+
+    @property
+    def queue_length(self) -> int:
+        return self._core.queue_length
+
+    def service_rate_per_s(self, now: float) -> float | None:
+        return self._core.service_rate_per_s(now)
+
+    def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
+        return self._core.soonest_local_first_token_s(req, now)
+
+    def soonest_peer_first_token_s(self, req: RoutingRequest, now: float) -> float:
+        return self._core.offload.soonest_first_token_s(req, now)
+
+    def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
+        return self._core._nothing_can_serve(req, now)
 
 
 class RegionCore:
@@ -243,7 +249,7 @@ class RegionCore:
         self.region = region
         # the replicas' KV-event indexes (the same object the policy's CacheView reads)
         self.kv_indexes = kv_indexes
-        self.settings = s = settings or RegionSettings()
+        s = settings or RegionSettings()
         self.local = BalancerCore(
             policy,
             queue_bound=s.queue_bound,
@@ -252,13 +258,15 @@ class RegionCore:
             rebalance_interval_s=s.rebalance_interval_s,
             max_retries=s.max_retries,
         )
+        # the only writer of the replicas' health flags (skymesh/routing/health.py)
+        self.health = ReplicaHealth(self.local, s.health)
+        self.settings = s
         self.offload = offload
         # a policy that refits a TTFT model online lends it to offload: both price prefill alike
         estimator = getattr(policy, "estimator", None)
         if isinstance(estimator, TTFTEstimator):
             offload.use_cost_model(estimator)
         self._requests: dict[str, _Tracked] = {}
-        self._health: dict[str, _Health] = {}
         # (arrival + max wait, seq, request id): lazily skipped once the request moved on
         self._deadlines: list[tuple[float, int, str]] = []
         self._deadline_seq = 0
@@ -282,6 +290,24 @@ class RegionCore:
             default_slo_s=s.ttft_slo_s, kv_indexes=kv_indexes))
         self.offloaded_out = 0
         self.offloaded_in = 0
+        self._admission_view = _AdmissionView(self)
+
+    @property
+    def settings(self) -> RegionSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: RegionSettings) -> None:
+        """New settings rebuild the admission list (skymesh/routing/admission/rules.py) and
+        give the health part its thresholds."""
+        self._settings = settings
+        self._admission = admission_rules(settings)
+        self.health.settings = settings.health
+
+    @property
+    def admission(self) -> tuple[AdmissionRule, ...]:
+        """The admission rules :meth:`submit` checks, in order."""
+        return self._admission
 
     # ------------------------------------------------------------------ read side
 
@@ -314,7 +340,7 @@ class RegionCore:
         return self.local.available_count()
 
     def ejected_count(self) -> int:
-        return sum(1 for rid, h in self._health.items() if h.ejected and h.ever_healthy)
+        return self.health.ejected_count()
 
     def any_available(self) -> bool:
         return self.local.any_available()
@@ -343,15 +369,7 @@ class RegionCore:
         )
 
     def health_of(self, replica_id: str) -> dict[str, Any]:
-        h = self._health.get(replica_id)
-        if h is None:
-            return {}
-        return {
-            "ejected": h.ejected,
-            "consecutive_failures": h.consecutive_failures,
-            "consecutive_successes": h.consecutive_successes,
-            "ejections": h.ejections,
-        }
+        return self.health.report(replica_id)
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.local.snapshot()
@@ -464,10 +482,8 @@ class RegionCore:
     def _nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
         """No replica this request may use is healthy or still unprobed, and no allowed
         peer region is alive with replicas: queueing it could only end in a timeout."""
-        forbidden = self._forbidden_replicas(req)
-        for rid, h in self._health.items():
-            if rid not in forbidden and not (h.ejected and h.ever_healthy):
-                return False
+        if self.health.any_usable(excluding=self._forbidden_replicas(req)):
+            return False
         return req.forwarded or not self.offload.could_serve(now, req.origin_region, req.slo_ttft_s)
 
     def _arm_deadline(self, t: _Tracked, since: float) -> None:
@@ -521,12 +537,11 @@ class RegionCore:
         for rid in list(self.local.replicas):
             if rid not in wanted:
                 actions.extend(self._abandon_unstarted(rid, now))
-                self._health.pop(rid, None)
+                self.health.forget(rid)
                 if self.kv_indexes is not None:
                     self.kv_indexes.forget(rid)
         self.local.set_replicas(replica_ids)
-        for rid in replica_ids:
-            self._health.setdefault(rid, _Health())
+        self.health.track(replica_ids)
         return actions
 
     def kv_events(self, replica_id: str, events: Sequence[KvEvent], now: float,
@@ -555,25 +570,10 @@ class RegionCore:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         t = _Tracked(req, RequestState.QUEUED)
         self._end_backlog_if_drained()
-        if self._nothing_can_serve(req, now):
+        refusal = first_refusal(self._admission, req, now, self._admission_view)
+        if refusal is not None:
             self.transitions[("new", str(RequestState.REJECTED))] += 1
-            return [Reject(req.request_id, 503, "no_capacity",
-                           "no replica or region that may serve this request is available",
-                           self.settings.retry_after_s)]
-        bound = self.settings.max_queue_wait_s
-        expected = self.expected_queue_wait_s(now) if bound is not None and self.local.queue_length else None
-        if expected is not None and bound is not None and expected > bound:
-            # it could only wait out its bound and get a 504: say so now (Mooncake's early
-            # rejection, by queue drain rate), with when to come back: once the queue has
-            # drained to within the bound, and never later than one bound from now
-            self.transitions[("new", str(RequestState.REJECTED))] += 1
-            return [Reject(req.request_id, 429, "queue_wait",
-                           f"the balancer's queue would take ~{expected:.0f} s to reach this request "
-                           f"(bound {bound:.0f} s)", min(expected - bound + self.settings.retry_after_s, bound))]
-        unreachable = self._unreachable_ttft(req, now) if self.settings.early_rejection else None
-        if unreachable is not None:
-            self.transitions[("new", str(RequestState.REJECTED))] += 1
-            return [unreachable]
+            return [Reject(req.request_id, refusal.status, refusal.code, refusal.message, refusal.retry_after_s)]
         try:
             self.local.submit(req, front=front)
         except QueueFull as e:
@@ -612,57 +612,10 @@ class RegionCore:
             return None  # no replica here: the no-capacity rule decides
         return wait + self.offload.prefill_s_per_token * max(0, pending)
 
-    def _unreachable_ttft(self, req: RoutingRequest, now: float) -> Reject | None:
-        """Mooncake's early rejection, for a request with a TTFT target of its own (its
-        SLO class's): 429 when neither here nor any peer is expected to meet it, even
-        leaving its own prefill out."""
-        target = req.slo_ttft_s
-        if target is None or req.forwarded:  # a peer's forward: the origin already judged
-            return None
-        here = self.soonest_local_first_token_s(req, now)
-        if here is None or here <= target:
-            return None
-        soonest = min(here, self.offload.soonest_first_token_s(req, now))
-        if soonest <= target:
-            return None
-        return Reject(req.request_id, 429, "slo_unreachable",
-                      f"no replica can start this request within its SLO class's {target:g} s time to first "
-                      f"token (at best {soonest:.1f} s): not queued", max(self.settings.retry_after_s, soonest - target))
-
     def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
         """A probe result: ``sample`` None when the scrape failed or made no sense."""
-        h = self._health.get(replica_id)
-        if h is None or replica_id not in self.local.replicas:
-            return []
-        if sample is None:
-            return self._health_failure(replica_id, h, now)
-        h.consecutive_failures = 0
-        h.consecutive_successes += 1
-        if h.ejected and (not h.ever_healthy or h.consecutive_successes >= self.settings.health.healthy_threshold):
-            h.ejected = False
-            h.ever_healthy = True
-        self.local.update_replica(
-            replica_id,
-            healthy=not h.ejected,
-            num_running=sample.num_running,
-            num_waiting=sample.num_waiting,
-            kv_usage=sample.kv_usage,
-        )
-        return []
-
-    def _health_failure(self, replica_id: str, h: _Health, now: float) -> list[Action]:
-        h.consecutive_successes = 0
-        h.consecutive_failures += 1
-        view = self.local.replicas[replica_id]
-        if not h.ejected and h.consecutive_failures >= self.settings.health.unhealthy_threshold:
-            h.ejected = True
-            h.ejections += 1
-            view.healthy = False
-            view.available = False
+        if self.health.probed(replica_id, sample) is HealthChange.EJECTED:
             return self._abandon_unstarted(replica_id, now)
-        # not ejected yet, but no fresh "nothing waiting" signal: no new work until the
-        # next good probe (selective pushing); what it is already serving stays there
-        self.local.hold(replica_id)
         return []
 
     def _abandon_unstarted(self, replica_id: str, now: float) -> list[Action]:
@@ -799,9 +752,8 @@ class RegionCore:
                 if self.local.is_in_flight(request_id):
                     self.local.on_complete(request_id, False, now)
                 exhausted = True
-            h = self._health.get(target)
-            if counts_against_health and h is not None:
-                actions.extend(self._health_failure(target, h, now))
+            if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
+                actions.extend(self._abandon_unstarted(target, now))
         if exhausted:
             self._move(t, RequestState.REJECTED)
             del self._requests[request_id]
