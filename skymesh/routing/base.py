@@ -15,6 +15,7 @@ from skymesh.routing.options import PolicyOptions
 
 if TYPE_CHECKING:
     from skymesh.routing.kv_index import KvIndexes
+    from skymesh.routing.model import RegionModel
 
 
 @dataclass(slots=True)
@@ -97,6 +98,9 @@ class PolicyContext:
     options: PolicyOptions | Mapping[str, Any] = field(default_factory=PolicyOptions)
     # the replicas' KV-event indexes (exact cache state); None: routing history only
     kv_indexes: KvIndexes | None = None
+    # the region's model (cost model and CacheView), shared with offload and the queue
+    # discipline; None: a policy that needs one builds its own from the fields above
+    model: RegionModel | None = None
 
 
 @runtime_checkable
