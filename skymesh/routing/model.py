@@ -23,7 +23,7 @@ from skymesh.routing.trie import BoundedPrefixTrie
 from skymesh.routing.ttft import TTFTEstimator
 
 if TYPE_CHECKING:
-    from skymesh.routing.base import PolicyContext
+    from skymesh.routing.base import PolicyContext, RoutingRequest
 
 # the replica profile's TTFT seed when none is known: seconds per prompt token, fixed seconds
 DEFAULT_PREFILL_S_PER_TOKEN = 300e-3 / 512
@@ -65,6 +65,12 @@ class RegionModel:
         return cls(chunk_tokens=ctx.chunk_tokens, prefill_s_per_token=ctx.prefill_s_per_token,
                    first_token_fixed_s=ctx.prefill_fixed_s, trie_max_nodes=ctx.trie_max_nodes,
                    kv_indexes=ctx.kv_indexes)
+
+    def record_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
+        """``req`` went to ``replica_id``: its prompt is in the routing history now. The
+        region core records each dispatch once, after the policy and the discipline (which
+        read the history as it was before it) were told of it."""
+        self.cache.insert(req.chunk_hashes, replica_id, now)
 
     @property
     def prefill_s_per_token(self) -> float:

@@ -279,6 +279,9 @@ class RegionCore:
         self._backlog_first_placement_at: float | None = None
         self._first_placement_at: float | None = None  # in the region's life
         self.local.forbidden_for = self._forbidden_replicas
+        # each dispatch goes into the model's routing history once, after the policy and the
+        # discipline were told of it (a policy built on a model of its own records its own)
+        self.local.record_dispatch = self.model.record_dispatch
         # prefill priced and caches read by the region's model, as the policy and offload do
         self.local.discipline = make_discipline(s.queue_discipline, s.queue_settings(),
                                                 DisciplineContext(model=self.model, default_slo_s=s.ttft_slo_s))

@@ -122,16 +122,18 @@ class PrefixMatchOrder(QueueDiscipline):
     """The ``prefix`` discipline (see the module docstring)."""
 
     def __init__(self, *, model: RegionModel, max_age_s: float, ttft_share: float = 1.0,
-                 default_slo_s: float | None = None) -> None:
+                 default_slo_s: float | None = None, records_dispatches: bool = True) -> None:
         self.chunk_tokens = model.chunk_tokens
         self.max_age_s = max_age_s
         self.ttft_share = ttft_share
         self.default_slo_s = default_slo_s
         # the region model's CacheView, the one the policy reads: a replica's KV-event index
-        # answers for it while events flow, else the routing history (which this discipline
-        # records each dispatch in too, before the policy does: recording the same dispatch
-        # twice changes nothing)
+        # answers for it while events flow, else the routing history
+        self.model = model
         self.cache = model.cache
+        # whether this discipline records its dispatches in that history: not when the
+        # region core built it (the region records each dispatch once, after the policy)
+        self.records_dispatches = records_dispatches
         self.replica_ids: list[str] = []
         self._queued: dict[str, _Queued] = {}
         self._per_priority: Counter[int] = Counter()
@@ -150,7 +152,7 @@ class PrefixMatchOrder(QueueDiscipline):
     @classmethod
     def build(cls, options: PrefixMatchOptions, ctx: DisciplineContext) -> Self:
         return cls(model=ctx.model, max_age_s=options.max_age_s, ttft_share=options.prefix_ttft_share,
-                   default_slo_s=ctx.default_slo_s)
+                   default_slo_s=ctx.default_slo_s, records_dispatches=False)
 
     # ------------------------------------------------------------------ keys
 
@@ -265,7 +267,8 @@ class PrefixMatchOrder(QueueDiscipline):
         # a replica another source answers for (its KV events) reports its stores itself
         from_history = self.cache.answered_by_history(replica_id)
         before = self.cache.match_per_target(chunks, [replica_id]).get(replica_id, 0) if from_history else 0
-        self.cache.insert(chunks, replica_id, now)
+        if self.records_dispatches:
+            self.model.record_dispatch(req, replica_id, now)
         if not from_history:
             return
         updated: set[str] = set()

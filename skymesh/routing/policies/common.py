@@ -70,11 +70,13 @@ class BasePolicy:
 class CacheTrackingPolicy(BasePolicy):
     """A policy that reads each replica's cache through the region model's
     :class:`~skymesh.routing.cache_view.CacheView` (the replica's KV events when they flow,
-    the routing history otherwise) and records each dispatch in that routing history."""
+    the routing history otherwise). Built on a region's model, the region records each
+    dispatch in that history (after the policy's ``on_dispatch``); built alone, on a model
+    of its own, the policy records them itself."""
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        # the region's model (its own when built alone)
+        self.records_dispatches = ctx.model is None
         self.model = ctx.model if ctx.model is not None else RegionModel.from_policy_context(ctx)
         self.cache = self.model.cache
 
@@ -85,7 +87,8 @@ class CacheTrackingPolicy(BasePolicy):
             self.cache.remove_target(rid)
 
     def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
-        self.cache.insert(req.chunk_hashes, replica_id, now)
+        if self.records_dispatches:
+            self.model.record_dispatch(req, replica_id, now)
 
     def hit_tokens(self, req: RoutingRequest, chunks: int) -> int:
         return min(req.prompt_tokens, chunks * self.ctx.chunk_tokens)
