@@ -64,7 +64,7 @@ from skymesh.reload import ReloadStatus
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.model import RegionModel
-from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.offload import OffloadRouter, snapshot_trie_max_nodes
 from skymesh.routing.region import (
     AbandonAttempt,
     Action,
@@ -175,7 +175,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         max_remote_queue=cfg.offload.max_remote_queue,
         heartbeat_interval_s=cfg.offload.heartbeat_interval_s,
         miss_limit=cfg.offload.heartbeat_miss_limit,
-        trie_max_nodes=max(1000, cfg.policy.trie_max_nodes // 4),
+        trie_max_nodes=snapshot_trie_max_nodes(cfg.policy.trie_max_nodes),
         enabled=cfg.offload.enabled,
         trigger=cfg.offload.trigger,
         min_gain_s=cfg.offload.min_gain_s,

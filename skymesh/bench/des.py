@@ -51,7 +51,7 @@ from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS
 from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.model import RegionModel
-from skymesh.routing.offload import OffloadRouter, OffloadTrigger
+from skymesh.routing.offload import OffloadRouter, OffloadTrigger, snapshot_trie_max_nodes
 from skymesh.routing.queue_registry import DisciplineName
 from skymesh.routing.region import (
     ForwardToRegion,
@@ -260,6 +260,7 @@ class _Region:
         rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
         offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
                                 heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
+                                trie_max_nodes=snapshot_trie_max_nodes(cfg.trie_max_nodes),
                                 enabled=cfg.offload and len(cfg.regions) > 1, trigger=cfg.offload_trigger,
                                 prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
                                 chunk_tokens=cfg.chunk_tokens)

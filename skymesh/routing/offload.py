@@ -64,6 +64,12 @@ class PeerState:
 OffloadTrigger = Literal["predicted_ttft", "saturated"]
 
 
+def snapshot_trie_max_nodes(trie_max_nodes: int) -> int:
+    """The snapshot trie's bound for a region whose routing history holds ``trie_max_nodes``
+    (``policy.trie_max_nodes``): it records regions, not replicas, so a quarter will do."""
+    return max(1000, trie_max_nodes // 4)
+
+
 class OffloadRouter:
     def __init__(
         self,
