@@ -164,7 +164,6 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         prefill_s_per_token=per_tok,
         prefill_fixed_s=fixed,
         options=cfg.policy.options,
-        kv_indexes=kv_indexes,
         model=model,
     )
     rtt = {r.name: cfg.rtt_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}

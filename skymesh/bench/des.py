@@ -255,7 +255,7 @@ class _Region:
         ctx = PolicyContext(
             chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s, trie_max_nodes=cfg.trie_max_nodes,
             prefill_s_per_token=per_tok, prefill_fixed_s=fixed, options=cfg.policy_options,
-            kv_indexes=self.kv_indexes, model=model,
+            model=model,
         )
         rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
         offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,

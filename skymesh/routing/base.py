@@ -96,10 +96,12 @@ class PolicyContext:
     # the policy's validated options model; a raw mapping (a test, ``skymesh sim``) is
     # validated by ``make_policy`` / the policy against the policy's own options model
     options: PolicyOptions | Mapping[str, Any] = field(default_factory=PolicyOptions)
-    # the replicas' KV-event indexes (exact cache state); None: routing history only
+    # the replicas' KV-event indexes (exact cache state) of a policy built without a model;
+    # None: routing history only
     kv_indexes: KvIndexes | None = None
-    # the region's model (cost model and CacheView), shared with offload and the queue
-    # discipline; None: a policy that needs one builds its own from the fields above
+    # the region's model (cost model and CacheView, the KV-event indexes in it), shared
+    # with offload and the queue discipline; None: a policy that needs one builds its own
+    # from the fields above
     model: RegionModel | None = None
 
 
