@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skymesh.routing.base import RoutingRequest  # noqa: E402
 from skymesh.routing.disciplines.prefix_match import PrefixMatchOrder  # noqa: E402
 from skymesh.routing.hashing import cumulative_hashes  # noqa: E402
+from skymesh.routing.model import RegionModel  # noqa: E402
 from skymesh.routing.queueing import PriorityQueue  # noqa: E402
 
 CHUNK = 64
@@ -45,7 +46,7 @@ def pct(xs: list[int], q: float) -> float:
 def run(queue_len: int, replicas: int, decisions: int, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
     names = [f"r{i}" for i in range(replicas)]
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK), max_age_s=1e9)
     order.set_replicas(names)
     queue: PriorityQueue[str] = PriorityQueue()
     waiting: dict[str, RoutingRequest] = {}

@@ -15,6 +15,7 @@ from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.disciplines.prefix_match import PrefixMatchOrder
 from skymesh.routing.dispatcher import BalancerCore
 from skymesh.routing.hashing import cumulative_hashes
+from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queueing import PriorityQueue
 from skymesh.routing.region import ProbeSample, RegionCore, RegionSettings, SendToReplica
@@ -134,7 +135,7 @@ def test_the_age_bound_stops_the_prefix_order_from_starving_a_prompt_nobody_shar
 
 
 def _order_with(trie_nodes: int) -> tuple[PrefixMatchOrder, PriorityQueue[str], dict[str, RoutingRequest]]:
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9, trie_max_nodes=trie_nodes)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK, trie_max_nodes=trie_nodes), max_age_s=1e9)
     order.set_replicas(["r0", "r1"])
     return order, PriorityQueue(), {}
 
@@ -231,7 +232,7 @@ def test_the_incremental_keys_and_picks_match_the_cache(steps: list[tuple[str, t
     trie that never evicts the recorded holdings equal the cache's too. A trie of 3 or 8
     nodes evicts all the time: the picks must still be right (lazy correction)."""
     replicas = ["r0", "r1", "r2"]
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9, trie_max_nodes=trie_nodes)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK, trie_max_nodes=trie_nodes), max_age_s=1e9)
     order.set_replicas(replicas)
     queue: PriorityQueue[str] = PriorityQueue()
     queued: dict[str, tuple[RoutingRequest, int]] = {}
@@ -270,7 +271,7 @@ def test_the_incremental_keys_and_picks_match_the_cache(steps: list[tuple[str, t
 def test_the_discipline_follows_every_queue_event_of_the_dispatcher(
         steps: list[tuple[str, tuple[list[str], int], int, int, int]]) -> None:
     replicas = ["r0", "r1", "r2"]
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=3.0)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK), max_age_s=3.0)
     bc = BalancerCore(make_policy("prefix_tree", PolicyContext(chunk_tokens=CHUNK)), dispatch_budget=2, max_retries=5)
     bc.discipline = order
     bc.set_replicas(replicas)
@@ -305,7 +306,7 @@ def test_the_discipline_follows_every_queue_event_of_the_dispatcher(
 
 def test_the_heaps_stay_bounded_by_the_queue_not_the_history() -> None:
     replicas = [f"r{i}" for i in range(4)]
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK), max_age_s=1e9)
     order.set_replicas(replicas)
     queue: PriorityQueue[str] = PriorityQueue()
     rng = random.Random(5)
@@ -338,7 +339,7 @@ def test_blocks_seen_only_in_kv_events_rekey_a_request_when_it_comes_up() -> Non
     from skymesh.routing.kv_index import BlockStored, KvIndexes
 
     indexes = KvIndexes(chunk_tokens=4)
-    order = PrefixMatchOrder(chunk_tokens=4, max_age_s=1e9, kv_indexes=indexes)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=4, kv_indexes=indexes), max_age_s=1e9)
     order.set_replicas(["r0"])
     idx = indexes.index("r0")
     idx.in_step = True  # r0's events flow: its index answers for it
@@ -354,7 +355,7 @@ def test_blocks_seen_only_in_kv_events_rekey_a_request_when_it_comes_up() -> Non
 
 
 def test_a_retried_request_is_never_picked_for_the_replica_that_failed_it() -> None:
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK), max_age_s=1e9)
     bc = BalancerCore(make_policy("prefix_tree", PolicyContext(chunk_tokens=CHUNK)), dispatch_budget=1)
     bc.discipline = order
     bc.set_replicas(["r0", "r1"])
@@ -370,7 +371,7 @@ def test_a_retried_request_is_never_picked_for_the_replica_that_failed_it() -> N
 
 
 def test_a_priority_that_empties_leaves_nothing_behind() -> None:
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK), max_age_s=1e9)
     order.set_replicas(["r0"])
     queue: PriorityQueue[str] = PriorityQueue()
     for i in range(500):
@@ -394,7 +395,7 @@ def test_a_request_rekeyed_back_and_forth_does_not_pile_up_in_its_heap() -> None
     from skymesh.routing.kv_index import BlockStored, KvIndexes
 
     indexes = KvIndexes(chunk_tokens=4)
-    order = PrefixMatchOrder(chunk_tokens=4, max_age_s=1e9, kv_indexes=indexes)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=4, kv_indexes=indexes), max_age_s=1e9)
     order.set_replicas(["r0"])
     idx = indexes.index("r0")
     idx.in_step = True
@@ -422,7 +423,7 @@ def test_a_request_rekeyed_back_and_forth_does_not_pile_up_in_its_heap() -> None
 def test_a_request_passed_over_by_one_replica_is_still_there_for_the_next() -> None:
     # r0 holds "sys" (more than the floor of the queued prompts, recorded apart for r0): r0's
     # look passes over them in the shared heap, and r1 and r2 must still see them there
-    order = PrefixMatchOrder(chunk_tokens=CHUNK, max_age_s=1e9)
+    order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK), max_age_s=1e9)
     order.set_replicas(["r0", "r1", "r2"])
     queue: PriorityQueue[str] = PriorityQueue()
     _enqueue(order, queue, req("q1", ["sys"], 0.0))

@@ -29,11 +29,10 @@ from skymesh.routing.kv_index import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    CacheView,
     KvIndexes,
     ReplicaBlockIndex,
 )
-from skymesh.routing.trie import BoundedPrefixTrie
+from skymesh.routing.model import RegionModel
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica
 from tests.test_prompt_tokens import tokenizer_dir  # noqa: F401 - the fixture
@@ -183,11 +182,10 @@ def test_the_index_keys_blocks_by_our_hash_of_their_token_ids() -> None:
 def test_the_cache_view_reads_events_where_live_and_the_trie_elsewhere() -> None:
     prompt = list(range(3 * BLOCK))
     chunks = id_chunk_hashes(prompt, BLOCK)
-    trie = BoundedPrefixTrie(1000)
-    trie.insert(chunks, "r1", 0.0)  # the balancer sent it to r1 ...
-    trie.insert(chunks, "r2", 0.0)
     indexes = KvIndexes(chunk_tokens=BLOCK)
-    view = CacheView(trie, indexes)
+    view = RegionModel(chunk_tokens=BLOCK, trie_max_nodes=1000, kv_indexes=indexes).cache
+    view.insert(chunks, "r1", 0.0)  # the balancer sent it to r1 ...
+    view.insert(chunks, "r2", 0.0)
     assert view.match_per_target(chunks, ["r1", "r2"]) == {"r1": 3, "r2": 3}
     # ... but r1's events say it evicted the last block, and r2 publishes nothing
     r1 = indexes.index("r1")
@@ -196,6 +194,7 @@ def test_the_cache_view_reads_events_where_live_and_the_trie_elsewhere() -> None
     assert view.match_per_target(chunks, ["r1", "r2"]) == {"r1": 2, "r2": 3}
     assert view.longest_match(chunks, ["r1", "r2"]) == (3, {"r2"})
     assert indexes.source_of("r1") == "events" and indexes.source_of("r2") == "routing-history"
+    assert view.source_names(["r1", "r2"]) == {"r1": "events", "r2": "routing-history"}
     # an index whose blocks are not our chunks is not used
     r1.block_size = 128
     assert view.match_per_target(chunks, ["r1"]) == {"r1": 3}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 
 
@@ -171,17 +172,15 @@ def test_saturated_trigger_ignores_the_wait_here() -> None:
 
 
 def test_prefill_is_priced_by_the_refitted_ttft_model_once_attached() -> None:
-    from skymesh.routing.ttft import TTFTEstimator
-
     r = router()
     follow_up = context_sent_to_eu_central(r)
     # at the profile's seed (~0.59 ms/token) prefilling here costs ~150 ms, more than the RTT
     assert r.choose(follow_up, 0.1, local_wait_s=0.0) == "eu-central-1"
-    model = TTFTEstimator(300e-3 / 512, 0.02)
-    r.use_cost_model(model)
+    model = RegionModel(prefill_s_per_token=300e-3 / 512, first_token_fixed_s=0.02)
+    r.use_model(model)
     # the hardware turns out 20x faster than the seed: the whole prefill here (~8 ms)
     # beats the round trip, and the request stays
     for _ in range(400):
-        model.observe(0, 4096, 0.02 + 4096 * 300e-3 / 512 / 20)
+        model.estimator.observe(0, 4096, 0.02 + 4096 * 300e-3 / 512 / 20)
     assert r.prefill_s_per_token < 300e-3 / 512 / 10
     assert r.choose(follow_up, 0.1, local_wait_s=0.0) is None

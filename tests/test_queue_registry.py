@@ -20,6 +20,7 @@ from skymesh.routing.disciplines.base import DisciplineContext, QueueDiscipline
 from skymesh.routing.disciplines.prefix_match import PrefixMatchOptions, PrefixMatchOrder
 from skymesh.routing.disciplines.slo_deadline import SloDeadlineOptions, SloDeadlineOrder
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queue_registry import (
     DISCIPLINES,
@@ -63,7 +64,7 @@ def test_every_option_a_discipline_reads_is_a_queue_key_the_config_and_region_se
 
 
 def test_the_registry_builds_each_discipline_from_the_queue_settings() -> None:
-    ctx = DisciplineContext(chunk_tokens=16, prefill_s=lambda tokens: 1e-4 * tokens, default_slo_s=2.0)
+    ctx = DisciplineContext(model=RegionModel(chunk_tokens=16, prefill_s_per_token=1e-4), default_slo_s=2.0)
     settings = {"window": 4, "iterations": 7, "max_age_s": 9.0, "prefix_ttft_share": 0.25, "discipline": "slo"}
     assert make_discipline("fcfs", settings, ctx) is None  # the queue's own order: no discipline
     slo = make_discipline("slo", settings, ctx)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import (
     AbandonAttempt,
@@ -35,7 +36,9 @@ def req(i: int, now: float = 0.0, prefix: int = 0, tokens: int = 256, forwarded:
 def region(n: int = 3, *, policy: str = "least_load", peers: dict[str, float] | None = None,
            **settings: object) -> RegionCore:
     offload = OffloadRouter("here", peers or {}, enabled=bool(peers))
-    core = RegionCore("here", make_policy(policy, PolicyContext()), offload, RegionSettings(**settings))  # type: ignore[arg-type]
+    model = RegionModel()  # the policy, offload and the discipline share it, as in the daemon
+    core = RegionCore("here", make_policy(policy, PolicyContext(model=model)), offload,
+                      RegionSettings(**settings), model)  # type: ignore[arg-type]
     core.set_replicas([f"r{i}" for i in range(n)], 0.0)
     return core
 
@@ -526,16 +529,17 @@ def test_a_queue_that_cannot_drain_in_time_rejects_at_once_with_retry_after() ->
 
 
 def test_offload_prices_prefill_with_the_policy_s_refitted_model() -> None:
-    # a policy that learns a TTFT model shares it with offload; one that learns none
-    # leaves offload on the profile's seed
+    # a policy that learns a TTFT model refits the region model's, which offload reads; one
+    # that learns none leaves it (and offload) on the profile's seed
     learning = region(policy="dualmap", peers={"there": 0.05})
-    assert learning.offload.cost_model is learning.policy.estimator  # type: ignore[attr-defined]
+    assert learning.policy.estimator is learning.model.estimator  # type: ignore[attr-defined]
+    assert learning.offload.model is learning.model
     learning.policy.estimator.observe(0, 1000, 5.0)  # type: ignore[attr-defined]
     learning.policy.estimator.observe(0, 2000, 10.0)  # type: ignore[attr-defined]
-    assert learning.offload.prefill_s_per_token == learning.policy.estimator.s_per_token  # type: ignore[attr-defined]
+    assert learning.offload.prefill_s_per_token == learning.model.estimator.s_per_token
     assert learning.offload.prefill_s_per_token != learning.offload.seed_prefill_s_per_token
     fixed = region(policy="least_load", peers={"there": 0.05})
-    assert fixed.offload.cost_model is None
+    assert fixed.offload.model is fixed.model
     assert fixed.offload.prefill_s_per_token == fixed.offload.seed_prefill_s_per_token
 
 

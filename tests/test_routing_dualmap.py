@@ -257,7 +257,7 @@ def test_removed_replicas_are_forgotten() -> None:
     p.on_dispatch(req(18, 5), held_for, 0.0)
     p.set_replicas([x for x in IDS if x != held_for])
     assert p.held_for(r.request_id) is None
-    assert p.trie.match_per_target(req(18, 6).chunk_hashes, [held_for]) == {held_for: 0}
+    assert p.cache.match_per_target(req(18, 6).chunk_hashes, [held_for]) == {held_for: 0}
     assert held_for not in p.candidates(r)
 
 

@@ -129,9 +129,9 @@ def test_a_full_request_lifecycle_and_json_stats(name: str) -> None:
 def test_cache_tracking_policies_forget_removed_replicas(name: str) -> None:
     p = policy(name)
     p.on_dispatch(req(30, 0), "r4", 0.0)
-    assert p.trie.match_per_target(req(30, 1).chunk_hashes, ["r4"])["r4"] > 0
+    assert p.cache.match_per_target(req(30, 1).chunk_hashes, ["r4"])["r4"] > 0
     p.set_replicas([x for x in IDS if x != "r4"])
-    assert p.trie.match_per_target(req(30, 1).chunk_hashes, ["r4"]) == {"r4": 0}
+    assert p.cache.match_per_target(req(30, 1).chunk_hashes, ["r4"]) == {"r4": 0}
 
 
 def test_round_robin_skips_busy_replicas_without_losing_its_place() -> None:

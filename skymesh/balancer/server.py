@@ -63,7 +63,8 @@ from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.kv_index import KvIndexes
-from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.model import RegionModel
+from skymesh.routing.offload import OffloadRouter, snapshot_trie_max_nodes
 from skymesh.routing.region import (
     AbandonAttempt,
     Action,
@@ -153,6 +154,9 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
     found = _profile_of(region_cfg.replicas)
     per_tok, fixed = found[0].ttft_seed(found[1]) if found else (300e-3 / 512, 0.02)
     kv_indexes = KvIndexes(chunk_tokens=cfg.policy.chunk_tokens) if uses_kv_events(cfg) else None
+    # the region's cost model and CacheView: the policy, offload and the queue discipline share it
+    model = RegionModel(chunk_tokens=cfg.policy.chunk_tokens, prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
+                        trie_max_nodes=cfg.policy.trie_max_nodes, kv_indexes=kv_indexes)
     ctx = PolicyContext(
         chunk_tokens=cfg.policy.chunk_tokens,
         ttft_slo_s=cfg.policy.ttft_slo_s,
@@ -160,7 +164,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         prefill_s_per_token=per_tok,
         prefill_fixed_s=fixed,
         options=cfg.policy.options,
-        kv_indexes=kv_indexes,
+        model=model,
     )
     rtt = {r.name: cfg.rtt_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}
     offload = OffloadRouter(
@@ -170,7 +174,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         max_remote_queue=cfg.offload.max_remote_queue,
         heartbeat_interval_s=cfg.offload.heartbeat_interval_s,
         miss_limit=cfg.offload.heartbeat_miss_limit,
-        trie_max_nodes=max(1000, cfg.policy.trie_max_nodes // 4),
+        trie_max_nodes=snapshot_trie_max_nodes(cfg.policy.trie_max_nodes),
         enabled=cfg.offload.enabled,
         trigger=cfg.offload.trigger,
         min_gain_s=cfg.offload.min_gain_s,
@@ -178,7 +182,7 @@ def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionC
         first_token_fixed_s=fixed,
         chunk_tokens=cfg.policy.chunk_tokens,
     )
-    return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg), kv_indexes)
+    return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg), model)
 
 
 def region_settings(cfg: MeshConfig) -> RegionSettings:

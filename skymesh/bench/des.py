@@ -50,7 +50,8 @@ from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS
 from skymesh.routing.kv_index import KvIndexes
-from skymesh.routing.offload import OffloadRouter, OffloadTrigger
+from skymesh.routing.model import RegionModel
+from skymesh.routing.offload import OffloadRouter, OffloadTrigger, snapshot_trie_max_nodes
 from skymesh.routing.queue_registry import DisciplineName
 from skymesh.routing.region import (
     ForwardToRegion,
@@ -245,17 +246,21 @@ class _Region:
         cfg = sim.cfg
         self.name = name
         per_tok, fixed = sim.profile.ttft_seed()
-        # "events": the index the region core fills from KV events, read by the policy's
+        # "events": the index the region core fills from KV events, read by the region model's
         # CacheView (one object, as the balancer daemon's build_region_core shares it)
         self.kv_indexes = KvIndexes(chunk_tokens=cfg.chunk_tokens) if cfg.cache_view == "events" else None
+        # the region's cost model and CacheView: the policy, offload and the queue discipline share it
+        model = RegionModel(chunk_tokens=cfg.chunk_tokens, prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
+                            trie_max_nodes=cfg.trie_max_nodes, kv_indexes=self.kv_indexes)
         ctx = PolicyContext(
             chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s, trie_max_nodes=cfg.trie_max_nodes,
             prefill_s_per_token=per_tok, prefill_fixed_s=fixed, options=cfg.policy_options,
-            kv_indexes=self.kv_indexes,
+            model=model,
         )
         rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
         offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
                                 heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
+                                trie_max_nodes=snapshot_trie_max_nodes(cfg.trie_max_nodes),
                                 enabled=cfg.offload and len(cfg.regions) > 1, trigger=cfg.offload_trigger,
                                 prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
                                 chunk_tokens=cfg.chunk_tokens)
@@ -265,7 +270,7 @@ class _Region:
                                   early_rejection=cfg.early_rejection, queue_discipline=cfg.queue_discipline,
                                   slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s,
                                   slo_max_age_s=cfg.queue_max_age_s, prefix_ttft_share=cfg.prefix_ttft_share)
-        self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, self.kv_indexes)
+        self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, model)
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
         self.core.set_replicas(self.replica_ids, 0.0)
         if self.kv_indexes is not None:

@@ -15,6 +15,7 @@ from skymesh.routing.options import PolicyOptions
 
 if TYPE_CHECKING:
     from skymesh.routing.kv_index import KvIndexes
+    from skymesh.routing.model import RegionModel
 
 
 @dataclass(slots=True)
@@ -95,8 +96,13 @@ class PolicyContext:
     # the policy's validated options model; a raw mapping (a test, ``skymesh sim``) is
     # validated by ``make_policy`` / the policy against the policy's own options model
     options: PolicyOptions | Mapping[str, Any] = field(default_factory=PolicyOptions)
-    # the replicas' KV-event indexes (exact cache state); None: routing history only
+    # the replicas' KV-event indexes (exact cache state) of a policy built without a model;
+    # None: routing history only
     kv_indexes: KvIndexes | None = None
+    # the region's model (cost model and CacheView, the KV-event indexes in it), shared
+    # with offload and the queue discipline; None: a policy that needs one builds its own
+    # from the fields above
+    model: RegionModel | None = None
 
 
 @runtime_checkable

@@ -97,6 +97,9 @@ class BalancerCore:
         # queue discipline within a priority: None is FCFS; else the order it gives
         # (skymesh/routing/queue_registry.py names them); set before the first request
         self.discipline: QueueDiscipline | None = None
+        # records a dispatch in the region's routing history once the discipline and the
+        # policy were told of it (both read that history; set by the region core)
+        self.record_dispatch: Callable[[RoutingRequest, str, float], None] | None = None
 
     # ------------------------------------------------------------------ membership/probes
 
@@ -370,6 +373,8 @@ class BalancerCore:
         if self.discipline is not None:
             self.discipline.on_dispatch(q.req, rid, now)
         self.policy.on_dispatch(q.req, rid, now)
+        if self.record_dispatch is not None:
+            self.record_dispatch(q.req, rid, now)
 
     def take_for_offload(self, request_ids: Iterable[str]) -> list[RoutingRequest]:
         """Remove queued requests that the region layer forwards to a peer balancer."""

@@ -1,5 +1,4 @@
-"""The replicas' exact cache state, from vLLM's KV events; and the one question policies
-ask of a replica's cache, answered from it or from the routing history.
+"""The replicas' exact cache state, from vLLM's KV events.
 
 A replica that publishes KV events (vLLM's ``--kv-events-config``) says which blocks it
 stored (token ids, block size, its own block hash, the parent's hash) and which it
@@ -13,9 +12,9 @@ removals. This needs the balancer's chunks to be the replica's blocks
 (``policy.chunk_tokens`` == block size) and token ids on the balancer's side (a
 configured tokenizer); otherwise the index says so and is not used.
 
-:class:`CacheView` is what a cache-aware policy reads: per replica, the event index while
-it is live (events flowing, in step), else the routing-history trie (what the balancer
-sent where). It speaks the trie's query API, so a policy does not know which answered.
+A cache-aware policy reads it through :class:`~skymesh.routing.cache_view.CacheView`
+(skymesh/routing/cache_sources/kv_events.py is its cache source): per replica, the event
+index while it is live (events flowing, in step), else the routing history.
 
 Pure: no sockets, no clock (``now`` is passed in).
 """
@@ -23,12 +22,11 @@ Pure: no sockets, no clock (``now`` is passed in).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from skymesh.routing.hashing import block_hash
-from skymesh.routing.trie import BoundedPrefixTrie
 
 # a vLLM block hash: bytes (sha256 digests) or an int, depending on the version
 BlockHash = Hashable
@@ -191,54 +189,3 @@ class KvIndexes:
     def source_of(self, replica_id: str) -> str:
         """What answers for this replica: "events" or "routing-history" (status)."""
         return "events" if self.live(replica_id) is not None else "routing-history"
-
-
-class CacheView:
-    """What a cache-aware policy asks: the cached prefix of a prompt per replica, from the
-    replica's event index when live, else from the routing-history trie. Writes (a
-    dispatch, a replica leaving) go to the trie, which stays ready as the fallback."""
-
-    def __init__(self, trie: BoundedPrefixTrie, indexes: KvIndexes | None) -> None:
-        self.trie = trie
-        self.indexes = indexes
-
-    # writes: the routing history
-    def insert(self, chunks: Sequence[int], target: str, now: float) -> None:
-        self.trie.insert(chunks, target, now)
-
-    def remove_target(self, target: str) -> None:
-        self.trie.remove_target(target)
-
-    # reads
-    def match_per_target(self, chunks: Sequence[int], targets: Iterable[str]) -> dict[str, int]:
-        targets = list(targets)
-        if self.indexes is None or not self.indexes.by_replica:
-            return self.trie.match_per_target(chunks, targets)
-        out: dict[str, int] = {}
-        from_trie: list[str] = []
-        for t in targets:
-            idx = self.indexes.live(t)
-            if idx is None:
-                from_trie.append(t)
-            else:
-                out[t] = idx.cached_chunks(chunks)
-        if from_trie:
-            out.update(self.trie.match_per_target(chunks, from_trie))
-        return out
-
-    def longest_match(self, chunks: Sequence[int], available_targets: Iterable[str]) -> tuple[int, set[str]]:
-        if self.indexes is None or not self.indexes.by_replica:
-            return self.trie.longest_match(chunks, available_targets)
-        per = self.match_per_target(chunks, available_targets)
-        best = max(per.values(), default=0)
-        if best <= 0:
-            return 0, set()
-        return best, {t for t, n in per.items() if n == best}
-
-    def stats(self) -> dict[str, Any]:
-        return self.trie.stats()
-
-    def sources(self, replica_ids: Iterable[str]) -> Mapping[str, str]:
-        if self.indexes is None:
-            return {r: "routing-history" for r in replica_ids}
-        return {r: self.indexes.source_of(r) for r in replica_ids}

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from skymesh.routing.base import RoutingRequest
+from skymesh.routing.model import RegionModel
 from skymesh.routing.trie import BoundedPrefixTrie
-from skymesh.routing.ttft import TTFTEstimator
 
 
 @dataclass(slots=True)
@@ -62,6 +62,12 @@ class PeerState:
 
 
 OffloadTrigger = Literal["predicted_ttft", "saturated"]
+
+
+def snapshot_trie_max_nodes(trie_max_nodes: int) -> int:
+    """The snapshot trie's bound for a region whose routing history holds ``trie_max_nodes``
+    (``policy.trie_max_nodes``): it records regions, not replicas, so a quarter will do."""
+    return max(1000, trie_max_nodes // 4)
 
 
 class OffloadRouter:
@@ -93,32 +99,32 @@ class OffloadRouter:
         self.min_gain_s = min_gain_s
         # prefill cost of the uncached part of a prompt, here and at a peer (regions of one
         # mesh run the same model): the replica profile's seed until a TTFT model refitted
-        # from this region's observed first tokens is attached (``use_cost_model``)
+        # from this region's observed first tokens is attached (``use_model``)
         self.seed_prefill_s_per_token = prefill_s_per_token
         # and the fixed part of a time to first token (whatever the prompt), likewise
         self.seed_first_token_fixed_s = first_token_fixed_s
-        self.cost_model: TTFTEstimator | None = None
+        self.model: RegionModel | None = None
         self.chunk_tokens = chunk_tokens
         self.peers: dict[str, PeerState] = {}
         # prefixes sent to each peer (target = its region) and, for the predicted-TTFT
         # trigger, dispatched locally (target = this region)
         self.snapshot = BoundedPrefixTrie(trie_max_nodes)
 
-    def use_cost_model(self, model: TTFTEstimator) -> None:
-        """Price prefill with ``model``'s per-token slope from now on (the policy's own
-        estimator, refitted online from the TTFTs this region observes), so the wait here
-        and at a peer follow the real hardware rather than the profile's seed."""
-        self.cost_model = model
+    def use_model(self, model: RegionModel) -> None:
+        """Price prefill with the region model's cost model from now on (refitted online
+        from the TTFTs this region observes where the policy learns), so the wait here and
+        at a peer follow the real hardware rather than the profile's seed."""
+        self.model = model
 
     @property
     def prefill_s_per_token(self) -> float:
-        model = self.cost_model
-        return self.seed_prefill_s_per_token if model is None else model.s_per_token
+        model = self.model
+        return self.seed_prefill_s_per_token if model is None else model.prefill_s_per_token
 
     @property
     def first_token_fixed_s(self) -> float:
-        model = self.cost_model
-        return self.seed_first_token_fixed_s if model is None else model.fixed_s
+        model = self.model
+        return self.seed_first_token_fixed_s if model is None else model.first_token_fixed_s
 
     def reconfigure(
         self, *, allowed: Callable[[str, str], bool], max_remote_queue: int, miss_limit: int,

@@ -44,10 +44,10 @@ from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
-from skymesh.routing.kv_index import KvEvent, KvIndexes
+from skymesh.routing.kv_index import KvEvent
+from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.queue_registry import DisciplineName, make_discipline
-from skymesh.routing.ttft import TTFTEstimator
 
 
 class RequestState(StrEnum):
@@ -244,11 +244,17 @@ class RegionCore:
         policy: Policy,
         offload: OffloadRouter,
         settings: RegionSettings | None = None,
-        kv_indexes: KvIndexes | None = None,
+        model: RegionModel | None = None,
     ) -> None:
         self.region = region
-        # the replicas' KV-event indexes (the same object the policy's CacheView reads)
-        self.kv_indexes = kv_indexes
+        # the region's cost model and CacheView, shared by the policy (built on it:
+        # PolicyContext.model), offload and the queue discipline; without one, a model
+        # seeded as offload is (the policy then keeps its own)
+        self.model = model if model is not None else RegionModel(
+            chunk_tokens=offload.chunk_tokens, prefill_s_per_token=offload.seed_prefill_s_per_token,
+            first_token_fixed_s=offload.seed_first_token_fixed_s)
+        # the replicas' KV-event indexes (the ones the model's CacheView reads)
+        self.kv_indexes = self.model.kv_indexes
         s = settings or RegionSettings()
         self.local = BalancerCore(
             policy,
@@ -262,10 +268,8 @@ class RegionCore:
         self.health = ReplicaHealth(self.local, s.health)
         self.settings = s
         self.offload = offload
-        # a policy that refits a TTFT model online lends it to offload: both price prefill alike
-        estimator = getattr(policy, "estimator", None)
-        if isinstance(estimator, TTFTEstimator):
-            offload.use_cost_model(estimator)
+        # offload prices prefill by the region's cost model (refitted where the policy learns)
+        offload.use_model(self.model)
         self._requests: dict[str, _Tracked] = {}
         # (arrival + max wait, seq, request id): lazily skipped once the request moved on
         self._deadlines: list[tuple[float, int, str]] = []
@@ -283,11 +287,12 @@ class RegionCore:
         self._backlog_first_placement_at: float | None = None
         self._first_placement_at: float | None = None  # in the region's life
         self.local.forbidden_for = self._forbidden_replicas
-        # prefill priced as offload prices it (the policy's refitted model when it has one);
-        # the replicas' KV-event indexes where they flow, as the policies read them
-        self.local.discipline = make_discipline(s.queue_discipline, s.queue_settings(), DisciplineContext(
-            chunk_tokens=offload.chunk_tokens, prefill_s=lambda tokens: offload.prefill_s_per_token * tokens,
-            default_slo_s=s.ttft_slo_s, kv_indexes=kv_indexes))
+        # each dispatch goes into the model's routing history once, after the policy and the
+        # discipline were told of it (a policy built on a model of its own records its own)
+        self.local.record_dispatch = self.model.record_dispatch
+        # prefill priced and caches read by the region's model, as the policy and offload do
+        self.local.discipline = make_discipline(s.queue_discipline, s.queue_settings(),
+                                                DisciplineContext(model=self.model, default_slo_s=s.ttft_slo_s))
         self.offloaded_out = 0
         self.offloaded_in = 0
         self._admission_view = _AdmissionView(self)

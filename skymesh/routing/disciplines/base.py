@@ -22,7 +22,7 @@ from skymesh.routing.queueing import PriorityQueue
 
 if TYPE_CHECKING:
     from skymesh.routing.base import ReplicaView, RoutingRequest
-    from skymesh.routing.kv_index import KvIndexes
+    from skymesh.routing.model import RegionModel
 
 # the slo and prefix disciplines' starvation bound: queued this long, a request goes first
 DEFAULT_MAX_AGE_S = 30.0
@@ -44,14 +44,11 @@ class DisciplineOptions:
 class DisciplineContext:
     """What the region core gives every discipline it builds."""
 
-    # the balancer's chunk size, in tokens (RoutingRequest.chunk_hashes are per chunk)
-    chunk_tokens: int
-    # seconds of prefill for a prompt of n tokens, priced as offload prices it
-    prefill_s: Callable[[int], float]
+    # the region's model: its chunk size, its cost model (prefill priced as the policy and
+    # offload price it) and its CacheView (the one the policy reads)
+    model: RegionModel
     # the TTFT target of a request without an SLO class
     default_slo_s: float
-    # the replicas' KV-event indexes, where they flow (the same ones the policies read)
-    kv_indexes: KvIndexes | None = None
 
 
 class QueueDiscipline:

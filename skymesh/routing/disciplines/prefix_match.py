@@ -4,7 +4,7 @@ that best matches what it already holds goes first. Pure: no clock, no I/O.
 A prompt is its vector of cumulative chunk hashes (``RoutingRequest.chunk_hashes``), so
 "how much of it does replica p hold" is the length of its longest prefix in p's cache, read
 through the same :class:`CacheView` the policies read (the replica's KV-event index while
-events flow, else this discipline's own routing history). A request's key on p is what p
+events flow, else the region's routing history). A request's key on p is what p
 would still have to prefill for it: its prompt tokens less the tokens of the chunks p holds
 (the *missing chunks*, in tokens, so a partial tail chunk counts as work too). The request
 with the smallest key on p is p's best match; among equals, the older one.
@@ -62,9 +62,8 @@ from skymesh.routing.disciplines.base import (
     DisciplineOptions,
     QueueDiscipline,
 )
-from skymesh.routing.kv_index import CacheView, KvIndexes
+from skymesh.routing.model import RegionModel
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.trie import BoundedPrefixTrie
 
 # (missing prefill tokens on the replica, arrival, admission sequence, request id)
 _Entry = tuple[int, float, int, str]
@@ -122,15 +121,19 @@ class _LazyHeap:
 class PrefixMatchOrder(QueueDiscipline):
     """The ``prefix`` discipline (see the module docstring)."""
 
-    def __init__(self, *, chunk_tokens: int, max_age_s: float, kv_indexes: KvIndexes | None = None,
-                 trie_max_nodes: int = 200_000, ttft_share: float = 1.0, default_slo_s: float | None = None) -> None:
-        self.chunk_tokens = chunk_tokens
+    def __init__(self, *, model: RegionModel, max_age_s: float, ttft_share: float = 1.0,
+                 default_slo_s: float | None = None, records_dispatches: bool = True) -> None:
+        self.chunk_tokens = model.chunk_tokens
         self.max_age_s = max_age_s
         self.ttft_share = ttft_share
         self.default_slo_s = default_slo_s
-        # its own routing history (a trie of what it saw sent where), read through the same
-        # view as the policies: a replica's KV-event index answers for it while events flow
-        self.cache = CacheView(BoundedPrefixTrie(trie_max_nodes), kv_indexes)
+        # the region model's CacheView, the one the policy reads: a replica's KV-event index
+        # answers for it while events flow, else the routing history
+        self.model = model
+        self.cache = model.cache
+        # whether this discipline records its dispatches in that history: not when the
+        # region core built it (the region records each dispatch once, after the policy)
+        self.records_dispatches = records_dispatches
         self.replica_ids: list[str] = []
         self._queued: dict[str, _Queued] = {}
         self._per_priority: Counter[int] = Counter()
@@ -148,9 +151,8 @@ class PrefixMatchOrder(QueueDiscipline):
 
     @classmethod
     def build(cls, options: PrefixMatchOptions, ctx: DisciplineContext) -> Self:
-        # reads the replicas' KV-event indexes where they flow, as the policies do
-        return cls(chunk_tokens=ctx.chunk_tokens, max_age_s=options.max_age_s, kv_indexes=ctx.kv_indexes,
-                   ttft_share=options.prefix_ttft_share, default_slo_s=ctx.default_slo_s)
+        return cls(model=ctx.model, max_age_s=options.max_age_s, ttft_share=options.prefix_ttft_share,
+                   default_slo_s=ctx.default_slo_s, records_dispatches=False)
 
     # ------------------------------------------------------------------ keys
 
@@ -262,10 +264,12 @@ class PrefixMatchOrder(QueueDiscipline):
         chunks = req.chunk_hashes
         if not chunks:
             return
-        events = self.cache.indexes.live(replica_id) if self.cache.indexes is not None else None
-        before = self.cache.match_per_target(chunks, [replica_id]).get(replica_id, 0) if events is None else 0
-        self.cache.insert(chunks, replica_id, now)
-        if events is not None:
+        # a replica another source answers for (its KV events) reports its stores itself
+        from_history = self.cache.answered_by_history(replica_id)
+        before = self.cache.match_per_target(chunks, [replica_id]).get(replica_id, 0) if from_history else 0
+        if self.records_dispatches:
+            self.model.record_dispatch(req, replica_id, now)
+        if not from_history:
             return
         updated: set[str] = set()
         # deepest new chunk first: a queued request sharing it gets its best key at once

@@ -193,7 +193,7 @@ class SloDeadlineOrder(QueueDiscipline):
     @classmethod
     def build(cls, options: SloDeadlineOptions, ctx: DisciplineContext) -> Self:
         return cls(window=options.window, iterations=options.iterations, default_slo_s=ctx.default_slo_s,
-                   prefill_s=ctx.prefill_s, max_age_s=options.max_age_s)
+                   prefill_s=ctx.model.prefill_s, max_age_s=options.max_age_s)
 
     def dispatch_order(self, queue: PriorityQueue[Any], replicas: Mapping[str, ReplicaView],
                        free_slots: Mapping[str, int], now: float,

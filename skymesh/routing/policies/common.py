@@ -6,8 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, PolicyContext, ReplicaView, RoutingRequest
-from skymesh.routing.kv_index import CacheView
-from skymesh.routing.trie import BoundedPrefixTrie
+from skymesh.routing.model import RegionModel
 
 
 def available(replicas: Mapping[str, ReplicaView]) -> list[ReplicaView]:
@@ -69,24 +68,27 @@ class BasePolicy:
 
 
 class CacheTrackingPolicy(BasePolicy):
-    """A policy that remembers which replica was sent which prefix in a bounded prefix trie
-    and reads each replica's cache through :class:`CacheView` (the replica's KV events when
-    they flow, that trie otherwise)."""
+    """A policy that reads each replica's cache through the region model's
+    :class:`~skymesh.routing.cache_view.CacheView` (the replica's KV events when they flow,
+    the routing history otherwise). Built on a region's model, the region records each
+    dispatch in that history (after the policy's ``on_dispatch``); built alone, on a model
+    of its own, the policy records them itself."""
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        self.trie = BoundedPrefixTrie(ctx.trie_max_nodes)
-        # what the policy reads: each replica's KV-event index while live, else the trie
-        self.cache = CacheView(self.trie, ctx.kv_indexes)
+        self.records_dispatches = ctx.model is None
+        self.model = ctx.model if ctx.model is not None else RegionModel.from_policy_context(ctx)
+        self.cache = self.model.cache
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:
         gone = set(self.replica_ids) - set(replica_ids)
         super().set_replicas(replica_ids)
         for rid in gone:
-            self.trie.remove_target(rid)
+            self.cache.remove_target(rid)
 
     def on_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
-        self.trie.insert(req.chunk_hashes, replica_id, now)
+        if self.records_dispatches:
+            self.model.record_dispatch(req, replica_id, now)
 
     def hit_tokens(self, req: RoutingRequest, chunks: int) -> int:
         return min(req.prompt_tokens, chunks * self.ctx.chunk_tokens)
@@ -97,7 +99,7 @@ class CacheTrackingPolicy(BasePolicy):
         return self.hit_tokens(req, chunks), [v for v in views if v.replica_id in owners]
 
     def stats(self) -> dict[str, Any]:
-        return {"trie": self.trie.stats()}
+        return {"trie": self.cache.stats()}
 
 
 def decide(view: ReplicaView, reason: str, matched: int = 0, est: float | None = None) -> Decision:

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.options import PolicyOptions
 from skymesh.routing.policies.common import CacheTrackingPolicy, available, decide
-from skymesh.routing.ttft import TTFTEstimator
 
 
 class EstimatingPolicy(CacheTrackingPolicy):
@@ -17,7 +16,8 @@ class EstimatingPolicy(CacheTrackingPolicy):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        self.estimator = TTFTEstimator(ctx.prefill_s_per_token, ctx.prefill_fixed_s)
+        # the region model's cost model: refitted here, read by offload and the disciplines
+        self.estimator = self.model.estimator
         # request id -> (pending tokens ahead, uncached tokens) at the moment it was placed
         self._placed: dict[str, tuple[int, int]] = {}
 
