@@ -29,7 +29,6 @@ transition is counted in :attr:`RegionCore.transitions`.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S, DisciplineContex
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
+from skymesh.routing.drain_rate import DrainRate
 from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
 from skymesh.routing.kv_index import KvEvent
 from skymesh.routing.model import RegionModel
@@ -200,18 +200,6 @@ class _Tracked:
     queue_deadline: float = float("inf")
 
 
-# time constant of the placement-rate average: long enough to ride out one probe interval's
-# burst, short enough to follow a replica leaving
-PLACEMENT_RATE_TAU_S = 5.0
-# no early rejection before placements were seen over this long (in the region's life, and
-# for the measured rate, in the current backlog): a burst's first probe round is no
-# measure of how fast the queue drains
-MIN_RATE_HISTORY_S = 1.0
-# no replica gives a dispatched request's first token back sooner than this, whatever the
-# TTFT model says of an empty prompt (bounds the capacity-derived service rate)
-MIN_FIRST_TOKEN_S = 1e-3
-
-
 class _AdmissionView:
     """The admission rules' read-only window on a region (:class:`~skymesh.routing.admission.base.RegionView`)."""
 
@@ -279,13 +267,8 @@ class RegionCore:
         self._adopted = False  # some replica lives in another region (failover)
         self._forbidden_cache: dict[str, frozenset[str]] = {}
         self._queued_from_elsewhere = 0  # queued requests whose origin is another region
-        # placements per second over the current backlog (the queue not empty since its
-        # first placement), exponentially decayed (time constant PLACEMENT_RATE_TAU_S): how
-        # fast the queue drains while the replicas, not the arrivals, limit it
-        self._placement_rate = 0.0
-        self._placement_rate_at = float("-inf")
-        self._backlog_first_placement_at: float | None = None
-        self._first_placement_at: float | None = None  # in the region's life
+        # the queue's service rate, fed every placement here and the end of every backlog
+        self.drain_rate = DrainRate(self.local, offload)
         self.local.forbidden_for = self._forbidden_replicas
         # each dispatch goes into the model's routing history once, after the policy and the
         # discipline were told of it (a policy built on a model of its own records its own)
@@ -400,75 +383,24 @@ class RegionCore:
         rid = t.req.request_id
         if t.state is RequestState.QUEUED:
             self.local.cancel(rid, now)  # drops the queue slot
-            self._end_backlog_if_drained()
+            self.drain_rate.end_backlog_if_drained()
         elif not t.on_peer and self.local.is_in_flight(rid):
             self.local.on_complete(rid, to is RequestState.DONE, now)
         self._move(t, to)
         del self._requests[rid]
 
-    def _count_placement(self, now: float) -> None:
-        if self._first_placement_at is None:
-            self._first_placement_at = now
-        if self._backlog_first_placement_at is None:
-            self._backlog_first_placement_at = now
-        decay = math.exp(-(now - self._placement_rate_at) / PLACEMENT_RATE_TAU_S)
-        self._placement_rate = self._placement_rate * decay + 1.0 / PLACEMENT_RATE_TAU_S
-        self._placement_rate_at = now
-
-    def _end_backlog_if_drained(self) -> None:
-        """The queue is empty: the backlog the placement rate measured is over. What was
-        placed while requests arrived slower than the replicas take them measures the
-        arrivals, and a quiet spell measures nothing, so the next backlog is measured
-        afresh (until then the replicas' capacity stands in)."""
-        if self.local.queue_length == 0 and self._backlog_first_placement_at is not None:
-            self._placement_rate = 0.0
-            self._placement_rate_at = float("-inf")
-            self._backlog_first_placement_at = None
-
-    def placement_rate(self, now: float) -> float | None:
-        """Placements per second over the current backlog, recent average; None while
-        the backlog has too little history to go by."""
-        first = self._backlog_first_placement_at
-        if first is None or now - first < MIN_RATE_HISTORY_S:
-            return None
-        decayed = self._placement_rate * math.exp(-(now - self._placement_rate_at) / PLACEMENT_RATE_TAU_S)
-        # an average started at zero is low by this factor until it has tau of history
-        rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
-        return rate if rate > 0.0 else None
-
     def first_token_s(self) -> float:
-        """How long a replica takes, by the TTFT model offload prices prefill with, to
-        give back a unit of its dispatch budget (a dispatched request's first token) while
-        the queue keeps its budget full: the fixed part of a first token plus the prefill
-        of a typical queued prompt and of the others its budget holds ahead of it."""
-        queued = self.local.queue_length
-        typical_tokens = self.local.queued_prefill_tokens() / queued if queued else 0.0
-        prefill = self.offload.prefill_s_per_token * self.local.dispatch_budget * typical_tokens
-        return max(MIN_FIRST_TOKEN_S, self.offload.first_token_fixed_s + prefill)
+        """A replica's predicted time to give back a unit of its dispatch budget
+        (:meth:`DrainRate.first_token_s`)."""
+        return self.drain_rate.first_token_s()
 
     def service_rate_per_s(self, now: float) -> float | None:
-        """How fast the queue drains, in requests per second: the placement rate
-        measured over the current backlog once it has history; before that (a quiet
-        region, a fresh burst) what the healthy replicas can at least take
-        (:meth:`BalancerCore.sustainable_dispatch_rate`: their dispatch budgets per
-        predicted first token), never a rate that decayed while nothing arrived. None
-        until the region has placed requests for ``MIN_RATE_HISTORY_S`` (it never judges
-        replicas it has not seen take work), or when nothing says the queue drains at all
-        (every replica saturated, no backlog measured yet)."""
-        first = self._first_placement_at
-        if first is None or now - first < MIN_RATE_HISTORY_S:
-            return None
-        measured = self.placement_rate(now)
-        if measured is not None:
-            return measured
-        capacity = self.local.sustainable_dispatch_rate(now, self.first_token_s())
-        return capacity if capacity > 0.0 else None
+        """How fast the queue drains, requests per second (:meth:`DrainRate.service_rate_per_s`)."""
+        return self.drain_rate.service_rate_per_s(now)
 
     def expected_queue_wait_s(self, now: float) -> float | None:
-        """How long a request queued now would wait for its placement, at the queue's
-        service rate; None while there is too little history to go by."""
-        rate = self.service_rate_per_s(now)
-        return None if rate is None else (self.local.queue_length + 1) / rate
+        """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
+        return self.drain_rate.expected_queue_wait_s(now)
 
     def _forbidden_replicas(self, req: RoutingRequest) -> frozenset[str]:
         """Replicas whose home region the offload rules close to this request's origin
@@ -574,7 +506,7 @@ class RegionCore:
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         t = _Tracked(req, RequestState.QUEUED)
-        self._end_backlog_if_drained()
+        self.drain_rate.end_backlog_if_drained()
         refusal = first_refusal(self._admission, req, now, self._admission_view)
         if refusal is not None:
             self.transitions[("new", str(RequestState.REJECTED))] += 1
@@ -791,7 +723,7 @@ class RegionCore:
             actions.extend(self._forward(self._faster_elsewhere(now), now))
         for req, decision in self.local.dispatch(now):
             t = self._requests[req.request_id]
-            self._count_placement(now)
+            self.drain_rate.placed(now)
             self._move(t, RequestState.PLACED)
             t.target, t.on_peer = decision.replica_id or "", False
             t.placements += 1
@@ -808,7 +740,7 @@ class RegionCore:
             and (not predicted or restricted or self.service_rate_per_s(now) is None)
         ):
             actions.extend(self._forward(self._saturated_offload(now, restricted), now))
-        self._end_backlog_if_drained()
+        self.drain_rate.end_backlog_if_drained()
         return actions
 
     def _faster_elsewhere(self, now: float) -> list[tuple[RoutingRequest, str]]:
