@@ -47,6 +47,7 @@ from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, Re
 from skymesh.routing.kv_index import KvEvent
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
+from skymesh.routing.offload_selection import OffloadSelection
 from skymesh.routing.queue_registry import DisciplineName, make_discipline
 
 
@@ -269,6 +270,8 @@ class RegionCore:
         self._queued_from_elsewhere = 0  # queued requests whose origin is another region
         # the queue's service rate, fed every placement here and the end of every backlog
         self.drain_rate = DrainRate(self.local, offload)
+        # which queued requests go to a peer, by either offload trigger
+        self.offload_selection = OffloadSelection(self.local, self.drain_rate, offload, self._forbidden_replicas)
         self.local.forbidden_for = self._forbidden_replicas
         # each dispatch goes into the model's routing history once, after the policy and the
         # discipline were told of it (a policy built on a model of its own records its own)
@@ -526,28 +529,9 @@ class RegionCore:
         return []
 
     def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
-        """When a replica here is expected to start ``req``'s first token at the soonest if
-        it were queued now: nothing while the free dispatch slots cover every request of its
-        priority or higher already queued, else the requests beyond them over the queue's
-        service rate (:meth:`service_rate_per_s`, the one predicted term); plus the prefill already on the least
-        loaded healthy replica its rules allow. Its own prefill is left out (what it will
-        find cached is the policy's call), so the estimate leans early. None while there is
-        no drain rate to go by."""
-        ahead = self.local.queued_ahead_of(req.priority)
-        free = self.local.free_dispatch_slots()
-        if ahead < free:
-            wait = 0.0
-        else:
-            rate = self.service_rate_per_s(now)
-            if rate is None:
-                return None
-            wait = (ahead - free + 1) / rate
-        forbidden = self._forbidden_replicas(req)
-        pending = min((v.pending_prefill_tokens for rid, v in self.local.replicas.items()
-                       if v.healthy and rid not in forbidden), default=None)
-        if pending is None:
-            return None  # no replica here: the no-capacity rule decides
-        return wait + self.offload.prefill_s_per_token * max(0, pending)
+        """When a replica here would start ``req``'s first token at the soonest if it were
+        queued now (:meth:`OffloadSelection.soonest_local_first_token_s`)."""
+        return self.offload_selection.soonest_local_first_token_s(req, now)
 
     def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
         """A probe result: ``sample`` None when the scrape failed or made no sense."""
@@ -718,9 +702,7 @@ class RegionCore:
             # work already under way): a dead peer's connections break, and fail() decides
             # those at once
             actions.extend(self.peer_down(region, now, cut_forwards=False))
-        predicted = offload.enabled and offload.trigger == "predicted_ttft"
-        if predicted and self.local.queue_length and offload.peers:
-            actions.extend(self._forward(self._faster_elsewhere(now), now))
+        actions.extend(self._forward(self.offload_selection.predicted_ttft(now), now))
         for req, decision in self.local.dispatch(now):
             t = self._requests[req.request_id]
             self.drain_rate.placed(now)
@@ -729,71 +711,12 @@ class RegionCore:
             t.placements += 1
             offload.on_local_dispatch(req, now)
             actions.append(SendToReplica(req.request_id, t.target, decision))
-        # SkyWalker's rule: what is still queued while no local replica is available goes
-        # to a peer with a free replica (with the predicted trigger, only while the region
-        # has no service rate to predict with). Residency may close local replicas to some
-        # queued requests: those are offered to peers even while the replicas look free.
+        # residency may close local replicas to some queued requests: those are offered
+        # to peers even while the replicas look free
         restricted = self._adopted or self._queued_from_elsewhere > 0
-        if (
-            offload.enabled and self.local.queue_length
-            and (restricted or not self.local.any_available())
-            and (not predicted or restricted or self.service_rate_per_s(now) is None)
-        ):
-            actions.extend(self._forward(self._saturated_offload(now, restricted), now))
+        actions.extend(self._forward(self.offload_selection.saturated(now, restricted), now))
         self.drain_rate.end_backlog_if_drained()
         return actions
-
-    def _faster_elsewhere(self, now: float) -> list[tuple[RoutingRequest, str]]:
-        """Queued requests (head first) a peer is expected to answer sooner than this
-        region. A request's wait here: nothing while it fits in the replicas' free
-        dispatch slots, else its place beyond them (after those forwarded ahead of it)
-        over the queue's service rate; plus the prefill already ahead of it on the least
-        loaded replica it could go to (an available one within the free slots, else any
-        healthy one). Only the first ``lookahead`` requests kept here are
-        looked at: further back the wait here is long, and they are reached as the head
-        moves."""
-        rate = self.service_rate_per_s(now)
-        free = self.local.free_dispatch_slots()
-        s_per_token = self.offload.prefill_s_per_token
-        views = self.local.replicas.values()
-        # what fits in the free slots goes to an available replica; the rest to whichever
-        # healthy replica frees first
-        on_available = s_per_token * min((v.pending_prefill_tokens for v in views if v.available), default=0)
-        on_any = s_per_token * min((v.pending_prefill_tokens for v in views if v.healthy), default=0)
-        chosen: list[tuple[RoutingRequest, str]] = []
-        kept = 0
-        for req in self.local.iter_queued():
-            if kept >= self.local.lookahead:
-                break
-            if kept < free:
-                local_wait = on_available
-            elif rate is None:
-                break  # no drain rate yet: the rule after dispatch decides the rest
-            else:
-                local_wait = (kept - free + 1) / rate + on_any
-            region = self.offload.choose(req, now, local_wait)
-            if region is None:
-                kept += 1
-                continue
-            self.offload.on_forwarded(req, region, now)
-            chosen.append((req, region))
-        return chosen
-
-    def _saturated_offload(self, now: float, restricted: bool) -> list[tuple[RoutingRequest, str]]:
-        chosen: list[tuple[RoutingRequest, str]] = []
-        for req in self.local.iter_queued():
-            if req.forwarded:
-                continue
-            if restricted and self.local.has_allowed_available(req):
-                continue  # a local replica it may use is free: it is served here
-            region = self.offload.choose(req, now)
-            if region is None:
-                if req.origin_region is None and not self.offload.candidates(now):
-                    break  # no peer has room for this region's own clients: stop scanning
-                continue
-            self.offload.on_forwarded(req, region, now)
-            chosen.append((req, region))
-        return chosen
 
     def _forward(self, chosen: list[tuple[RoutingRequest, str]], now: float) -> list[Action]:
         if not chosen:
