@@ -28,7 +28,6 @@ transition is counted in :attr:`RegionCore.transitions`.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from skymesh.routing.kv_index import KvEvent
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.offload_selection import OffloadSelection
+from skymesh.routing.queue_deadlines import QueueDeadlines
 from skymesh.routing.queue_registry import DisciplineName, make_discipline
 
 
@@ -260,9 +260,8 @@ class RegionCore:
         # offload prices prefill by the region's cost model (refitted where the policy learns)
         offload.use_model(self.model)
         self._requests: dict[str, _Tracked] = {}
-        # (arrival + max wait, seq, request id): lazily skipped once the request moved on
-        self._deadlines: list[tuple[float, int, str]] = []
-        self._deadline_seq = 0
+        # each queued request's 504 time (arrival + max wait), skipped once it moved on
+        self._deadlines = QueueDeadlines()
         self.transitions: Counter[tuple[str, str]] = Counter()
         self._home: dict[str, str] = {}  # replica -> the region it lives in
         self._adopted = False  # some replica lives in another region (failover)
@@ -430,8 +429,7 @@ class RegionCore:
         if self.settings.max_queue_wait_s is None:
             return
         t.queue_deadline = since + self.settings.max_queue_wait_s
-        self._deadline_seq += 1
-        heapq.heappush(self._deadlines, (t.queue_deadline, self._deadline_seq, t.req.request_id))
+        self._deadlines.arm(t.req.request_id, t.queue_deadline)
 
     def reconfigure(
         self,
@@ -733,10 +731,9 @@ class RegionCore:
         return actions
 
     def _expire(self, now: float) -> list[Action]:
+        """504 for every request still queued at its queue-wait deadline by ``now``."""
         out: list[Action] = []
-        dl = self._deadlines
-        while dl and dl[0][0] <= now:
-            deadline, _, request_id = heapq.heappop(dl)
+        for deadline, request_id in self._deadlines.due(now):
             t = self._requests.get(request_id)
             # gone, being served, or queued again since (a newer entry holds its deadline)
             if t is None or t.state is not RequestState.QUEUED or t.queue_deadline != deadline:
