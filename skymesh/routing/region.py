@@ -1,192 +1,58 @@
 """One region's decisions, pure: events in, actions out.
 
-:class:`RegionCore` coordinates everything a regional balancer decides — the FCFS queue
-and the policy (:class:`~skymesh.routing.dispatcher.BalancerCore`), admission (the
-ordered rules of :mod:`skymesh.routing.admission.rules`), replica health with hysteresis
-(:class:`~skymesh.routing.health.ReplicaHealth`), offload to peer regions
-(:class:`~skymesh.routing.offload.OffloadRouter`), the heartbeat it publishes, retries,
-queue-wait deadlines — and owns the lifecycle of every request it accepted. The daemon
-(real sockets, real clock) and the discrete-event simulator both drive only this object:
-they report what happened (``submit``, ``probe``, ``peer_heartbeat``, ``first_token``,
-``complete``, ``fail``, ``client_gone``, ``peer_down``, ``tick``) and carry out the
-actions it returns (:class:`SendToReplica`, :class:`ForwardToRegion`, :class:`Reject`,
-:class:`AbandonAttempt`).
-
-A request's life is one explicit state machine::
-
-    queued ──> placed ──> streaming ──> done
-      │  ^        │  │         │
-      │  └────────┘  │         └──> failed | cancelled
-      │   (retry)    └──> done | failed | cancelled
-      └──> rejected | cancelled
-
-``placed`` means sent to a replica or forwarded to a peer region and nothing has reached
-the client yet; ``streaming`` means the first byte did. Leaving ``placed``/``streaming``
-releases the replica booking in exactly one place (:meth:`RegionCore._leave`), and every
-transition is counted in :attr:`RegionCore.transitions`.
+:class:`RegionCore` is the request lifecycle coordinator of a regional balancer. The
+daemon (real sockets, real clock) and the discrete-event simulator both drive only this
+object: they report what happened (``submit``, ``probe``, ``peer_heartbeat``,
+``first_token``, ``complete``, ``fail``, ``client_gone``, ``peer_down``, ``tick``) and
+carry out the actions it returns (:mod:`skymesh.routing.region_actions`). It owns every
+accepted request's state (:mod:`skymesh.routing.request_state`: each move checked and
+counted in :attr:`RegionCore.transitions`; leaving ``placed``/``streaming`` releases the
+replica booking in exactly one place, :meth:`RegionCore._leave`) and asks its parts for
+every decision: the queue and the policy (:class:`~skymesh.routing.dispatcher.BalancerCore`),
+admission (:mod:`skymesh.routing.admission`), replica health
+(:class:`~skymesh.routing.health.ReplicaHealth`), the queue's service rate
+(:class:`~skymesh.routing.drain_rate.DrainRate`), which queued requests go to a peer
+(:class:`~skymesh.routing.offload_selection.OffloadSelection`, over
+:class:`~skymesh.routing.offload.OffloadRouter`) and queue-wait deadlines
+(:class:`~skymesh.routing.queue_deadlines.QueueDeadlines`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 
 from skymesh.routing.admission.base import AdmissionRule, first_refusal
 from skymesh.routing.admission.rules import admission_rules
-from skymesh.routing.base import Decision, Policy, ReplicaView, RoutingRequest
-from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S, DisciplineContext
-from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
-from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
+from skymesh.routing.base import Policy, ReplicaView, RoutingRequest
+from skymesh.routing.disciplines.base import DisciplineContext
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.drain_rate import DrainRate
 from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.kv_index import KvEvent
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.offload_selection import OffloadSelection
 from skymesh.routing.queue_deadlines import QueueDeadlines
-from skymesh.routing.queue_registry import DisciplineName, make_discipline
-
-
-class RequestState(StrEnum):
-    QUEUED = "queued"
-    PLACED = "placed"
-    STREAMING = "streaming"
-    DONE = "done"
-    FAILED = "failed"
-    REJECTED = "rejected"
-    CANCELLED = "cancelled"
-
-
-TERMINAL = frozenset(
-    {RequestState.DONE, RequestState.FAILED, RequestState.REJECTED, RequestState.CANCELLED}
+from skymesh.routing.queue_registry import make_discipline
+from skymesh.routing.region_actions import (
+    AbandonAttempt,
+    Action,
+    ForwardToRegion,
+    Reject,
+    SendToReplica,
 )
-# "new" is the state before submit; every other pair is a bug in the caller or the core
-ALLOWED_TRANSITIONS: dict[str, frozenset[RequestState]] = {
-    "new": frozenset({RequestState.QUEUED, RequestState.REJECTED}),
-    RequestState.QUEUED: frozenset(
-        {RequestState.PLACED, RequestState.REJECTED, RequestState.CANCELLED}
-    ),
-    RequestState.PLACED: frozenset(
-        {
-            RequestState.STREAMING,
-            RequestState.QUEUED,  # retried before any byte reached the client
-            RequestState.DONE,  # a whole non-200 answer passed through as the result
-            RequestState.REJECTED,  # retries spent: the client gets one error
-            RequestState.CANCELLED,
-        }
-    ),
-    RequestState.STREAMING: frozenset(
-        {RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED}
-    ),
-}
+from skymesh.routing.region_settings import RegionSettings
+from skymesh.routing.request_state import ALLOWED_TRANSITIONS, TERMINAL, RequestState
 
-
-# ---------------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True, slots=True)
-class SendToReplica:
-    request_id: str
-    replica_id: str
-    decision: Decision
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardToRegion:
-    request_id: str
-    region: str
-
-
-@dataclass(frozen=True, slots=True)
-class Reject:
-    """End the request with an error before any byte reached the client."""
-
-    request_id: str
-    status: int
-    code: str
-    message: str
-    retry_after_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AbandonAttempt:
-    """Stop the attempt in progress on ``target``: the request is queued again already
-    (its replica was ejected or left membership, or its peer region went down, before it
-    produced a byte), or a :class:`Reject` for it follows in the same actions."""
-
-    request_id: str
-    target: str
-
-
-Action = SendToReplica | ForwardToRegion | Reject | AbandonAttempt
-
-
-# ---------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True, slots=True)
-class RegionSettings:
-    queue_bound: int = 1024
-    dispatch_budget: int = 2
-    lookahead: int = 64
-    rebalance_interval_s: float = 0.05
-    # failed attempts on this region's replicas after the first (BalancerCore.retry): an
-    # attempt the balancer abandoned (ejection, membership) is free, and the count starts
-    # over when the request comes back from a peer
-    max_retries: int = 2
-    # every placement (replica or peer) counts, abandoned ones included: a peer that keeps
-    # refusing cannot bounce a request forever. Two budgets, not one: neither count can be
-    # derived from the other (tests/test_retry_budgets.py shows where each one ends a request)
-    max_placements: int = 6
-    # a request still queued this long after arrival gets 504 (None: wait forever, as the
-    # simulator does for goodput sweeps)
-    max_queue_wait_s: float | None = 60.0
-    retry_after_s: float = 2.0
-    # Mooncake's early rejection: a request whose SLO class's TTFT target no placement here
-    # or at a peer is expected to meet gets 429 at once instead of queueing to a miss
-    early_rejection: bool = True
-    # the order within a priority, a name of skymesh/routing/queue_registry.py: "fcfs";
-    # "slo" (skymesh/routing/disciplines/slo_deadline.py: each head of ``slo_window``
-    # requests annealed for SLO attainment, ``slo_iterations`` evaluations a decision;
-    # ``ttft_slo_s`` is the deadline of requests without a class); or "prefix" (FEATHER,
-    # skymesh/routing/disciplines/prefix_match.py: a freed replica's best-matching queued
-    # request first)
-    queue_discipline: DisciplineName = "fcfs"
-    slo_window: int = DEFAULT_WINDOW
-    slo_iterations: int = DEFAULT_ITERATIONS
-    ttft_slo_s: float = 2.0
-    # the slo and prefix disciplines' starvation bound: queued this long, a request goes first
-    slo_max_age_s: float = DEFAULT_MAX_AGE_S
-    # the prefix discipline also puts a request first, in arrival order, once it has waited
-    # this share of its TTFT target (its tail is bounded while the fresh ones match)
-    prefix_ttft_share: float = DEFAULT_PREFIX_TTFT_SHARE
-    health: HealthSettings = field(default_factory=HealthSettings)
-
-    def queue_settings(self) -> dict[str, Any]:
-        """The queue discipline's settings by the config's ``queue:`` keys (each discipline's
-        options read theirs: skymesh/routing/queue_registry.py)."""
-        return {"window": self.slo_window, "iterations": self.slo_iterations, "max_age_s": self.slo_max_age_s,
-                "prefix_ttft_share": self.prefix_ttft_share}
-
-
-@dataclass(frozen=True, slots=True)
-class HeartbeatSnapshot:
-    """What this region tells its peers (SkyWalker's availability exchange)."""
-
-    replicas_total: int
-    replicas_available: int
-    queue_length: int
-    pending_prefill_tokens: int
-    # how fast this region's queue drains (requests per second: RegionCore.service_rate_per_s;
-    # 0 with no history): peers predict the wait of a request they forward here from it
-    placements_per_s: float = 0.0
-
-
-# ---------------------------------------------------------------------------- state
+# the region core's vocabulary, importable from here as before it had modules of its own
+__all__ = [
+    "ALLOWED_TRANSITIONS", "TERMINAL", "AbandonAttempt", "Action", "ForwardToRegion", "HealthSettings",
+    "HeartbeatSnapshot", "ProbeSample", "RegionCore", "RegionSettings", "Reject", "RequestState", "SendToReplica",
+]
 
 
 @dataclass(slots=True)
