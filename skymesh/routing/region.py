@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skymesh.routing.admission.base import AdmissionRule, first_refusal
+from skymesh.routing.admission.region_view import RegionPartsView
 from skymesh.routing.admission.rules import admission_rules
 from skymesh.routing.base import Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import DisciplineContext
@@ -47,6 +48,7 @@ from skymesh.routing.region_actions import (
 )
 from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.request_state import ALLOWED_TRANSITIONS, TERMINAL, RequestState
+from skymesh.routing.residency import Residency
 
 # the region core's vocabulary, importable from here as before it had modules of its own
 __all__ = [
@@ -65,31 +67,6 @@ class _Tracked:
     # when it gets 504 if still queued: arrival + max wait, renewed when it is queued
     # again after a failed attempt (a client that got nothing waits one bound per queueing)
     queue_deadline: float = float("inf")
-
-
-class _AdmissionView:
-    """The admission rules' read-only window on a region (:class:`~skymesh.routing.admission.base.RegionView`)."""
-
-    __slots__ = ("_core",)
-
-    def __init__(self, core: RegionCore) -> None:
-        self._core = core
-
-    @property
-    def queue_length(self) -> int:
-        return self._core.queue_length
-
-    def service_rate_per_s(self, now: float) -> float | None:
-        return self._core.service_rate_per_s(now)
-
-    def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
-        return self._core.soonest_local_first_token_s(req, now)
-
-    def soonest_peer_first_token_s(self, req: RoutingRequest, now: float) -> float:
-        return self._core.offload.soonest_first_token_s(req, now)
-
-    def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
-        return self._core._nothing_can_serve(req, now)
 
 
 class RegionCore:
@@ -129,15 +106,15 @@ class RegionCore:
         # each queued request's 504 time (arrival + max wait), skipped once it moved on
         self._deadlines = QueueDeadlines()
         self.transitions: Counter[tuple[str, str]] = Counter()
-        self._home: dict[str, str] = {}  # replica -> the region it lives in
-        self._adopted = False  # some replica lives in another region (failover)
-        self._forbidden_cache: dict[str, frozenset[str]] = {}
+        # which replicas each request may run on (by home region and the offload rules)
+        self.residency = Residency(region, offload, self.health)
         self._queued_from_elsewhere = 0  # queued requests whose origin is another region
         # the queue's service rate, fed every placement here and the end of every backlog
         self.drain_rate = DrainRate(self.local, offload)
         # which queued requests go to a peer, by either offload trigger
-        self.offload_selection = OffloadSelection(self.local, self.drain_rate, offload, self._forbidden_replicas)
-        self.local.forbidden_for = self._forbidden_replicas
+        self.offload_selection = OffloadSelection(self.local, self.drain_rate, offload,
+                                                  self.residency.forbidden_replicas)
+        self.local.forbidden_for = self.residency.forbidden_replicas
         # each dispatch goes into the model's routing history once, after the policy and the
         # discipline were told of it (a policy built on a model of its own records its own)
         self.local.record_dispatch = self.model.record_dispatch
@@ -146,7 +123,8 @@ class RegionCore:
                                                 DisciplineContext(model=self.model, default_slo_s=s.ttft_slo_s))
         self.offloaded_out = 0
         self.offloaded_in = 0
-        self._admission_view = _AdmissionView(self)
+        self._admission_view = RegionPartsView(self.local, self.drain_rate, self.offload_selection, offload,
+                                               self.residency)
 
     @property
     def settings(self) -> RegionSettings:
@@ -270,27 +248,6 @@ class RegionCore:
         """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
         return self.drain_rate.expected_queue_wait_s(now)
 
-    def _forbidden_replicas(self, req: RoutingRequest) -> frozenset[str]:
-        """Replicas whose home region the offload rules close to this request's origin
-        (the rules that decide offload decide every other move across regions too)."""
-        origin = req.origin_region
-        if origin is None and not self._adopted:
-            return frozenset()  # this region's own clients on this region's own replicas
-        origin = origin or self.region
-        got = self._forbidden_cache.get(origin)
-        if got is None:
-            allowed = self.offload.allowed
-            got = frozenset(rid for rid, home in self._home.items() if home != origin and not allowed(origin, home))
-            self._forbidden_cache[origin] = got
-        return got
-
-    def _nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
-        """No replica this request may use is healthy or still unprobed, and no allowed
-        peer region is alive with replicas: queueing it could only end in a timeout."""
-        if self.health.any_usable(excluding=self._forbidden_replicas(req)):
-            return False
-        return req.forwarded or not self.offload.could_serve(now, req.origin_region, req.slo_ttft_s)
-
     def _arm_deadline(self, t: _Tracked, since: float) -> None:
         if self.settings.max_queue_wait_s is None:
             return
@@ -322,7 +279,7 @@ class RegionCore:
         local.max_retries = settings.max_retries
         self.offload.reconfigure(allowed=allowed, max_remote_queue=max_remote_queue, miss_limit=miss_limit,
                                  trigger=trigger, min_gain_s=min_gain_s)
-        self._forbidden_cache.clear()  # computed from the old rules
+        self.residency.rules_changed()
 
     # ------------------------------------------------------------------ events in
 
@@ -333,9 +290,7 @@ class RegionCore:
         left and not yet streaming go back to the head of the queue at once. ``homes``:
         replica id -> the region it lives in, when not this one (replicas adopted from a
         failed region): residency rules then decide, per request origin, where it may run."""
-        self._home = {rid: (homes or {}).get(rid, self.region) for rid in replica_ids}
-        self._adopted = any(home != self.region for home in self._home.values())
-        self._forbidden_cache.clear()
+        self.residency.set_homes(replica_ids, homes)
         wanted = set(replica_ids)
         actions: list[Action] = []
         for rid in list(self.local.replicas):
@@ -478,7 +433,7 @@ class RegionCore:
             req = t.req
             if (t.state is not RequestState.QUEUED or req.forwarded
                     or not allowed(req.origin_region or self.region, region)
-                    or not self._nothing_can_serve(req, now)):
+                    or not self.residency.nothing_can_serve(req, now)):
                 continue
             self._leave(t, RequestState.REJECTED, now)
             actions.append(Reject(request_id, 503, "no_capacity",
@@ -519,7 +474,7 @@ class RegionCore:
         exhausted = t.placements >= self.settings.max_placements
         if t.on_peer:
             self.offload.mark_unavailable(target)
-            if not exhausted and self._nothing_can_serve(t.req, now):
+            if not exhausted and self.residency.nothing_can_serve(t.req, now):
                 # its peer is down and nothing else it may use is left: say so now
                 self._move(t, RequestState.REJECTED)
                 del self._requests[request_id]
@@ -577,7 +532,7 @@ class RegionCore:
             actions.append(SendToReplica(req.request_id, t.target, decision))
         # residency may close local replicas to some queued requests: those are offered
         # to peers even while the replicas look free
-        restricted = self._adopted or self._queued_from_elsewhere > 0
+        restricted = self.residency.adopted or self._queued_from_elsewhere > 0
         actions.extend(self._forward(self.offload_selection.saturated(now, restricted), now))
         self.drain_rate.end_backlog_if_drained()
         return actions

@@ -1,0 +1,67 @@
+"""Where a request may run: each replica's home region against the offload rules.
+
+The rules that decide offload (``allowed(origin, region)``) decide every other move across
+regions too: a request never runs on a replica whose home region its origin may not
+reach, including replicas adopted from a failed region and this region's own replicas
+when failover brought it another region's clients. :class:`Residency` answers which
+replicas are closed to a request, and whether anything at all, here or at a peer, may
+still serve it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from skymesh.routing.base import RoutingRequest
+from skymesh.routing.health import ReplicaHealth
+from skymesh.routing.offload import OffloadRouter
+
+
+class Residency:
+    """The replicas' home regions and, per request origin, the replicas closed to it
+    (cached per origin until membership or the rules change)."""
+
+    __slots__ = ("_region", "_offload", "_health", "_home", "_adopted", "_forbidden_by_origin")
+
+    def __init__(self, region: str, offload: OffloadRouter, health: ReplicaHealth) -> None:
+        self._region = region
+        self._offload = offload  # its ``allowed`` rules, and which peers could serve
+        self._health = health
+        self._home: dict[str, str] = {}  # replica -> the region it lives in
+        self._adopted = False  # some replica lives in another region (failover)
+        self._forbidden_by_origin: dict[str, frozenset[str]] = {}
+
+    @property
+    def adopted(self) -> bool:
+        """Some replica here lives in another region (adopted on failover)."""
+        return self._adopted
+
+    def set_homes(self, replica_ids: Sequence[str], homes: Mapping[str, str] | None) -> None:
+        """Membership: ``homes`` maps a replica to its region when not this one."""
+        self._home = {rid: (homes or {}).get(rid, self._region) for rid in replica_ids}
+        self._adopted = any(home != self._region for home in self._home.values())
+        self._forbidden_by_origin.clear()
+
+    def rules_changed(self) -> None:
+        """The offload rules were reloaded: what was computed from the old ones goes."""
+        self._forbidden_by_origin.clear()
+
+    def forbidden_replicas(self, req: RoutingRequest) -> frozenset[str]:
+        """Replicas whose home region the offload rules close to this request's origin."""
+        origin = req.origin_region
+        if origin is None and not self._adopted:
+            return frozenset()  # this region's own clients on this region's own replicas
+        origin = origin or self._region
+        got = self._forbidden_by_origin.get(origin)
+        if got is None:
+            allowed = self._offload.allowed
+            got = frozenset(rid for rid, home in self._home.items() if home != origin and not allowed(origin, home))
+            self._forbidden_by_origin[origin] = got
+        return got
+
+    def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
+        """No replica this request may use is healthy or still unprobed, and no allowed
+        peer region is alive with replicas: queueing it could only end in a timeout."""
+        if self._health.any_usable(excluding=self.forbidden_replicas(req)):
+            return False
+        return req.forwarded or not self._offload.could_serve(now, req.origin_region, req.slo_ttft_s)
