@@ -248,6 +248,13 @@ class RegionCore:
         """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
         return self.drain_rate.expected_queue_wait_s(now)
 
+    def _queue_again(self, t: _Tracked, now: float) -> None:
+        """``t``'s attempt ended before any byte reached its client and it is back in the
+        queue: it waits under a new queue-wait deadline from ``now``."""
+        self._move(t, RequestState.QUEUED)
+        t.target, t.on_peer = "", False
+        self._arm_deadline(t, now)
+
     def _arm_deadline(self, t: _Tracked, since: float) -> None:
         if self.settings.max_queue_wait_s is None:
             return
@@ -365,9 +372,7 @@ class RegionCore:
             if t is None or t.state is not RequestState.PLACED:
                 continue
             self.local.retry(request_id, now, count_attempt=False)
-            self._move(t, RequestState.QUEUED)
-            t.target = ""
-            self._arm_deadline(t, now)
+            self._queue_again(t, now)
             actions.append(AbandonAttempt(request_id, replica_id))
         return actions
 
@@ -424,9 +429,7 @@ class RegionCore:
                             Reject(request_id, 503, "no_capacity", f"peer region {region} went down and "
                                    "the queue here is full", self.settings.retry_after_s)]
                 continue
-            self._move(t, RequestState.QUEUED)
-            t.target, t.on_peer = "", False
-            self._arm_deadline(t, now)
+            self._queue_again(t, now)
             actions.append(AbandonAttempt(request_id, region))
         allowed = self.offload.allowed
         for request_id, t in list(self._requests.items()):
@@ -500,9 +503,7 @@ class RegionCore:
             actions.append(Reject(request_id, 502, "upstream_unavailable",
                                   f"all attempts to reach a replica failed before any output ({reason})"))
             return actions
-        self._move(t, RequestState.QUEUED)
-        t.target, t.on_peer = "", False
-        self._arm_deadline(t, now)
+        self._queue_again(t, now)
         return actions
 
     def client_gone(self, request_id: str, now: float) -> None:
