@@ -70,6 +70,8 @@ class _Tracked:
 
 
 class RegionCore:
+    """One region's request lifecycle: accepts events, asks its parts, returns actions."""
+
     def __init__(
         self,
         region: str,
@@ -202,6 +204,24 @@ class RegionCore:
             placements_per_s=self.service_rate_per_s(now) or 0.0,
         )
 
+    def first_token_s(self) -> float:
+        """A replica's predicted time to give back a unit of its dispatch budget
+        (:meth:`DrainRate.first_token_s`)."""
+        return self.drain_rate.first_token_s()
+
+    def service_rate_per_s(self, now: float) -> float | None:
+        """How fast the queue drains, requests per second (:meth:`DrainRate.service_rate_per_s`)."""
+        return self.drain_rate.service_rate_per_s(now)
+
+    def expected_queue_wait_s(self, now: float) -> float | None:
+        """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
+        return self.drain_rate.expected_queue_wait_s(now)
+
+    def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
+        """When a replica here would start ``req``'s first token at the soonest if it were
+        queued now (:meth:`OffloadSelection.soonest_local_first_token_s`)."""
+        return self.offload_selection.soonest_local_first_token_s(req, now)
+
     def health_of(self, replica_id: str) -> dict[str, Any]:
         return self.health.report(replica_id)
 
@@ -234,19 +254,6 @@ class RegionCore:
             self.local.on_complete(rid, to is RequestState.DONE, now)
         self._move(t, to)
         del self._requests[rid]
-
-    def first_token_s(self) -> float:
-        """A replica's predicted time to give back a unit of its dispatch budget
-        (:meth:`DrainRate.first_token_s`)."""
-        return self.drain_rate.first_token_s()
-
-    def service_rate_per_s(self, now: float) -> float | None:
-        """How fast the queue drains, requests per second (:meth:`DrainRate.service_rate_per_s`)."""
-        return self.drain_rate.service_rate_per_s(now)
-
-    def expected_queue_wait_s(self, now: float) -> float | None:
-        """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
-        return self.drain_rate.expected_queue_wait_s(now)
 
     def _queue_again(self, t: _Tracked, now: float) -> None:
         """``t``'s attempt ended before any byte reached its client and it is back in the
@@ -353,11 +360,6 @@ class RegionCore:
             self.offloaded_in += 1
         self._arm_deadline(t, req.arrival)
         return []
-
-    def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
-        """When a replica here would start ``req``'s first token at the soonest if it were
-        queued now (:meth:`OffloadSelection.soonest_local_first_token_s`)."""
-        return self.offload_selection.soonest_local_first_token_s(req, now)
 
     def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
         """A probe result: ``sample`` None when the scrape failed or made no sense."""
