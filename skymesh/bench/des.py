@@ -45,23 +45,26 @@ from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
-from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.assembly import (
+    CostSeed,
+    OffloadSettings,
+    PolicySettings,
+    RegionAssembly,
+    build_region_core,
+)
+from skymesh.routing.base import RoutingRequest
 from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS
-from skymesh.routing.kv_index import KvIndexes
-from skymesh.routing.model import RegionModel
-from skymesh.routing.offload import OffloadRouter, OffloadTrigger, snapshot_trie_max_nodes
+from skymesh.routing.offload import OffloadTrigger
 from skymesh.routing.queue_registry import DisciplineName
 from skymesh.routing.region import (
     ForwardToRegion,
     ProbeSample,
-    RegionCore,
     RegionSettings,
     Reject,
     SendToReplica,
 )
-from skymesh.routing.registry import make_policy
 from skymesh.slo import SloClass, apply_slo_class
 from skymesh.tokens import TRACE_BLOCK_TOKENS
 
@@ -228,6 +231,25 @@ def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_ind
     return out
 
 
+def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAssembly:
+    """What one simulated region's core is built from: the simulator's routing knobs as
+    the typed settings the daemon builds from a mesh config."""
+    policy = PolicySettings(name=cfg.policy, chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s,
+                            trie_max_nodes=cfg.trie_max_nodes, options=cfg.policy_options)
+    offload = OffloadSettings(enabled=cfg.offload and len(cfg.regions) > 1, max_remote_queue=cfg.max_remote_queue,
+                              heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
+                              trigger=cfg.offload_trigger, min_gain_s=0.0, allowed=cfg.allowed)
+    # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
+    settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
+                              lookahead=cfg.lookahead, max_queue_wait_s=None,
+                              early_rejection=cfg.early_rejection, queue_discipline=cfg.queue_discipline,
+                              slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s,
+                              slo_max_age_s=cfg.queue_max_age_s, prefix_ttft_share=cfg.prefix_ttft_share)
+    peers = {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
+    return RegionAssembly(region=name, policy=policy, offload=offload, settings=settings, cost_seed=seed,
+                          peer_one_way_s=peers, kv_events=cfg.cache_view == "events")
+
+
 class _Replica:
     __slots__ = ("idx", "rid", "region", "engine", "state", "t_sync", "version")
     IDLE, STEP, LAZY = 0, 1, 2
@@ -245,32 +267,10 @@ class _Region:
     def __init__(self, name: str, sim: Simulator) -> None:
         cfg = sim.cfg
         self.name = name
-        per_tok, fixed = sim.profile.ttft_seed()
+        self.core = build_region_core(sim_region_assembly(cfg, name, CostSeed(*sim.profile.ttft_seed())))
         # "events": the index the region core fills from KV events, read by the region model's
-        # CacheView (one object, as the balancer daemon's build_region_core shares it)
-        self.kv_indexes = KvIndexes(chunk_tokens=cfg.chunk_tokens) if cfg.cache_view == "events" else None
-        # the region's cost model and CacheView: the policy, offload and the queue discipline share it
-        model = RegionModel(chunk_tokens=cfg.chunk_tokens, prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
-                            trie_max_nodes=cfg.trie_max_nodes, kv_indexes=self.kv_indexes)
-        ctx = PolicyContext(
-            chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s, trie_max_nodes=cfg.trie_max_nodes,
-            prefill_s_per_token=per_tok, prefill_fixed_s=fixed, options=cfg.policy_options,
-            model=model,
-        )
-        rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
-        offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
-                                heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
-                                trie_max_nodes=snapshot_trie_max_nodes(cfg.trie_max_nodes),
-                                enabled=cfg.offload and len(cfg.regions) > 1, trigger=cfg.offload_trigger,
-                                prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
-                                chunk_tokens=cfg.chunk_tokens)
-        # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
-        settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
-                                  lookahead=cfg.lookahead, max_queue_wait_s=None,
-                                  early_rejection=cfg.early_rejection, queue_discipline=cfg.queue_discipline,
-                                  slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s,
-                                  slo_max_age_s=cfg.queue_max_age_s, prefix_ttft_share=cfg.prefix_ttft_share)
-        self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, model)
+        # CacheView (one object, as in the balancer daemon)
+        self.kv_indexes = self.core.kv_indexes
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
         self.core.set_replicas(self.replica_ids, 0.0)
         if self.kv_indexes is not None:

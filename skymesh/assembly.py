@@ -1,0 +1,102 @@
+"""A mesh config as the typed, frozen settings a region's routing core is built from
+(skymesh/routing/assembly.py): built once at start and on a reload by the balancer daemon;
+the simulator builds the same settings from the config sections its knobs stand for.
+Documented defaults that depend on other keys (the queue-wait deadline, Retry-After) are
+computed here and nowhere else."""
+
+from __future__ import annotations
+
+from skymesh.config import MeshConfig, ReplicaConfig
+from skymesh.config.routing import (
+    HealthConfig,
+    OffloadConfig,
+    PolicyConfig,
+    QueueConfig,
+    UpstreamConfig,
+)
+from skymesh.hardware import PROFILES, Profile
+from skymesh.routing.assembly import CostSeed, OffloadSettings, PolicySettings, RegionAssembly
+from skymesh.routing.health import HealthSettings
+from skymesh.routing.model import DEFAULT_FIRST_TOKEN_FIXED_S, DEFAULT_PREFILL_S_PER_TOKEN
+from skymesh.routing.region import RegionSettings
+
+
+def replica_profile(replicas: tuple[ReplicaConfig, ...]) -> tuple[Profile, float] | None:
+    """The hardware profile (and time scale) of the first replica that names one (skymesh/hardware.py)."""
+    for r in replicas:
+        if r.sim is not None and r.sim.profile in PROFILES:
+            return PROFILES[r.sim.profile], r.sim.time_scale
+    return None
+
+
+def cost_seed(replicas: tuple[ReplicaConfig, ...]) -> CostSeed:
+    """The TTFT model's seed from the replicas' hardware profile; without one, the routing
+    model's defaults."""
+    found = replica_profile(replicas)
+    if found is None:
+        return CostSeed(DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_FIRST_TOKEN_FIXED_S)
+    profile, time_scale = found
+    return CostSeed(*profile.ttft_seed(time_scale))
+
+
+def policy_settings(policy: PolicyConfig, name: str) -> PolicySettings:
+    """``policy:`` with the policy ``name`` (the daemon's command line may override the config's)."""
+    return PolicySettings(name=name, chunk_tokens=policy.chunk_tokens, ttft_slo_s=policy.ttft_slo_s,
+                          trie_max_nodes=policy.trie_max_nodes, options=policy.options)
+
+
+def offload_settings(offload: OffloadConfig) -> OffloadSettings:
+    """``offload:`` (its rules as the allowed-target predicate)."""
+    return OffloadSettings(enabled=offload.enabled, max_remote_queue=offload.max_remote_queue,
+                           heartbeat_interval_s=offload.heartbeat_interval_s,
+                           miss_limit=offload.heartbeat_miss_limit, trigger=offload.trigger,
+                           min_gain_s=offload.min_gain_s, allowed=offload.allowed)
+
+
+def max_queue_wait_s(policy: PolicyConfig, upstream: UpstreamConfig) -> float:
+    """``upstream.max_queue_wait_s``; unset: max(60 s, 30 x policy.ttft_slo_s)."""
+    return upstream.max_queue_wait_s or max(60.0, policy.ttft_slo_s * 30)
+
+
+def routing_region_settings(policy: PolicyConfig, queue: QueueConfig, health: HealthConfig,
+                            upstream: UpstreamConfig, *, early_rejection: bool) -> RegionSettings:
+    """The region core's settings from the config sections they come from."""
+    return RegionSettings(
+        queue_bound=policy.queue_bound,
+        dispatch_budget=policy.options.dispatch_budget,
+        max_retries=policy.max_retries,
+        max_queue_wait_s=max_queue_wait_s(policy, upstream),
+        retry_after_s=max(1, round(policy.ttft_slo_s)),
+        early_rejection=early_rejection,
+        queue_discipline=queue.discipline,
+        slo_window=queue.window,
+        slo_iterations=queue.iterations,
+        slo_max_age_s=queue.max_age_s,
+        prefix_ttft_share=queue.prefix_ttft_share,
+        ttft_slo_s=policy.ttft_slo_s,
+        health=HealthSettings(
+            unhealthy_threshold=health.unhealthy_threshold,
+            healthy_threshold=health.healthy_threshold,
+        ),
+    )
+
+
+def region_settings(cfg: MeshConfig) -> RegionSettings:
+    """The region core's settings from the mesh config (at start and on a reload)."""
+    return routing_region_settings(cfg.policy, cfg.queue, cfg.health, cfg.upstream,
+                                   early_rejection=cfg.slo_early_rejection)
+
+
+def region_assembly(cfg: MeshConfig, region: str, policy_name: str, *, kv_events: bool) -> RegionAssembly:
+    """Everything ``region``'s core is built from; ``kv_events``: its replicas' KV events
+    can be matched with prompts (the balancer hashes token ids)."""
+    peers = {r.name: cfg.one_way_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}
+    return RegionAssembly(
+        region=region,
+        policy=policy_settings(cfg.policy, policy_name),
+        offload=offload_settings(cfg.offload),
+        settings=region_settings(cfg),
+        cost_seed=cost_seed(cfg.region(region).replicas),
+        peer_one_way_s=peers,
+        kv_events=kv_events,
+    )
