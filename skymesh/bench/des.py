@@ -37,9 +37,17 @@ from typing import Any
 
 import numpy as np
 
+from skymesh.assembly import offload_settings, policy_settings, routing_region_settings
 from skymesh.bench.metrics import class_summary, cv, summarize_arrays
 from skymesh.bench.traces import TraceRequest, fit_request
 from skymesh.config import SloClassConfig
+from skymesh.config.routing import (
+    HealthConfig,
+    OffloadConfig,
+    PolicyConfig,
+    QueueConfig,
+    UpstreamConfig,
+)
 from skymesh.prompt_tokens import id_chunk_hashes
 from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
@@ -47,8 +55,6 @@ from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
 from skymesh.routing.assembly import (
     CostSeed,
-    OffloadSettings,
-    PolicySettings,
     RegionAssembly,
     build_region_core,
 )
@@ -61,7 +67,6 @@ from skymesh.routing.queue_registry import DisciplineName
 from skymesh.routing.region import (
     ForwardToRegion,
     ProbeSample,
-    RegionSettings,
     Reject,
     SendToReplica,
 )
@@ -89,8 +94,6 @@ class SimConfig:
     chunk_tokens: int = TRACE_BLOCK_TOKENS  # routing chunk = one trace block
     block_size: int = 16  # engine KV block; the KV capacity in tokens stays the profile's
     queue_bound: int = 1_000_000
-    dispatch_budget: int = 2
-    lookahead: int = 64
     trie_max_nodes: int = 200_000
     sample_load_every_s: float = 1.0
     plot_replicas: int = 32  # per-replica load series kept for the plot
@@ -232,22 +235,29 @@ def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_ind
 
 
 def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAssembly:
-    """What one simulated region's core is built from: the simulator's routing knobs as
-    the typed settings the daemon builds from a mesh config."""
-    policy = PolicySettings(name=cfg.policy, chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s,
-                            trie_max_nodes=cfg.trie_max_nodes, options=cfg.policy_options)
-    offload = OffloadSettings(enabled=cfg.offload and len(cfg.regions) > 1, max_remote_queue=cfg.max_remote_queue,
-                              heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
-                              trigger=cfg.offload_trigger, min_gain_s=0.0, allowed=cfg.allowed)
-    # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
-    settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
-                              lookahead=cfg.lookahead, max_queue_wait_s=None,
-                              early_rejection=cfg.early_rejection, queue_discipline=cfg.queue_discipline,
-                              slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s,
-                              slo_max_age_s=cfg.queue_max_age_s, prefix_ttft_share=cfg.prefix_ttft_share)
+    """What one simulated region's core is built from: the simulator's routing knobs as the
+    config sections they stand for, turned into settings as the daemon turns a mesh config
+    (skymesh/assembly.py), so every key the knobs leave out has the config's default."""
+    policy = PolicyConfig(name=cfg.policy, ttft_slo_s=cfg.ttft_slo_s, queue_bound=cfg.queue_bound,
+                          chunk_tokens=cfg.chunk_tokens, trie_max_nodes=cfg.trie_max_nodes,
+                          options=cfg.policy_options)
+    queue = QueueConfig(discipline=cfg.queue_discipline, iterations=cfg.slo_iterations,
+                        max_age_s=cfg.queue_max_age_s, prefix_ttft_share=cfg.prefix_ttft_share)
+    offload = OffloadConfig(enabled=cfg.offload and len(cfg.regions) > 1, max_remote_queue=cfg.max_remote_queue,
+                            heartbeat_interval_s=cfg.heartbeat_interval_s, trigger=cfg.offload_trigger)
+    settings = routing_region_settings(policy, queue, HealthConfig(), UpstreamConfig(),
+                                       early_rejection=cfg.early_rejection)
     peers = {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
-    return RegionAssembly(region=name, policy=policy, offload=offload, settings=settings, cost_seed=seed,
-                          peer_one_way_s=peers, kv_events=cfg.cache_view == "events")
+    return RegionAssembly(
+        region=name,
+        policy=policy_settings(policy, cfg.policy),
+        offload=replace(offload_settings(offload), allowed=cfg.allowed),
+        # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
+        settings=replace(settings, max_queue_wait_s=None),
+        cost_seed=seed,
+        peer_one_way_s=peers,
+        kv_events=cfg.cache_view == "events",
+    )
 
 
 class _Replica:
