@@ -6,6 +6,9 @@ computed here and nowhere else."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
 from skymesh.config import MeshConfig, ReplicaConfig
 from skymesh.config.routing import (
     HealthConfig,
@@ -19,6 +22,25 @@ from skymesh.routing.assembly import CostSeed, OffloadSettings, PolicySettings, 
 from skymesh.routing.health import HealthSettings
 from skymesh.routing.model import DEFAULT_FIRST_TOKEN_FIXED_S, DEFAULT_PREFILL_S_PER_TOKEN
 from skymesh.routing.region import RegionSettings
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """The sections of a mesh config a region's routing reads: what the daemon runs and
+    what the simulator simulates (each section's defaults are the config's)."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    # the mesh config's slo_early_rejection
+    early_rejection: bool = True
+
+    @classmethod
+    def of(cls, cfg: MeshConfig) -> RoutingConfig:
+        return cls(policy=cfg.policy, queue=cfg.queue, offload=cfg.offload, health=cfg.health,
+                   upstream=cfg.upstream, early_rejection=cfg.slo_early_rejection)
 
 
 def replica_profile(replicas: tuple[ReplicaConfig, ...]) -> tuple[Profile, float] | None:
@@ -58,16 +80,16 @@ def max_queue_wait_s(policy: PolicyConfig, upstream: UpstreamConfig) -> float:
     return upstream.max_queue_wait_s or max(60.0, policy.ttft_slo_s * 30)
 
 
-def routing_region_settings(policy: PolicyConfig, queue: QueueConfig, health: HealthConfig,
-                            upstream: UpstreamConfig, *, early_rejection: bool) -> RegionSettings:
+def routing_region_settings(routing: RoutingConfig) -> RegionSettings:
     """The region core's settings from the config sections they come from."""
+    policy, queue, health = routing.policy, routing.queue, routing.health
     return RegionSettings(
         queue_bound=policy.queue_bound,
         dispatch_budget=policy.options.dispatch_budget,
         max_retries=policy.max_retries,
-        max_queue_wait_s=max_queue_wait_s(policy, upstream),
+        max_queue_wait_s=max_queue_wait_s(policy, routing.upstream),
         retry_after_s=max(1, round(policy.ttft_slo_s)),
-        early_rejection=early_rejection,
+        early_rejection=routing.early_rejection,
         queue_discipline=queue.discipline,
         slo_window=queue.window,
         slo_iterations=queue.iterations,
@@ -83,20 +105,30 @@ def routing_region_settings(policy: PolicyConfig, queue: QueueConfig, health: He
 
 def region_settings(cfg: MeshConfig) -> RegionSettings:
     """The region core's settings from the mesh config (at start and on a reload)."""
-    return routing_region_settings(cfg.policy, cfg.queue, cfg.health, cfg.upstream,
-                                   early_rejection=cfg.slo_early_rejection)
+    return routing_region_settings(RoutingConfig.of(cfg))
+
+
+def routing_assembly(routing: RoutingConfig, region: str, *, peer_one_way_s: Mapping[str, float],
+                     cost_seed: CostSeed, kv_events: bool, policy_name: str | None = None) -> RegionAssembly:
+    """Everything ``region``'s core is built from: ``routing`` with the region's place in
+    the mesh (one-way latency to each peer, in seconds), its replicas' cost seed, whether
+    their KV events can be matched with prompts, and the policy (``policy_name`` overrides
+    the config's, as the daemon's command line may)."""
+    return RegionAssembly(
+        region=region,
+        policy=policy_settings(routing.policy, policy_name or routing.policy.name),
+        offload=offload_settings(routing.offload),
+        settings=routing_region_settings(routing),
+        cost_seed=cost_seed,
+        peer_one_way_s=peer_one_way_s,
+        kv_events=kv_events,
+    )
 
 
 def region_assembly(cfg: MeshConfig, region: str, policy_name: str, *, kv_events: bool) -> RegionAssembly:
-    """Everything ``region``'s core is built from; ``kv_events``: its replicas' KV events
-    can be matched with prompts (the balancer hashes token ids)."""
+    """Everything ``region``'s core is built from in the mesh ``cfg``; ``kv_events``: its
+    replicas' KV events can be matched with prompts (the balancer hashes token ids)."""
     peers = {r.name: cfg.one_way_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}
-    return RegionAssembly(
-        region=region,
-        policy=policy_settings(cfg.policy, policy_name),
-        offload=offload_settings(cfg.offload),
-        settings=region_settings(cfg),
-        cost_seed=cost_seed(cfg.region(region).replicas),
-        peer_one_way_s=peers,
-        kv_events=kv_events,
-    )
+    return routing_assembly(RoutingConfig.of(cfg), region, peer_one_way_s=peers,
+                            cost_seed=cost_seed(cfg.region(region).replicas), kv_events=kv_events,
+                            policy_name=policy_name)
