@@ -1,8 +1,8 @@
 """A mesh config as the typed, frozen settings a region's routing core is built from
-(skymesh/routing/assembly.py): built once at start and on a reload by the balancer daemon;
-the simulator builds the same settings from the config sections its knobs stand for.
-Documented defaults that depend on other keys (the queue-wait deadline, Retry-After) are
-computed here and nowhere else."""
+(skymesh/routing/assembly.py): built once at start and on a reload by the balancer daemon,
+and by the simulator from the same config sections (its SimConfig.routing).
+Documented defaults that depend on other keys or on the replicas (the queue-wait deadline,
+Retry-After, the per-token upstream bound) are computed here and nowhere else."""
 
 from __future__ import annotations
 
@@ -78,6 +78,20 @@ def offload_settings(offload: OffloadConfig) -> OffloadSettings:
 def max_queue_wait_s(policy: PolicyConfig, upstream: UpstreamConfig) -> float:
     """``upstream.max_queue_wait_s``; unset: max(60 s, 30 x policy.ttft_slo_s)."""
     return upstream.max_queue_wait_s or max(60.0, policy.ttft_slo_s * 30)
+
+
+def per_output_token_s(upstream: UpstreamConfig, replicas: tuple[ReplicaConfig, ...]) -> float:
+    """``upstream.per_output_token_s``; unset: twice the slowest step the replicas' stand-in
+    profile can take (full batch, a full prefill chunk, the whole KV cache attended), as
+    every running sequence gains one token per step; without a profile, 0.2 s (5 tokens/s)."""
+    if upstream.per_output_token_s is not None:
+        return upstream.per_output_token_s
+    found = replica_profile(replicas)
+    if found is None:
+        return 0.2
+    p, scale = found
+    slowest = p.step_time_s(p.max_num_batched_tokens, p.max_num_seqs, p.kv_capacity_tokens) * scale
+    return max(0.01, 2 * slowest)
 
 
 def routing_region_settings(routing: RoutingConfig) -> RegionSettings:

@@ -33,7 +33,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
-from skymesh.assembly import region_assembly, region_settings, replica_profile
+from skymesh.assembly import per_output_token_s, region_assembly, region_settings
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.kv_events import KvEventSubscriber
@@ -106,24 +106,13 @@ class PeerInfo:
 
 
 def upstream_timeouts(cfg: MeshConfig, replicas: tuple[ReplicaConfig, ...]) -> UpstreamTimeouts:
-    """The attempt timeouts from ``upstream:``. Without ``per_output_token_s``, the bound
-    is twice the slowest step the replicas' stand-in profile can take (full batch, a full
-    prefill chunk, the whole KV cache attended), as every running sequence gains one token
-    per step; without a profile, 0.2 s (5 tokens/s)."""
+    """The attempt timeouts from ``upstream:`` (the per-token bound's default from the
+    replicas' hardware profile: :func:`skymesh.assembly.per_output_token_s`)."""
     up = cfg.upstream
-    per_token = up.per_output_token_s
-    if per_token is None:
-        found = replica_profile(replicas)
-        if found is None:
-            per_token = 0.2
-        else:
-            p, scale = found
-            slowest = p.step_time_s(p.max_num_batched_tokens, p.max_num_seqs, p.kv_capacity_tokens) * scale
-            per_token = max(0.01, 2 * slowest)
     return UpstreamTimeouts(
         connect_s=up.connect_timeout_s,
         first_byte_s=up.first_byte_timeout_s,
-        per_output_token_s=per_token,
+        per_output_token_s=per_output_token_s(up, replicas),
         stream_idle_s=up.stream_idle_timeout_s,
     )
 
