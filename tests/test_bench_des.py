@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skymesh.assembly import RoutingConfig
 from skymesh.bench import sim_main
-from skymesh.bench.des import SimConfig, Simulator, block_chains
+from skymesh.bench.des import SimConfig, Simulator, block_chains, simulated_policy
 from skymesh.bench.traces import TraceRequest
 from skymesh.bench.workloads import hot_prefix_workload
+from skymesh.config.routing import OffloadConfig, QueueConfig
 
 
 def _trace(n: int, rate: float) -> list[TraceRequest]:
@@ -35,8 +37,8 @@ def test_fused_decode_equals_stepping_every_iteration(policy: str) -> None:
     trace = _trace(300, 60.0)
     out = {}
     for fuse in (True, False):
-        cfg = SimConfig(policy=policy, regions={"c": 3}, profile="tiny-test", ttft_slo_s=1.0, block_size=16,
-                        fuse_decode=fuse)
+        cfg = SimConfig(regions={"c": 3}, profile="tiny-test", block_size=16, fuse_decode=fuse,
+                        routing=RoutingConfig(policy=simulated_policy(policy, ttft_slo_s=1.0)))
         out[fuse] = Simulator(cfg).run(trace)
     a, b = out[True], out[False]
     assert a.lazy_mismatches == 0
@@ -51,7 +53,8 @@ def test_cache_affinity_beats_round_robin_on_hit_rate() -> None:
     trace = _trace(300, 30.0)
     hits = {}
     for policy in ("prefix_tree", "round_robin"):
-        cfg = SimConfig(policy=policy, regions={"c": 4}, profile="tiny-test", block_size=16)
+        cfg = SimConfig(regions={"c": 4}, profile="tiny-test", block_size=16,
+                        routing=RoutingConfig(policy=simulated_policy(policy)))
         hits[policy] = Simulator(cfg).run(trace).prefix_hit_rate
     assert hits["prefix_tree"] > hits["round_robin"]
 
@@ -62,8 +65,9 @@ def test_overloaded_region_offloads_and_region_local_does_not() -> None:
              for r in reqs]
     shares = {}
     for offload in (True, False):
-        cfg = SimConfig(policy="dualmap", regions={"a": 1, "b": 3}, one_way_ms={("a", "b"): 5.0},
-                        profile="tiny-test", block_size=16, offload=offload)
+        cfg = SimConfig(regions={"a": 1, "b": 3}, one_way_ms={("a", "b"): 5.0}, profile="tiny-test",
+                        block_size=16, routing=RoutingConfig(policy=simulated_policy("dualmap"),
+                                                             offload=OffloadConfig(enabled=offload)))
         res = Simulator(cfg).run(trace)
         s = res.summary(1.0)
         assert s["completed"] == 400
@@ -144,10 +148,10 @@ def test_sim_cli_cache_view_events() -> None:
               "--profile", "tiny-test", "--block-size", "16", "--slo", "1"]
     events = p.parse_args([*common, "--cache-view", "events"])
     cfg = sim_main.sim_config(events, "prefix_tree")
-    assert (cfg.cache_view, cfg.chunk_tokens, cfg.block_size) == ("events", 16, 16)
+    assert (cfg.cache_view, cfg.routing.policy.chunk_tokens, cfg.block_size) == ("events", 16, 16)
     history = sim_main.sim_config(p.parse_args(common), "prefix_tree")
-    assert (history.cache_view, history.chunk_tokens) == ("history", 512)
-    assert sim_main.sim_config(p.parse_args([*common, "--chunk-tokens", "16"]), "prefix_tree").chunk_tokens == 16
+    assert (history.cache_view, history.routing.policy.chunk_tokens) == ("history", 512)
+    assert sim_main.sim_config(p.parse_args([*common, "--chunk-tokens", "16"]), "prefix_tree").routing.policy.chunk_tokens == 16
     with pytest.raises(SystemExit, match="--chunk-tokens must equal --block-size"):
         sim_main.sim_config(p.parse_args([*common, "--cache-view", "events", "--chunk-tokens", "32"]), "prefix_tree")
     m = sim_main.run_one(events, "prefix_tree", 1.0, False)["metrics"]
@@ -174,7 +178,8 @@ def test_history_view_results_are_unchanged() -> None:
     reqs = hot_prefix_workload(300, 40.0, n_prompts=4, prompt_blocks=1, hot_share=0.9, user_blocks=1,
                                output_len=40, seed=5)
     trace = [TraceRequest(r.arrival_s, 900, r.output_len, r.hash_ids, session=r.session) for r in reqs]
-    cfg = SimConfig(policy="prefix_tree", regions={"c": 3}, profile="tiny-test", ttft_slo_s=1.0, block_size=16)
+    cfg = SimConfig(regions={"c": 3}, profile="tiny-test", block_size=16,
+                    routing=RoutingConfig(policy=simulated_policy("prefix_tree", ttft_slo_s=1.0)))
     assert cfg.cache_view == "history"
     res = Simulator(cfg).run(trace)
     assert float(np.nansum(res.ttft)) == pytest.approx(7.572411284772665, rel=1e-12)
@@ -219,8 +224,8 @@ class _CheckedSimulator(Simulator):
 def test_events_view_index_matches_the_engine_cache(policy: str) -> None:
     # a KV-tight cache (tiny-test: 256 blocks of 16) so blocks are evicted and re-stored
     trace = _trace(300, 40.0)
-    cfg = SimConfig(policy=policy, regions={"c": 3}, profile="tiny-test", ttft_slo_s=1.0, block_size=16,
-                    chunk_tokens=16, cache_view="events")
+    cfg = SimConfig(regions={"c": 3}, profile="tiny-test", block_size=16, cache_view="events",
+                    routing=RoutingConfig(policy=simulated_policy(policy, ttft_slo_s=1.0, chunk_tokens=16)))
     sim = _CheckedSimulator(cfg)
     res = sim.run(trace)
     assert not np.isnan(res.e2e).any()
@@ -253,8 +258,8 @@ def test_simulated_classes_get_their_priority_and_a_report_each() -> None:
     figures = {}
     for gold_priority in (5, 0):
         classes = {"gold": SloClassConfig(ttft_s=1.0, priority=gold_priority), "bronze": SloClassConfig(ttft_s=1.0)}
-        cfg = SimConfig(policy="least_load", regions={"c": 4}, profile="tiny-test", block_size=16,
-                        slo_classes=classes, early_rejection=False)
+        cfg = SimConfig(regions={"c": 4}, profile="tiny-test", block_size=16, slo_classes=classes,
+                        routing=RoutingConfig(policy=simulated_policy("least_load"), early_rejection=False))
         figures[gold_priority] = Simulator(cfg).run(trace).class_summaries()
     gold, bronze = figures[5]["gold"], figures[5]["bronze"]
     assert gold["requests"] + bronze["requests"] == 400
@@ -291,8 +296,9 @@ def test_the_simulator_drives_the_prefix_discipline_and_loses_nothing() -> None:
     # requests whose context a freed replica has, and the discipline picks them
     reqs = hot_prefix_workload(400, 40.0, n_prompts=12, prompt_blocks=8, hot_share=0.95, user_blocks=1,
                                output_len=40, seed=5)
-    sim = Simulator(SimConfig(policy="least_load", regions={"c": 3}, profile="tiny-test", block_size=16,
-                              ttft_slo_s=1.0, queue_discipline="prefix"))
+    sim = Simulator(SimConfig(regions={"c": 3}, profile="tiny-test", block_size=16,
+                              routing=RoutingConfig(policy=simulated_policy("least_load", ttft_slo_s=1.0),
+                                                    queue=QueueConfig(discipline="prefix"))))
     res = sim.run(reqs)
     assert not np.isnan(res.e2e).any()  # every request finished
     discipline = sim.regions["c"].core.local.discipline

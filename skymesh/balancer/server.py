@@ -33,6 +33,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
+from skymesh.assembly import per_output_token_s, region_assembly, region_settings
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.kv_events import KvEventSubscriber
@@ -61,22 +62,17 @@ from skymesh.pki import balancer_server_name, peer_tls
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
-from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.kv_index import KvIndexes
-from skymesh.routing.model import RegionModel
-from skymesh.routing.offload import OffloadRouter, snapshot_trie_max_nodes
+from skymesh.routing.assembly import build_region_core as assemble_region_core
+from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
     AbandonAttempt,
     Action,
     ForwardToRegion,
-    HealthSettings,
     ProbeSample,
     RegionCore,
-    RegionSettings,
     Reject,
     SendToReplica,
 )
-from skymesh.routing.registry import make_policy
 from skymesh.slo import SloClass, apply_slo_class, missed_targets
 from skymesh.supervise import SupervisedLoop
 
@@ -109,35 +105,14 @@ class PeerInfo:
     peer_url: str | None = None
 
 
-def _profile_of(replicas: tuple[ReplicaConfig, ...]) -> tuple[Any, float] | None:
-    """The hardware profile (and time scale) of the first replica that names one (skymesh/hardware.py)."""
-    from skymesh.hardware import PROFILES
-
-    for r in replicas:
-        if r.sim is not None and r.sim.profile in PROFILES:
-            return PROFILES[r.sim.profile], r.sim.time_scale
-    return None
-
-
 def upstream_timeouts(cfg: MeshConfig, replicas: tuple[ReplicaConfig, ...]) -> UpstreamTimeouts:
-    """The attempt timeouts from ``upstream:``. Without ``per_output_token_s``, the bound
-    is twice the slowest step the replicas' stand-in profile can take (full batch, a full
-    prefill chunk, the whole KV cache attended), as every running sequence gains one token
-    per step; without a profile, 0.2 s (5 tokens/s)."""
+    """The attempt timeouts from ``upstream:`` (the per-token bound's default from the
+    replicas' hardware profile: :func:`skymesh.assembly.per_output_token_s`)."""
     up = cfg.upstream
-    per_token = up.per_output_token_s
-    if per_token is None:
-        found = _profile_of(replicas)
-        if found is None:
-            per_token = 0.2
-        else:
-            p, scale = found
-            slowest = p.step_time_s(p.max_num_batched_tokens, p.max_num_seqs, p.kv_capacity_tokens) * scale
-            per_token = max(0.01, 2 * slowest)
     return UpstreamTimeouts(
         connect_s=up.connect_timeout_s,
         first_byte_s=up.first_byte_timeout_s,
-        per_output_token_s=per_token,
+        per_output_token_s=per_output_token_s(up, replicas),
         stream_idle_s=up.stream_idle_timeout_s,
     )
 
@@ -149,62 +124,8 @@ def uses_kv_events(cfg: MeshConfig) -> bool:
 
 
 def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionCore:
-    """The region core from the mesh config (the simulator builds its own from SimConfig)."""
-    region_cfg = cfg.region(region)
-    found = _profile_of(region_cfg.replicas)
-    per_tok, fixed = found[0].ttft_seed(found[1]) if found else (300e-3 / 512, 0.02)
-    kv_indexes = KvIndexes(chunk_tokens=cfg.policy.chunk_tokens) if uses_kv_events(cfg) else None
-    # the region's cost model and CacheView: the policy, offload and the queue discipline share it
-    model = RegionModel(chunk_tokens=cfg.policy.chunk_tokens, prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
-                        trie_max_nodes=cfg.policy.trie_max_nodes, kv_indexes=kv_indexes)
-    ctx = PolicyContext(
-        chunk_tokens=cfg.policy.chunk_tokens,
-        ttft_slo_s=cfg.policy.ttft_slo_s,
-        trie_max_nodes=cfg.policy.trie_max_nodes,
-        prefill_s_per_token=per_tok,
-        prefill_fixed_s=fixed,
-        options=cfg.policy.options,
-        model=model,
-    )
-    rtt = {r.name: cfg.rtt_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}
-    offload = OffloadRouter(
-        region,
-        rtt,
-        allowed=cfg.offload.allowed,
-        max_remote_queue=cfg.offload.max_remote_queue,
-        heartbeat_interval_s=cfg.offload.heartbeat_interval_s,
-        miss_limit=cfg.offload.heartbeat_miss_limit,
-        trie_max_nodes=snapshot_trie_max_nodes(cfg.policy.trie_max_nodes),
-        enabled=cfg.offload.enabled,
-        trigger=cfg.offload.trigger,
-        min_gain_s=cfg.offload.min_gain_s,
-        prefill_s_per_token=per_tok,
-        first_token_fixed_s=fixed,
-        chunk_tokens=cfg.policy.chunk_tokens,
-    )
-    return RegionCore(region, make_policy(policy_name, ctx), offload, region_settings(cfg), model)
-
-
-def region_settings(cfg: MeshConfig) -> RegionSettings:
-    """The region core's settings from the mesh config (at start and on a reload)."""
-    return RegionSettings(
-        queue_bound=cfg.policy.queue_bound,
-        dispatch_budget=cfg.policy.options.dispatch_budget,
-        max_retries=cfg.policy.max_retries,
-        max_queue_wait_s=cfg.upstream.max_queue_wait_s or max(60.0, cfg.policy.ttft_slo_s * 30),
-        retry_after_s=max(1, round(cfg.policy.ttft_slo_s)),
-        early_rejection=cfg.slo_early_rejection,
-        queue_discipline=cfg.queue.discipline,
-        slo_window=cfg.queue.window,
-        slo_iterations=cfg.queue.iterations,
-        slo_max_age_s=cfg.queue.max_age_s,
-        prefix_ttft_share=cfg.queue.prefix_ttft_share,
-        ttft_slo_s=cfg.policy.ttft_slo_s,
-        health=HealthSettings(
-            unhealthy_threshold=cfg.health.unhealthy_threshold,
-            healthy_threshold=cfg.health.healthy_threshold,
-        ),
-    )
+    """The region core from the mesh config, by the builder the simulator uses too."""
+    return assemble_region_core(region_assembly(cfg, region, policy_name, kv_events=uses_kv_events(cfg)))
 
 
 def build_encoder(cfg: MeshConfig) -> PromptEncoder:

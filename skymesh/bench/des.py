@@ -37,76 +37,68 @@ from typing import Any
 
 import numpy as np
 
+from skymesh.assembly import RoutingConfig, routing_assembly
 from skymesh.bench.metrics import class_summary, cv, summarize_arrays
 from skymesh.bench.traces import TraceRequest, fit_request
 from skymesh.config import SloClassConfig
+from skymesh.config.routing import (
+    PolicyConfig,
+)
 from skymesh.prompt_tokens import id_chunk_hashes
 from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.routing import kv_index
-from skymesh.routing.base import PolicyContext, RoutingRequest
-from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
-from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
-from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS
-from skymesh.routing.kv_index import KvIndexes
-from skymesh.routing.model import RegionModel
-from skymesh.routing.offload import OffloadRouter, OffloadTrigger, snapshot_trie_max_nodes
-from skymesh.routing.queue_registry import DisciplineName
+from skymesh.routing.assembly import (
+    CostSeed,
+    RegionAssembly,
+    build_region_core,
+)
+from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
     ForwardToRegion,
     ProbeSample,
-    RegionCore,
-    RegionSettings,
     Reject,
     SendToReplica,
 )
-from skymesh.routing.registry import make_policy
 from skymesh.slo import SloClass, apply_slo_class
 from skymesh.tokens import TRACE_BLOCK_TOKENS
 
 
-def _allow_all(source: str, target: str) -> bool:
-    return True
+def simulated_policy(name: str = "dualmap", **keys: Any) -> PolicyConfig:
+    """``policy:`` as the simulator runs it unless ``keys`` say otherwise: an unbounded
+    queue (goodput sweeps measure every request) and a routing chunk of one trace block."""
+    return PolicyConfig.model_validate({"name": name, "queue_bound": 1_000_000, "chunk_tokens": TRACE_BLOCK_TOKENS,
+                                        **keys})
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimConfig:
-    policy: str = "dualmap"
+    """What is simulated: the regions, their links and replicas, the engine's block size,
+    what is recorded; and the routing the simulated balancers run (``routing``, the mesh
+    config's sections: every routing parameter is named there)."""
+
     regions: dict[str, int] = field(default_factory=lambda: {"central": 16})  # region -> replicas
     one_way_ms: dict[tuple[str, str], float] = field(default_factory=dict)
     profile: str = "h100-qwen2.5-7b"
-    ttft_slo_s: float = 2.0
-    offload: bool = True
-    allowed: Callable[[str, str], bool] = _allow_all
-    probe_interval_s: float = 0.1
-    heartbeat_interval_s: float = 0.1
-    max_remote_queue: int = 4
-    offload_trigger: OffloadTrigger = "predicted_ttft"  # or "saturated" (SkyWalker's rule)
-    chunk_tokens: int = TRACE_BLOCK_TOKENS  # routing chunk = one trace block
+    routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(policy=simulated_policy()))
     block_size: int = 16  # engine KV block; the KV capacity in tokens stays the profile's
-    queue_bound: int = 1_000_000
-    dispatch_budget: int = 2
-    lookahead: int = 64
-    trie_max_nodes: int = 200_000
     sample_load_every_s: float = 1.0
     plot_replicas: int = 32  # per-replica load series kept for the plot
     fuse_decode: bool = True  # False: one event per engine step (the reference for tests)
-    policy_options: dict[str, Any] = field(default_factory=dict)
     # what cache-aware policies read of a replica's cache: "history" (the routing-history
     # trie: what the balancer sent where) or "events" (the replicas' KV events in the
     # region core's per-replica block index, as with vLLM's --kv-events-config). "events"
-    # gives requests token ids and needs chunk_tokens == block_size.
+    # gives requests token ids and needs routing.policy.chunk_tokens == block_size.
     cache_view: str = "history"
     # SLO classes by name (a trace request's ``slo_class`` picks one; unknown or "": none):
     # their targets and priorities reach the region core as the balancer stamps them
     slo_classes: dict[str, SloClassConfig] = field(default_factory=dict)
-    # Mooncake's early rejection of requests whose class's TTFT no placement can meet
-    early_rejection: bool = True
-    queue_discipline: DisciplineName = "fcfs"  # a name of skymesh/routing/queue_registry.py
-    slo_iterations: int = DEFAULT_ITERATIONS
-    queue_max_age_s: float = DEFAULT_MAX_AGE_S  # the slo and prefix disciplines' starvation bound
-    prefix_ttft_share: float = DEFAULT_PREFIX_TTFT_SHARE  # the prefix discipline's tail bound (RegionSettings)
+
+    @property
+    def offload(self) -> bool:
+        """Whether the regions offload to each other (with one region there is no peer)."""
+        return self.routing.offload.enabled and len(self.regions) > 1
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:
@@ -228,6 +220,17 @@ def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_ind
     return out
 
 
+def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAssembly:
+    """What one simulated region's core is built from: the routing it simulates, turned
+    into settings as the daemon turns a mesh config (skymesh/assembly.py)."""
+    peers = {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
+    assembly = routing_assembly(cfg.routing, name, peer_one_way_s=peers, cost_seed=seed,
+                                kv_events=cfg.cache_view == "events")
+    return replace(assembly, offload=replace(assembly.offload, enabled=cfg.offload),
+                   # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
+                   settings=replace(assembly.settings, max_queue_wait_s=None))
+
+
 class _Replica:
     __slots__ = ("idx", "rid", "region", "engine", "state", "t_sync", "version")
     IDLE, STEP, LAZY = 0, 1, 2
@@ -245,32 +248,10 @@ class _Region:
     def __init__(self, name: str, sim: Simulator) -> None:
         cfg = sim.cfg
         self.name = name
-        per_tok, fixed = sim.profile.ttft_seed()
+        self.core = build_region_core(sim_region_assembly(cfg, name, CostSeed(*sim.profile.ttft_seed())))
         # "events": the index the region core fills from KV events, read by the region model's
-        # CacheView (one object, as the balancer daemon's build_region_core shares it)
-        self.kv_indexes = KvIndexes(chunk_tokens=cfg.chunk_tokens) if cfg.cache_view == "events" else None
-        # the region's cost model and CacheView: the policy, offload and the queue discipline share it
-        model = RegionModel(chunk_tokens=cfg.chunk_tokens, prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
-                            trie_max_nodes=cfg.trie_max_nodes, kv_indexes=self.kv_indexes)
-        ctx = PolicyContext(
-            chunk_tokens=cfg.chunk_tokens, ttft_slo_s=cfg.ttft_slo_s, trie_max_nodes=cfg.trie_max_nodes,
-            prefill_s_per_token=per_tok, prefill_fixed_s=fixed, options=cfg.policy_options,
-            model=model,
-        )
-        rtt = {o: 2 * cfg.latency_s(name, o) for o in cfg.regions if o != name}
-        offload = OffloadRouter(name, rtt, allowed=cfg.allowed, max_remote_queue=cfg.max_remote_queue,
-                                heartbeat_interval_s=cfg.heartbeat_interval_s, miss_limit=3,
-                                trie_max_nodes=snapshot_trie_max_nodes(cfg.trie_max_nodes),
-                                enabled=cfg.offload and len(cfg.regions) > 1, trigger=cfg.offload_trigger,
-                                prefill_s_per_token=per_tok, first_token_fixed_s=fixed,
-                                chunk_tokens=cfg.chunk_tokens)
-        # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
-        settings = RegionSettings(queue_bound=cfg.queue_bound, dispatch_budget=cfg.dispatch_budget,
-                                  lookahead=cfg.lookahead, max_queue_wait_s=None,
-                                  early_rejection=cfg.early_rejection, queue_discipline=cfg.queue_discipline,
-                                  slo_iterations=cfg.slo_iterations, ttft_slo_s=cfg.ttft_slo_s,
-                                  slo_max_age_s=cfg.queue_max_age_s, prefix_ttft_share=cfg.prefix_ttft_share)
-        self.core = RegionCore(name, make_policy(cfg.policy, ctx), offload, settings, model)
+        # CacheView (one object, as in the balancer daemon)
+        self.kv_indexes = self.core.kv_indexes
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
         self.core.set_replicas(self.replica_ids, 0.0)
         if self.kv_indexes is not None:
@@ -350,7 +331,7 @@ class Simulator:
         if cfg.cache_view not in ("history", "events"):
             raise ValueError(f"cache_view must be 'history' or 'events', not {cfg.cache_view!r}")
         self.events_view = cfg.cache_view == "events"
-        if self.events_view and cfg.chunk_tokens != cfg.block_size:
+        if self.events_view and cfg.routing.policy.chunk_tokens != cfg.block_size:
             raise ValueError("cache_view 'events' needs chunk_tokens == block_size (the replicas' blocks "
                              "are the balancer's chunks)")
         # keep the profile's KV capacity in tokens whatever the simulated block size
@@ -426,7 +407,7 @@ class Simulator:
 
         for name in self.regions:
             self._push(0.0, self.PROBE, name)
-            if len(self.regions) > 1 and cfg.offload:
+            if cfg.offload:
                 self._push(0.0, self.HEARTBEAT, name)
         self._push(0.0, self.SAMPLE, None)
         more = pull()
@@ -469,7 +450,7 @@ class Simulator:
                     prompt_ids = prompt_token_ids(r.hash_ids, in_len, i)
                     blocks, chunks, token_ids = token_chains(prompt_ids, out_len, cfg.block_size)
                 else:
-                    blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.chunk_tokens)
+                    blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.routing.policy.chunk_tokens)
                     blocks += output_block_chain(blocks, r.hash_ids, in_len, out_len, cfg.block_size)
                 self._engine_args[rid] = (in_len, blocks, out_len, token_ids)
                 self._origin[rid] = region
@@ -484,10 +465,10 @@ class Simulator:
                         progress(1)
             elif kind == self.PROBE:
                 self._probe(self.regions[payload], t)
-                self._push(t + cfg.probe_interval_s, self.PROBE, payload)
+                self._push(t + cfg.routing.policy.probe_interval_s, self.PROBE, payload)
             elif kind == self.HEARTBEAT:
                 self._heartbeat(self.regions[payload], t)
-                self._push(t + cfg.heartbeat_interval_s, self.HEARTBEAT, payload)
+                self._push(t + cfg.routing.offload.heartbeat_interval_s, self.HEARTBEAT, payload)
             elif kind == self.BEAT_ARRIVE:
                 dst, src, seq, snapshot = payload
                 reg = self.regions[dst]

@@ -16,7 +16,6 @@ of them at ``--rate`` req/s over all regions: the large-scale run).
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -24,8 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from skymesh.assembly import RoutingConfig
 from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
-from skymesh.bench.des import SimConfig, Simulator
+from skymesh.bench.des import SimConfig, Simulator, simulated_policy
 from skymesh.bench.metrics import goodput
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.traces import (
@@ -40,6 +40,7 @@ from skymesh.bench.traces import (
     window,
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
+from skymesh.config.routing import OffloadConfig, OffloadRule, QueueConfig
 from skymesh.replica_sim.profiles import PROFILES
 from skymesh.routing.offload import OffloadTrigger
 from skymesh.routing.registry import (
@@ -56,9 +57,8 @@ GEO3_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"
 SYNTHETIC = ("hot-prefix", "tot2", "tot4", "synthetic")
 
 
-def eu_stays_in_eu(source: str, target: str) -> bool:
-    """The local default's GDPR-style rule: eu-* regions offload only to eu-*."""
-    return not fnmatch.fnmatchcase(source, "eu-*") or fnmatch.fnmatchcase(target, "eu-*")
+# the local default's GDPR-style rule (skymesh/local.yaml): eu-* regions offload only to eu-*
+EU_STAYS_IN_EU = OffloadRule.model_validate({"from": "eu-*", "to": ["eu-*"]})
 
 
 def region_layout(n: int) -> tuple[list[str], dict[tuple[str, str], float]]:
@@ -167,15 +167,18 @@ def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, boo
 def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
     policy, offload, trigger = split_system(system, args.offload_trigger)
     names, lat = region_layout(args.regions)
-    return SimConfig(policy=policy, regions=replicas_per_region(args, names), one_way_ms=lat,
-                     profile=args.profile, ttft_slo_s=args.slo, offload=offload,
-                     allowed=(lambda s, d: True) if args.no_eu_rule else eu_stays_in_eu,
-                     offload_trigger=trigger, block_size=args.block_size, probe_interval_s=args.probe_interval_s,
-                     cache_view=args.cache_view, chunk_tokens=chunk_tokens(args),
-                     policy_options=options_for(policy, parse_policy_options(args.policy_option)),
-                     slo_classes=slo_classes(args), early_rejection=not args.no_early_rejection,
-                     queue_discipline=args.queue_discipline, queue_max_age_s=args.queue_max_age_s,
-                     prefix_ttft_share=args.prefix_ttft_share)
+    routing = RoutingConfig(
+        policy=simulated_policy(policy, ttft_slo_s=args.slo, probe_interval_s=args.probe_interval_s,
+                                chunk_tokens=chunk_tokens(args),
+                                options=options_for(policy, parse_policy_options(args.policy_option))),
+        queue=QueueConfig(discipline=args.queue_discipline, max_age_s=args.queue_max_age_s,
+                          prefix_ttft_share=args.prefix_ttft_share),
+        offload=OffloadConfig(enabled=offload, trigger=trigger, rules=() if args.no_eu_rule else (EU_STAYS_IN_EU,)),
+        early_rejection=not args.no_early_rejection,
+    )
+    return SimConfig(regions=replicas_per_region(args, names), one_way_ms=lat, profile=args.profile,
+                     routing=routing, block_size=args.block_size, cache_view=args.cache_view,
+                     slo_classes=slo_classes(args))
 
 
 def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:
