@@ -24,7 +24,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +39,11 @@ from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.middleware import make_error_middleware
 from skymesh.balancer.peer_listener import make_binding_middleware, site_port, start_peer_site
+from skymesh.balancer.ports import VERSION, Registration, ReplicaStatus, StatusReport
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.requests import ParsedRequest, parse_body
+from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls
 from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.balancer.usage import (
     judge_prediction,
@@ -50,6 +52,7 @@ from skymesh.balancer.usage import (
 )
 from skymesh.config import (
     ConfigError,
+    HostPort,
     KvEventsEndpoint,
     MeshConfig,
     ReplicaConfig,
@@ -57,7 +60,7 @@ from skymesh.config import (
 )
 from skymesh.edge.openai_errors import RequestError, error_response
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
-from skymesh.pki import balancer_server_name, peer_tls
+from skymesh.pki import Credentials, balancer_server_name, load_credentials, peer_tls
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
@@ -70,6 +73,7 @@ from skymesh.routing.region import (
     Action,
     ForwardToRegion,
     HealthSettings,
+    HeartbeatSnapshot,
     ProbeSample,
     RegionCore,
     RegionSettings,
@@ -85,7 +89,6 @@ log = logging.getLogger("skymesh.balancer")
 HOP_HEADER = "X-Skymesh-Hop"
 TOKEN_HEADER = "X-Skymesh-Peer-Token"
 ORIGIN_HEADER = "X-Skymesh-Origin-Region"
-VERSION = "0.1.0"
 
 
 @dataclass(slots=True)
@@ -414,8 +417,6 @@ class Balancer:
         return time.monotonic()
 
     def rejected_peer_calls(self) -> dict[str, int]:
-        from skymesh.balancer.services import rejected_peer_calls
-
         out = rejected_peer_calls(self.extra_services)
         for reason, n in self.refused_forwards.items():
             out[reason] = out.get(reason, 0) + n
@@ -431,8 +432,6 @@ class Balancer:
 
     def loop_restart_counts(self) -> dict[str, int]:
         """Restarts of this balancer's supervised loops and its services' (by loop name)."""
-        from skymesh.balancer.services import loop_restart_counts
-
         counts = {loop.name: loop.restarts for loop in self._loops if loop.restarts}
         for name, n in loop_restart_counts(self.extra_services).items():
             counts[name] = counts.get(name, 0) + n
@@ -445,6 +444,98 @@ class Balancer:
     @property
     def offloaded_in(self) -> int:
         return self.core.offloaded_in
+
+    # ------------------------------------------------------------------ the mesh services' view
+    # (skymesh/balancer/ports.py: what PeerMesh and ControllerLink may ask of the balancer)
+
+    def mesh_credentials(self) -> Credentials | None:
+        return load_credentials(self.cfg, self.region)
+
+    def heartbeat_interval_s(self) -> float:
+        return self.cfg.offload.heartbeat_interval_s
+
+    def probe_interval_s(self) -> float:
+        return self.cfg.policy.probe_interval_s
+
+    def offload_enabled(self) -> bool:
+        return self.cfg.offload.enabled
+
+    def grpc_listen(self) -> HostPort:
+        return self.region_cfg.balancer.grpc_listen
+
+    def peer_regions(self) -> Collection[str]:
+        return self.peers.keys()
+
+    def peer_grpc_address(self, region: str) -> str | None:
+        peer = self.peers.get(region)
+        return None if peer is None else peer.grpc_address
+
+    def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
+        return self.core.heartbeat(now)
+
+    def availability(self) -> tuple[int, int]:
+        return self.core.available_count(), self.core.queue_length
+
+    def offload_counts(self) -> tuple[int, int]:
+        return self.offloaded_out, self.offloaded_in
+
+    def heartbeat_delay_s(self, region: str) -> float:
+        cfg = self.cfg
+        if not cfg.emulate_latency:
+            return 0.0
+        # gRPC cannot bind a source address, so the delay proxies cannot tell which
+        # region a heartbeat stream comes from; apply the link's one-way latency here.
+        return max(0.0, (cfg.one_way_ms(region, self.region) - cfg.local_latency_ms) / 1000)
+
+    def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
+                             balancer_id: str, epoch: int, seq: int) -> None:
+        self.core.peer_heartbeat(region, snapshot, now, balancer_id=balancer_id, epoch=epoch, seq=seq)
+        if self.core.queue_length:
+            self.wake.set()  # queued requests may now be offloaded
+
+    def controller_address(self) -> str:
+        return str(self.cfg.controller.listen)
+
+    def registration(self) -> Registration:
+        return Registration(
+            region=self.region,
+            balancer_id=self.balancer_id,
+            epoch=self.epoch,
+            http_url=self.region_cfg.balancer.advertise_url,
+            grpc_address=str(self.region_cfg.balancer.grpc_advertise),
+        )
+
+    def set_controller_connected(self, connected: bool) -> None:
+        self.controller_connected = connected
+
+    def apply_topology(self, topology: Any) -> None:
+        if topology.version <= self.topology_version:
+            return
+        self.topology_version = topology.version
+        for assignment in topology.balancers:
+            if assignment.region == self.region:
+                self.set_replicas(
+                    [
+                        ReplicaInfo(r.replica_id, r.url, r.home_region or self.region)
+                        for r in assignment.replicas
+                    ]
+                )
+            elif assignment.region in self.peers:
+                peer = self.peers[assignment.region]
+                if peer.alive and not assignment.alive:
+                    # the controller's probes found its balancer dead, or it deregistered to
+                    # drain: what waits for it is decided again now; forwards in flight are
+                    # left to a draining balancer to finish (a dead one's break on their own)
+                    self.peer_down(assignment.region, "controller declared its balancer dead", cut_forwards=False)
+                peer.alive = assignment.alive
+                if assignment.http_url:
+                    peer.http_url = assignment.http_url
+                # the regions whose replicas it owns besides its own: origins its forwards
+                # may claim (the peer listener binds the claim to its certificate)
+                self.peer_adoptions[assignment.region] = frozenset(
+                    r.home_region for r in assignment.replicas
+                    if r.home_region != assignment.region and r.home_region in self.region_names)
+        log.info("topology applied", extra={"version": topology.version, "replicas": len(self.replicas)})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -681,6 +772,10 @@ class Balancer:
         return web.json_response(self.admin_status())
 
     def admin_status(self) -> dict[str, Any]:
+        return self.status_report().admin
+
+    def status_report(self) -> StatusReport:
+        """The /admin/status document, and the fields of it the controller report carries."""
         now = asyncio.get_running_loop().time()
         snap = self.core.snapshot()
         replicas = {}
@@ -688,7 +783,8 @@ class Balancer:
             v = snap["replicas"].get(rid, {})
             replicas[rid] = {"url": info.url, "home_region": info.home_region, **v,
                              "cache_source": self._cache_source(rid)}
-        return {
+        prefix_hit_ratio = round(self.prefix_hit_ratio(), 4)
+        admin = {
             "region": self.region,
             "balancer_id": self.balancer_id,
             "epoch": self.epoch,
@@ -700,7 +796,7 @@ class Balancer:
             "in_flight": snap["in_flight"],
             "offloaded_out": self.offloaded_out,
             "offloaded_in": self.offloaded_in,
-            "prefix_hit_ratio": round(self.prefix_hit_ratio(), 4),
+            "prefix_hit_ratio": prefix_hit_ratio,
             "replicas": replicas,
             "peers": self.offload.snapshot_state(now),
             "controller_connected": self.controller_connected,
@@ -711,6 +807,25 @@ class Balancer:
             "policy_stats": snap["policy"],
             "kv_events": self.kv_events_status(),
         }
+        return StatusReport(
+            queue_length=snap["queue_length"],
+            offloaded_out=self.offloaded_out,
+            offloaded_in=self.offloaded_in,
+            prefix_hit_ratio=prefix_hit_ratio,
+            replicas=tuple(
+                ReplicaStatus(
+                    replica_id=rid,
+                    url=r["url"],
+                    healthy=r.get("healthy", False),
+                    available=r.get("available", False),
+                    num_running=r.get("num_running", 0),
+                    num_waiting=r.get("num_waiting", 0),
+                    kv_cache_usage=r.get("kv_cache_usage", 0.0),
+                )
+                for rid, r in replicas.items()
+            ),
+            admin=admin,
+        )
 
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
