@@ -1,12 +1,11 @@
 """The balancer's mesh services run their loops supervised: a bug in a heartbeat or
 controller-link loop is counted in ``loop_restarts`` and the loop carries on, instead of
-the link going quiet forever. Real gRPC on loopback; the balancer is a stand-in object
-with just the attributes the services read."""
+the link going quiet forever. Real gRPC on loopback; the balancer is a stand-in behind
+the services' ports (tests/balancer_standin.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -15,9 +14,8 @@ import pytest
 from skymesh.balancer.services import ControllerLink, PeerMesh, loop_restart_counts
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.base import RoutingRequest
-from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import ProbeSample, RegionCore
-from skymesh.routing.registry import make_policy
+from skymesh.routing.region import ProbeSample
+from tests.balancer_standin import StandInBalancer
 from tests.mesh_helpers import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,29 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 INTERVAL_S = 0.05
 
 
-def region_core(region: str) -> RegionCore:
-    # the real (pure) region core: heartbeats are read from and applied to it
-    return RegionCore(region, make_policy("round_robin"), OffloadRouter(region, {}))
-
-
-def fake_balancer(region: str, grpc_port: int, peers: dict[str, int]) -> Any:
-    return SimpleNamespace(
-        region=region, balancer_id=f"{region}-1", epoch=1, offloaded_out=0, offloaded_in=0,
-        core=region_core(region), topology_version=0, controller_connected=False, replicas={},
-        wake=asyncio.Event(),
-        peers={r: SimpleNamespace(grpc_address=f"127.0.0.1:{p}") for r, p in peers.items()},
-        cfg=SimpleNamespace(
-            emulate_latency=False,
-            tls=None,  # loopback-only, no TLS: the mTLS paths are in test_mesh_identity
-            offload=SimpleNamespace(heartbeat_interval_s=INTERVAL_S),
-            policy=SimpleNamespace(probe_interval_s=INTERVAL_S),
-            controller=SimpleNamespace(listen=f"127.0.0.1:{grpc_port}"),
-        ),
-        region_cfg=SimpleNamespace(balancer=SimpleNamespace(
-            grpc_listen=SimpleNamespace(host="127.0.0.1", port=grpc_port),
-            advertise_url="http://127.0.0.1:1", grpc_advertise=f"127.0.0.1:{grpc_port}",
-        )),
-    )
+def fake_balancer(region: str, grpc_port: int, peers: dict[str, int]) -> StandInBalancer:
+    return StandInBalancer(region, grpc_port, peers, INTERVAL_S, controller_listen=f"127.0.0.1:{grpc_port}")
 
 
 def fail_first_call(obj: Any, attr: str, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
@@ -96,9 +73,11 @@ async def test_a_heartbeat_carries_the_drain_rate_peers_predict_with(monkeypatch
     """What a peer predicts a forwarded request's wait from travels over real gRPC: a
     applies the placement rate b's region core reported in a heartbeat b sent."""
     port_a, port_b = free_port(), free_port()
-    a = PeerMesh(fake_balancer("a", port_a, {"b": port_b}))
-    b = PeerMesh(fake_balancer("b", port_b, {}))
-    core = b.b.core
+    balancer_a = fake_balancer("a", port_a, {"b": port_b})
+    a = PeerMesh(balancer_a)
+    balancer_b = fake_balancer("b", port_b, {})
+    b = PeerMesh(balancer_b)
+    core = balancer_b.core
     core.set_replicas(["r0"], 0.0)
     start = asyncio.get_running_loop().time() - 3.0
     for i in range(6):  # six placements over the last three seconds
@@ -120,7 +99,7 @@ async def test_a_heartbeat_carries_the_drain_rate_peers_predict_with(monkeypatch
     await a.start()
     try:
         for _ in range(200):
-            peer = a.b.core.offload.peers.get("b")
+            peer = balancer_a.core.offload.peers.get("b")
             if peer is not None and peer.placements_per_s > 0:
                 break
             await asyncio.sleep(INTERVAL_S)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import stat
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -31,8 +30,9 @@ from skymesh.pki import (
     secure_channel,
 )
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from tests.balancer_standin import StandInBalancer
 from tests.mesh_helpers import free_port, local_config_free_ports, report_figures
-from tests.test_balancer_services import INTERVAL_S, fake_balancer
+from tests.test_balancer_services import INTERVAL_S
 from tests.test_controller import wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.fault]
@@ -237,13 +237,11 @@ async def test_the_controller_issues_epochs_and_ignores_the_callers(tmp_path: Pa
 # ----------------------------------------------------------------------------- heartbeats
 
 
-def tls_balancer(cfg: MeshConfig, region: str, grpc_port: int, peers: dict[str, int]) -> Any:
-    b = fake_balancer(region, grpc_port, peers)
-    b.cfg.tls = cfg.tls
-    b.cfg.controller = SimpleNamespace(listen=cfg.controller.listen)
-    b.region_cfg.balancer.advertise_url = cfg.region(region).balancer.advertise_url
-    b.region_cfg.balancer.grpc_advertise = cfg.region(region).balancer.grpc_advertise
-    return b
+def tls_balancer(cfg: MeshConfig, region: str, grpc_port: int, peers: dict[str, int]) -> StandInBalancer:
+    balancer = cfg.region(region).balancer
+    return StandInBalancer(region, grpc_port, peers, INTERVAL_S, controller_listen=str(cfg.controller.listen),
+                           creds=load_credentials(cfg, region), advertise_url=balancer.advertise_url,
+                           grpc_advertise=str(balancer.grpc_advertise))
 
 
 async def send_heartbeats(address: str, channel: grpc.aio.Channel, *beats: Any) -> None:
@@ -269,11 +267,12 @@ async def test_forged_heartbeats_are_rejected(tmp_path: Path) -> None:
     cfg = identity_config(tmp_path)
     port = free_port()
     # us-east-1 listens; it has two peers and dials none (their ports are closed)
-    use1 = PeerMesh(tls_balancer(cfg, "us-east-1", port, {"eu-west-1": free_port(), "ap-northeast-1": free_port()}))
+    balancer = tls_balancer(cfg, "us-east-1", port, {"eu-west-1": free_port(), "ap-northeast-1": free_port()})
+    use1 = PeerMesh(balancer)
     addr = f"127.0.0.1:{port}"
     await use1.start()
     try:
-        peers = use1.b.core.offload.peers
+        peers = balancer.core.offload.peers
         # no certificate: the handshake fails, nothing is applied
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await send_heartbeats(addr, grpc.aio.insecure_channel(addr), fake_beat("eu-west-1"))
@@ -310,14 +309,15 @@ async def test_a_dialer_only_talks_to_the_region_it_dialed(tmp_path: Path) -> No
     (the certificate does not name eu-west-1), so nothing it says is applied."""
     cfg = identity_config(tmp_path)
     port_use1, port_there = free_port(), free_port()
-    use1 = PeerMesh(tls_balancer(cfg, "us-east-1", port_use1, {"eu-west-1": port_there}))
+    balancer = tls_balancer(cfg, "us-east-1", port_use1, {"eu-west-1": port_there})
+    use1 = PeerMesh(balancer)
     impostor = PeerMesh(tls_balancer(cfg, "ap-northeast-1", port_there, {}))
     await impostor.start()
     await use1.start()
     try:
         await asyncio.sleep(20 * INTERVAL_S)
-        assert "eu-west-1" not in use1.b.core.offload.peers
-        assert "ap-northeast-1" not in use1.b.core.offload.peers
+        assert "eu-west-1" not in balancer.core.offload.peers
+        assert "ap-northeast-1" not in balancer.core.offload.peers
     finally:
         await use1.stop()
         await impostor.stop()
@@ -326,27 +326,27 @@ async def test_a_dialer_only_talks_to_the_region_it_dialed(tmp_path: Path) -> No
 async def test_happy_path_two_balancers_and_the_controller(tmp_path: Path) -> None:
     cfg = identity_config(tmp_path)
     port_a, port_b = free_port(), free_port()
-    a = PeerMesh(tls_balancer(cfg, "us-east-1", port_a, {"eu-west-1": port_b}))
-    b = PeerMesh(tls_balancer(cfg, "eu-west-1", port_b, {"us-east-1": port_a}))
-    links = [ControllerLink(x.b, report_interval_s=INTERVAL_S) for x in (a, b)]
-    for link in links:
-        # the stand-in balancer has no replicas to set: the topology is only recorded
-        link.apply_topology = lambda topo: None  # type: ignore[method-assign]
-        link.report = lambda link=link: mesh_pb2.BalancerReport(  # type: ignore[method-assign]
-            region=link.b.region, balancer_id=link.b.balancer_id, epoch=link.controller_epoch, admin_json="{}")
+    balancer_a = tls_balancer(cfg, "us-east-1", port_a, {"eu-west-1": port_b})
+    balancer_b = tls_balancer(cfg, "eu-west-1", port_b, {"us-east-1": port_a})
+    a, b = PeerMesh(balancer_a), PeerMesh(balancer_b)
+    # the stand-in balancer has no replicas to set: the topology is only recorded
+    links = [ControllerLink(x, report_interval_s=INTERVAL_S) for x in (balancer_a, balancer_b)]
+    for link, x in zip(links, (balancer_a, balancer_b), strict=True):
+        link.report = lambda link=link, x=x: mesh_pb2.BalancerReport(  # type: ignore[method-assign]
+            region=x.region, balancer_id=x.balancer_id, epoch=link.controller_epoch, admin_json="{}")
     async with running_controller(cfg) as svc:
         for svc_ in (a, b, *links):
             await svc_.start()
         try:
             async def meshed() -> bool:
-                return ("eu-west-1" in a.b.core.offload.peers and "us-east-1" in b.b.core.offload.peers
+                return ("eu-west-1" in balancer_a.core.offload.peers and "us-east-1" in balancer_b.core.offload.peers
                         and all(link.controller_epoch for link in links)
                         and {"us-east-1", "eu-west-1"} <= set(svc.reports))
 
             await wait_until(meshed, "heartbeats exchanged, both registered and reporting", within_s=20)
             assert a.rejected_heartbeats == {} and b.rejected_heartbeats == {}
             assert svc.balancers["us-east-1"]["balancer_id"] == "us-east-1-1"
-            assert all(link.b.controller_connected for link in links)
+            assert balancer_a.controller_connected and balancer_b.controller_connected
         finally:
             for svc_ in (*links, a, b):
                 await svc_.stop()

@@ -6,6 +6,9 @@ import argparse
 import logging
 import sys
 
+from skymesh.balancer.reload import reload_balancer
+from skymesh.balancer.server import Balancer
+from skymesh.balancer.services import attach_services
 from skymesh.config import (
     BalancerConfig,
     ConfigError,
@@ -71,10 +74,6 @@ def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from skymesh.balancer.reload import reload_balancer
-    from skymesh.balancer.server import Balancer
-    from skymesh.balancer.services import attach_services
-
     def prepare(cfg: MeshConfig) -> MeshConfig:  # the command line's overrides, at start and on reload
         return with_listen_ports(cfg, args.region, args.http_port, args.grpc_port, args.peer_port)
 

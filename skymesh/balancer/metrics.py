@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from skymesh.edge.metrics import EdgeMetrics
 from skymesh.routing.base import Decision, RoutingRequest
-
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
+from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import RegionCore
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 _DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01)
@@ -60,7 +59,23 @@ class BalancerSnapshot:
     rejected_peer_calls: Mapping[str, int] = field(default_factory=dict)
 
 
-def balancer_snapshot(b: Balancer) -> BalancerSnapshot:
+class SnapshotSource(Protocol):
+    """What a scrape reads off the balancer (skymesh.balancer.server.Balancer)."""
+
+    @property
+    def core(self) -> RegionCore: ...
+
+    @property
+    def offload(self) -> OffloadRouter: ...
+
+    def prefix_hit_ratio(self) -> float: ...
+
+    def loop_restart_counts(self) -> dict[str, int]: ...
+
+    def rejected_peer_calls(self) -> dict[str, int]: ...
+
+
+def balancer_snapshot(b: SnapshotSource) -> BalancerSnapshot:
     """Reads a :class:`BalancerSnapshot` off a running balancer: the one place the metrics
     know the Balancer's fields (called in the /metrics handler, on the event loop)."""
     now = asyncio.get_running_loop().time()

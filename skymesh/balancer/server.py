@@ -8,6 +8,11 @@ Request path: validate → hash the prompt once → ``core.submit`` → a dispat
 outcome goes back to the core (``first_token``, ``complete``, ``fail``). The client
 leaving at any point is ``client_gone``. See docs/routing.md for the layers.
 
+This module is the wiring, the lifecycle and the HTTP surface (admission: parse, origin,
+SLO class, encode, submit). What follows admission, the serve/retry loop, the headers of
+an attempt and the outcome accounting, is skymesh/balancer/request_flow.py; what the mesh
+services (services.py) may ask of the balancer is skymesh/balancer/ports.py.
+
 Failure rules (the core's): before the first byte reaches the client, a failed replica
 (or peer) puts the request back at the head of the queue and it never goes to that
 replica again; after the first byte a failure ends the stream with an SSE error event.
@@ -24,7 +29,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,48 +45,51 @@ from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.middleware import make_error_middleware
 from skymesh.balancer.peer_listener import make_binding_middleware, site_port, start_peer_site
+from skymesh.balancer.ports import VERSION, Registration, ReplicaStatus, StatusReport
 from skymesh.balancer.prober import ProbeResult, probe_replica
-from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
-from skymesh.balancer.requests import ParsedRequest, parse_body
-from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
-from skymesh.balancer.usage import (
-    judge_prediction,
-    reported_cached_tokens,
-    reported_completion_tokens,
+from skymesh.balancer.proxy import AttemptTarget, UpstreamTimeouts
+from skymesh.balancer.request_flow import (
+    HOP_HEADER,
+    ORIGIN_HEADER,
+    TOKEN_HEADER,
+    RequestFlow,
+    Waiter,
+    encode_request,
+    peer_target,
+    replica_target,
 )
+from skymesh.balancer.requests import ParsedRequest, parse_body
+from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls
+from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.config import (
     ConfigError,
+    HostPort,
     KvEventsEndpoint,
     MeshConfig,
     ReplicaConfig,
     region_of_address,
 )
-from skymesh.edge.openai_errors import RequestError, error_response
+from skymesh.edge.openai_errors import RequestError
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
-from skymesh.pki import balancer_server_name, peer_tls
+from skymesh.pki import Credentials, balancer_server_name, load_credentials, peer_tls
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.reload import ReloadStatus
 from skymesh.routing.assembly import build_region_core as assemble_region_core
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
-    AbandonAttempt,
     Action,
     ForwardToRegion,
+    HeartbeatSnapshot,
     ProbeSample,
     RegionCore,
     Reject,
     SendToReplica,
 )
-from skymesh.slo import SloClass, apply_slo_class, missed_targets
+from skymesh.slo import apply_slo_class
 from skymesh.supervise import SupervisedLoop
 
 log = logging.getLogger("skymesh.balancer")
-
-HOP_HEADER = "X-Skymesh-Hop"
-TOKEN_HEADER = "X-Skymesh-Peer-Token"
-ORIGIN_HEADER = "X-Skymesh-Origin-Region"
-VERSION = "0.1.0"
 
 
 @dataclass(slots=True)
@@ -141,40 +149,6 @@ def build_encoder(cfg: MeshConfig) -> PromptEncoder:
         raise ConfigError("tokenizer", f"cannot load the tokenizer or chat template: {e}") from None
 
 
-def encode_request(encoder: PromptEncoder, parsed: ParsedRequest) -> EncodedPrompt:
-    """What routing needs of a parsed request (400 when the chat template refuses it)."""
-    if parsed.prompt_ids is not None:
-        encoded = encoder.encode_ids(parsed.prompt_ids)
-    elif parsed.messages is not None and encoder.chat_template is not None:
-        try:
-            text = encoder.chat_template.render(parsed.messages)
-        except Exception as e:  # the template's own raise_exception, or content it cannot render
-            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        encoded = encoder.encode_text(text, chat=True)
-    else:
-        encoded = encoder.encode_text(parsed.prompt, chat=parsed.messages is not None)
-    if not parsed.extra_prompts:
-        return encoded
-    extra = sum(len(x) if isinstance(x, list) else encoder.encode_text(x).tokens for x in parsed.extra_prompts)
-    return EncodedPrompt(encoded.chunk_hashes, encoded.tokens + extra)
-
-
-class _Waiter:
-    """Where one request's handler waits for the core's next word on it."""
-
-    __slots__ = ("future", "attempt_task", "first_byte_at")
-
-    def __init__(self) -> None:
-        self.future: asyncio.Future[Action] = asyncio.get_running_loop().create_future()
-        self.attempt_task: asyncio.Task[AttemptOutcome] | None = None
-        # when the first byte of a streamed answer reached the balancer (its TTFT)
-        self.first_byte_at: float | None = None
-
-    def renew(self) -> None:
-        if self.future.done():
-            self.future = asyncio.get_running_loop().create_future()
-
-
 class Balancer:
     def __init__(
         self,
@@ -207,7 +181,12 @@ class Balancer:
         self._source_networks = cfg.source_network_table()
         self.replicas: dict[str, ReplicaInfo] = {}
         self.wake = asyncio.Event()
-        self.waiters: dict[str, _Waiter] = {}
+        self.metrics = BalancerMetrics(region, lambda: balancer_snapshot(self))
+        # after admission: the serve/retry loop and its accounting (request_flow.py)
+        self.flow = RequestFlow(self.core, self.metrics, self.wake, target=self._target,
+                                timeouts=lambda: self.timeouts, chunk_tokens=lambda: self.cfg.policy.chunk_tokens,
+                                cache_source=self._cache_source)
+        self.waiters = self.flow.waiters
         self.set_replicas(
             [ReplicaInfo(r.id, r.url, region) for r in self.region_cfg.replicas]
         )
@@ -226,7 +205,6 @@ class Balancer:
         self.peer_adoptions: dict[str, frozenset[str]] = {}
         # forwards refused by mesh identity, by reason (skymesh_rejected_peer_calls)
         self.refused_forwards: dict[str, int] = {}
-        self.metrics = BalancerMetrics(region, lambda: balancer_snapshot(self))
         self.controller_connected = False
         self.topology_version = 0
         self._ids = itertools.count()
@@ -335,8 +313,6 @@ class Balancer:
         return time.monotonic()
 
     def rejected_peer_calls(self) -> dict[str, int]:
-        from skymesh.balancer.services import rejected_peer_calls
-
         out = rejected_peer_calls(self.extra_services)
         for reason, n in self.refused_forwards.items():
             out[reason] = out.get(reason, 0) + n
@@ -352,8 +328,6 @@ class Balancer:
 
     def loop_restart_counts(self) -> dict[str, int]:
         """Restarts of this balancer's supervised loops and its services' (by loop name)."""
-        from skymesh.balancer.services import loop_restart_counts
-
         counts = {loop.name: loop.restarts for loop in self._loops if loop.restarts}
         for name, n in loop_restart_counts(self.extra_services).items():
             counts[name] = counts.get(name, 0) + n
@@ -366,6 +340,98 @@ class Balancer:
     @property
     def offloaded_in(self) -> int:
         return self.core.offloaded_in
+
+    # ------------------------------------------------------------------ the mesh services' view
+    # (skymesh/balancer/ports.py: what PeerMesh and ControllerLink may ask of the balancer)
+
+    def mesh_credentials(self) -> Credentials | None:
+        return load_credentials(self.cfg, self.region)
+
+    def heartbeat_interval_s(self) -> float:
+        return self.cfg.offload.heartbeat_interval_s
+
+    def probe_interval_s(self) -> float:
+        return self.cfg.policy.probe_interval_s
+
+    def offload_enabled(self) -> bool:
+        return self.cfg.offload.enabled
+
+    def grpc_listen(self) -> HostPort:
+        return self.region_cfg.balancer.grpc_listen
+
+    def peer_regions(self) -> Collection[str]:
+        return self.peers.keys()
+
+    def peer_grpc_address(self, region: str) -> str | None:
+        peer = self.peers.get(region)
+        return None if peer is None else peer.grpc_address
+
+    def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
+        return self.core.heartbeat(now)
+
+    def availability(self) -> tuple[int, int]:
+        return self.core.available_count(), self.core.queue_length
+
+    def offload_counts(self) -> tuple[int, int]:
+        return self.offloaded_out, self.offloaded_in
+
+    def heartbeat_delay_s(self, region: str) -> float:
+        cfg = self.cfg
+        if not cfg.emulate_latency:
+            return 0.0
+        # gRPC cannot bind a source address, so the delay proxies cannot tell which
+        # region a heartbeat stream comes from; apply the link's one-way latency here.
+        return max(0.0, (cfg.one_way_ms(region, self.region) - cfg.local_latency_ms) / 1000)
+
+    def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
+                             balancer_id: str, epoch: int, seq: int) -> None:
+        self.core.peer_heartbeat(region, snapshot, now, balancer_id=balancer_id, epoch=epoch, seq=seq)
+        if self.core.queue_length:
+            self.wake.set()  # queued requests may now be offloaded
+
+    def controller_address(self) -> str:
+        return str(self.cfg.controller.listen)
+
+    def registration(self) -> Registration:
+        return Registration(
+            region=self.region,
+            balancer_id=self.balancer_id,
+            epoch=self.epoch,
+            http_url=self.region_cfg.balancer.advertise_url,
+            grpc_address=str(self.region_cfg.balancer.grpc_advertise),
+        )
+
+    def set_controller_connected(self, connected: bool) -> None:
+        self.controller_connected = connected
+
+    def apply_topology(self, topology: Any) -> None:
+        if topology.version <= self.topology_version:
+            return
+        self.topology_version = topology.version
+        for assignment in topology.balancers:
+            if assignment.region == self.region:
+                self.set_replicas(
+                    [
+                        ReplicaInfo(r.replica_id, r.url, r.home_region or self.region)
+                        for r in assignment.replicas
+                    ]
+                )
+            elif assignment.region in self.peers:
+                peer = self.peers[assignment.region]
+                if peer.alive and not assignment.alive:
+                    # the controller's probes found its balancer dead, or it deregistered to
+                    # drain: what waits for it is decided again now; forwards in flight are
+                    # left to a draining balancer to finish (a dead one's break on their own)
+                    self.peer_down(assignment.region, "controller declared its balancer dead", cut_forwards=False)
+                peer.alive = assignment.alive
+                if assignment.http_url:
+                    peer.http_url = assignment.http_url
+                # the regions whose replicas it owns besides its own: origins its forwards
+                # may claim (the peer listener binds the claim to its certificate)
+                self.peer_adoptions[assignment.region] = frozenset(
+                    r.home_region for r in assignment.replicas
+                    if r.home_region != assignment.region and r.home_region in self.region_names)
+        log.info("topology applied", extra={"version": topology.version, "replicas": len(self.replicas)})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -556,22 +622,8 @@ class Balancer:
         self._apply(actions)
 
     def _apply(self, actions: list[Action]) -> None:
-        """Carry out the core's actions: wake the handler that waits for each request."""
-        for action in actions:
-            if isinstance(action, SendToReplica):
-                self.metrics.observe_decision(self.core.request_of(action.request_id), action.decision)
-            elif isinstance(action, ForwardToRegion):
-                self.metrics.offloaded.labels("out", action.region).inc()
-            waiter = self.waiters.get(action.request_id)
-            if waiter is None:
-                continue  # not this daemon's handler (cannot happen) or already gone
-            if isinstance(action, AbandonAttempt):
-                # queued again already; stop the attempt that has sent the client nothing
-                if waiter.attempt_task is not None:
-                    waiter.attempt_task.cancel()
-                continue
-            if not waiter.future.done():
-                waiter.future.set_result(action)
+        """Carry out the core's actions (RequestFlow.apply: wake the waiting handlers)."""
+        self.flow.apply(actions)
 
     # ------------------------------------------------------------------ HTTP handlers
 
@@ -602,6 +654,10 @@ class Balancer:
         return web.json_response(self.admin_status())
 
     def admin_status(self) -> dict[str, Any]:
+        return self.status_report().admin
+
+    def status_report(self) -> StatusReport:
+        """The /admin/status document, and the fields of it the controller report carries."""
         now = asyncio.get_running_loop().time()
         snap = self.core.snapshot()
         replicas = {}
@@ -609,7 +665,8 @@ class Balancer:
             v = snap["replicas"].get(rid, {})
             replicas[rid] = {"url": info.url, "home_region": info.home_region, **v,
                              "cache_source": self._cache_source(rid)}
-        return {
+        prefix_hit_ratio = round(self.prefix_hit_ratio(), 4)
+        admin = {
             "region": self.region,
             "balancer_id": self.balancer_id,
             "epoch": self.epoch,
@@ -621,7 +678,7 @@ class Balancer:
             "in_flight": snap["in_flight"],
             "offloaded_out": self.offloaded_out,
             "offloaded_in": self.offloaded_in,
-            "prefix_hit_ratio": round(self.prefix_hit_ratio(), 4),
+            "prefix_hit_ratio": prefix_hit_ratio,
             "replicas": replicas,
             "peers": self.offload.snapshot_state(now),
             "controller_connected": self.controller_connected,
@@ -632,6 +689,25 @@ class Balancer:
             "policy_stats": snap["policy"],
             "kv_events": self.kv_events_status(),
         }
+        return StatusReport(
+            queue_length=snap["queue_length"],
+            offloaded_out=self.offloaded_out,
+            offloaded_in=self.offloaded_in,
+            prefix_hit_ratio=prefix_hit_ratio,
+            replicas=tuple(
+                ReplicaStatus(
+                    replica_id=rid,
+                    url=r["url"],
+                    healthy=r.get("healthy", False),
+                    available=r.get("available", False),
+                    num_running=r.get("num_running", 0),
+                    num_waiting=r.get("num_waiting", 0),
+                    kv_cache_usage=r.get("kv_cache_usage", 0.0),
+                )
+                for rid, r in replicas.items()
+            ),
+            admin=admin,
+        )
 
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -669,16 +745,16 @@ class Balancer:
             self.metrics.offloaded.labels("in", origin or "unknown").inc()
         if slo is not None and not forwarded:  # judged where the client called, once
             self.metrics.slo_requests.labels(slo.name).inc()
-        waiter = self.waiters[req.request_id] = _Waiter()
+        waiter = self.waiters[req.request_id] = Waiter()
         try:
             for action in self.core.submit(req, now):
                 assert isinstance(action, Reject)
-                self._count_slo_outcome(req, slo, "rejected")
-                return self._reject(action)
+                self.flow.count_slo_outcome(req, slo, "rejected")
+                return self.flow.reject(action)
             self.wake.set()
-            return await self._serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1, slo)
+            return await self.flow.serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1, slo)
         except asyncio.CancelledError:
-            self._count_slo_outcome(req, slo, "cancelled")  # the client went away
+            self.flow.count_slo_outcome(req, slo, "cancelled")  # the client went away
             raise
         finally:
             self.waiters.pop(req.request_id, None)
@@ -710,159 +786,25 @@ class Balancer:
         region = region_of_address(self._source_networks, request.remote or "")
         return None if region == self.region else region
 
-    def _reject(self, r: Reject) -> web.Response:
-        self.metrics.rejections.labels(str(r.status)).inc()
-        headers = {"Retry-After": str(max(1, round(r.retry_after_s)))} if r.retry_after_s else None
-        return error_response(r.status, r.message, code=r.code, headers=headers)
-
-    async def _serve(
-        self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: _Waiter,
-        single_prompt: bool = True, slo: SloClass | None = None,
-    ) -> web.StreamResponse:
-        while True:
-            action = await waiter.future
-            waiter.renew()
-            if isinstance(action, Reject):
-                self._count_slo_outcome(req, slo, "rejected")
-                return self._reject(action)
-            assert isinstance(action, SendToReplica | ForwardToRegion)
-            target = self._target(request, req, action)
-            if target is None:  # the replica left membership between placement and now
-                self._apply(self.core.fail(req.request_id, self._now(), reason="left membership",
-                                           counts_against_health=False))
-                continue
-            on_peer = isinstance(action, ForwardToRegion)
-            deadline = self.timeouts.first_byte_deadline_s(
-                stream=stream,
-                max_tokens=req.max_tokens,
-                # a peer may queue it for up to its own queue-wait bound first
-                extra_s=(self.core.settings.max_queue_wait_s or 0.0) if on_peer else 0.0,
-            )
-            task = waiter.attempt_task = asyncio.create_task(
-                attempt(request, raw, target, self.timeouts, deadline, self._first_byte_hook(req, waiter))
-            )
-            try:
-                outcome = await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # the client went away (the finally in _handle releases it)
-                # AbandonAttempt: the core queued it again already (or a Reject follows);
-                # wait for the next word
-                self.metrics.retries.labels("peer" if on_peer else "replica").inc()
-                continue
-            finally:
-                waiter.attempt_task = None
-            now = self._now()
-            if outcome.outcome is Outcome.SERVED:
-                if isinstance(action, SendToReplica) and single_prompt:
-                    self._judge_prediction(action, outcome.tail)
-                self.core.complete(req.request_id, now)
-                self.wake.set()
-                self._judge_slo(req, slo, waiter, outcome, now)
-                assert outcome.response is not None
-                return outcome.response
-            if outcome.outcome is Outcome.FAILED_MIDSTREAM:
-                self.metrics.midstream_failures.labels("peer" if on_peer else "replica").inc()
-                self.core.fail(req.request_id, now, reason=outcome.reason)
-                self.wake.set()
-                self._count_slo_outcome(req, slo, "failed")
-                assert outcome.response is not None
-                return outcome.response
-            log.warning("attempt failed before output",
-                        extra={"target": getattr(action, "replica_id", None) or getattr(action, "region", None),
-                               "reason": outcome.reason})
-            actions = self.core.fail(req.request_id, now, reason=outcome.reason,
-                                     counts_against_health=outcome.counts_against_health)
-            if not any(isinstance(a, Reject) and a.request_id == req.request_id for a in actions):
-                self.metrics.retries.labels("peer" if on_peer else "replica").inc()
-            self._apply(actions)
-            self.wake.set()
-
-    def _judge_prediction(self, action: SendToReplica, tail: bytes) -> None:
-        """Count how the policy's expected cached prefix compares with the replica's own
-        count, when the replica reports one (vLLM's --enable-prompt-tokens-details)."""
-        cached = reported_cached_tokens(tail)
-        if cached is None:
-            return
-        result = judge_prediction(action.decision.matched_tokens, cached, self.cfg.policy.chunk_tokens)
-        self.metrics.cache_predictions.labels(result.value, self._cache_source(action.replica_id)).inc()
-
-    def _count_slo_outcome(self, req: RoutingRequest, slo: SloClass | None, outcome: str) -> None:
-        if slo is not None and not req.forwarded:
-            self.metrics.slo_outcomes.labels(slo.name, outcome).inc()
-
-    def _judge_slo(self, req: RoutingRequest, slo: SloClass | None, waiter: _Waiter,
-                   outcome: AttemptOutcome, now: float) -> None:
-        """Count a served answer against its class's targets (see skymesh/slo.py)."""
-        if slo is None or req.forwarded:
-            return
-        ttft = None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival
-        missed = missed_targets(slo.targets, e2e_s=now - req.arrival, ttft_s=ttft,
-                                completion_tokens=reported_completion_tokens(outcome.tail))
-        for target in missed:
-            self.metrics.slo_target_misses.labels(slo.name, target).inc()
-        self._count_slo_outcome(req, slo, "missed" if missed else "met")
-
-    def _first_byte_hook(self, req: RoutingRequest, waiter: _Waiter) -> Callable[[bool], None]:
-        def on_first_byte(is_stream: bool) -> None:
-            if is_stream:
-                waiter.first_byte_at = self._now()
-            # a non-streaming answer arrives whole: its first byte is not its first token,
-            # so it must not feed the policy's TTFT model
-            ttft = self.core.first_token(req.request_id, self._now(), observe=is_stream)
-            if ttft is not None and is_stream:
-                self.metrics.observed_ttft.observe(ttft)
-            self.wake.set()
-
-        return on_first_byte
-
     def _target(
         self, request: web.Request, req: RoutingRequest, action: SendToReplica | ForwardToRegion
     ) -> AttemptTarget | None:
-        headers = {"Content-Type": "application/json"}
+        """Where an attempt for ``action`` goes (None: the replica left membership, or the
+        peer has no peer listener)."""
         if isinstance(action, SendToReplica):
             info = self.replicas.get(action.replica_id)
             if info is None:
                 return None
-            replica_id = action.replica_id
             assert self._session is not None
-
-            def local_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-                return {
-                    "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                    "X-Skymesh-Region": self.region,
-                    "X-Skymesh-Replica": replica_id,
-                    "X-Skymesh-Offloaded": "0",
-                    "X-Skymesh-Path": self.region,
-                    "X-Request-Id": req.request_id,
-                }
-
-            return AttemptTarget(info.url + request.path, headers, self._session, local_headers)
-        headers[HOP_HEADER] = "1"
-        headers[TOKEN_HEADER] = self.peer_token
-        headers[ORIGIN_HEADER] = self.region
-        if req.slo_class:  # the peer judges placement by the same class
-            headers[SLO_CLASS_HEADER] = req.slo_class
+            return replica_target(info.url, request, self._session, region=self.region,
+                                  replica_id=action.replica_id, request_id=req.request_id)
         assert self._egress is not None
         peer_url = self.peers[action.region].peer_url
         if peer_url is None:  # no peer listener configured there (the config needs one to offload)
             return None
-
-        def peer_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-            return {
-                "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                "X-Skymesh-Region": upstream.headers.get("X-Skymesh-Region", action.region),
-                "X-Skymesh-Replica": upstream.headers.get("X-Skymesh-Replica", ""),
-                "X-Skymesh-Offloaded": "1",
-                # the regions this request went through, origin first ("a>b" when offloaded)
-                "X-Skymesh-Path": f"{self.region}>{upstream.headers.get('X-Skymesh-Path', action.region)}",
-                "X-Request-Id": req.request_id,
-            }
-
-        return AttemptTarget(
-            peer_url + request.path, headers, self._egress, peer_headers,
-            # mTLS: present this balancer's certificate, accept only the region dialed
-            ssl=True if self.peer_tls is None else self.peer_tls.client,
+        return peer_target(
+            peer_url, request, self._egress, region=self.region, peer_region=action.region,
+            peer_token=self.peer_token, req=req,
+            client_tls=None if self.peer_tls is None else self.peer_tls.client,
             server_hostname=None if self.peer_tls is None else balancer_server_name(action.region),
         )

@@ -13,15 +13,21 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
+from skymesh.balancer.ports import (
+    VERSION,
+    ControllerLinkBalancer,
+    MeshServicesBalancer,
+    PeerMeshBalancer,
+    StatusReport,
+)
 from skymesh.pki import (
     CONTROLLER_SERVER_NAME,
     Credentials,
     balancer_server_name,
-    load_credentials,
     peer_identity,
     region_of_identity,
     require_credentials_off_loopback,
@@ -31,9 +37,6 @@ from skymesh.procs import cancel_tasks, wait_event
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.region import HeartbeatSnapshot
 from skymesh.supervise import RestartHook, SupervisedLoop
-
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
 
 log = logging.getLogger("skymesh.balancer.mesh")
 
@@ -98,18 +101,18 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     filling up is seen by peers within one probe interval plus the one-way latency.
     """
 
-    def __init__(self, b: Balancer) -> None:
+    def __init__(self, balancer: PeerMeshBalancer) -> None:
         super().__init__()
-        self.b = b
+        self.balancer = balancer
         self.seq = 0
-        self.interval = b.cfg.offload.heartbeat_interval_s
+        self.interval = balancer.heartbeat_interval_s()
         self.changed = asyncio.Event()
         self._last_sent_state: tuple[int, int] | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._subscribers: set[asyncio.Event] = set()
         # mesh identity (None: loopback-only local mode without TLS)
-        self.creds: Credentials | None = load_credentials(b.cfg, b.region)
+        self.creds: Credentials | None = balancer.mesh_credentials()
         # heartbeats dropped because they claimed a region the stream is not authenticated
         # as, by claimed region
         self.rejected_heartbeats: dict[str, int] = {}
@@ -121,9 +124,10 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     # ------------------------------------------------------------------ what we send
 
     def heartbeat(self) -> Any:
-        b = self.b
+        b = self.balancer
         self.seq += 1
-        snap = b.core.heartbeat(asyncio.get_running_loop().time())
+        snap = b.heartbeat_snapshot(asyncio.get_running_loop().time())
+        offloaded_out, offloaded_in = b.offload_counts()
         return mesh_pb2.PeerHeartbeat(
             region=b.region,
             balancer_id=b.balancer_id,
@@ -133,16 +137,16 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             replicas_available=snap.replicas_available,
             queue_length=snap.queue_length,
             pending_prefill_tokens=snap.pending_prefill_tokens,
-            version=_version(),
+            version=VERSION,
             sent_unix_ms=int(time.time() * 1000),
-            offloaded_out=b.offloaded_out,
-            offloaded_in=b.offloaded_in,
+            offloaded_out=offloaded_out,
+            offloaded_in=offloaded_in,
             placements_per_s=snap.placements_per_s,
         )
 
     def notify_state(self) -> None:
         """Called after every dispatch round/probe: wake the senders if availability moved."""
-        state = (self.b.core.available_count(), self.b.core.queue_length)
+        state = self.balancer.availability()
         if state != self._last_sent_state:
             self._last_sent_state = state
             for ev in self._subscribers:
@@ -165,22 +169,19 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         """``stream_region``: the region the stream's peer authenticated as (None only
         without TLS). A heartbeat claiming any other region is dropped and counted.
         ``dialed``: it came on a stream this balancer opened (only those are applied)."""
+        b = self.balancer
+        peers = b.peer_regions()
         if self.creds is not None and hb.region != stream_region:
             # keyed by the claimed region only when it is a configured one: a caller must
             # not grow this map (or a metrics label) with names of its own choosing
-            claimed = hb.region if hb.region in self.b.peers or hb.region == self.b.region else "other"
+            claimed = hb.region if hb.region in peers or hb.region == b.region else "other"
             self.rejected_heartbeats[claimed] = self.rejected_heartbeats.get(claimed, 0) + 1
             log.warning("dropped a heartbeat claiming another region",
                         extra={"claimed": hb.region, "authenticated": stream_region or "none"})
             return
-        if hb.region == self.b.region or hb.region not in self.b.peers or not dialed:
+        if hb.region == b.region or hb.region not in peers or not dialed:
             return
-        cfg = self.b.cfg
-        delay = 0.0
-        if cfg.emulate_latency:
-            # gRPC cannot bind a source address, so the delay proxies cannot tell which
-            # region a heartbeat stream comes from; apply the link's one-way latency here.
-            delay = max(0.0, (cfg.one_way_ms(hb.region, self.b.region) - cfg.local_latency_ms) / 1000)
+        delay = b.heartbeat_delay_s(hb.region)
         loop = asyncio.get_running_loop()
         if delay > 0:
             held = self._held.setdefault(hb.region, set())
@@ -200,11 +201,10 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         The peer is declared dead now rather than at its heartbeat timeout."""
         for handle in self._held.pop(region, set()):
             handle.cancel()
-        self.b.peer_down(region, "heartbeat stream broke")
+        self.balancer.peer_down(region, "heartbeat stream broke")
 
     def _apply(self, hb: Any) -> None:
-        b = self.b
-        b.core.peer_heartbeat(
+        self.balancer.apply_peer_heartbeat(
             hb.region,
             HeartbeatSnapshot(
                 replicas_total=hb.replicas_total,
@@ -218,14 +218,12 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             epoch=hb.epoch,
             seq=hb.seq,
         )
-        if b.core.queue_length:
-            b.wake.set()  # queued requests may now be offloaded
 
     # ------------------------------------------------------------------ gRPC service
 
     async def Heartbeat(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         stream_region = region_of_identity(peer_identity(context))
-        if self.creds is not None and (stream_region is None or stream_region not in self.b.peers):
+        if self.creds is not None and (stream_region is None or stream_region not in self.balancer.peer_regions()):
             # the mesh CA signed it, but it is no peer balancer's certificate
             self.refused_streams += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only peer balancers may send heartbeats")
@@ -246,14 +244,14 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     async def _dial(self, region: str) -> None:
         backoff = self.interval
         while True:
-            peer = self.b.peers.get(region)
-            if peer is None:
+            address = self.balancer.peer_grpc_address(region)
+            if address is None:
                 return
             heard = False
             try:
                 # TLS verifies that whoever answers at the address holds region's key
-                channel = (grpc.aio.insecure_channel(peer.grpc_address) if self.creds is None
-                           else secure_channel(peer.grpc_address, self.creds, balancer_server_name(region)))
+                channel = (grpc.aio.insecure_channel(address) if self.creds is None
+                           else secure_channel(address, self.creds, balancer_server_name(region)))
                 async with channel:
                     stub = mesh_pb2_grpc.MeshPeerStub(channel)
                     call = stub.Heartbeat(self._outgoing())
@@ -273,8 +271,8 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     async def start(self) -> None:
         server = grpc.aio.server()
         mesh_pb2_grpc.add_MeshPeerServicer_to_server(self, server)
-        g = self.b.region_cfg.balancer.grpc_listen
-        require_credentials_off_loopback(g.host, self.creds, f"the {self.b.region} balancer")
+        g = self.balancer.grpc_listen()
+        require_credentials_off_loopback(g.host, self.creds, f"the {self.balancer.region} balancer")
         # the port actually bound (the config's, or the kernel's pick for port 0)
         if self.creds is not None:
             self.bound_port = server.add_secure_port(f"{g.host}:{g.port}", self.creds.server_credentials())
@@ -282,14 +280,14 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             self.bound_port = server.add_insecure_port(f"{g.host}:{g.port}")
         await server.start()
         self._server = server
-        for region in self.b.peers:
+        for region in self.balancer.peer_regions():
             self._tasks.append(self._supervised(f"hb-{region}", functools.partial(self._dial, region),
                                                 backoff_s=self.interval, max_backoff_s=2.0))
         self._tasks.append(self._supervised("hb-state", self._watch_state, backoff_s=0.1, max_backoff_s=2.0))
 
     async def _watch_state(self) -> None:
         # cheap poll of two integers; pushes a heartbeat as soon as availability changes
-        step = min(self.interval, self.b.cfg.policy.probe_interval_s) / 4
+        step = min(self.interval, self.balancer.probe_interval_s()) / 4
         while True:
             self.notify_state()
             await asyncio.sleep(step)
@@ -307,12 +305,12 @@ class ControllerLink(SupervisedService):
     controller, or the YAML) and keeps serving; it reconnects in the background.
     """
 
-    def __init__(self, b: Balancer, report_interval_s: float = 1.0) -> None:
+    def __init__(self, balancer: ControllerLinkBalancer, report_interval_s: float = 1.0) -> None:
         super().__init__()
-        self.b = b
+        self.balancer = balancer
         self.report_interval_s = report_interval_s
         self._task: asyncio.Task[Any] | None = None
-        self.creds: Credentials | None = load_credentials(b.cfg, b.region)
+        self.creds: Credentials | None = balancer.mesh_credentials()
         # the epoch the controller issued to the current registration (0: none yet)
         self.controller_epoch = 0
 
@@ -337,25 +335,25 @@ class ControllerLink(SupervisedService):
             self._task = None
         if not self.controller_epoch:
             return False  # never registered (controller down since start): nothing to undo
-        addr = str(self.b.cfg.controller.listen)
+        addr = self.balancer.controller_address()
         channel = (grpc.aio.insecure_channel(addr) if self.creds is None
                    else secure_channel(addr, self.creds, CONTROLLER_SERVER_NAME))
         try:
             async with channel:
                 reply = await mesh_pb2_grpc.ControllerStub(channel).Deregister(
-                    mesh_pb2.DeregisterRequest(region=self.b.region, balancer_id=self.b.balancer_id,
+                    mesh_pb2.DeregisterRequest(region=self.balancer.region, balancer_id=self.balancer.balancer_id,
                                                epoch=self.controller_epoch, reason="draining"),
                     timeout=timeout_s)
         except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
             # the controller's probes will find the closed listener instead
-            log.warning("deregistration failed", extra={"region": self.b.region, "error": type(e).__name__})
+            log.warning("deregistration failed", extra={"region": self.balancer.region, "error": type(e).__name__})
             return False
         if not reply.accepted:
-            log.warning("deregistration refused", extra={"region": self.b.region, "reason": reply.reason})
+            log.warning("deregistration refused", extra={"region": self.balancer.region, "reason": reply.reason})
         return bool(reply.accepted)
 
     async def _run(self) -> None:
-        addr = str(self.b.cfg.controller.listen)
+        addr = self.balancer.controller_address()
         while True:
             try:
                 await self._follow(addr)
@@ -364,7 +362,7 @@ class ControllerLink(SupervisedService):
                 # the supervisor (logged, counted, reconnected)
                 log.debug("controller link down: %s", type(e).__name__)
             finally:
-                self.b.controller_connected = False
+                self.balancer.set_controller_connected(False)
             await asyncio.sleep(1.0)
 
     async def _follow(self, addr: str) -> None:
@@ -375,28 +373,28 @@ class ControllerLink(SupervisedService):
             stub = mesh_pb2_grpc.ControllerStub(channel)
             reply = await stub.Register(self._register_request(), timeout=3.0)
             self.controller_epoch = reply.epoch
-            self.b.controller_connected = True
+            self.balancer.set_controller_connected(True)
             if reply.HasField("topology"):
                 self.apply_topology(reply.topology)
             reporter = self._supervised("controller-report", functools.partial(self._report_loop, stub),
                                         backoff_s=self.report_interval_s, max_backoff_s=10.0)
             try:
                 async for topo in stub.WatchTopology(
-                    mesh_pb2.WatchRequest(region=self.b.region, balancer_id=self.b.balancer_id)
+                    mesh_pb2.WatchRequest(region=self.balancer.region, balancer_id=self.balancer.balancer_id)
                 ):
                     self.apply_topology(topo)
             finally:
                 await cancel_tasks([reporter])
 
     def _register_request(self) -> Any:
-        b = self.b
+        r = self.balancer.registration()
         return mesh_pb2.RegisterRequest(
-            region=b.region,
-            balancer_id=b.balancer_id,
-            epoch=b.epoch,
-            http_url=b.region_cfg.balancer.advertise_url,
-            grpc_address=str(b.region_cfg.balancer.grpc_advertise),
-            version=_version(),
+            region=r.region,
+            balancer_id=r.balancer_id,
+            epoch=r.epoch,
+            http_url=r.http_url,
+            grpc_address=r.grpc_address,
+            version=r.version,
         )
 
     async def _report_loop(self, stub: Any) -> None:
@@ -410,75 +408,40 @@ class ControllerLink(SupervisedService):
             await asyncio.sleep(self.report_interval_s)
 
     def report(self) -> Any:
-        b = self.b
-        status = b.admin_status()
+        b = self.balancer
+        status: StatusReport = b.status_report()
         reps = [
             mesh_pb2.ReplicaReport(
-                replica_id=rid,
-                url=r["url"],
-                healthy=r.get("healthy", False),
-                available=r.get("available", False),
-                num_running=r.get("num_running", 0),
-                num_waiting=r.get("num_waiting", 0),
-                kv_cache_usage=r.get("kv_cache_usage", 0.0),
+                replica_id=r.replica_id,
+                url=r.url,
+                healthy=r.healthy,
+                available=r.available,
+                num_running=r.num_running,
+                num_waiting=r.num_waiting,
+                kv_cache_usage=r.kv_cache_usage,
                 owner_region=b.region,
             )
-            for rid, r in status["replicas"].items()
+            for r in status.replicas
         ]
         return mesh_pb2.BalancerReport(
             region=b.region,
             balancer_id=b.balancer_id,
             # the controller's epoch for this registration (it ignores any other)
             epoch=self.controller_epoch,
-            queue_length=status["queue_length"],
-            offloaded_out=status["offloaded_out"],
-            offloaded_in=status["offloaded_in"],
-            prefix_hit_ratio=status["prefix_hit_ratio"],
+            queue_length=status.queue_length,
+            offloaded_out=status.offloaded_out,
+            offloaded_in=status.offloaded_in,
+            prefix_hit_ratio=status.prefix_hit_ratio,
             replicas=reps,
-            admin_json=json.dumps(status),
+            admin_json=json.dumps(status.admin),
         )
 
     def apply_topology(self, topo: Any) -> None:
-        from skymesh.balancer.server import ReplicaInfo
-
-        b = self.b
-        if topo.version <= b.topology_version:
-            return
-        b.topology_version = topo.version
-        for assignment in topo.balancers:
-            if assignment.region == b.region:
-                b.set_replicas(
-                    [
-                        ReplicaInfo(r.replica_id, r.url, r.home_region or b.region)
-                        for r in assignment.replicas
-                    ]
-                )
-            elif assignment.region in b.peers:
-                peer = b.peers[assignment.region]
-                if peer.alive and not assignment.alive:
-                    # the controller's probes found its balancer dead, or it deregistered to
-                    # drain: what waits for it is decided again now; forwards in flight are
-                    # left to a draining balancer to finish (a dead one's break on their own)
-                    b.peer_down(assignment.region, "controller declared its balancer dead", cut_forwards=False)
-                peer.alive = assignment.alive
-                if assignment.http_url:
-                    peer.http_url = assignment.http_url
-                # the regions whose replicas it owns besides its own: origins its forwards
-                # may claim (the peer listener binds the claim to its certificate)
-                b.peer_adoptions[assignment.region] = frozenset(
-                    r.home_region for r in assignment.replicas
-                    if r.home_region != assignment.region and r.home_region in b.region_names)
-        log.info("topology applied", extra={"version": topo.version, "replicas": len(b.replicas)})
+        self.balancer.apply_topology(topo)
 
 
-def _version() -> str:
-    from skymesh.balancer.server import VERSION
-
-    return VERSION
-
-
-def attach_services(b: Balancer, *, peers: bool = True, controller: bool = True) -> None:
-    if peers and b.peers and b.cfg.offload.enabled:
+def attach_services(b: MeshServicesBalancer, *, peers: bool = True, controller: bool = True) -> None:
+    if peers and b.peer_regions() and b.offload_enabled():
         b.extra_services.append(PeerMesh(b))
     if controller:
         b.extra_services.append(ControllerLink(b))

@@ -1,0 +1,141 @@
+"""What the balancer's mesh services need of the balancer, and nothing more.
+
+:class:`~skymesh.balancer.services.PeerMesh` (heartbeats with peer balancers) and
+:class:`~skymesh.balancer.services.ControllerLink` (register, report, follow the
+topology) talk to the balancer only through the protocols here;
+:class:`~skymesh.balancer.server.Balancer` implements them. The services therefore never
+import the server module, and a test can stand in a small object for the balancer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skymesh.config import HostPort
+from skymesh.pki import Credentials
+from skymesh.routing.region import HeartbeatSnapshot
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What the balancer tells the controller about itself when it registers."""
+
+    region: str
+    balancer_id: str
+    epoch: int
+    http_url: str
+    grpc_address: str
+    version: str = VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """One replica this balancer owns, as the controller report carries it."""
+
+    replica_id: str
+    url: str
+    healthy: bool = False
+    available: bool = False
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """The balancer's state for the controller: the typed fields its report carries, and
+    the whole /admin/status document (sent along as JSON)."""
+
+    queue_length: int
+    offloaded_out: int
+    offloaded_in: int
+    prefix_hit_ratio: float
+    replicas: tuple[ReplicaStatus, ...]
+    admin: dict[str, Any] = field(default_factory=dict)
+
+
+class MeshMember(Protocol):
+    """Who this balancer is in the mesh, and its mesh identity (TLS)."""
+
+    @property
+    def region(self) -> str: ...
+
+    @property
+    def balancer_id(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    def mesh_credentials(self) -> Credentials | None:
+        """This balancer's mesh certificate (None: loopback-only local mode without TLS)."""
+        ...
+
+
+class PeerMeshBalancer(MeshMember, Protocol):
+    """What :class:`~skymesh.balancer.services.PeerMesh` needs of the balancer."""
+
+    def heartbeat_interval_s(self) -> float: ...
+
+    def probe_interval_s(self) -> float: ...
+
+    def grpc_listen(self) -> HostPort:
+        """Where the peers' heartbeat streams are answered."""
+        ...
+
+    def peer_regions(self) -> Collection[str]: ...
+
+    def peer_grpc_address(self, region: str) -> str | None:
+        """Where ``region``'s balancer answers heartbeats (None: no such peer)."""
+        ...
+
+    def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
+        """This region's availability, as a heartbeat carries it."""
+        ...
+
+    def availability(self) -> tuple[int, int]:
+        """(replicas available, queue length): a heartbeat goes out at once when it moves."""
+        ...
+
+    def offload_counts(self) -> tuple[int, int]:
+        """Requests offloaded (out to peers, in from peers) since start."""
+        ...
+
+    def heartbeat_delay_s(self, region: str) -> float:
+        """How long a heartbeat from ``region`` is held before it applies (the emulated
+        one-way link latency; 0 without latency emulation)."""
+        ...
+
+    def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
+                             balancer_id: str, epoch: int, seq: int) -> None: ...
+
+    def peer_down(self, region: str, why: str, *, cut_forwards: bool = True) -> None: ...
+
+
+class ControllerLinkBalancer(MeshMember, Protocol):
+    """What :class:`~skymesh.balancer.services.ControllerLink` needs of the balancer."""
+
+    def controller_address(self) -> str: ...
+
+    def registration(self) -> Registration: ...
+
+    def status_report(self) -> StatusReport: ...
+
+    def set_controller_connected(self, connected: bool) -> None: ...
+
+    def apply_topology(self, topology: Any) -> None:
+        """Take the controller's topology (a mesh_pb2.Topology): this region's replicas
+        and the peers' liveness; an older version than the one applied is ignored."""
+        ...
+
+
+class MeshServicesBalancer(PeerMeshBalancer, ControllerLinkBalancer, Protocol):
+    """A balancer the mesh services attach to (see services.attach_services)."""
+
+    @property
+    def extra_services(self) -> list[Any]: ...
+
+    def offload_enabled(self) -> bool: ...

@@ -1,0 +1,283 @@
+"""One request's way through the balancer after admission: wait for the region core's
+word, proxy an attempt (a local replica or a peer region), report the outcome back to the
+core, and count it (retries, mid-stream failures, SLO classes, cache predictions).
+
+:class:`RequestFlow` owns the handlers' waiters and carries out the core's actions
+(``apply``); the balancer (skymesh/balancer/server.py) admits a request, submits it to
+the core and hands it to :meth:`RequestFlow.serve`. The headers of an attempt and of the
+answer are built here too (:func:`replica_target`, :func:`peer_target`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
+from skymesh.balancer.requests import ParsedRequest
+from skymesh.balancer.slo_class import SLO_CLASS_HEADER
+from skymesh.balancer.usage import (
+    judge_prediction,
+    reported_cached_tokens,
+    reported_completion_tokens,
+)
+from skymesh.edge.openai_errors import RequestError, error_response
+from skymesh.prompt_tokens import EncodedPrompt, PromptEncoder
+from skymesh.routing.base import RoutingRequest
+from skymesh.routing.region import (
+    AbandonAttempt,
+    Action,
+    ForwardToRegion,
+    RegionCore,
+    Reject,
+    SendToReplica,
+)
+from skymesh.slo import SloClass, missed_targets
+
+log = logging.getLogger("skymesh.balancer")
+
+HOP_HEADER = "X-Skymesh-Hop"
+TOKEN_HEADER = "X-Skymesh-Peer-Token"
+ORIGIN_HEADER = "X-Skymesh-Origin-Region"
+
+# where an attempt for a placement goes; None: the replica left membership, or the peer
+# has no peer listener
+TargetFor = Callable[[web.Request, RoutingRequest, SendToReplica | ForwardToRegion], AttemptTarget | None]
+
+
+def encode_request(encoder: PromptEncoder, parsed: ParsedRequest) -> EncodedPrompt:
+    """What routing needs of a parsed request (400 when the chat template refuses it)."""
+    if parsed.prompt_ids is not None:
+        encoded = encoder.encode_ids(parsed.prompt_ids)
+    elif parsed.messages is not None and encoder.chat_template is not None:
+        try:
+            text = encoder.chat_template.render(parsed.messages)
+        except Exception as e:  # the template's own raise_exception, or content it cannot render
+            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        encoded = encoder.encode_text(text, chat=True)
+    else:
+        encoded = encoder.encode_text(parsed.prompt, chat=parsed.messages is not None)
+    if not parsed.extra_prompts:
+        return encoded
+    extra = sum(len(x) if isinstance(x, list) else encoder.encode_text(x).tokens for x in parsed.extra_prompts)
+    return EncodedPrompt(encoded.chunk_hashes, encoded.tokens + extra)
+
+
+def replica_target(base_url: str, request: web.Request, session: aiohttp.ClientSession, *,
+                   region: str, replica_id: str, request_id: str) -> AttemptTarget:
+    """An attempt on one of this region's replicas, and the headers of its answer."""
+
+    def local_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+        return {
+            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+            "X-Skymesh-Region": region,
+            "X-Skymesh-Replica": replica_id,
+            "X-Skymesh-Offloaded": "0",
+            "X-Skymesh-Path": region,
+            "X-Request-Id": request_id,
+        }
+
+    return AttemptTarget(base_url + request.path, {"Content-Type": "application/json"}, session, local_headers)
+
+
+def peer_target(peer_url: str, request: web.Request, session: aiohttp.ClientSession, *, region: str,
+                peer_region: str, peer_token: str, req: RoutingRequest, client_tls: ssl.SSLContext | None,
+                server_hostname: str | None) -> AttemptTarget:
+    """A forward to ``peer_region``'s peer listener (``client_tls``: this balancer's mTLS
+    context; None without tls), and the headers of its answer."""
+    headers = {"Content-Type": "application/json", HOP_HEADER: "1", TOKEN_HEADER: peer_token, ORIGIN_HEADER: region}
+    if req.slo_class:  # the peer judges placement by the same class
+        headers[SLO_CLASS_HEADER] = req.slo_class
+
+    def peer_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+        return {
+            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+            "X-Skymesh-Region": upstream.headers.get("X-Skymesh-Region", peer_region),
+            "X-Skymesh-Replica": upstream.headers.get("X-Skymesh-Replica", ""),
+            "X-Skymesh-Offloaded": "1",
+            # the regions this request went through, origin first ("a>b" when offloaded)
+            "X-Skymesh-Path": f"{region}>{upstream.headers.get('X-Skymesh-Path', peer_region)}",
+            "X-Request-Id": req.request_id,
+        }
+
+    return AttemptTarget(
+        peer_url + request.path, headers, session, peer_headers,
+        # mTLS: present this balancer's certificate, accept only the region dialed
+        ssl=True if client_tls is None else client_tls,
+        server_hostname=server_hostname,
+    )
+
+
+class Waiter:
+    """Where one request's handler waits for the core's next word on it."""
+
+    __slots__ = ("future", "attempt_task", "first_byte_at")
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[Action] = asyncio.get_running_loop().create_future()
+        self.attempt_task: asyncio.Task[AttemptOutcome] | None = None
+        # when the first byte of a streamed answer reached the balancer (its TTFT)
+        self.first_byte_at: float | None = None
+
+    def renew(self) -> None:
+        if self.future.done():
+            self.future = asyncio.get_running_loop().create_future()
+
+
+class RequestFlow:
+    """The serve/retry loop of admitted requests, and the outcome accounting.
+
+    ``target``: where an attempt for a placement goes; ``timeouts``, ``chunk_tokens``:
+    read per attempt (a reload changes them); ``cache_source``: the metrics label of a
+    replica's cache source.
+    """
+
+    def __init__(self, core: RegionCore, metrics: BalancerMetrics, wake: asyncio.Event, *, target: TargetFor,
+                 timeouts: Callable[[], UpstreamTimeouts], chunk_tokens: Callable[[], int],
+                 cache_source: Callable[[str], str]) -> None:
+        self.core = core
+        self.metrics = metrics
+        self.wake = wake
+        self.waiters: dict[str, Waiter] = {}
+        self._target = target
+        self._timeouts = timeouts
+        self._chunk_tokens = chunk_tokens
+        self._cache_source = cache_source
+
+    @staticmethod
+    def _now() -> float:
+        # the clock asyncio's loop.time() reads (the balancer's, see Balancer._now)
+        return time.monotonic()
+
+    def apply(self, actions: list[Action]) -> None:
+        """Carry out the core's actions: wake the handler that waits for each request."""
+        for action in actions:
+            if isinstance(action, SendToReplica):
+                self.metrics.observe_decision(self.core.request_of(action.request_id), action.decision)
+            elif isinstance(action, ForwardToRegion):
+                self.metrics.offloaded.labels("out", action.region).inc()
+            waiter = self.waiters.get(action.request_id)
+            if waiter is None:
+                continue  # not this daemon's handler (cannot happen) or already gone
+            if isinstance(action, AbandonAttempt):
+                # queued again already; stop the attempt that has sent the client nothing
+                if waiter.attempt_task is not None:
+                    waiter.attempt_task.cancel()
+                continue
+            if not waiter.future.done():
+                waiter.future.set_result(action)
+
+    def reject(self, r: Reject) -> web.Response:
+        self.metrics.rejections.labels(str(r.status)).inc()
+        headers = {"Retry-After": str(max(1, round(r.retry_after_s)))} if r.retry_after_s else None
+        return error_response(r.status, r.message, code=r.code, headers=headers)
+
+    async def serve(
+        self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: Waiter,
+        single_prompt: bool = True, slo: SloClass | None = None,
+    ) -> web.StreamResponse:
+        while True:
+            action = await waiter.future
+            waiter.renew()
+            if isinstance(action, Reject):
+                self.count_slo_outcome(req, slo, "rejected")
+                return self.reject(action)
+            assert isinstance(action, SendToReplica | ForwardToRegion)
+            target = self._target(request, req, action)
+            if target is None:  # the replica left membership between placement and now
+                self.apply(self.core.fail(req.request_id, self._now(), reason="left membership",
+                                          counts_against_health=False))
+                continue
+            on_peer = isinstance(action, ForwardToRegion)
+            timeouts = self._timeouts()
+            deadline = timeouts.first_byte_deadline_s(
+                stream=stream,
+                max_tokens=req.max_tokens,
+                # a peer may queue it for up to its own queue-wait bound first
+                extra_s=(self.core.settings.max_queue_wait_s or 0.0) if on_peer else 0.0,
+            )
+            task = waiter.attempt_task = asyncio.create_task(
+                attempt(request, raw, target, timeouts, deadline, self._first_byte_hook(req, waiter))
+            )
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the client went away (the balancer's handler releases it)
+                # AbandonAttempt: the core queued it again already (or a Reject follows);
+                # wait for the next word
+                self.metrics.retries.labels("peer" if on_peer else "replica").inc()
+                continue
+            finally:
+                waiter.attempt_task = None
+            now = self._now()
+            if outcome.outcome is Outcome.SERVED:
+                if isinstance(action, SendToReplica) and single_prompt:
+                    self._judge_prediction(action, outcome.tail)
+                self.core.complete(req.request_id, now)
+                self.wake.set()
+                self._judge_slo(req, slo, waiter, outcome, now)
+                assert outcome.response is not None
+                return outcome.response
+            if outcome.outcome is Outcome.FAILED_MIDSTREAM:
+                self.metrics.midstream_failures.labels("peer" if on_peer else "replica").inc()
+                self.core.fail(req.request_id, now, reason=outcome.reason)
+                self.wake.set()
+                self.count_slo_outcome(req, slo, "failed")
+                assert outcome.response is not None
+                return outcome.response
+            log.warning("attempt failed before output",
+                        extra={"target": getattr(action, "replica_id", None) or getattr(action, "region", None),
+                               "reason": outcome.reason})
+            actions = self.core.fail(req.request_id, now, reason=outcome.reason,
+                                     counts_against_health=outcome.counts_against_health)
+            if not any(isinstance(a, Reject) and a.request_id == req.request_id for a in actions):
+                self.metrics.retries.labels("peer" if on_peer else "replica").inc()
+            self.apply(actions)
+            self.wake.set()
+
+    def _judge_prediction(self, action: SendToReplica, tail: bytes) -> None:
+        """Count how the policy's expected cached prefix compares with the replica's own
+        count, when the replica reports one (vLLM's --enable-prompt-tokens-details)."""
+        cached = reported_cached_tokens(tail)
+        if cached is None:
+            return
+        result = judge_prediction(action.decision.matched_tokens, cached, self._chunk_tokens())
+        self.metrics.cache_predictions.labels(result.value, self._cache_source(action.replica_id)).inc()
+
+    def count_slo_outcome(self, req: RoutingRequest, slo: SloClass | None, outcome: str) -> None:
+        if slo is not None and not req.forwarded:
+            self.metrics.slo_outcomes.labels(slo.name, outcome).inc()
+
+    def _judge_slo(self, req: RoutingRequest, slo: SloClass | None, waiter: Waiter,
+                   outcome: AttemptOutcome, now: float) -> None:
+        """Count a served answer against its class's targets (see skymesh/slo.py)."""
+        if slo is None or req.forwarded:
+            return
+        ttft = None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival
+        missed = missed_targets(slo.targets, e2e_s=now - req.arrival, ttft_s=ttft,
+                                completion_tokens=reported_completion_tokens(outcome.tail))
+        for target in missed:
+            self.metrics.slo_target_misses.labels(slo.name, target).inc()
+        self.count_slo_outcome(req, slo, "missed" if missed else "met")
+
+    def _first_byte_hook(self, req: RoutingRequest, waiter: Waiter) -> Callable[[bool], None]:
+        def on_first_byte(is_stream: bool) -> None:
+            if is_stream:
+                waiter.first_byte_at = self._now()
+            # a non-streaming answer arrives whole: its first byte is not its first token,
+            # so it must not feed the policy's TTFT model
+            ttft = self.core.first_token(req.request_id, self._now(), observe=is_stream)
+            if ttft is not None and is_stream:
+                self.metrics.observed_ttft.observe(ttft)
+            self.wake.set()
+
+        return on_first_byte

@@ -1,0 +1,110 @@
+"""A stand-in for the balancer behind the mesh services' ports (skymesh/balancer/ports.py):
+a real (pure) region core and loopback addresses, no HTTP side. PeerMesh and
+ControllerLink run against it over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from skymesh.balancer.ports import Registration, StatusReport
+from skymesh.config import HostPort
+from skymesh.pki import Credentials
+from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.region import HeartbeatSnapshot, RegionCore
+from skymesh.routing.registry import make_policy
+
+
+def region_core(region: str) -> RegionCore:
+    # the real (pure) region core: heartbeats are read from and applied to it
+    return RegionCore(region, make_policy("round_robin"), OffloadRouter(region, {}))
+
+
+@dataclass
+class StandInBalancer:
+    """Implements skymesh.balancer.ports.MeshServicesBalancer."""
+
+    region: str
+    grpc_port: int
+    # peer region -> the loopback port its balancer answers heartbeats on
+    peer_ports: dict[str, int]
+    interval_s: float
+    controller_listen: str
+    creds: Credentials | None = None  # None: loopback-only, no TLS
+    advertise_url: str = "http://127.0.0.1:1"
+    grpc_advertise: str = ""
+    epoch: int = 1
+    core: RegionCore = field(init=False)
+    controller_connected: bool = False
+    topologies: list[Any] = field(default_factory=list)
+    extra_services: list[Any] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.core = region_core(self.region)
+        self.grpc_advertise = self.grpc_advertise or f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def balancer_id(self) -> str:
+        return f"{self.region}-1"
+
+    def mesh_credentials(self) -> Credentials | None:
+        return self.creds
+
+    def heartbeat_interval_s(self) -> float:
+        return self.interval_s
+
+    def probe_interval_s(self) -> float:
+        return self.interval_s
+
+    def offload_enabled(self) -> bool:
+        return True
+
+    def grpc_listen(self) -> HostPort:
+        return HostPort(host="127.0.0.1", port=self.grpc_port)
+
+    def peer_regions(self) -> Collection[str]:
+        return self.peer_ports.keys()
+
+    def peer_grpc_address(self, region: str) -> str | None:
+        port = self.peer_ports.get(region)
+        return None if port is None else f"127.0.0.1:{port}"
+
+    def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
+        return self.core.heartbeat(now)
+
+    def availability(self) -> tuple[int, int]:
+        return self.core.available_count(), self.core.queue_length
+
+    def offload_counts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def heartbeat_delay_s(self, region: str) -> float:
+        return 0.0
+
+    def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
+                             balancer_id: str, epoch: int, seq: int) -> None:
+        self.core.peer_heartbeat(region, snapshot, now, balancer_id=balancer_id, epoch=epoch, seq=seq)
+        if self.core.queue_length:
+            self.wake.set()
+
+    def peer_down(self, region: str, why: str, *, cut_forwards: bool = True) -> None:
+        self.core.peer_down(region, asyncio.get_running_loop().time(), cut_forwards=cut_forwards)
+
+    def controller_address(self) -> str:
+        return self.controller_listen
+
+    def registration(self) -> Registration:
+        return Registration(self.region, self.balancer_id, self.epoch, self.advertise_url, self.grpc_advertise)
+
+    def status_report(self) -> StatusReport:
+        return StatusReport(queue_length=self.core.queue_length, offloaded_out=0, offloaded_in=0,
+                            prefix_hit_ratio=0.0, replicas=())
+
+    def set_controller_connected(self, connected: bool) -> None:
+        self.controller_connected = connected
+
+    def apply_topology(self, topology: Any) -> None:
+        self.topologies.append(topology)
