@@ -289,10 +289,13 @@ async def test_forged_heartbeats_are_rejected(tmp_path: Path) -> None:
         assert "eu-west-1" not in peers
         assert use1.rejected_heartbeats == {"eu-west-1": 1}
         assert "ap-northeast-1" not in peers
-        # the controller's certificate is from the mesh CA but is no peer's
+        # the controller's certificate is from the mesh CA but is no peer's: the stream is
+        # refused as it opens, before any heartbeat is read. None is sent here: a client
+        # still writing when the server's abort arrives gets gRPC's INTERNAL ("Failed
+        # execute_batch") instead of the server's status, a race of the client, not of
+        # the check (seen once in a full run)
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await send_heartbeats(addr, secure_channel(addr, creds_of(cfg, "controller"), server_name),
-                                  fake_beat("eu-west-1"))
+            await send_heartbeats(addr, secure_channel(addr, creds_of(cfg, "controller"), server_name))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "eu-west-1" not in peers
         # both refusals are counted for /metrics (skymesh_rejected_peer_calls_total{reason})
