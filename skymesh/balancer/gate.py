@@ -161,10 +161,7 @@ class ClientGate:
                     denied.force_close()  # its body is never read: the connection ends here
                 return denied
             request[CLIENT] = client
-            if request.body_exists:
-                refused = await self._read_body(request)
-                if refused is not None:
-                    return refused
+            return await self._with_body(request, handler)
         elif path.startswith("/admin/"):
             denied = admin_denied(request, self.admin_token)
             if denied is not None:
@@ -187,10 +184,15 @@ class ClientGate:
             self._on_reject(denied.status)
             return denied
         request[CLIENT] = None
+        return await self._with_body(request, handler)
+
+    async def _with_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """``handler``'s answer once the body is read (the caller is known by now), or
+        the answer when it cannot be read."""
         if request.body_exists:
-            timed_out = await self._read_body(request)
-            if timed_out is not None:
-                return timed_out
+            refused = await self._read_body(request)
+            if refused is not None:
+                return refused
         return await handler(request)
 
     async def _read_body(self, request: web.Request) -> web.Response | None:

@@ -87,10 +87,3 @@ async def start_peer_site(runner: web.BaseRunner, listen: HostPort, tls: PeerTls
                        ssl_context=None if tls is None else tls.server)
     await site.start()
     return site
-
-
-def site_port(site: web.TCPSite) -> int:
-    """The port ``site`` bound (the kernel's pick for port 0)."""
-    server = getattr(site, "_server", None)
-    assert server is not None and server.sockets, "the site is not started"
-    return int(server.sockets[0].getsockname()[1])

@@ -44,7 +44,7 @@ from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.middleware import make_error_middleware
-from skymesh.balancer.peer_listener import make_binding_middleware, site_port, start_peer_site
+from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
 from skymesh.balancer.ports import VERSION, Registration, ReplicaStatus, StatusReport
 from skymesh.balancer.prober import ProbeResult, probe_replica
 from skymesh.balancer.proxy import AttemptTarget, UpstreamTimeouts
@@ -70,7 +70,7 @@ from skymesh.config import (
     region_of_address,
 )
 from skymesh.edge.openai_errors import RequestError
-from skymesh.edge.server import EdgeAppRunner, EdgeLimits
+from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
 from skymesh.pki import Credentials, balancer_server_name, load_credentials, peer_tls
 from skymesh.procs import cancel_tasks, wait_event
 from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
@@ -211,6 +211,7 @@ class Balancer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._runner: EdgeAppRunner | None = None
         self._peer_runner: EdgeAppRunner | None = None
+        self._site: web.TCPSite | None = None  # the client port
         self._peer_site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self._egress: aiohttp.ClientSession | None = None
@@ -486,10 +487,10 @@ class Balancer:
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
         self._runner = self._make_runner(self.make_app())
         await self._runner.setup()
-        site = web.TCPSite(
+        self._site = web.TCPSite(
             self._runner, host or listen.host, listen.port if port is None else port, reuse_address=True
         )
-        await site.start()
+        await self._site.start()
         if (peer_listen := self.region_cfg.balancer.peer_listen) is not None:
             self._peer_runner = self._make_runner(self.make_peer_app())
             await self._peer_runner.setup()
@@ -509,12 +510,8 @@ class Balancer:
 
     @property
     def bound_port(self) -> int:
-        assert self._runner is not None
-        for site in self._runner.sites:
-            server = getattr(site, "_server", None)
-            if server is not None and server.sockets:
-                return int(server.sockets[0].getsockname()[1])
-        return self.region_cfg.balancer.listen.port
+        # before start: the configured port
+        return self.region_cfg.balancer.listen.port if self._site is None else site_port(self._site)
 
     @property
     def peer_port(self) -> int | None:

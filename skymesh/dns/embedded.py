@@ -118,7 +118,6 @@ class MeshDnsServer:
                 region=r.name, balancer_id=r.name, ip=adv.host, port=adv.port, healthy=True,
                 aws_region=r.aws_region,
             )
-        self.queries = 0
         self.metrics = DnsMetrics()
         self._failures_logged: set[str] = set()  # exception class names already warned about
         self._udp: asyncio.DatagramTransport | None = None
@@ -168,7 +167,6 @@ class MeshDnsServer:
         except Exception as e:  # noqa: BLE001 - any unparseable packet is dropped, never fatal
             self._drop("malformed", source_ip, e)  # a FORMERR needs a parseable message
             return None
-        self.queries += 1
         self.metrics.queries.inc()
         try:
             return self._answer(q, source_ip, udp)

@@ -90,10 +90,10 @@ class BoundedDecoder:
             raise BodyRejected(400, "request body has bytes after its compressed stream", "invalid_content_encoding")
         return out, self._zlib.unconsumed_tail
 
-    def finish(self) -> bytes:
+    def finish(self) -> None:
+        """The body ended: the compressed stream must have ended with it."""
         if not self._zlib.eof:
             raise BodyRejected(400, "request body ends inside its compressed stream", "invalid_content_encoding")
-        return b""
 
 
 def content_coding(request: web.BaseRequest) -> str:

@@ -320,6 +320,13 @@ class EdgeServer(web.Server):
         return EdgeRequestHandler(self, loop=self._handler_loop, **self._handler_kwargs)
 
 
+def site_port(site: web.TCPSite) -> int:
+    """The port ``site`` bound (the kernel's pick for port 0)."""
+    server = getattr(site, "_server", None)  # private: aiohttp exposes no bound port per site
+    assert server is not None and server.sockets, "the site is not started"
+    return int(server.sockets[0].getsockname()[1])
+
+
 class EdgeAppRunner(web.AppRunner):
     """``web.AppRunner`` serving its app with :class:`EdgeServer` under ``limits``."""
 

@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.edge.metrics import EdgeMetrics
-from skymesh.edge.server import EdgeAppRunner, EdgeLimits
+from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import EventPublisher, NullPublisher, make_publisher
@@ -284,9 +284,7 @@ class ReplicaServer:
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()
         self.host = host
-        server = site._server
-        assert server is not None and server.sockets
-        self.port = server.sockets[0].getsockname()[1]
+        self.port = site_port(site)
         log.info("replica-sim listening", extra={"url": self.url, "profile": self.profile.name,
                                                  "time_scale": self.engine.time_scale})
 
