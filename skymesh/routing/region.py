@@ -417,16 +417,14 @@ class RegionCore:
         if not self.offload.mark_down(region):
             return []
         actions: list[Action] = []
-        for request_id, t in list(self._requests.items()):
-            if not cut_forwards:
-                break
-            if t.state is not RequestState.PLACED or not t.on_peer or t.target != region:
-                continue
+        cut = [t for t in self._requests.values()
+               if t.state is RequestState.PLACED and t.on_peer and t.target == region] if cut_forwards else []
+        for t in cut:
+            request_id = t.req.request_id
             try:
                 self.local.submit(t.req, front=True)
             except QueueFull:
-                self._move(t, RequestState.REJECTED)
-                del self._requests[request_id]
+                self._leave(t, RequestState.REJECTED, now)
                 actions += [AbandonAttempt(request_id, region),
                             Reject(request_id, 503, "no_capacity", f"peer region {region} went down and "
                                    "the queue here is full", self.settings.retry_after_s)]
@@ -481,8 +479,7 @@ class RegionCore:
             self.offload.mark_unavailable(target)
             if not exhausted and self.residency.nothing_can_serve(t.req, now):
                 # its peer is down and nothing else it may use is left: say so now
-                self._move(t, RequestState.REJECTED)
-                del self._requests[request_id]
+                self._leave(t, RequestState.REJECTED, now)
                 return [Reject(request_id, 503, "no_capacity",
                                f"peer region {target} failed ({reason}) and no other replica or region that "
                                "may serve this request is available", self.settings.retry_after_s)]
