@@ -38,7 +38,7 @@ fmt: setup
 	$(BIN)/ruff format skymesh controller tests benchmarks
 
 proto: setup
-	$(BIN)/python -m skymesh.proto_build
+	$(BIN)/python -m skymesh.runtime.proto_build
 
 clean:
 	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache .venv-checkov

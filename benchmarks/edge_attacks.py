@@ -34,8 +34,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.admin_auth import admin_headers  # noqa: E402
-from skymesh.up import Mesh  # noqa: E402
+from skymesh.operations.up import Mesh  # noqa: E402
+from skymesh.security.admin_auth import admin_headers  # noqa: E402
 from tests.mesh_helpers import local_config_free_ports  # noqa: E402
 
 GIB = 1024 * 1024 * 1024

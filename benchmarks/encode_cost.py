@@ -1,5 +1,5 @@
 """What token-true prefix hashing adds per request: the balancer's encode of a prompt
-(skymesh/prompt_tokens.py) for prompts of ~1k, 8k and 32k tokens, by a tokenizer and by
+(skymesh/prompt_encoder.py) for prompts of ~1k, 8k and 32k tokens, by a tokenizer and by
 the UTF-8 byte fallback, p50/p99 over repeated runs, and the off-loop thread hop the
 balancer pays for prompts over ``OFF_LOOP_CHARS``.
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.balancer.requests import parse_body  # noqa: E402
+from skymesh.balancer.openai_request import parse_body  # noqa: E402
 from skymesh.balancer.server import encode_request  # noqa: E402
-from skymesh.prompt_tokens import PromptEncoder  # noqa: E402
+from skymesh.prompt_encoder import PromptEncoder  # noqa: E402
 from skymesh.testing.bpe import train_byte_bpe  # noqa: E402
 
 WORDS = ("load balancer replica prefix cache region latency token request stream queue policy "

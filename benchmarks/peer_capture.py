@@ -1,7 +1,7 @@
 """What a listener on the path between two balancers reads of a forwarded request.
 
 Two balancers in this process (us-east-1, whose only replica is down, and eu-west-1, with
-a stand-in replica), the mesh's certificates from skymesh.pki, and a recording TCP relay
+a stand-in replica), the mesh's certificates from skymesh.security.pki, and a recording TCP relay
 on loopback in front of the address us-east-1 forwards to: eu-west-1's peer listener
 where the tree has one (mTLS), else its client port (the forward in plain HTTP, as on
 1da6a04). Sends ``--forwards`` requests with a recognisable prompt to us-east-1 and
@@ -32,8 +32,8 @@ from aiohttp import ClientSession, web  # noqa: E402
 from skymesh.balancer.server import HOP_HEADER, Balancer  # noqa: E402
 from skymesh.balancer.services import attach_services  # noqa: E402
 from skymesh.config import BalancerConfig, parse_config  # noqa: E402
-from skymesh.pki import generate_mesh_pki  # noqa: E402
-from skymesh.procs import free_port  # noqa: E402
+from skymesh.runtime.procs import free_port  # noqa: E402
+from skymesh.security.pki import generate_mesh_pki  # noqa: E402
 
 PROMPT = "the quarterly figures of ACME-7f3a9c, strictly confidential " * 4
 IDLE_METRICS = "vllm:num_requests_running 0.0\nvllm:num_requests_waiting 0.0\n"

@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from skymesh.bench import sim_main  # noqa: E402
-from skymesh.bench.metrics import goodput  # noqa: E402
+from skymesh.bench.scores import goodput  # noqa: E402
 
 POLICIES = "prefix_tree,preble,dualmap,min_ttft,cache_aware"
 SIM_ARGS = ["--trace", "hot-prefix", "--requests", "1200", "--rate", "1", "--hot-prompts", "40",

@@ -13,7 +13,7 @@ streamed with its usage; then the stand-ins' ``vllm:prefix_cache_*`` counters gi
 prefix hit rate and the balancer's ``skymesh_cache_predictions_total`` the share of
 requests whose predicted cached prefix (the policy's ``Decision.matched_tokens``) was
 within one block of the replica's own count. Goodput per (policy, view, seed): the
-monotone rule over the rates (``skymesh.bench.metrics.monotone_goodput``, attainment ≥ 0.9).
+monotone rule over the rates (``skymesh.bench.scores.monotone_goodput``, attainment ≥ 0.9).
 
 Workload ("many customers, each with a long shared context"): ``--customers`` contexts of
 ``--context-tokens`` tokens (Zipf popularity), a share ``--hot-share`` of the requests start
@@ -44,13 +44,13 @@ from typing import Any
 import aiohttp
 import yaml
 
-from skymesh.admin_auth import admin_headers
 from skymesh.bench.loadgen import LiveResult, prefix_hit_rate, send_one
-from skymesh.bench.metrics import monotone_goodput, summarize
 from skymesh.bench.peers import balancer_config
-from skymesh.procs import Child, skymesh_cmd, wait_all_ready
-from skymesh.prom import parse_samples
+from skymesh.bench.scores import monotone_goodput, summarize
 from skymesh.replica_sim.profiles import PROFILES
+from skymesh.runtime.procs import Child, skymesh_cmd, wait_all_ready
+from skymesh.runtime.prom_text import parse_samples
+from skymesh.security.admin_auth import admin_headers
 from skymesh.testing.bpe import train_byte_bpe
 
 BLOCK = 16

@@ -24,9 +24,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.admin_auth import admin_headers  # noqa: E402
 from skymesh.balancer.prober import probe_replica  # noqa: E402
-from skymesh.up import Mesh  # noqa: E402
+from skymesh.operations.up import Mesh  # noqa: E402
+from skymesh.security.admin_auth import admin_headers  # noqa: E402
 from tests.mesh_helpers import local_config_free_ports  # noqa: E402
 
 

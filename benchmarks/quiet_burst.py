@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.up import Mesh
+from skymesh.operations.up import Mesh
 from tests.mesh_helpers import local_config_free_ports
 
 # bounds: the script's cost stays small whatever it is asked

@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.gc_tuning import tune_gc  # noqa: E402
 from skymesh.routing.disciplines.slo_deadline import Candidate, anneal, schedule_cost  # noqa: E402
+from skymesh.runtime.gc_tuning import tune_gc  # noqa: E402
 
 
 def head(rng: random.Random, n: int) -> tuple[list[Candidate], list[float], float]:

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from skymesh.config import ConfigError, HostPort, MeshConfig, load_config, load_config_digest
-from skymesh.logging_setup import setup_logging
-from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
+from skymesh.runtime.logging_setup import setup_logging
+from skymesh.runtime.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from controller.reload import reload_controller
+    from controller.reload_rules import reload_controller
     from controller.service import ControllerService
     from skymesh.dns.factory import make_provider
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from skymesh.edge.metrics import EdgeMetrics
+from skymesh.edge.connection_metrics import EdgeMetrics
 
 # the controller's supervised background loops, pre-created at 0 so a scrape shows them
 # before the first restart
@@ -34,7 +34,7 @@ class ControllerMetrics:
         )
         for reason in ("wrong_identity", "wrong_address", "stale_deregister"):
             self.rejected_calls.labels(reason)
-        # config reloads on SIGHUP (controller/reload.py): ok, or error (an invalid file, or
+        # config reloads on SIGHUP (controller/reload_rules.py): ok, or error (an invalid file, or
         # one changing settings that need a restart; the running config stayed)
         self.config_reloads = Counter(
             "skymesh_controller_config_reloads", "Config reloads (SIGHUP) by result.", ("result",),

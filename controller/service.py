@@ -31,11 +31,15 @@ from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
 from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
-from skymesh.admin_auth import admin_middleware, resolve_admin_token
 from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
-from skymesh.pki import (
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.runtime.procs import cancel_tasks
+from skymesh.runtime.reload_plan import ReloadStatus
+from skymesh.runtime.supervise import SupervisedLoop
+from skymesh.security.admin_auth import admin_middleware, resolve_admin_token
+from skymesh.security.pki import (
     ADMIN_IDENTITY,
     Credentials,
     balancer_identity,
@@ -43,10 +47,6 @@ from skymesh.pki import (
     peer_identity,
     require_credentials_off_loopback,
 )
-from skymesh.procs import cancel_tasks
-from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from skymesh.reload import ReloadStatus
-from skymesh.supervise import SupervisedLoop
 
 log = logging.getLogger("skymesh.controller")
 
@@ -62,7 +62,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.cfg = cfg
         self.dns = dns
         # the loaded config file: its SHA-256 (None: not from a file), when it was loaded,
-        # and the last SIGHUP reload (controller/reload.py)
+        # and the last SIGHUP reload (controller/reload_rules.py)
         self.config_sha256 = config_sha256
         self.config_loaded_unix = time.time()
         self.reload_status = ReloadStatus()
@@ -151,7 +151,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
     async def apply_config(self, cfg: MeshConfig, admin_token: str | None, *, config_sha256: str | None,
                            push: bool = True) -> None:
-        """Take a reloaded config whose changes are all live ones (controller/reload.py
+        """Take a reloaded config whose changes are all live ones (controller/reload_rules.py
         checks that first): membership (each region's replicas), the DNS settings the
         controller applies (public IPs, AWS regions, the Route53 TTL), probe settings,
         latencies (who adopts whom) and the admin token. With ``push``, the topology

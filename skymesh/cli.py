@@ -9,16 +9,16 @@ import sys
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("skymesh.up", "start the whole mesh from a config (the embedded local default)"),
-    "status": ("skymesh.status", "show the mesh: regions, balancers, replicas, queues"),
+    "up": ("skymesh.operations.up", "start the whole mesh from a config (the embedded local default)"),
+    "status": ("skymesh.operations.status", "show the mesh: regions, balancers, replicas, queues"),
     "balancer": ("skymesh.balancer.main", "run one regional balancer"),
     "controller": ("controller.main", "run the central controller"),
     "replica-sim": ("skymesh.replica_sim.main", "run a vLLM stand-in replica"),
     "dns": ("skymesh.dns.main", "run the embedded authoritative DNS server alone"),
     "bench": ("skymesh.bench.main", "benchmarks: live trace replay, routing micro-benchmark"),
     "sim": ("skymesh.bench.sim_main", "discrete-event simulation of the routing core"),
-    "config": ("skymesh.config_cli", "validate a config file and print it"),
-    "pki": ("skymesh.pki_cli", "issue a mesh's credentials offline (CA, certificates, peer and admin tokens)"),
+    "config": ("skymesh.operations.config_cli", "validate a config file and print it"),
+    "pki": ("skymesh.security.pki_cli", "issue a mesh's credentials offline (CA, certificates, peer and admin tokens)"),
 }
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from skymesh.balancer.ports import Registration, StatusReport
 from skymesh.config import HostPort
-from skymesh.pki import Credentials
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import HeartbeatSnapshot, RegionCore
 from skymesh.routing.registry import make_policy
+from skymesh.security.pki import Credentials
 
 
 def region_core(region: str) -> RegionCore:

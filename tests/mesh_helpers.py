@@ -1,6 +1,6 @@
 """Shared helpers for integration tests: mesh configs built from the embedded default.
 
-Processes and ports come from :mod:`skymesh.procs` (``Child``, ``free_port``,
+Processes and ports come from :mod:`skymesh.runtime.procs` (``Child``, ``free_port``,
 ``start_sim_replicas``), the same code ``skymesh up`` and the benchmarks use."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from skymesh.admin_auth import admin_headers
-from skymesh.procs import free_port
+from skymesh.runtime.procs import free_port
+from skymesh.security.admin_auth import admin_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 
 from controller.service import ControllerService
-from skymesh.admin_auth import LOCAL_TOKEN_FILE, ensure_local_token, resolve_admin_token
 from skymesh.config import MeshConfig, parse_config
 from skymesh.dns.embedded import MeshDnsServer
-from skymesh.status import collect
-from skymesh.up import Mesh
+from skymesh.operations.status import collect
+from skymesh.operations.up import Mesh
+from skymesh.security.admin_auth import LOCAL_TOKEN_FILE, ensure_local_token, resolve_admin_token
 from tests.mesh_helpers import admin_auth, local_config_free_ports
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,7 +150,7 @@ async def test_status_sends_the_token_and_says_when_it_is_refused(
 def test_no_peer_token_is_shipped_and_none_beyond_loopback_refuses_to_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from skymesh.admin_auth import MissingSecretError, resolve_peer_token
+    from skymesh.security.admin_auth import MissingSecretError, resolve_peer_token
 
     monkeypatch.delenv("SKYMESH_PEER_TOKEN", raising=False)
     cfg = config()

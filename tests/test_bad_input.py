@@ -28,11 +28,11 @@ from aiohttp import web
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from skymesh.balancer.requests import parse_body
+from skymesh.balancer.openai_request import parse_body
 from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
-from skymesh.procs import free_port
-from skymesh.prom import parse_samples
+from skymesh.runtime.procs import free_port
+from skymesh.runtime.prom_text import parse_samples
 from tests.mesh_helpers import admin_auth, one_region_config
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.fault]

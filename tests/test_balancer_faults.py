@@ -22,8 +22,8 @@ from skymesh.balancer.server import (
     upstream_timeouts,
 )
 from skymesh.config import parse_config
-from skymesh.procs import free_port
-from skymesh.prom import parse_samples
+from skymesh.runtime.procs import free_port
+from skymesh.runtime.prom_text import parse_samples
 from tests.mesh_helpers import one_region_config, report_figures
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.fault]

@@ -14,8 +14,8 @@ import pytest
 
 from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
-from skymesh.procs import Child, free_port, start_sim_replicas
-from skymesh.prom import parse_samples
+from skymesh.runtime.procs import Child, free_port, start_sim_replicas
+from skymesh.runtime.prom_text import parse_samples
 from tests.mesh_helpers import one_region_config, report_figures
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from skymesh.bench.metrics import (
+from skymesh.bench.scores import (
     cv,
     goodput,
     load_cv,

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import skymesh.admin_auth as admin_auth_mod
 import skymesh.balancer.auth as auth_mod
+import skymesh.security.admin_auth as admin_auth_mod
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.ratelimit import TokenBucket, retry_after_header
 from skymesh.balancer.server import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER, Balancer

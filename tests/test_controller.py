@@ -30,9 +30,14 @@ from controller.service import ControllerService
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig, parse_config
 from skymesh.dns.base import BalancerEndpoint
-from skymesh.pki import CONTROLLER_SERVER_NAME, generate_mesh_pki, load_credentials, secure_channel
-from skymesh.procs import Child, skymesh_cmd, wait_all_ready
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.runtime.procs import Child, skymesh_cmd, wait_all_ready
+from skymesh.security.pki import (
+    CONTROLLER_SERVER_NAME,
+    generate_mesh_pki,
+    load_credentials,
+    secure_channel,
+)
 from tests.mesh_helpers import admin_auth, local_config_free_ports
 
 pytestmark = pytest.mark.timeout(120)

@@ -232,7 +232,7 @@ async def test_response_truncated_and_malformed_packets_are_dropped_counted_and_
     import aiohttp
     import yaml
 
-    from skymesh.procs import Child, skymesh_cmd
+    from skymesh.runtime.procs import Child, skymesh_cmd
     from tests.mesh_helpers import report_figures
 
     path = tmp_path / "mesh.yaml"

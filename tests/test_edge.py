@@ -21,7 +21,7 @@ from skymesh.config import parse_config
 from skymesh.dns.embedded import MeshDnsServer
 from skymesh.edge.body import DECODE_STEP_BYTES, BodyRejected, BoundedDecoder
 from skymesh.edge.connections import ConnectionLimiter
-from skymesh.procs import free_port
+from skymesh.runtime.procs import free_port
 from tests.mesh_helpers import admin_auth, one_region_config
 from tests.test_bad_input import EchoReplica
 from tests.test_client_auth import KEY, keyed

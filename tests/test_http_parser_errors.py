@@ -33,7 +33,7 @@ from skymesh.edge.server import (
     EdgeServer,
     parser_error_response,
 )
-from skymesh.procs import free_port
+from skymesh.runtime.procs import free_port
 from tests.mesh_helpers import one_region_config
 from tests.test_bad_input import EchoReplica, error_shape_problem
 

@@ -23,8 +23,7 @@ import zmq.asyncio
 from skymesh.balancer.kv_events import KvEventDecodeError, decode_batch
 from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
-from skymesh.procs import free_port
-from skymesh.prompt_tokens import PromptEncoder, id_chunk_hashes
+from skymesh.prompt_encoder import PromptEncoder, id_chunk_hashes
 from skymesh.routing.kv_index import (
     AllBlocksCleared,
     BlockRemoved,
@@ -33,6 +32,7 @@ from skymesh.routing.kv_index import (
     ReplicaBlockIndex,
 )
 from skymesh.routing.model import RegionModel
+from skymesh.runtime.procs import free_port
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica
 from tests.test_prompt_tokens import tokenizer_dir  # noqa: F401 - the fixture

@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from skymesh.config import parse_config
-from skymesh.latency_proxy import (
+from skymesh.operations.latency_proxy import (
     DelayProxy,
     _DelayLine,
     delay_for,
     proxies_for,
     start_egress_forwarder,
 )
-from skymesh.procs import free_port
+from skymesh.runtime.procs import free_port
 from tests.mesh_helpers import local_config_free_ports
 
 

@@ -4,7 +4,7 @@ region, controller-issued epochs, heartbeats bound to the stream's authenticated
 The attacks found on main, replayed: a Register without a certificate, with another
 region's certificate, with a certificate from a self-made CA, with a foreign address or a
 huge epoch; heartbeats without a certificate or claiming another region with 1,000 free
-replicas. Real gRPC on loopback; certificates from skymesh.pki (what `skymesh up` uses).
+replicas. Real gRPC on loopback; certificates from skymesh.security.pki (what `skymesh up` uses).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import pytest
 from controller.service import ControllerService
 from skymesh.balancer.services import ControllerLink, PeerMesh, rejected_peer_calls
 from skymesh.config import ConfigError, MeshConfig, parse_config
-from skymesh.pki import (
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.security.pki import (
     CONTROLLER_SERVER_NAME,
     Credentials,
     balancer_server_name,
@@ -29,7 +30,6 @@ from skymesh.pki import (
     load_credentials,
     secure_channel,
 )
-from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from tests.balancer_standin import StandInBalancer
 from tests.mesh_helpers import free_port, local_config_free_ports, report_figures
 from tests.test_balancer_services import INTERVAL_S

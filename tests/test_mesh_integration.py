@@ -15,7 +15,7 @@ import dns.message
 import dns.query
 import pytest
 
-from skymesh.up import Mesh
+from skymesh.operations.up import Mesh
 from tests.mesh_helpers import admin_auth, local_config_free_ports, report_figures
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

@@ -23,12 +23,12 @@ from skymesh.balancer.metrics import (
     balancer_snapshot,
 )
 from skymesh.balancer.prober import parse_probe, probe_replica
-from skymesh.prom import parse_samples
-from skymesh.replica_sim.metrics import ReplicaMetrics, vllm_cache_config_info
+from skymesh.replica_sim.vllm_metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.routing.base import Decision, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import HeartbeatSnapshot, ProbeSample, RegionCore
 from skymesh.routing.registry import make_policy
+from skymesh.runtime.prom_text import parse_samples
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -7,7 +7,7 @@ and the prompt in the bytes of a real forward; a holder of eu-west-1's certifica
 the peer token) claims an ap-northeast-1 origin to get around EU residency; the same
 forward sent to the plain client port; callers without a mesh-CA certificate, and with a
 mesh certificate that is no balancer's. Real balancers, TLS and gRPC on loopback;
-certificates from skymesh.pki (what `skymesh up` issues).
+certificates from skymesh.security.pki (what `skymesh up` issues).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from benchmarks.peer_capture import RecordingRelay
 from skymesh.balancer.server import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER, Balancer
 from skymesh.balancer.services import ControllerLink, attach_services
 from skymesh.config import ConfigError, MeshConfig, parse_config
-from skymesh.pki import (
+from skymesh.runtime.procs import free_port
+from skymesh.security.pki import (
     balancer_server_name,
     generate_mesh_pki,
     peer_tls,
 )
-from skymesh.procs import free_port
 from tests.mesh_helpers import report_figures
 from tests.test_balancer_faults import FakeReplica
 

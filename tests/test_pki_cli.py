@@ -14,8 +14,8 @@ import yaml
 from cryptography import x509
 
 from skymesh.config import parse_config
-from skymesh.pki import balancer_identity, balancer_server_name, load_credentials
-from skymesh.pki_cli import IssueError, credential_files, issue
+from skymesh.security.pki import balancer_identity, balancer_server_name, load_credentials
+from skymesh.security.pki_cli import IssueError, credential_files, issue
 from tests.mesh_helpers import ROOT, local_config_free_ports
 
 REGIONS = ["us-east-1", "eu-west-1"]
@@ -78,8 +78,8 @@ def test_refuses_to_overwrite_unless_asked(tmp_path: Path) -> None:
     cfg_path = write_config(tmp_path)
     res = skymesh("pki", "issue", "--config", str(cfg_path), "--out", str(out), cwd=tmp_path)
     assert res.returncode == 1 and "refusing to overwrite" in res.stderr and res.stdout == ""
-    # python -m skymesh.pki is the same command
-    res = subprocess.run([sys.executable, "-m", "skymesh.pki", "--config", str(cfg_path), "--out", str(out)],
+    # python -m skymesh.security.pki is the same command
+    res = subprocess.run([sys.executable, "-m", "skymesh.security.pki", "--config", str(cfg_path), "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "refusing to overwrite" in res.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in before} == before

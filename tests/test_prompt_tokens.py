@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from skymesh.balancer.requests import parse_body
+from skymesh.balancer.openai_request import parse_body
 from skymesh.balancer.server import Balancer, build_encoder, encode_request
 from skymesh.config import ConfigError, parse_config
-from skymesh.procs import free_port
-from skymesh.prompt_tokens import PromptEncoder, byte_chunk_hashes
+from skymesh.prompt_encoder import PromptEncoder, byte_chunk_hashes
+from skymesh.runtime.procs import free_port
 from skymesh.testing.bpe import train_byte_bpe
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skymesh.proto_build import DEFAULT_OUT, generate
+from skymesh.runtime.proto_build import DEFAULT_OUT, generate
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:

@@ -14,16 +14,16 @@ import pytest
 import yaml
 from aiohttp.test_utils import make_mocked_request
 
-from controller.reload import controller_reload_plan
+from controller.reload_rules import controller_reload_plan
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.gate import CLIENT, ClientGate
-from skymesh.balancer.reload import reload_plan
+from skymesh.balancer.reload_rules import reload_plan
 from skymesh.config import MeshConfig, load_config_digest, parse_config
-from skymesh.reload import ReloadPlan, changed_paths, path_text
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import RegionCore, RegionSettings, Reject, RequestState, SendToReplica
 from skymesh.routing.registry import make_policy
+from skymesh.runtime.reload_plan import ReloadPlan, changed_paths, path_text
 from tests.test_region_core import probe_all, req
 
 ROOT = Path(__file__).resolve().parent.parent

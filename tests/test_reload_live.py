@@ -29,8 +29,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from skymesh.procs import Child, free_port, skymesh_cmd
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.runtime.procs import Child, free_port, skymesh_cmd
 from tests.mesh_helpers import admin_auth, local_config_free_ports, one_region_config
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.fault]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from skymesh.replica_sim.engine import Engine, StepOutput, chained_block_hashes
 from skymesh.replica_sim.profiles import PROFILES, Profile, prefill_pairs, vllm_batch_defaults
-from skymesh.tokens import filler_tokens
+from skymesh.word_tokenizer import filler_tokens
 
 TINY = PROFILES["tiny-test"]
 BS = 16

@@ -23,8 +23,7 @@ import pytest
 import zmq
 
 from skymesh.config import ConfigError, parse_config
-from skymesh.procs import Child
-from skymesh.prompt_tokens import PromptEncoder
+from skymesh.prompt_encoder import PromptEncoder
 from skymesh.replica_sim.engine import Engine, chained_block_hashes
 from skymesh.replica_sim.kv_events import KVEventBatch as StandInBatch
 from skymesh.replica_sim.kv_events import KVEventsConfig
@@ -32,8 +31,9 @@ from skymesh.replica_sim.kv_publisher import NullPublisher, ZmqPublisher
 from skymesh.replica_sim.profiles import PROFILES
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.routing import kv_index
+from skymesh.runtime.procs import Child
 from skymesh.testing.bpe import train_byte_bpe
-from skymesh.tokens import filler_tokens, word_token_id
+from skymesh.word_tokenizer import filler_tokens, word_token_id
 from tests.mesh_helpers import one_region_config
 
 BS = 16
@@ -571,8 +571,8 @@ def test_a_sim_replica_takes_its_kv_events_from_the_sim_section() -> None:
 async def test_skymesh_up_starts_a_sim_that_publishes_with_its_tokenizer(tmp_path: Path, tokenizer_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    from skymesh.procs import free_port
-    from skymesh.up import Mesh
+    from skymesh.operations.up import Mesh
+    from skymesh.runtime.procs import free_port
 
     data = sim_config(tokenizer=str(tokenizer_path), kv_events={"port": free_port(), "replay_port": free_port()})
     data["regions"][0]["replicas"][0]["sim"]["port"] = free_port()
@@ -607,7 +607,7 @@ async def test_a_balancer_keeps_the_stand_ins_cache_from_its_events(tmp_path: Pa
     the balancer (same tokenizer, chunks = blocks) indexes their events, and the replica
     that served a prompt holds every full block of it under the balancer's chunk keys."""
     from skymesh.balancer.server import Balancer
-    from skymesh.procs import free_port
+    from skymesh.runtime.procs import free_port
 
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
     srvs = [await start_replica(profile="tiny-test", time_scale=0.01, tokenizer=tokenizer_path, kv_events=events)

@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from skymesh.procs import Child
-from skymesh.replica_sim.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from skymesh.replica_sim.server import ReplicaServer, start_replica
+from skymesh.replica_sim.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from skymesh.runtime.procs import Child
 
 MODEL = "skymesh-sim"
 L = '{engine="0",model_name="skymesh-sim"}'

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from skymesh.procs import Child, skymesh_cmd
+from skymesh.runtime.procs import Child, skymesh_cmd
 from tests.mesh_helpers import local_config_free_ports
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skymesh.routing.hashing import chunk_hashes, key_hash, prompt_chunk_hashes
-from skymesh.tokens import split_tokens
+from skymesh.word_tokenizer import split_tokens
 
 words = st.lists(st.sampled_from(["a", "b", "c", "ab", "<|user|>"]), max_size=40)
 

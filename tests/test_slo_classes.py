@@ -14,10 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from skymesh.balancer.server import ORIGIN_HEADER, Balancer
-from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
+from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.config import ConfigError, SloClassConfig, parse_config
 from skymesh.edge.openai_errors import RequestError
-from skymesh.procs import free_port
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore
 from skymesh.routing.hashing import prompt_chunk_hashes
@@ -33,7 +32,8 @@ from skymesh.routing.region import (
     SendToReplica,
 )
 from skymesh.routing.registry import make_policy
-from skymesh.slo import SloClass, apply_slo_class, missed_targets
+from skymesh.runtime.procs import free_port
+from skymesh.slo_judge import SloClass, apply_slo_class, missed_targets
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica, start_balancer
 
@@ -325,7 +325,7 @@ def test_early_rejection_off_queues_everything_and_a_peer_that_could_meet_it_sav
 def test_class_summary_judges_every_target_and_a_rejected_request_meets_none() -> None:
     import numpy as np
 
-    from skymesh.bench.metrics import class_summary
+    from skymesh.bench.scores import class_summary
 
     nan = float("nan")
     arrival = np.array([0.0, 1.0, 2.0, 3.0, 4.0])

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from skymesh.up import Mesh
+from skymesh.operations.up import Mesh
 from tests.mesh_helpers import report_figures
 from tests.test_mesh_integration import (
     REGION_SOURCES,

@@ -115,12 +115,12 @@ def test_the_standin_reads_the_production_profiles() -> None:
      "skymesh/config.py:1: imports skymesh.replica_sim.engine"),
     ("def f():\n    from skymesh.replica_sim.profiles import PROFILES\n", "skymesh/balancer/server.py",
      "skymesh/balancer/server.py:2: imports skymesh.replica_sim.profiles"),
-    ("from skymesh import replica_sim\n", "skymesh/up.py", "skymesh/up.py:1: imports skymesh.replica_sim"),
+    ("from skymesh import replica_sim\n", "skymesh/operations/up.py", "skymesh/operations/up.py:1: imports skymesh.replica_sim"),
     ("from ..replica_sim import engine\n", "skymesh/balancer/server.py",
      "skymesh/balancer/server.py:1: imports skymesh.replica_sim"),
     ("from . import replica_sim\n", "skymesh/config.py", "skymesh/config.py:1: imports skymesh.replica_sim"),
-    ("import importlib\nm = importlib.import_module('skymesh.replica_sim.server')\n", "skymesh/up.py",
-     "skymesh/up.py:2: imports skymesh.replica_sim.server"),
+    ("import importlib\nm = importlib.import_module('skymesh.replica_sim.server')\n", "skymesh/operations/up.py",
+     "skymesh/operations/up.py:2: imports skymesh.replica_sim.server"),
 ])
 def test_checker_flags_each_kind_of_import(snippet: str, filename: str, expected: str) -> None:
     """The checker can fail: each way of importing the stand-in fed to it is reported."""

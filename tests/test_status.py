@@ -18,7 +18,7 @@ import yaml
 from aiohttp import web
 
 from skymesh.config import parse_config
-from skymesh.status import balancer_admin_url, collect, nothing_running, render
+from skymesh.operations.status import balancer_admin_url, collect, nothing_running, render
 from tests.mesh_helpers import ROOT, local_config_free_ports
 
 
@@ -106,7 +106,7 @@ def test_render_the_controller_view() -> None:
 
 def test_render_the_fallback_view_says_the_controller_is_down() -> None:
     cfg = parse_config(local_config_free_ports())
-    from skymesh.status import _from_balancer
+    from skymesh.operations.status import _from_balancer
 
     status = {"source": "balancers", "controller": None, "controller_url": "http://127.0.0.1:7002",
               "policy": "dualmap",

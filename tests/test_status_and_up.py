@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from skymesh.status import render
+from skymesh.operations.status import render
 from tests.mesh_helpers import ROOT, local_config_free_ports
 
 pytestmark = pytest.mark.timeout(180)

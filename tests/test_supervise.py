@@ -1,4 +1,4 @@
-"""skymesh.supervise: a failing loop body is logged, counted and restarted; cancellation
+"""skymesh.runtime.supervise: a failing loop body is logged, counted and restarted; cancellation
 stops it for good. Every wait is on an event; pytest-timeout only guards against hangs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from skymesh.supervise import SupervisedLoop
+from skymesh.runtime.supervise import SupervisedLoop
 
 pytestmark = pytest.mark.timeout(30)
 

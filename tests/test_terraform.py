@@ -21,9 +21,9 @@ import grpc
 import pytest
 import yaml
 
-from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.config import parse_config
-from skymesh.pki import (
+from skymesh.security.admin_auth import resolve_admin_token, resolve_peer_token
+from skymesh.security.pki import (
     CONTROLLER_SERVER_NAME,
     Credentials,
     balancer_identity,
@@ -310,7 +310,7 @@ output "skymesh_config" {{
 def applied_secrets(tf_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppliedSecrets]:
     from moto.server import ThreadedMotoServer
 
-    from skymesh.pki_cli import issue
+    from skymesh.security.pki_cli import issue
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -422,7 +422,7 @@ def fetch_on_host(applied: AppliedSecrets, component: str, tmp_path: Path) -> No
 
 
 async def whoami(server: Credentials, client: Credentials, server_name: str) -> str:
-    """An mTLS call with skymesh.pki's credentials: the identity the server verified."""
+    """An mTLS call with skymesh.security.pki's credentials: the identity the server verified."""
     srv = grpc.aio.server()
 
     def handler(request: bytes, context: Any) -> bytes:

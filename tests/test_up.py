@@ -21,7 +21,8 @@ import aiohttp
 import pytest
 import yaml
 
-from skymesh.procs import (
+from skymesh.operations.up import Mesh, MeshStartError
+from skymesh.runtime.procs import (
     Child,
     bind_problem,
     ephemeral_port_range,
@@ -29,7 +30,6 @@ from skymesh.procs import (
     skymesh_cmd,
     wait_all_ready,
 )
-from skymesh.up import Mesh, MeshStartError
 from tests.mesh_helpers import ROOT, local_config_free_ports, report_figures
 
 
@@ -337,7 +337,7 @@ async def test_a_stand_in_that_dies_is_restarted_with_backoff(tmp_path: Path) ->
 TREE = """
 import asyncio, os, sys
 from pathlib import Path
-from skymesh.procs import Child, report_ready
+from skymesh.runtime.procs import Child, report_ready
 
 async def main(depth: int, log_dir: Path) -> None:
     pids = {f"level{depth}": os.getpid()}

@@ -36,8 +36,8 @@ from skymesh.balancer.prober import (
 )
 from skymesh.balancer.server import Balancer, build_encoder
 from skymesh.config import parse_config
-from skymesh.procs import free_port
-from skymesh.prom import parse_samples
+from skymesh.runtime.procs import free_port
+from skymesh.runtime.prom_text import parse_samples
 from skymesh.testing import vllm_env
 from skymesh.testing.vllm_env import BLOCK_SIZE, MODEL_NAME, ReplicaOptions, VllmReplica
 from tests.mesh_helpers import one_region_config, report_figures

@@ -6,7 +6,7 @@ bounds on the request head and on connections are the server's (skymesh/edge/ser
 
 Peer balancers' forwarded requests carry no client key and arrive only on the peer
 listener (peer_listener.py): there they are let through on the peer token (checked here,
-before the body is read, by :func:`skymesh.admin_auth.peer_token_denied`), after the
+before the body is read, by :func:`skymesh.security.admin_auth.peer_token_denied`), after the
 listener checked the sender's certificate. The client port refuses any request
 carrying the hop header.
 """
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from skymesh.admin_auth import admin_denied, bearer_of, metrics_denied, peer_token_denied
 from skymesh.balancer.auth import (
     ClientKey,
     ClientKeyring,
@@ -31,6 +30,7 @@ from skymesh.balancer.ratelimit import TokenBucket, retry_after_header
 from skymesh.config import ClientLimits, MeshConfig
 from skymesh.edge.body import BodyLimits, read_body_or_reject
 from skymesh.edge.openai_errors import error_response
+from skymesh.security.admin_auth import admin_denied, bearer_of, metrics_denied, peer_token_denied
 
 # request[CLIENT] is the authenticated ClientKey (None when the API is open or for peers)
 CLIENT = web.RequestKey("skymesh.client", ClientKey | None)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from skymesh.balancer.reload import reload_balancer
+from skymesh.balancer.reload_rules import reload_balancer
 from skymesh.balancer.server import Balancer
 from skymesh.balancer.services import attach_services
 from skymesh.config import (
@@ -17,9 +17,9 @@ from skymesh.config import (
     load_config,
     load_config_digest,
 )
-from skymesh.gc_tuning import tune_gc
-from skymesh.logging_setup import setup_logging
-from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
+from skymesh.runtime.gc_tuning import tune_gc
+from skymesh.runtime.logging_setup import setup_logging
+from skymesh.runtime.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from skymesh.edge.metrics import EdgeMetrics
+from skymesh.edge.connection_metrics import EdgeMetrics
 from skymesh.routing.base import Decision, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import RegionCore
@@ -205,7 +205,7 @@ class BalancerMetrics:
             "skymesh_internal_errors_total", "Requests answered 500 because a handler raised unexpectedly.",
             registry=None,
         )
-        # config reloads on SIGHUP (skymesh/balancer/reload.py): ok, or error (the file was
+        # config reloads on SIGHUP (skymesh/balancer/reload_rules.py): ok, or error (the file was
         # invalid or changed settings that need a restart; the running config stayed)
         self.config_reloads = Counter(
             "skymesh_config_reloads_total", "Config reloads (SIGHUP) by result.", ("result",), registry=None,
@@ -221,7 +221,7 @@ class BalancerMetrics:
             "expectation compared (within one chunk, over, under).",
             ("result", "cache_source"), registry=None,
         )
-        # SLO classes (skymesh/balancer/slo_class.py, skymesh/slo.py), counted by the balancer the client called:
+        # SLO classes (skymesh/balancer/slo_class_lookup.py, skymesh/slo_judge.py), counted by the balancer the client called:
         # requests admitted per class; how each ended (met every target it could be judged
         # on, missed one, rejected by the balancer, failed after its first byte); and which
         # targets were missed; cancelled: the client went away first. Attainment of a class =

@@ -2,7 +2,7 @@
 there (the client port refuses a request carrying the hop header, see gate.py).
 
 With the mesh's ``tls`` section it is HTTPS under the mesh CA with client certificates
-(:func:`skymesh.pki.peer_tls`): a caller without a certificate from the mesh CA fails the
+(:func:`skymesh.security.pki.peer_tls`): a caller without a certificate from the mesh CA fails the
 handshake, and one whose certificate names no peer balancer is refused 403. The origin
 region a forward claims (``X-Skymesh-Origin-Region``, which decides the residency rules
 the request is held to) is bound to the certificate: it must be the sender's own region,
@@ -24,7 +24,7 @@ from aiohttp.typedefs import Handler
 
 from skymesh.config import HostPort
 from skymesh.edge.openai_errors import error_response
-from skymesh.pki import (
+from skymesh.security.pki import (
     PeerTls,
     identity_of_peercert,
     region_of_identity,

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from skymesh.config import HostPort
-from skymesh.pki import Credentials
 from skymesh.routing.region import HeartbeatSnapshot
+from skymesh.security.pki import Credentials
 
 VERSION = "0.1.0"
 

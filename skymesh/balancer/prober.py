@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from skymesh.prom import parse_sample_counts
+from skymesh.runtime.prom_text import parse_sample_counts
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"

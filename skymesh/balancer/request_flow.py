@@ -20,16 +20,16 @@ import aiohttp
 from aiohttp import web
 
 from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.openai_request import ParsedRequest
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
-from skymesh.balancer.requests import ParsedRequest
-from skymesh.balancer.slo_class import SLO_CLASS_HEADER
+from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER
 from skymesh.balancer.usage import (
     judge_prediction,
     reported_cached_tokens,
     reported_completion_tokens,
 )
 from skymesh.edge.openai_errors import RequestError, error_response
-from skymesh.prompt_tokens import EncodedPrompt, PromptEncoder
+from skymesh.prompt_encoder import EncodedPrompt, PromptEncoder
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
     AbandonAttempt,
@@ -39,7 +39,7 @@ from skymesh.routing.region import (
     Reject,
     SendToReplica,
 )
-from skymesh.slo import SloClass, missed_targets
+from skymesh.slo_judge import SloClass, missed_targets
 
 log = logging.getLogger("skymesh.balancer")
 
@@ -259,7 +259,7 @@ class RequestFlow:
 
     def _judge_slo(self, req: RoutingRequest, slo: SloClass | None, waiter: Waiter,
                    outcome: AttemptOutcome, now: float) -> None:
-        """Count a served answer against its class's targets (see skymesh/slo.py)."""
+        """Count a served answer against its class's targets (see skymesh/slo_judge.py)."""
         if slo is None or req.forwarded:
             return
         ttft = None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival

@@ -37,13 +37,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from skymesh.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.assembly import per_output_token_s, region_assembly, region_settings
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.middleware import make_error_middleware
+from skymesh.balancer.openai_request import ParsedRequest, parse_body
 from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
 from skymesh.balancer.ports import VERSION, Registration, ReplicaStatus, StatusReport
 from skymesh.balancer.prober import ProbeResult, probe_replica
@@ -58,9 +58,8 @@ from skymesh.balancer.request_flow import (
     peer_target,
     replica_target,
 )
-from skymesh.balancer.requests import ParsedRequest, parse_body
 from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls
-from skymesh.balancer.slo_class import SLO_CLASS_HEADER, resolve_slo_class
+from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.config import (
     ConfigError,
     HostPort,
@@ -71,10 +70,7 @@ from skymesh.config import (
 )
 from skymesh.edge.openai_errors import RequestError
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
-from skymesh.pki import Credentials, balancer_server_name, load_credentials, peer_tls
-from skymesh.procs import cancel_tasks, wait_event
-from skymesh.prompt_tokens import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
-from skymesh.reload import ReloadStatus
+from skymesh.prompt_encoder import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.routing.assembly import build_region_core as assemble_region_core
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
@@ -86,8 +82,12 @@ from skymesh.routing.region import (
     Reject,
     SendToReplica,
 )
-from skymesh.slo import apply_slo_class
-from skymesh.supervise import SupervisedLoop
+from skymesh.runtime.procs import cancel_tasks, wait_event
+from skymesh.runtime.reload_plan import ReloadStatus
+from skymesh.runtime.supervise import SupervisedLoop
+from skymesh.security.admin_auth import resolve_admin_token, resolve_peer_token
+from skymesh.security.pki import Credentials, balancer_server_name, load_credentials, peer_tls
+from skymesh.slo_judge import apply_slo_class
 
 log = logging.getLogger("skymesh.balancer")
 
@@ -163,7 +163,7 @@ class Balancer:
         # the loaded config file: its SHA-256 (None: not from a file) and when it was loaded
         self.config_sha256 = config_sha256
         self.config_loaded_unix = time.time()
-        self.reload_status = ReloadStatus()  # the last SIGHUP reload (skymesh/balancer/reload.py)
+        self.reload_status = ReloadStatus()  # the last SIGHUP reload (skymesh/balancer/reload_rules.py)
         self.region_cfg = cfg.region(region)
         self.region = region
         self.balancer_id = balancer_id or f"{region}-{uuid.uuid4().hex[:8]}"
@@ -273,7 +273,7 @@ class Balancer:
     def apply_config(self, cfg: MeshConfig, keyring: ClientKeyring, admin_token: str | None, *,
                      own_replicas: bool, config_sha256: str | None) -> None:
         """Take a reloaded config whose changes are all live ones (see
-        skymesh/balancer/reload.py, which checks that first). Requests in flight and queued
+        skymesh/balancer/reload_rules.py, which checks that first). Requests in flight and queued
         keep going: a request already in an attempt keeps that attempt's timeouts, and
         every later decision uses the new settings. ``own_replicas``: this balancer owns its
         replica list (no controller); with a controller the topology decides membership."""

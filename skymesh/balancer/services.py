@@ -24,7 +24,11 @@ from skymesh.balancer.ports import (
     PeerMeshBalancer,
     StatusReport,
 )
-from skymesh.pki import (
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.routing.region import HeartbeatSnapshot
+from skymesh.runtime.procs import cancel_tasks, wait_event
+from skymesh.runtime.supervise import RestartHook, SupervisedLoop
+from skymesh.security.pki import (
     CONTROLLER_SERVER_NAME,
     Credentials,
     balancer_server_name,
@@ -33,16 +37,12 @@ from skymesh.pki import (
     require_credentials_off_loopback,
     secure_channel,
 )
-from skymesh.procs import cancel_tasks, wait_event
-from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from skymesh.routing.region import HeartbeatSnapshot
-from skymesh.supervise import RestartHook, SupervisedLoop
 
 log = logging.getLogger("skymesh.balancer.mesh")
 
 
 class SupervisedService:
-    """Runs a service's background loops supervised (see skymesh.supervise) and counts
+    """Runs a service's background loops supervised (see skymesh.runtime.supervise) and counts
     their restarts for the balancer's metrics: read ``loop_restarts`` (loop name -> count)
     at scrape time, or set ``on_loop_restart`` to be called on every restart."""
 

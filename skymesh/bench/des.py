@@ -20,7 +20,7 @@ live in flat arrays, so 1M requests fit in memory.
 What policies read of a replica's cache (``SimConfig.cache_view``): ``"history"`` (the
 routing-history trie; chunks and engine blocks hashed from the trace's block ids) or
 ``"events"``: requests get token ids (:func:`trace_block_ids`), chunks are the balancer's
-own :func:`~skymesh.prompt_tokens.id_chunk_hashes` over engine-block-sized chunks, and each
+own :func:`~skymesh.prompt_encoder.id_chunk_hashes` over engine-block-sized chunks, and each
 engine's KV events reach its region core's block index at the end of every step.
 """
 
@@ -38,13 +38,13 @@ from typing import Any
 import numpy as np
 
 from skymesh.assembly import RoutingConfig, routing_assembly
-from skymesh.bench.metrics import class_summary, cv, summarize_arrays
+from skymesh.bench.scores import class_summary, cv, summarize_arrays
 from skymesh.bench.traces import TraceRequest, fit_request
 from skymesh.config import SloClassConfig
 from skymesh.config.routing import (
     PolicyConfig,
 )
-from skymesh.prompt_tokens import id_chunk_hashes
+from skymesh.prompt_encoder import id_chunk_hashes
 from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
 from skymesh.replica_sim.profiles import PROFILES, Profile
@@ -61,8 +61,8 @@ from skymesh.routing.region import (
     Reject,
     SendToReplica,
 )
-from skymesh.slo import SloClass, apply_slo_class
-from skymesh.tokens import TRACE_BLOCK_TOKENS
+from skymesh.slo_judge import SloClass, apply_slo_class
+from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 
 def simulated_policy(name: str = "dualmap", **keys: Any) -> PolicyConfig:

@@ -31,9 +31,9 @@ import numpy as np
 
 from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
-from skymesh.bench.metrics import class_summary, monotone_goodput, summarize
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
+from skymesh.bench.scores import class_summary, monotone_goodput, summarize
 from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
@@ -43,8 +43,8 @@ from skymesh.bench.traces import (
     scale_rate,
 )
 from skymesh.config import SloClassConfig
-from skymesh.procs import Child, free_port, start_sim_replicas, wait_healthy
 from skymesh.replica_sim.profiles import PROFILES
+from skymesh.runtime.procs import Child, free_port, start_sim_replicas, wait_healthy
 
 Samples = list[tuple[float, dict[str, int]]]
 Outcome = tuple[dict[str, Any], list[LiveResult], Samples]

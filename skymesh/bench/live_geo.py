@@ -35,7 +35,7 @@ import yaml
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
 from skymesh.bench.sim_main import split_system
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
-from skymesh.procs import free_port
+from skymesh.runtime.procs import free_port
 
 
 def local_default() -> dict[str, Any]:
@@ -108,7 +108,7 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
                           ) -> tuple[list[LiveResult], float | None, list[tuple[float, dict[str, int]]]]:
     """One system over a fresh 3-region mesh; returns the results, the replicas' prefix
     cache hit rate (read before the mesh stops) and the balancers' per-replica load samples."""
-    from skymesh.up import Mesh
+    from skymesh.operations.up import Mesh
 
     policy, offload, trigger = split_system(system, "predicted_ttft")
     state = tmp / f"mesh-{system.replace('@', '-')}-{uuid.uuid4().hex[:8]}"

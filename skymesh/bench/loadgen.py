@@ -28,10 +28,10 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.admin_auth import admin_headers
 from skymesh.bench.traces import TraceRequest
-from skymesh.prom import parse_samples
-from skymesh.tokens import trace_prompt
+from skymesh.runtime.prom_text import parse_samples
+from skymesh.security.admin_auth import admin_headers
+from skymesh.word_tokenizer import trace_prompt
 
 
 @dataclass(slots=True)

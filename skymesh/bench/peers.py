@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from skymesh.procs import Child, free_port, skymesh_cmd
+from skymesh.runtime.procs import Child, free_port, skymesh_cmd
 
 PEERS = ("sglang-router", "vllm-router")
 INSTALL_HINT = "pip install '.[peers]' into .venv"

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from skymesh.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
+from skymesh.runtime.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
 
 
 def cpu_seconds(pid: int) -> float:

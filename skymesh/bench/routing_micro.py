@@ -72,7 +72,7 @@ def run_routing_bench(
     the balancer's admission work, not the decision's). Each result row has p50/p99/mean
     in µs of the decision (``choose``), of the bookkeeping (``on_dispatch``) and of both.
     """
-    from skymesh.gc_tuning import tune_gc
+    from skymesh.runtime.gc_tuning import tune_gc
 
     gen = random.Random(seed)
     per_prompt = max(1, -(-prompt_tokens // chunk_tokens))

@@ -26,8 +26,8 @@ from typing import Any
 from skymesh.assembly import RoutingConfig
 from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
 from skymesh.bench.des import SimConfig, Simulator, simulated_policy
-from skymesh.bench.metrics import goodput
 from skymesh.bench.report import markdown_table, write_report
+from skymesh.bench.scores import goodput
 from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
@@ -49,7 +49,7 @@ from skymesh.routing.registry import (
     policy_options,
     policy_spec,
 )
-from skymesh.tokens import TRACE_BLOCK_TOKENS
+from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 GEO3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 GEO3_LATENCY = {("us-east-1", "eu-west-1"): 40.0, ("us-east-1", "ap-northeast-1"): 80.0,

@@ -2,7 +2,7 @@
 
 A trace request has an arrival time (s), input/output lengths (tokens) and ``hash_ids``:
 ids of 512-token prefix blocks (equal ids = shareable KV). For live replay every id
-becomes a deterministic 512-token text block (:func:`skymesh.tokens.trace_prompt`); the
+becomes a deterministic 512-token text block (:func:`skymesh.word_tokenizer.trace_prompt`); the
 discrete-event mode hashes the ids directly.
 
 A *session* is a prefix chain: a request continues the conversation that introduced the
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from skymesh.tokens import TRACE_BLOCK_TOKENS
+from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 DEFAULT_TRACE_REL = "../shared/traces/mooncake_conversation.jsonl"
 # the repository root's sibling `shared/`: skymesh/bench/traces.py -> parents[2] = repo root

@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 from skymesh.bench.traces import TraceRequest, diurnal_factor, region_weights
-from skymesh.tokens import TRACE_BLOCK_TOKENS
+from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 HOT_BASE = 1_000_000
 UNIQUE_BASE = 10_000_000

@@ -45,7 +45,7 @@ class MeshConfig(ConfigModel):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     # the shared secret of forwarded requests and the DNS control API; no default is
-    # shipped: $SKYMESH_PEER_TOKEN, this, or the local-mode file (skymesh/admin_auth.py)
+    # shipped: $SKYMESH_PEER_TOKEN, this, or the local-mode file (skymesh/security/admin_auth.py)
     peer_token: PeerToken | None = None
     client_auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)

@@ -141,7 +141,7 @@ class UpstreamConfig(ConfigModel):
 
 
 class TokenizerConfig(ConfigModel):
-    """How the balancer counts and hashes prompts (skymesh/prompt_tokens.py). Local files
+    """How the balancer counts and hashes prompts (skymesh/prompt_encoder.py). Local files
     only, read when the balancer starts; never fetched."""
 
     # the model's HF tokenizer.json; without it, prompts are hashed as UTF-8 bytes

@@ -22,7 +22,7 @@ class CertKeyFiles(ConfigModel):
 
 class TlsConfig(ConfigModel):
     """Mesh identity: mTLS on every gRPC channel and every peer forward (HTTPS between
-    balancers) under one mesh CA (see skymesh/pki.py).
+    balancers) under one mesh CA (see skymesh/security/pki.py).
 
     File paths only; each component reads its own files when it starts, so a host needs
     only the CA certificate and its own key pair. ``skymesh up`` generates all of them.

@@ -50,7 +50,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from skymesh.admin_auth import (
+from skymesh.config import MeshConfig, source_network_of
+from skymesh.dns.base import BalancerEndpoint
+from skymesh.edge.body import BodyLimits, read_body_or_reject
+from skymesh.edge.connection_metrics import EdgeMetrics
+from skymesh.edge.openai_errors import error_response
+from skymesh.edge.server import EdgeAppRunner, EdgeLimits
+from skymesh.security.admin_auth import (
     admin_denied,
     bearer_of,
     metrics_denied,
@@ -58,12 +64,6 @@ from skymesh.admin_auth import (
     resolve_admin_token,
     resolve_peer_token,
 )
-from skymesh.config import MeshConfig, source_network_of
-from skymesh.dns.base import BalancerEndpoint
-from skymesh.edge.body import BodyLimits, read_body_or_reject
-from skymesh.edge.metrics import EdgeMetrics
-from skymesh.edge.openai_errors import error_response
-from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 
 log = logging.getLogger("skymesh.dns")
 # the endpoint list the controller pushes: a few hundred bytes a region

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from skymesh.config import ConfigError, HostPort, load_config
-from skymesh.logging_setup import setup_logging
-from skymesh.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
+from skymesh.runtime.logging_setup import setup_logging
+from skymesh.runtime.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -62,8 +62,8 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
 from skymesh.config import MeshConfig
+from skymesh.edge.connection_metrics import EdgeMetrics
 from skymesh.edge.connections import ConnectionLimiter
-from skymesh.edge.metrics import EdgeMetrics
 from skymesh.edge.openai_errors import (
     describe_http_error,
     error_body,

@@ -1,1 +1,1 @@
-"""Generated from proto/ by `python -m skymesh.proto_build`; do not edit."""
+"""Generated from proto/ by `python -m skymesh.runtime.proto_build`; do not edit."""

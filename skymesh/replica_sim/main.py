@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from skymesh.logging_setup import setup_logging
-from skymesh.procs import READY_HELP, report_ready, serve_until_signal
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.profiles import PROFILES
+from skymesh.runtime.logging_setup import setup_logging
+from skymesh.runtime.procs import READY_HELP, report_ready, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

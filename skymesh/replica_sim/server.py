@@ -6,7 +6,7 @@ the step's tokens to the waiting handlers. Steps are laid end to end on a virtua
 (``t`` is the previous step's end, not the time the sleep happened to wake up), so event
 loop wake-up jitter does not slow the modelled GPU down.
 
-Tokens: whitespace words (skymesh/tokens.py), or with ``tokenizer`` (a local HF
+Tokens: whitespace words (skymesh/word_tokenizer.py), or with ``tokenizer`` (a local HF
 ``tokenizer.json``) the model's token ids, kept as decimal strings so the engine's block
 hashes and the KV events' ``token_ids`` are the tokenizer's. KV events: with a
 ``KVEventsConfig`` that publishes, each engine step's cache changes go out as one vLLM
@@ -28,15 +28,15 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from skymesh.edge.metrics import EdgeMetrics
+from skymesh.edge.connection_metrics import EdgeMetrics
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
 from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import EventPublisher, NullPublisher, make_publisher
-from skymesh.replica_sim.metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.replica_sim.profiles import PROFILES, Profile
-from skymesh.supervise import SupervisedLoop
-from skymesh.tokens import (
+from skymesh.replica_sim.vllm_metrics import ReplicaMetrics, vllm_cache_config_info
+from skymesh.runtime.supervise import SupervisedLoop
+from skymesh.word_tokenizer import (
     GENERATION_PROMPT,
     ChatContentError,
     chat_prompt,

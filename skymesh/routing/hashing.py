@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-from skymesh.tokens import split_tokens
+from skymesh.word_tokenizer import split_tokens
 
 _SEP = b"\x1f"
 _U64 = 0xFFFF_FFFF_FFFF_FFFF

@@ -25,8 +25,8 @@ import aiohttp
 import msgspec
 import zmq
 
-from skymesh.procs import start_sim_replicas
-from skymesh.prom import parse_samples
+from skymesh.runtime.procs import start_sim_replicas
+from skymesh.runtime.prom_text import parse_samples
 from skymesh.testing.vllm_env import (
     MODEL_NAME,
     ReplicaOptions,

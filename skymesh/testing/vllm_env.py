@@ -8,7 +8,7 @@
 * :func:`make_model_dir` writes a tiny LlamaForCausalLM (``config.json``; weights are
   vLLM's ``--load-format dummy``) and a byte-level BPE tokenizer trained here, offline.
 * :class:`VllmReplica` starts ``vllm.entrypoints.openai.api_server`` as a
-  :class:`~skymesh.procs.Child` on a free loopback port with prefix caching and KV-cache
+  :class:`~skymesh.runtime.procs.Child` on a free loopback port with prefix caching and KV-cache
   events over ZMQ, every cache and temp file under ``.vllm-cache/``, and waits for
   ``/health``.
 
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from skymesh.procs import Child, free_port, wait_healthy
+from skymesh.runtime.procs import Child, free_port, wait_healthy
 from skymesh.testing.bpe import train_byte_bpe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -30,7 +30,7 @@ DEFAULT_HEALTHY_AFTER_S = 30.0
 # the next record (and every one of them still reaches on_restart).
 DEFAULT_LOG_INTERVAL_S = 60.0
 
-log = logging.getLogger("skymesh.supervise")
+log = logging.getLogger("skymesh.runtime.supervise")
 
 RestartHook = Callable[[str, BaseException], None]
 

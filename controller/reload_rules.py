@@ -20,9 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from skymesh.admin_auth import resolve_admin_token
 from skymesh.config import MeshConfig, load_config_digest
-from skymesh.reload import ANY, Kind, ReloadPlan, ReloadRefused, Rules, plan, run_reload
+from skymesh.runtime.reload_plan import (
+    ANY,
+    Kind,
+    ReloadPlan,
+    ReloadRefused,
+    Rules,
+    plan,
+    run_reload,
+)
+from skymesh.security.admin_auth import resolve_admin_token
 
 if TYPE_CHECKING:
     from controller.service import ControllerService

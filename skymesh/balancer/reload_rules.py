@@ -25,15 +25,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from skymesh.admin_auth import resolve_admin_token
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.config import MeshConfig, load_config_digest
-from skymesh.reload import ANY, Kind, ReloadPlan, ReloadRefused, Rules, plan, run_reload
+from skymesh.runtime.reload_plan import (
+    ANY,
+    Kind,
+    ReloadPlan,
+    ReloadRefused,
+    Rules,
+    plan,
+    run_reload,
+)
+from skymesh.security.admin_auth import resolve_admin_token
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
 
-log = logging.getLogger("skymesh.balancer.reload")
+log = logging.getLogger("skymesh.balancer.reload_rules")
 
 
 def balancer_rules(region: str, *, own_replicas: bool) -> Rules:

@@ -4,7 +4,7 @@ Starts, each as its own process (own process group, log under the state dir): th
 stand-in replicas of every region (real `url` replicas are only health-checked), the DNS
 server, the controller and one balancer per region; plus, in this process, the delay
 proxies that give the advertised addresses their inter-region latency. Waits until every
-child reports ready (its SKYMESH_READY line, see skymesh.procs) and every real replica is
+child reports ready (its SKYMESH_READY line, see skymesh.runtime.procs) and every real replica is
 healthy, prints how to use the mesh, and stops everything (reverse order, by PID) on
 Ctrl-C / SIGTERM. :class:`Mesh` is also what the integration tests drive: they kill and
 restart single parts (a balancer, the controller, the DNS server, a replica).
@@ -25,16 +25,9 @@ from typing import Any
 
 import yaml
 
-from skymesh.admin_auth import (
-    PEER_TOKEN_ENV,
-    ensure_local_token,
-    resolve_admin_token,
-    resolve_peer_token,
-)
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
-from skymesh.latency_proxy import DelayProxy, proxies_for
-from skymesh.pki import generate_mesh_pki
-from skymesh.procs import (
+from skymesh.operations.latency_proxy import DelayProxy, proxies_for
+from skymesh.runtime.procs import (
     Child,
     bind_problem,
     cancel_tasks,
@@ -43,8 +36,15 @@ from skymesh.procs import (
     wait_all_ready,
     wait_healthy,
 )
+from skymesh.security.admin_auth import (
+    PEER_TOKEN_ENV,
+    ensure_local_token,
+    resolve_admin_token,
+    resolve_peer_token,
+)
+from skymesh.security.pki import generate_mesh_pki
 
-log = logging.getLogger("skymesh.up")
+log = logging.getLogger("skymesh.operations.up")
 
 
 class MeshStartError(RuntimeError):
@@ -515,7 +515,7 @@ async def _up(args: argparse.Namespace, path: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skymesh.logging_setup import setup_logging
+    from skymesh.runtime.logging_setup import setup_logging
 
     setup_logging("WARNING")
     try:

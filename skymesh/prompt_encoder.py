@@ -7,7 +7,7 @@ encode it, and ``chunk_hashes[i]`` is the cumulative xxhash64 of token-id chunks
 ``chunk_tokens`` is the block size (or a multiple of it). Chat requests go through the
 model's chat template (``tokenizer.chat_template``, rendered by a sandboxed jinja2 as
 vLLM renders it) when one is configured; otherwise through skymesh's own flattening
-(:func:`skymesh.tokens.chat_prompt`), which is stable but not what the replica sees.
+(:func:`skymesh.word_tokenizer.chat_prompt`), which is stable but not what the replica sees.
 
 Without a tokenizer, a language-agnostic fallback over UTF-8 bytes: chunks of
 ``chunk_tokens * bytes_per_token`` bytes, and tokens estimated as bytes /

@@ -16,7 +16,7 @@ resolves to (a delay proxy, a moved IP).
 
 :func:`generate_mesh_pki` writes a CA and every component's key and certificate (what
 ``skymesh up`` does on first run, and what the tests use); for a deployed mesh,
-``skymesh pki issue`` (skymesh/pki_cli.py) runs it once, offline, adds the peer and admin
+``skymesh pki issue`` (skymesh/security/pki_cli.py) runs it once, offline, adds the peer and admin
 tokens, and terraform/modules/secrets ships each host only its files.
 """
 
@@ -304,11 +304,11 @@ def generate_mesh_pki(directory: str | Path, regions: Iterable[str], *, reuse: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m skymesh.pki --config mesh.yaml --out DIR [--reuse | --force]``: the same
-    as ``skymesh pki issue`` (skymesh/pki_cli.py)."""
-    from skymesh import pki_cli
+    """``python -m skymesh.security.pki --config mesh.yaml --out DIR [--reuse | --force]``: the same
+    as ``skymesh pki issue`` (skymesh/security/pki_cli.py)."""
+    from skymesh.security import pki_cli
 
-    p = argparse.ArgumentParser(prog="python -m skymesh.pki", description=pki_cli.__doc__,
+    p = argparse.ArgumentParser(prog="python -m skymesh.security.pki", description=pki_cli.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     pki_cli.add_issue_arguments(p)
     return pki_cli.run(p.parse_args(argv))

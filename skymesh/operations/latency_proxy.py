@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from skymesh.config import MeshConfig, region_of_address
 
-log = logging.getLogger("skymesh.latency_proxy")
+log = logging.getLogger("skymesh.operations.latency_proxy")
 _CHUNK = 64 * 1024
 # per direction; at 110 ms one way this still carries ~38 MB/s (bandwidth-delay product)
 DEFAULT_MAX_BUFFERED = 4 * 1024 * 1024

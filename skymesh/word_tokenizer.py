@@ -14,7 +14,7 @@ the benchmark harness.
   requests whose ``hash_ids`` share a prefix get prompts sharing that text prefix.
 
 The balancer does not count or hash prompts this way: it uses the model's tokenizer, or
-UTF-8 byte chunks without one (skymesh/prompt_tokens.py), since whitespace words make a
+UTF-8 byte chunks without one (skymesh/prompt_encoder.py), since whitespace words make a
 Japanese or Chinese prompt one "token". This module is the stand-in's and the trace
 replay's word model, and the chat flattening both sides share.
 """

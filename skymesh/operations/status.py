@@ -18,8 +18,8 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.admin_auth import DEFAULT_STATE_DIR, admin_headers, resolve_admin_token
 from skymesh.config import ConfigError, HostPort, MeshConfig, RegionConfig, load_config
+from skymesh.security.admin_auth import DEFAULT_STATE_DIR, admin_headers, resolve_admin_token
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -71,7 +71,7 @@ async def collect(cfg: MeshConfig, admin_token: str | None = None,
                   state_dir: Path | None = DEFAULT_STATE_DIR) -> dict[str, Any]:
     """The mesh status: the controller's view (source "controller"), or each balancer's
     (source "balancers") when the controller does not answer. ``admin_token``: default
-    from the config, the env or the local state dir (:mod:`skymesh.admin_auth`)."""
+    from the config, the env or the local state dir (:mod:`skymesh.security.admin_auth`)."""
     token = admin_token or resolve_admin_token(cfg, state_dir)
     refused: list[str] = []
     async with aiohttp.ClientSession(headers=admin_headers(token)) as s:

@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC/protobuf code: `python -m skymesh.proto_build [--out DIR]`.
+"""Regenerate the committed gRPC/protobuf code: `python -m skymesh.runtime.proto_build [--out DIR]`.
 
 The generated modules are committed (skymesh/proto_gen/) so a fresh clone needs no
 codegen step; tests/test_proto_fresh.py regenerates into a temporary folder with the
@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
 PROTOS = ["skymesh/v1/mesh.proto"]
 DEFAULT_OUT = ROOT / "skymesh" / "proto_gen"
@@ -42,7 +42,7 @@ def generate(out: Path) -> list[Path]:
         d.rmdir()
     raw.rmdir()
     init = out / "__init__.py"
-    init.write_text('"""Generated from proto/ by `python -m skymesh.proto_build`; do not edit."""\n')
+    init.write_text('"""Generated from proto/ by `python -m skymesh.runtime.proto_build`; do not edit."""\n')
     written.append(init)
     return written
 

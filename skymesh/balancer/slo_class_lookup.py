@@ -7,7 +7,7 @@ in the same header (the peer reads it against the same mesh config). Its TTFT ta
 binds routing (``RoutingRequest.slo_ttft_s``: DualMap's wait bound, and a class whose
 target the link's round trip uses up is never offloaded); its priority orders the queue.
 
-The balancer the client called judges the answer when it ends (:func:`skymesh.slo.missed_targets`):
+The balancer the client called judges the answer when it ends (:func:`skymesh.slo_judge.missed_targets`):
 TTFT from arrival to the first byte of a stream (a non-streaming answer's first byte is its
 last, so only its end-to-end time is judged), TPOT where the answer's usage reports
 ``completion_tokens`` (streams with ``stream_options.include_usage``, and every
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from skymesh.config import MeshConfig
 from skymesh.edge.openai_errors import RequestError
-from skymesh.slo import SloClass
+from skymesh.slo_judge import SloClass
 
 SLO_CLASS_HEADER = "X-SLO-Class"
 # a header value echoed in an error is cut to this (it is the client's text)

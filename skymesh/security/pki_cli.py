@@ -5,7 +5,7 @@ Writes, under ``DIR`` (created 0700, every file 0600), what a deployed mesh need
 
 * ``ca.key``, ``ca.crt``: the mesh CA (keep ``ca.key`` off the hosts);
 * ``balancer-<region>.{crt,key}`` per region and ``controller.{crt,key}``: each
-  component's certificate, named as :mod:`skymesh.pki` names them (SAN URI
+  component's certificate, named as :mod:`skymesh.security.pki` names them (SAN URI
   ``spiffe://skymesh/region/<region>`` and DNS SAN ``<region>.balancer.skymesh``; the
   controller's ``spiffe://skymesh/controller`` and ``controller.skymesh``);
 * ``admin.{crt,key}``: an operator's client certificate;
@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 import yaml
 
-from skymesh.admin_auth import LOCAL_PEER_TOKEN_FILE, LOCAL_TOKEN_FILE
 from skymesh.config import ConfigError, load_config
-from skymesh.pki import _write_private, generate_mesh_pki
+from skymesh.security.admin_auth import LOCAL_PEER_TOKEN_FILE, LOCAL_TOKEN_FILE
+from skymesh.security.pki import _write_private, generate_mesh_pki
 
 Mode = Literal["new", "reuse", "force"]
 TOKEN_FILES = (LOCAL_PEER_TOKEN_FILE, LOCAL_TOKEN_FILE)  # "peer-token", "admin-token"

@@ -440,8 +440,8 @@ def run_daemon(name: str, main: Coroutine[Any, Any, int]) -> int:
     """``asyncio.run(main)`` for a daemon's CLI: a missing secret (a component that would
     listen beyond loopback without one) or a file the config names that cannot be read is
     one line on stderr and exit code 2."""
-    from skymesh.admin_auth import MissingSecretError
     from skymesh.config import ConfigError
+    from skymesh.security.admin_auth import MissingSecretError
 
     try:
         return asyncio.run(main)

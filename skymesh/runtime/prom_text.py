@@ -1,7 +1,7 @@
 """The probe side of the Prometheus text format: a fast reader of a few samples.
 
 The /metrics pages themselves are rendered by prometheus_client (skymesh.balancer.metrics,
-skymesh.replica_sim.metrics); this parser stays hand-written because the prober runs it on
+skymesh.replica_sim.vllm_metrics); this parser stays hand-written because the prober runs it on
 every replica's page every 100 ms and wants a handful of names, not a full parse. Real
 vLLM 0.32's page is ~50 KB (~370 ``vllm:`` series, HTTP and process metrics besides):
 the reader looks for the wanted names (``str.find``) instead of splitting every line.

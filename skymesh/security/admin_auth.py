@@ -24,7 +24,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from skymesh.config import MeshConfig
 from skymesh.edge.openai_errors import error_response
-from skymesh.pki import is_loopback_host
+from skymesh.security.pki import is_loopback_host
 
 DEFAULT_STATE_DIR = Path(".skymesh/run")
 LOCAL_TOKEN_FILE = "admin-token"

@@ -17,7 +17,7 @@ replica would reject anyway, so bad input never costs a replica slot and never b
   replacing: the body is forwarded byte for byte, so a replacement here would not be the
   text the replica sees.
 * a field the balancer reads with the wrong type or range, or chat content it cannot
-  flatten (:func:`skymesh.tokens.chat_prompt`).
+  flatten (:func:`skymesh.word_tokenizer.chat_prompt`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from skymesh.edge.openai_errors import RequestError
-from skymesh.tokens import ChatContentError, chat_prompt
+from skymesh.word_tokenizer import ChatContentError, chat_prompt
 
 MAX_TOKENS_LIMIT = 1 << 20
 # vLLM's default for /v1/completions; a chat request without a limit runs to the end of
@@ -50,7 +50,7 @@ MAX_TOKEN_ID = (1 << 32) - 1
 class ParsedRequest:
     kind: str  # "completions" | "chat"
     # the text routed on: a completion's (first) prompt, or a chat flattened
-    # (skymesh.tokens.chat_prompt); "" for a token-id prompt
+    # (skymesh.word_tokenizer.chat_prompt); "" for a token-id prompt
     prompt: str
     model: str
     max_tokens: int | None  # None: a chat request without a limit (the replica decides)
