@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiohttp import ClientSession, web  # noqa: E402
 
-from skymesh.balancer.server import HOP_HEADER, Balancer  # noqa: E402
+from skymesh.balancer.request_flow import HOP_HEADER  # noqa: E402
+from skymesh.balancer.server import Balancer  # noqa: E402
 from skymesh.balancer.services import attach_services  # noqa: E402
 from skymesh.config import BalancerConfig, parse_config  # noqa: E402
 from skymesh.runtime.procs import free_port  # noqa: E402

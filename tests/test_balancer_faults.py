@@ -12,15 +12,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from skymesh.balancer.membership import ReplicaInfo
 from skymesh.balancer.proxy import UpstreamTimeouts
-from skymesh.balancer.server import (
-    HOP_HEADER,
-    ORIGIN_HEADER,
-    TOKEN_HEADER,
-    Balancer,
-    ReplicaInfo,
-    upstream_timeouts,
-)
+from skymesh.balancer.request_flow import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER
+from skymesh.balancer.server import Balancer
+from skymesh.balancer.wiring import upstream_timeouts
 from skymesh.config import parse_config
 from skymesh.runtime.procs import free_port
 from skymesh.runtime.prom_text import parse_samples

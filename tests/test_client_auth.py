@@ -18,7 +18,8 @@ import skymesh.balancer.auth as auth_mod
 import skymesh.security.admin_auth as admin_auth_mod
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.ratelimit import TokenBucket, retry_after_header
-from skymesh.balancer.server import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER, Balancer
+from skymesh.balancer.request_flow import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER
+from skymesh.balancer.server import Balancer
 from skymesh.config import ClientAuthConfig, ConfigError, parse_config
 from tests.mesh_helpers import admin_auth, one_region_config
 from tests.test_balancer_faults import FakeReplica, start_balancer

@@ -26,7 +26,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.peer_capture import RecordingRelay
-from skymesh.balancer.server import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER, Balancer
+from skymesh.balancer.request_flow import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADER
+from skymesh.balancer.server import Balancer
 from skymesh.balancer.services import ControllerLink, attach_services
 from skymesh.config import ConfigError, MeshConfig, parse_config
 from skymesh.runtime.procs import free_port

@@ -13,7 +13,9 @@ import aiohttp
 import pytest
 
 from skymesh.balancer.openai_request import parse_body
-from skymesh.balancer.server import Balancer, build_encoder, encode_request
+from skymesh.balancer.request_flow import encode_request
+from skymesh.balancer.server import Balancer
+from skymesh.balancer.wiring import build_encoder
 from skymesh.config import ConfigError, parse_config
 from skymesh.prompt_encoder import PromptEncoder, byte_chunk_hashes
 from skymesh.runtime.procs import free_port

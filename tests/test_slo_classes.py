@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skymesh.balancer.server import ORIGIN_HEADER, Balancer
+from skymesh.balancer.request_flow import ORIGIN_HEADER
+from skymesh.balancer.server import Balancer
 from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.config import ConfigError, SloClassConfig, parse_config
 from skymesh.edge.openai_errors import RequestError

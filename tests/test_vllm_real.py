@@ -34,7 +34,8 @@ from skymesh.balancer.prober import (
     WAITING,
     parse_probe,
 )
-from skymesh.balancer.server import Balancer, build_encoder
+from skymesh.balancer.server import Balancer
+from skymesh.balancer.wiring import build_encoder
 from skymesh.config import parse_config
 from skymesh.runtime.procs import free_port
 from skymesh.runtime.prom_text import parse_samples

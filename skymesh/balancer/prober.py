@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 
@@ -16,6 +19,7 @@ KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # vLLM before the v1 engine rename
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 _WANTED = (WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, PREFIX_QUERIES, PREFIX_HITS)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -64,3 +68,19 @@ async def probe_replica(session: aiohttp.ClientSession, base_url: str, timeout_s
             return parse_probe(await resp.text(errors="replace"))
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return ProbeResult(healthy=False, error=type(e).__name__)
+
+
+async def probe_rounds(session: aiohttp.ClientSession, interval_s: float,
+                       targets: Callable[[], Sequence[tuple[T, str]]],
+                       on_results: Callable[[Sequence[tuple[T, ProbeResult]]], None]) -> None:
+    """Probe every ``(key, base_url)`` of ``targets()`` at once, each round started
+    ``interval_s`` after the previous one started; ``on_results`` gets each round's
+    answers. Runs until cancelled (under a SupervisedLoop)."""
+    loop = asyncio.get_running_loop()
+    timeout = max(0.5, interval_s * 5)
+    while True:
+        started = loop.time()
+        round_targets = list(targets())
+        results = await asyncio.gather(*(probe_replica(session, url, timeout) for _, url in round_targets))
+        on_results([(key, res) for (key, _), res in zip(round_targets, results, strict=True)])
+        await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))

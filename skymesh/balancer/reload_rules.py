@@ -23,23 +23,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from skymesh.balancer.auth import ClientKeyring
+from skymesh.balancer.gate import ClientGate
+from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.config import MeshConfig, load_config_digest
 from skymesh.runtime.reload_plan import (
     ANY,
     Kind,
     ReloadPlan,
     ReloadRefused,
+    ReloadStatus,
     Rules,
     plan,
     run_reload,
 )
 from skymesh.security.admin_auth import resolve_admin_token
-
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
 
 log = logging.getLogger("skymesh.balancer.reload_rules")
 
@@ -108,7 +108,29 @@ def load_balancer_config(path: str | None, prepare: Callable[[MeshConfig], MeshC
     return LoadedConfig(cfg, digest, ClientKeyring.from_config(cfg.client_auth), resolve_admin_token(cfg))
 
 
-async def reload_balancer(b: Balancer, path: str | None, prepare: Callable[[MeshConfig], MeshConfig], *,
+class Reloadable(Protocol):
+    """What a reload needs of the balancer (skymesh.balancer.server.Balancer)."""
+
+    @property
+    def cfg(self) -> MeshConfig: ...
+
+    @property
+    def region(self) -> str: ...
+
+    @property
+    def gate(self) -> ClientGate: ...
+
+    @property
+    def metrics(self) -> BalancerMetrics: ...
+
+    @property
+    def reload_status(self) -> ReloadStatus: ...
+
+    def apply_config(self, cfg: MeshConfig, keyring: ClientKeyring, admin_token: str | None, *,
+                     own_replicas: bool, config_sha256: str | None) -> None: ...
+
+
+async def reload_balancer(b: Reloadable, path: str | None, prepare: Callable[[MeshConfig], MeshConfig], *,
                           own_replicas: bool) -> bool:
     """One SIGHUP: load ``path`` in a thread, refuse it when a setting needs a restart,
     else apply it; logged and counted (skymesh_config_reloads_total{result})."""

@@ -8,10 +8,12 @@ Request path: validate → hash the prompt once → ``core.submit`` → a dispat
 outcome goes back to the core (``first_token``, ``complete``, ``fail``). The client
 leaving at any point is ``client_gone``. See docs/routing.md for the layers.
 
-This module is the wiring, the lifecycle and the HTTP surface (admission: parse, origin,
-SLO class, encode, submit). What follows admission, the serve/retry loop, the headers of
-an attempt and the outcome accounting, is skymesh/balancer/request_flow.py; what the mesh
-services (services.py) may ask of the balancer is skymesh/balancer/ports.py.
+This module holds one concern, the balancer as a whole: it builds the parts
+(wiring.py), owns membership (membership.py) and the lifecycle (start, drain, stop, the
+probe and dispatch loops), and implements the narrow ports the mesh services use
+(ports.py). The rest is in its own room: request intake (request_intake.py: parse, origin, SLO
+class, encode, submit), the serve/retry loop and outcome accounting (request_flow.py),
+the HTTP apps (http_surface.py), the status document (status_report.py).
 
 Failure rules (the core's): before the first byte reaches the client, a failed replica
 (or peer) puts the request back at the head of the queue and it never goes to that
@@ -24,62 +26,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import os
 import time
 import uuid
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from skymesh.assembly import per_output_token_s, region_assembly, region_settings
+from skymesh.assembly import region_settings
 from skymesh.balancer.auth import ClientKeyring
-from skymesh.balancer.gate import CLIENT, ClientGate
+from skymesh.balancer.gate import ClientGate
+from skymesh.balancer.http_surface import HttpSurface
 from skymesh.balancer.kv_events import KvEventSubscriber
+from skymesh.balancer.membership import PeerInfo, ReplicaInfo, merge_replicas, prefix_hit_ratio
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
-from skymesh.balancer.middleware import make_error_middleware
-from skymesh.balancer.openai_request import ParsedRequest, parse_body
 from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
-from skymesh.balancer.ports import VERSION, Registration, ReplicaStatus, StatusReport
-from skymesh.balancer.prober import ProbeResult, probe_replica
-from skymesh.balancer.proxy import AttemptTarget, UpstreamTimeouts
+from skymesh.balancer.ports import Registration, StatusReport
+from skymesh.balancer.prober import ProbeResult, probe_rounds
+from skymesh.balancer.proxy import AttemptTarget
 from skymesh.balancer.request_flow import (
     HOP_HEADER,
     ORIGIN_HEADER,
     TOKEN_HEADER,
     RequestFlow,
-    Waiter,
-    encode_request,
     peer_target,
     replica_target,
 )
+from skymesh.balancer.request_intake import RequestIntake
 from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls
-from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER, resolve_slo_class
+from skymesh.balancer.status_report import build_status_report
+from skymesh.balancer.wiring import build_encoder, build_region_core, upstream_timeouts
 from skymesh.config import (
-    ConfigError,
     HostPort,
     KvEventsEndpoint,
     MeshConfig,
-    ReplicaConfig,
-    region_of_address,
 )
-from skymesh.edge.openai_errors import RequestError
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
-from skymesh.prompt_encoder import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
-from skymesh.routing.assembly import build_region_core as assemble_region_core
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
     Action,
     ForwardToRegion,
     HeartbeatSnapshot,
     ProbeSample,
-    RegionCore,
-    Reject,
     SendToReplica,
 )
 from skymesh.runtime.procs import cancel_tasks, wait_event
@@ -87,66 +77,8 @@ from skymesh.runtime.reload_plan import ReloadStatus
 from skymesh.runtime.supervise import SupervisedLoop
 from skymesh.security.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.security.pki import Credentials, balancer_server_name, load_credentials, peer_tls
-from skymesh.slo_judge import apply_slo_class
 
 log = logging.getLogger("skymesh.balancer")
-
-
-@dataclass(slots=True)
-class ReplicaInfo:
-    replica_id: str
-    url: str
-    home_region: str
-    last_probe: ProbeResult | None = None
-    prefix_queries_base: float | None = None
-    prefix_hits_base: float | None = None
-
-
-@dataclass(slots=True)
-class PeerInfo:
-    region: str
-    http_url: str
-    grpc_address: str
-    alive: bool = True
-    # where forwards go: its peer listener (https:// under the mesh CA; http:// on loopback
-    # without tls); None: it has none (a mesh that does not offload)
-    peer_url: str | None = None
-
-
-def upstream_timeouts(cfg: MeshConfig, replicas: tuple[ReplicaConfig, ...]) -> UpstreamTimeouts:
-    """The attempt timeouts from ``upstream:`` (the per-token bound's default from the
-    replicas' hardware profile: :func:`skymesh.assembly.per_output_token_s`)."""
-    up = cfg.upstream
-    return UpstreamTimeouts(
-        connect_s=up.connect_timeout_s,
-        first_byte_s=up.first_byte_timeout_s,
-        per_output_token_s=per_output_token_s(up, replicas),
-        stream_idle_s=up.stream_idle_timeout_s,
-    )
-
-
-def uses_kv_events(cfg: MeshConfig) -> bool:
-    """Whether the replicas' KV events can be matched with prompts: the balancer hashes
-    token ids only with a tokenizer (byte chunks never equal a block of token ids)."""
-    return cfg.tokenizer.path is not None and any(rep.kv_events for r in cfg.regions for rep in r.replicas)
-
-
-def build_region_core(cfg: MeshConfig, region: str, policy_name: str) -> RegionCore:
-    """The region core from the mesh config, by the builder the simulator uses too."""
-    return assemble_region_core(region_assembly(cfg, region, policy_name, kv_events=uses_kv_events(cfg)))
-
-
-def build_encoder(cfg: MeshConfig) -> PromptEncoder:
-    """The prompt encoder of ``tokenizer:``; a file that cannot be read is a startup error
-    naming its config key."""
-    t = cfg.tokenizer
-    for key, path in (("tokenizer.path", t.path), ("tokenizer.chat_template", t.chat_template)):
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(key, f"no such file: {path}")
-    try:
-        return PromptEncoder.from_files(cfg.policy.chunk_tokens, t.path, t.chat_template, t.bytes_per_token)
-    except Exception as e:  # the tokenizers / jinja2 parse errors of a broken file
-        raise ConfigError("tokenizer", f"cannot load the tokenizer or chat template: {e}") from None
 
 
 class Balancer:
@@ -178,7 +110,6 @@ class Balancer:
         self.encoder = build_encoder(cfg)
         # exact cache state from the replicas' KV events (started with the server)
         self.kv_subscriber: KvEventSubscriber | None = None
-        self._source_networks = cfg.source_network_table()
         self.replicas: dict[str, ReplicaInfo] = {}
         self.wake = asyncio.Event()
         self.metrics = BalancerMetrics(region, lambda: balancer_snapshot(self))
@@ -207,7 +138,6 @@ class Balancer:
         self.refused_forwards: dict[str, int] = {}
         self.controller_connected = False
         self.topology_version = 0
-        self._ids = itertools.count()
         self._tasks: list[asyncio.Task[Any]] = []
         self._runner: EdgeAppRunner | None = None
         self._peer_runner: EdgeAppRunner | None = None
@@ -228,20 +158,18 @@ class Balancer:
         )
         # a peer-supplied origin becomes a metrics label only if it names a configured region
         self.region_names = frozenset(r.name for r in cfg.regions)
+        self.intake = RequestIntake(cfg, region, core=self.core, flow=self.flow, gate=self.gate,
+                                   metrics=self.metrics, wake=self.wake, encoder=self.encoder,
+                                   peers=self.peers.keys, on_request_end=self._request_ended)
+        self.http = HttpSurface(intake=self.intake, gate=self.gate, metrics=self.metrics,
+                                max_body_bytes=cfg.policy.max_body_bytes, model=lambda: self.cfg.model,
+                                admin_status=lambda: self.admin_status())
 
     # ------------------------------------------------------------------ membership
 
     def set_replicas(self, infos: list[ReplicaInfo]) -> None:
         """Replace the set of replicas this balancer owns (from YAML or the controller)."""
-        old = self.replicas
-        self.replicas = {}
-        for info in infos:
-            prev = old.get(info.replica_id)
-            if prev is not None and prev.url == info.url:
-                prev.home_region = info.home_region
-                self.replicas[info.replica_id] = prev
-            else:
-                self.replicas[info.replica_id] = info
+        self.replicas = merge_replicas(self.replicas, infos)
         homes = {rid: info.home_region for rid, info in self.replicas.items()}
         self._apply(self.core.set_replicas(list(self.replicas), self._now(), homes))
         if self.kv_subscriber is not None:
@@ -288,7 +216,7 @@ class Balancer:
         )
         region_cfg = cfg.region(self.region)
         self.timeouts = upstream_timeouts(cfg, region_cfg.replicas)
-        self._source_networks = cfg.source_network_table()
+        self.intake.reconfigure(cfg)
         self.cfg, self.region_cfg = cfg, region_cfg
         self.config_sha256 = config_sha256
         self.config_loaded_unix = time.time()
@@ -307,6 +235,10 @@ class Balancer:
                      extra={"peer": region, "why": why, "requests": len({a.request_id for a in actions})})
         self._apply(actions)
         self.wake.set()
+
+    def _request_ended(self) -> None:
+        if self._stopping and not self.core.active_requests:
+            self._drained.set()  # the last handler out of a drain
 
     @staticmethod
     def _now() -> float:
@@ -437,27 +369,14 @@ class Balancer:
     # ------------------------------------------------------------------ lifecycle
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.policy.max_body_bytes,
-                              middlewares=[make_error_middleware(self.metrics), self.gate.middleware])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/admin/status", self._admin_status)
-        return app
+        return self.http.client_app()
 
     def make_peer_app(self) -> web.Application:
         """The peer listener's app: forwarded requests only (peer_listener.py)."""
-        bind = make_binding_middleware(
+        return self.http.peer_app(make_binding_middleware(
             tls=self.peer_tls is not None, peers=lambda: frozenset(self.peers),
             allowed_origins=self.allowed_origins, origin_header=ORIGIN_HEADER,
-            on_refused=self._count_refused_forward)
-        app = web.Application(client_max_size=self.cfg.policy.max_body_bytes,
-                              middlewares=[make_error_middleware(self.metrics), bind, self.gate.peer_middleware])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        return app
+            on_refused=self._count_refused_forward))
 
     def _make_runner(self, app: web.Application) -> EdgeAppRunner:
         # handler_cancellation: a client that goes away frees its queue slot or replica at once;
@@ -557,30 +476,20 @@ class Balancer:
     # ------------------------------------------------------------------ probing
 
     async def _probe_loop(self) -> None:
-        interval = self.cfg.policy.probe_interval_s
-        timeout = max(0.5, interval * 5)
         assert self._session is not None
-        while True:
-            started = asyncio.get_running_loop().time()
-            infos = list(self.replicas.values())
-            results = await asyncio.gather(
-                *(probe_replica(self._session, i.url, timeout) for i in infos)
-            )
-            for info, res in zip(infos, results, strict=True):
+
+        def apply(results: Sequence[tuple[ReplicaInfo, ProbeResult]]) -> None:
+            for info, res in results:
                 self._apply_probe(info, res)
             self.wake.set()
-            elapsed = asyncio.get_running_loop().time() - started
-            await asyncio.sleep(max(0.0, interval - elapsed))
+
+        await probe_rounds(self._session, self.cfg.policy.probe_interval_s,
+                           lambda: [(info, info.url) for info in self.replicas.values()], apply)
 
     def _apply_probe(self, info: ReplicaInfo, res: ProbeResult) -> None:
         if self.replicas.get(info.replica_id) is not info:
             return  # membership changed while probing
-        info.last_probe = res
-        if res.healthy:
-            if info.prefix_queries_base is None or res.prefix_queries < info.prefix_queries_base:
-                # first sight, or the replica restarted (counters reset)
-                info.prefix_queries_base = res.prefix_queries
-                info.prefix_hits_base = res.prefix_hits
+        info.note_probe(res)
         sample = (
             ProbeSample(num_running=res.num_running, num_waiting=res.num_waiting, kv_usage=res.kv_usage)
             if res.healthy
@@ -589,14 +498,7 @@ class Balancer:
         self._apply(self.core.probe(info.replica_id, sample, self._now()))
 
     def prefix_hit_ratio(self) -> float:
-        q = h = 0.0
-        for info in self.replicas.values():
-            p = info.last_probe
-            if p is None or not p.healthy or info.prefix_queries_base is None:
-                continue
-            q += p.prefix_queries - info.prefix_queries_base
-            h += p.prefix_hits - (info.prefix_hits_base or 0.0)
-        return h / q if q > 0 else 0.0
+        return prefix_hit_ratio(self.replicas.values())
 
     # ------------------------------------------------------------------ dispatching
 
@@ -622,166 +524,24 @@ class Balancer:
         """Carry out the core's actions (RequestFlow.apply: wake the waiting handlers)."""
         self.flow.apply(actions)
 
-    # ------------------------------------------------------------------ HTTP handlers
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "completions")
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "chat")
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "skymesh"}
-                ],
-            }
-        )
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
-
-    async def _admin_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.admin_status())
+    # ------------------------------------------------------------------ status
 
     def admin_status(self) -> dict[str, Any]:
         return self.status_report().admin
 
     def status_report(self) -> StatusReport:
         """The /admin/status document, and the fields of it the controller report carries."""
-        now = asyncio.get_running_loop().time()
-        snap = self.core.snapshot()
-        replicas = {}
-        for rid, info in self.replicas.items():
-            v = snap["replicas"].get(rid, {})
-            replicas[rid] = {"url": info.url, "home_region": info.home_region, **v,
-                             "cache_source": self._cache_source(rid)}
-        prefix_hit_ratio = round(self.prefix_hit_ratio(), 4)
-        admin = {
-            "region": self.region,
-            "balancer_id": self.balancer_id,
-            "epoch": self.epoch,
-            "version": VERSION,
-            "policy": self.policy_name,
-            "config": {"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
-                       "last_reload": self.reload_status.as_json()},
-            "queue_length": snap["queue_length"],
-            "in_flight": snap["in_flight"],
-            "offloaded_out": self.offloaded_out,
-            "offloaded_in": self.offloaded_in,
-            "prefix_hit_ratio": prefix_hit_ratio,
-            "replicas": replicas,
-            "peers": self.offload.snapshot_state(now),
-            "controller_connected": self.controller_connected,
-            "topology_version": self.topology_version,
-            "counters": snap["counters"],
-            "active_requests": snap["active_requests"],
-            "transitions": snap["transitions"],
-            "policy_stats": snap["policy"],
-            "kv_events": self.kv_events_status(),
-        }
-        return StatusReport(
-            queue_length=snap["queue_length"],
-            offloaded_out=self.offloaded_out,
-            offloaded_in=self.offloaded_in,
-            prefix_hit_ratio=prefix_hit_ratio,
-            replicas=tuple(
-                ReplicaStatus(
-                    replica_id=rid,
-                    url=r["url"],
-                    healthy=r.get("healthy", False),
-                    available=r.get("available", False),
-                    num_running=r.get("num_running", 0),
-                    num_waiting=r.get("num_waiting", 0),
-                    kv_cache_usage=r.get("kv_cache_usage", 0.0),
-                )
-                for rid, r in replicas.items()
-            ),
-            admin=admin,
+        return build_status_report(
+            now=asyncio.get_running_loop().time(), core=self.core, replicas=self.replicas,
+            cache_source=self._cache_source,
+            identity={"region": self.region, "balancer_id": self.balancer_id, "epoch": self.epoch,
+                      "policy": self.policy_name},
+            config={"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
+                    "last_reload": self.reload_status.as_json()},
+            control={"controller_connected": self.controller_connected,
+                     "topology_version": self.topology_version},
+            kv_events=self.kv_events_status(),
         )
-
-    async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        try:
-            # the gate read the body within its bounds (its 413, 415, 408 answered there)
-            # and let a forward in only on the peer listener with the peer token
-            raw = await request.read()
-            forwarded = HOP_HEADER in request.headers
-            parsed = parse_body(raw, kind, self.cfg.model)
-            origin = self._origin_of(request, forwarded)
-            client = request.get(CLIENT)
-            slo = resolve_slo_class(self.cfg, request.headers.get(SLO_CLASS_HEADER),
-                                    client.slo_class if client is not None else None)
-            encoded = await self._encode(parsed)
-        except RequestError as e:
-            self.metrics.rejections.labels(str(e.status)).inc()
-            return e.response()
-        now = loop.time()
-        req = RoutingRequest(
-            request_id=f"{self.region}-{next(self._ids)}-{os.getpid()}",
-            chunk_hashes=encoded.chunk_hashes,
-            prompt_tokens=encoded.tokens,
-            arrival=now,
-            max_tokens=(self.cfg.upstream.unbounded_chat_max_tokens if parsed.max_tokens is None
-                        else parsed.max_tokens),
-            session_key=request.headers.get("X-Session-ID") or parsed.user,
-            forwarded=forwarded,
-            origin_region=origin,
-        )
-        apply_slo_class(req, slo)
-        if (limited := self.gate.charge_prompt(request, req.prompt_tokens, now)) is not None:
-            return limited
-        if forwarded:
-            # the origin was checked against the configured regions: a bounded label
-            self.metrics.offloaded.labels("in", origin or "unknown").inc()
-        if slo is not None and not forwarded:  # judged where the client called, once
-            self.metrics.slo_requests.labels(slo.name).inc()
-        waiter = self.waiters[req.request_id] = Waiter()
-        try:
-            for action in self.core.submit(req, now):
-                assert isinstance(action, Reject)
-                self.flow.count_slo_outcome(req, slo, "rejected")
-                return self.flow.reject(action)
-            self.wake.set()
-            return await self.flow.serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1, slo)
-        except asyncio.CancelledError:
-            self.flow.count_slo_outcome(req, slo, "cancelled")  # the client went away
-            raise
-        finally:
-            self.waiters.pop(req.request_id, None)
-            # no-op when the request ended; frees its queue slot or replica otherwise
-            self.core.client_gone(req.request_id, loop.time())
-            self.wake.set()
-            if self._stopping and not self.core.active_requests:
-                self._drained.set()
-
-    async def _encode(self, parsed: ParsedRequest) -> EncodedPrompt:
-        """Token count and chunk hashes of the request's prompt (long ones encoded in a
-        worker thread, off the event loop). A batch routes on its first prompt; the
-        others add to its token count."""
-        size = len(parsed.prompt) + sum(len(x) for x in parsed.extra_prompts or ())
-        if size > OFF_LOOP_CHARS:
-            return await asyncio.to_thread(encode_request, self.encoder, parsed)
-        return encode_request(self.encoder, parsed)
-
-    def _origin_of(self, request: web.Request, forwarded: bool) -> str | None:
-        """The region whose residency rules bind this request: for a forwarded one, the
-        origin its peer names (with tls, bound to the peer's certificate by the peer
-        listener; and token-checked); else the region of the client's source
-        network. None: this balancer's own region (an address in no source network)."""
-        if forwarded:
-            origin = request.headers.get(ORIGIN_HEADER, "")
-            if origin not in self.peers:
-                raise RequestError(400, "forwarded request without a known origin region")
-            return origin
-        region = region_of_address(self._source_networks, request.remote or "")
-        return None if region == self.region else region
 
     def _target(
         self, request: web.Request, req: RoutingRequest, action: SendToReplica | ForwardToRegion

@@ -1,0 +1,134 @@
+"""Intake of one request at the balancer's HTTP surface: parse the body, find the
+region whose residency rules bind it, its SLO class, encode the prompt, charge the key's
+token budget, submit it to the region core; what follows (the serve/retry loop) is
+:class:`~skymesh.balancer.request_flow.RequestFlow`'s. Each check lives in one place: the
+gate (credentials, body bounds, request rate) ran before this; the core's admission rules
+(residency, SLO reachability, queue wait, queue bound) run in ``core.submit``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Callable, Collection
+
+from aiohttp import web
+
+from skymesh.balancer.gate import CLIENT, ClientGate
+from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.openai_request import ParsedRequest, parse_body
+from skymesh.balancer.request_flow import (
+    HOP_HEADER,
+    ORIGIN_HEADER,
+    RequestFlow,
+    Waiter,
+    encode_request,
+)
+from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER, resolve_slo_class
+from skymesh.config import MeshConfig, region_of_address
+from skymesh.edge.openai_errors import RequestError
+from skymesh.prompt_encoder import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
+from skymesh.routing.base import RoutingRequest
+from skymesh.routing.region import RegionCore, Reject
+from skymesh.slo_judge import apply_slo_class
+
+
+class RequestIntake:
+    """Turns an HTTP request into a routing request the core has accepted (or the answer
+    that refuses it), then hands it to the request flow."""
+
+    def __init__(self, cfg: MeshConfig, region: str, *, core: RegionCore, flow: RequestFlow, gate: ClientGate,
+                 metrics: BalancerMetrics, wake: asyncio.Event, encoder: PromptEncoder,
+                 peers: Callable[[], Collection[str]], on_request_end: Callable[[], None]) -> None:
+        self.region = region
+        self.core = core
+        self.flow = flow
+        self.gate = gate
+        self.metrics = metrics
+        self.wake = wake
+        self.encoder = encoder
+        self._peers = peers
+        self._on_request_end = on_request_end
+        self._ids = itertools.count()
+        self.reconfigure(cfg)
+
+    def reconfigure(self, cfg: MeshConfig) -> None:
+        """A reloaded config: requests admitted from now on read it."""
+        self.cfg = cfg
+        self._source_networks = cfg.source_network_table()
+
+    async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            # the gate read the body within its bounds (its 413, 415, 408 answered there)
+            # and let a forward in only on the peer listener with the peer token
+            raw = await request.read()
+            forwarded = HOP_HEADER in request.headers
+            parsed = parse_body(raw, kind, self.cfg.model)
+            origin = self.origin_of(request, forwarded)
+            client = request.get(CLIENT)
+            slo = resolve_slo_class(self.cfg, request.headers.get(SLO_CLASS_HEADER),
+                                    client.slo_class if client is not None else None)
+            encoded = await self._encode(parsed)
+        except RequestError as e:
+            self.metrics.rejections.labels(str(e.status)).inc()
+            return e.response()
+        now = loop.time()
+        req = RoutingRequest(
+            request_id=f"{self.region}-{next(self._ids)}-{os.getpid()}",
+            chunk_hashes=encoded.chunk_hashes,
+            prompt_tokens=encoded.tokens,
+            arrival=now,
+            max_tokens=(self.cfg.upstream.unbounded_chat_max_tokens if parsed.max_tokens is None
+                        else parsed.max_tokens),
+            session_key=request.headers.get("X-Session-ID") or parsed.user,
+            forwarded=forwarded,
+            origin_region=origin,
+        )
+        apply_slo_class(req, slo)
+        if (limited := self.gate.charge_prompt(request, req.prompt_tokens, now)) is not None:
+            return limited
+        if forwarded:
+            # the origin was checked against the configured regions: a bounded label
+            self.metrics.offloaded.labels("in", origin or "unknown").inc()
+        if slo is not None and not forwarded:  # judged where the client called, once
+            self.metrics.slo_requests.labels(slo.name).inc()
+        waiter = self.flow.waiters[req.request_id] = Waiter()
+        try:
+            for action in self.core.submit(req, now):
+                assert isinstance(action, Reject)
+                self.flow.count_slo_outcome(req, slo, "rejected")
+                return self.flow.reject(action)
+            self.wake.set()
+            return await self.flow.serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1, slo)
+        except asyncio.CancelledError:
+            self.flow.count_slo_outcome(req, slo, "cancelled")  # the client went away
+            raise
+        finally:
+            self.flow.waiters.pop(req.request_id, None)
+            # no-op when the request ended; frees its queue slot or replica otherwise
+            self.core.client_gone(req.request_id, loop.time())
+            self.wake.set()
+            self._on_request_end()
+
+    async def _encode(self, parsed: ParsedRequest) -> EncodedPrompt:
+        """Token count and chunk hashes of the request's prompt (long ones encoded in a
+        worker thread, off the event loop). A batch routes on its first prompt; the
+        others add to its token count."""
+        size = len(parsed.prompt) + sum(len(x) for x in parsed.extra_prompts or ())
+        if size > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(encode_request, self.encoder, parsed)
+        return encode_request(self.encoder, parsed)
+
+    def origin_of(self, request: web.Request, forwarded: bool) -> str | None:
+        """The region whose residency rules bind this request: for a forwarded one, the
+        origin its peer names (with tls, bound to the peer's certificate by the peer
+        listener; and token-checked); else the region of the client's source
+        network. None: this balancer's own region (an address in no source network)."""
+        if forwarded:
+            origin = request.headers.get(ORIGIN_HEADER, "")
+            if origin not in self._peers():
+                raise RequestError(400, "forwarded request without a known origin region")
+            return origin
+        region = region_of_address(self._source_networks, request.remote or "")
+        return None if region == self.region else region

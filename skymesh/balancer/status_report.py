@@ -1,0 +1,65 @@
+"""The balancer's state as one document: /admin/status (``skymesh status`` reads it) and
+the typed fields of it the controller report carries (:class:`StatusReport`). Built from
+what it is given; it reads nothing else of the balancer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from skymesh.balancer.membership import ReplicaInfo, prefix_hit_ratio
+from skymesh.balancer.ports import VERSION, ReplicaStatus, StatusReport
+from skymesh.routing.region import RegionCore
+
+
+def build_status_report(*, now: float, core: RegionCore, replicas: Mapping[str, ReplicaInfo],
+                        cache_source: Callable[[str], str], identity: Mapping[str, Any],
+                        config: Mapping[str, Any], control: Mapping[str, Any],
+                        kv_events: Mapping[str, Any]) -> StatusReport:
+    """``identity``: region, balancer_id, epoch, policy; ``config``: the loaded file's
+    digest, load time and last reload; ``control``: controller_connected,
+    topology_version; ``kv_events``: per replica, its event stream and block index."""
+    snap = core.snapshot()
+    replica_docs = {}
+    for rid, info in replicas.items():
+        v = snap["replicas"].get(rid, {})
+        replica_docs[rid] = {"url": info.url, "home_region": info.home_region, **v,
+                             "cache_source": cache_source(rid)}
+    hit_ratio = round(prefix_hit_ratio(replicas.values()), 4)
+    admin = {
+        **identity,
+        "version": VERSION,
+        "config": dict(config),
+        "queue_length": snap["queue_length"],
+        "in_flight": snap["in_flight"],
+        "offloaded_out": core.offloaded_out,
+        "offloaded_in": core.offloaded_in,
+        "prefix_hit_ratio": hit_ratio,
+        "replicas": replica_docs,
+        "peers": core.offload.snapshot_state(now),
+        **control,
+        "counters": snap["counters"],
+        "active_requests": snap["active_requests"],
+        "transitions": snap["transitions"],
+        "policy_stats": snap["policy"],
+        "kv_events": dict(kv_events),
+    }
+    return StatusReport(
+        queue_length=snap["queue_length"],
+        offloaded_out=core.offloaded_out,
+        offloaded_in=core.offloaded_in,
+        prefix_hit_ratio=hit_ratio,
+        replicas=tuple(
+            ReplicaStatus(
+                replica_id=rid,
+                url=r["url"],
+                healthy=r.get("healthy", False),
+                available=r.get("available", False),
+                num_running=r.get("num_running", 0),
+                num_waiting=r.get("num_waiting", 0),
+                kv_cache_usage=r.get("kv_cache_usage", 0.0),
+            )
+            for rid, r in replica_docs.items()
+        ),
+        admin=admin,
+    )
