@@ -109,18 +109,18 @@ def test_retry_goes_to_head_and_never_to_the_failed_replica() -> None:
     assert placed[r.request_id] != failed  # ...the retry avoids it
 
 
-def test_retries_are_bounded() -> None:
-    c = BalancerCore(make_policy("round_robin", PolicyContext()), dispatch_budget=5, max_retries=1)
-    c.set_replicas(["a", "b", "c"])
+def test_a_retry_of_a_request_not_in_flight_changes_nothing() -> None:
+    """The dispatcher requeues what it has in flight; the retry budget is the region
+    core's (tests/test_retry_budgets.py)."""
+    c = BalancerCore(make_policy("round_robin", PolicyContext()), dispatch_budget=5)
+    c.set_replicas(["a", "b"])
     probe_all(c)
     c.submit(req(0))
     (r, _), = c.dispatch(0.0)
     assert c.retry(r.request_id, 0.0)
-    probe_all(c)
-    c.dispatch(0.0)
-    assert not c.retry(r.request_id, 0.0)
-    assert c.counters.failed == 1
-    assert all(v.in_flight == 0 for v in c.replicas.values())
+    assert not c.retry(r.request_id, 0.0)  # queued now, not in flight
+    assert [q.request_id for q in c.queued_requests()] == [r.request_id]
+    assert c.counters.retried == 1 and all(v.in_flight == 0 for v in c.replicas.values())
 
 
 def test_cancel_removes_queued_or_in_flight() -> None:

@@ -1,18 +1,27 @@
-"""The two retry budgets end a request at different points: ``max_retries`` counts failed
-attempts on this region's replicas (abandoned ones are free), ``max_placements`` every
-placement. Neither can stand in for the other."""
+"""One retry budget, the region core's: ``max_retries`` placements after the first,
+wherever they go (a replica here, a peer region) and however the last one ended (failed,
+or abandoned when its replica was ejected or left membership)."""
 
 from __future__ import annotations
 
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import ProbeSample, RegionCore, RegionSettings, Reject, SendToReplica
+from skymesh.routing.region import (
+    ForwardToRegion,
+    HeartbeatSnapshot,
+    ProbeSample,
+    RegionCore,
+    RegionSettings,
+    Reject,
+    SendToReplica,
+)
 from skymesh.routing.registry import make_policy
 
 
-def region(n: int, **settings: object) -> RegionCore:
-    core = RegionCore("here", make_policy("least_load", PolicyContext()), OffloadRouter("here", {}, enabled=False),
-                      RegionSettings(**settings))  # type: ignore[arg-type]
+def region(n: int, *, max_retries: int, peers: dict[str, float] | None = None, dispatch_budget: int = 2) -> RegionCore:
+    core = RegionCore("here", make_policy("least_load", PolicyContext()),
+                      OffloadRouter("here", peers or {}, enabled=bool(peers)),
+                      RegionSettings(max_retries=max_retries, dispatch_budget=dispatch_budget))
     core.set_replicas([f"r{i}" for i in range(n)], 0.0)
     return core
 
@@ -34,22 +43,34 @@ def attempts_until_rejected(core: RegionCore) -> int:
     raise AssertionError("never rejected")
 
 
-def test_max_retries_ends_a_request_before_max_placements() -> None:
-    assert attempts_until_rejected(region(6, max_retries=2, max_placements=6)) == 3
+def test_a_request_gets_max_retries_plus_one_placements() -> None:
+    assert attempts_until_rejected(region(6, max_retries=0)) == 1
+    assert attempts_until_rejected(region(6, max_retries=2)) == 3
+    assert attempts_until_rejected(region(6, max_retries=4)) == 5
 
 
-def test_max_placements_ends_a_request_before_max_retries() -> None:
-    assert attempts_until_rejected(region(6, max_retries=9, max_placements=2)) == 2
-
-
-def failure_after_an_abandoned_attempt_rejects(core: RegionCore) -> bool:
+def test_an_abandoned_attempt_spends_the_budget() -> None:
+    """A replica that leaves (or is ejected) while a request waits for its first byte:
+    the request is placed again, and that placement counts."""
+    core = region(4, max_retries=1)
     core.submit(RoutingRequest("q0", (), 16, 0.0), 0.0)
     first = place(core, 0.0)
     core.set_replicas([rid for rid in core.replicas if rid != first], 0.5)  # abandoned: queued again
     place(core, 1.0)
-    return any(isinstance(a, Reject) for a in core.fail("q0", 1.0, reason="reset", counts_against_health=False))
+    (reject,) = core.fail("q0", 1.0, reason="reset", counts_against_health=False)
+    assert isinstance(reject, Reject) and reject.status == 502
 
 
-def test_an_abandoned_attempt_spends_a_placement_not_a_retry() -> None:
-    assert not failure_after_an_abandoned_attempt_rejects(region(4, max_retries=1, max_placements=9))
-    assert failure_after_an_abandoned_attempt_rejects(region(4, max_retries=9, max_placements=2))
+def test_a_failed_forward_and_a_failed_replica_share_one_budget() -> None:
+    core = region(1, max_retries=1, peers={"there": 0.05}, dispatch_budget=1)
+    for rid in core.replicas:
+        core.probe(rid, ProbeSample(), 0.0)
+    core.peer_heartbeat("there", HeartbeatSnapshot(4, 4, 0, 0), 0.0, epoch=1, seq=1)
+    core.submit(RoutingRequest("busy", (), 16, 0.0), 0.0)
+    core.submit(RoutingRequest("q0", (1,), 16, 0.0), 0.0)
+    assert ForwardToRegion("q0", "there") in core.tick(0.0)  # the replica is busy: offloaded
+    assert core.fail("q0", 0.1, reason="HTTP 503") == []  # the peer failed: served here instead
+    core.complete("busy", 0.2)
+    assert place(core, 0.3) == "r0"
+    (reject,) = core.fail("q0", 0.4, reason="reset", counts_against_health=False)
+    assert isinstance(reject, Reject) and reject.status == 502

@@ -64,6 +64,8 @@ class PolicyConfig(ConfigModel):
     # bound on prefix-trie nodes per balancer (memory stays bounded)
     trie_max_nodes: Annotated[Int, Field(ge=16)] = 200_000
     max_body_bytes: Annotated[Int, Field(ge=1024)] = 4 * 1024 * 1024
+    # the one retry budget: a request is placed at most max_retries + 1 times, replicas and
+    # peer regions alike (RegionSettings.max_retries, docs/routing.md "One retry budget")
     max_retries: Annotated[Int, Field(ge=0, le=16)] = 2
     # the named policy's knobs, validated by its options model in the policy registry
     # SerializeAsAny: dumped as the policy's own options model, not the shared base

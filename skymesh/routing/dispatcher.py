@@ -28,7 +28,6 @@ from skymesh.routing.queueing import PriorityQueue
 class _Queued:
     req: RoutingRequest
     excluded: set[str] = field(default_factory=set)  # replicas that already failed it
-    attempts: int = 0
 
 
 @dataclass(slots=True)
@@ -38,7 +37,6 @@ class _InFlight:
     dispatched_at: float
     prefill_tokens: int  # counted in the replica's pending_prefill_tokens until first token
     excluded: set[str]
-    attempts: int
     first_token_at: float | None = None
 
 
@@ -68,14 +66,12 @@ class BalancerCore:
         dispatch_budget: int = 2,
         lookahead: int = 64,
         rebalance_interval_s: float = 0.05,
-        max_retries: int = 2,
     ) -> None:
         self.policy = policy
         self.queue_bound = queue_bound
         self.dispatch_budget = dispatch_budget
         self.lookahead = lookahead
         self.rebalance_interval_s = rebalance_interval_s
-        self.max_retries = max_retries
         self.replicas: dict[str, ReplicaView] = {}
         self._since_probe: dict[str, int] = {}
         # per replica: this balancer's in-flight requests without a first token yet
@@ -364,7 +360,6 @@ class BalancerCore:
             dispatched_at=now,
             prefill_tokens=prefill,
             excluded=q.excluded,
-            attempts=q.attempts,
         )
         self.counters.dispatched += 1
         if decision.reason == "spill":
@@ -425,11 +420,11 @@ class BalancerCore:
             self.counters.failed += 1
         self.policy.on_complete(f.req, f.replica_id, ok, now)
 
-    def retry(self, request_id: str, now: float, *, count_attempt: bool = True) -> bool:
-        """The replica failed before the first byte: queue again at the head, never to the
-        same replica. Returns False when the retry budget is spent (the caller fails it).
-        ``count_attempt=False`` when the balancer itself abandoned the attempt (the replica
-        was ejected or left membership): that does not spend the request's retry budget."""
+    def retry(self, request_id: str, now: float) -> bool:
+        """The attempt ended before the first byte (it failed, or the region core abandoned
+        it): queue again at the head, never to the same replica. Whether the request may
+        have another placement is the region core's call (its one retry budget,
+        ``RegionSettings.max_retries``). False: it was not in flight here."""
         f = self._in_flight.pop(request_id, None)
         if f is None:
             return False
@@ -438,11 +433,7 @@ class BalancerCore:
         # stop sending there until the next probe says otherwise (whether the replica is
         # ejected is the region core's health tracker's call, with hysteresis)
         self.hold(f.replica_id)
-        attempts = f.attempts + 1 if count_attempt else f.attempts
-        if attempts > self.max_retries:
-            self.counters.failed += 1
-            return False
-        q = _Queued(f.req, excluded=f.excluded | {f.replica_id}, attempts=attempts)
+        q = _Queued(f.req, excluded=f.excluded | {f.replica_id})
         self._queue.push(request_id, q, f.req.priority, front=True)
         self._queued_prompt_tokens += f.req.prompt_tokens
         if self.discipline is not None:

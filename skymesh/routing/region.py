@@ -96,7 +96,6 @@ class RegionCore:
             dispatch_budget=s.dispatch_budget,
             lookahead=s.lookahead,
             rebalance_interval_s=s.rebalance_interval_s,
-            max_retries=s.max_retries,
         )
         # the only writer of the replicas' health flags (skymesh/routing/health.py)
         self.health = ReplicaHealth(self.local, s.health)
@@ -290,7 +289,6 @@ class RegionCore:
         local.dispatch_budget = settings.dispatch_budget
         local.lookahead = settings.lookahead
         local.rebalance_interval_s = settings.rebalance_interval_s
-        local.max_retries = settings.max_retries
         self.offload.reconfigure(allowed=allowed, max_remote_queue=max_remote_queue, miss_limit=miss_limit,
                                  trigger=trigger, min_gain_s=min_gain_s)
         self.residency.rules_changed()
@@ -373,7 +371,7 @@ class RegionCore:
             t = self._requests.get(request_id)
             if t is None or t.state is not RequestState.PLACED:
                 continue
-            self.local.retry(request_id, now, count_attempt=False)
+            self.local.retry(request_id, now)
             self._queue_again(t, now)
             actions.append(AbandonAttempt(request_id, replica_id))
         return actions
@@ -474,7 +472,7 @@ class RegionCore:
             return []
         actions: list[Action] = []
         target = t.target
-        exhausted = t.placements >= self.settings.max_placements
+        exhausted = t.placements > self.settings.max_retries
         if t.on_peer:
             self.offload.mark_unavailable(target)
             if not exhausted and self.residency.nothing_can_serve(t.req, now):
@@ -489,11 +487,10 @@ class RegionCore:
                 except QueueFull:
                     exhausted = True
         else:
-            requeued = self.local.retry(request_id, now) if not exhausted else False
-            if not requeued:
-                if self.local.is_in_flight(request_id):
-                    self.local.on_complete(request_id, False, now)
-                exhausted = True
+            if exhausted:
+                self.local.on_complete(request_id, False, now)
+            else:
+                self.local.retry(request_id, now)
             if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
                 actions.extend(self._abandon_unstarted(target, now))
         if exhausted:

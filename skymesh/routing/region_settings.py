@@ -23,14 +23,12 @@ class RegionSettings:
     dispatch_budget: int = 2
     lookahead: int = 64
     rebalance_interval_s: float = 0.05
-    # failed attempts on this region's replicas after the first (BalancerCore.retry): an
-    # attempt the balancer abandoned (ejection, membership) is free, and the count starts
-    # over when the request comes back from a peer
+    # the one retry budget: placements a request may get after its first, wherever they
+    # go (a replica here or a peer region) and however the last one ended (it failed, or
+    # the region abandoned it when its replica was ejected or left): a request is placed at
+    # most max_retries + 1 times, so neither a flapping replica nor a refusing peer can
+    # bounce it forever (docs/routing.md, "One retry budget")
     max_retries: int = 2
-    # every placement (replica or peer) counts, abandoned ones included: a peer that keeps
-    # refusing cannot bounce a request forever. Two budgets, not one: neither count can be
-    # derived from the other (tests/test_retry_budgets.py shows where each one ends a request)
-    max_placements: int = 6
     # a request still queued this long after arrival gets 504 (None: wait forever, as the
     # simulator does for goodput sweeps)
     max_queue_wait_s: float | None = 60.0
