@@ -47,7 +47,7 @@ import yaml
 from skymesh.bench.loadgen import LiveResult, prefix_hit_rate, send_one
 from skymesh.bench.peers import balancer_config
 from skymesh.bench.scores import monotone_goodput, summarize
-from skymesh.replica_sim.profiles import PROFILES
+from skymesh.hardware import PROFILES
 from skymesh.runtime.procs import Child, skymesh_cmd, wait_all_ready
 from skymesh.runtime.prom_text import parse_samples
 from skymesh.security.admin_auth import admin_headers

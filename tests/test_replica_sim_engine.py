@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skymesh.hardware import PROFILES, Profile, prefill_pairs, vllm_batch_defaults
 from skymesh.replica_sim.engine import Engine, StepOutput, chained_block_hashes
-from skymesh.replica_sim.profiles import PROFILES, Profile, prefill_pairs, vllm_batch_defaults
 from skymesh.word_tokenizer import filler_tokens
 
 TINY = PROFILES["tiny-test"]

@@ -23,12 +23,12 @@ import pytest
 import zmq
 
 from skymesh.config import ConfigError, parse_config
+from skymesh.hardware import PROFILES
 from skymesh.prompt_encoder import PromptEncoder
 from skymesh.replica_sim.engine import Engine, chained_block_hashes
 from skymesh.replica_sim.kv_events import KVEventBatch as StandInBatch
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import NullPublisher, ZmqPublisher
-from skymesh.replica_sim.profiles import PROFILES
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.routing import kv_index
 from skymesh.runtime.procs import Child

@@ -11,7 +11,7 @@ peer token is still checked after that (gate.py), but never travels in clear.
 
 Without ``tls`` (a mesh on loopback only, like gRPC without credentials) the listener is
 plain HTTP and must bind loopback; origins are then only checked against the configured
-regions (server.py), as before.
+regions (server.py).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ A request names its class in the ``X-SLO-Class`` header; without one it takes it
 key's class, else the config's ``default_slo_class``; a name the config does not define is
 a 400 (OpenAI-shaped), never a silent default. The class travels with a forwarded request
 in the same header (the peer reads it against the same mesh config). Its TTFT target
-binds routing (``RoutingRequest.slo_ttft_s``: DualMap's wait bound, and a class whose
-target the link's round trip uses up is never offloaded); its priority orders the queue.
+binds routing (``RoutingRequest.slo_ttft_s``: the target DualMap, the ``slo`` and
+``prefix`` queue disciplines and early rejection go by, and a class whose target the
+link's round trip uses up is never offloaded); its priority orders the queue.
 
 The balancer the client called judges the answer when it ends (:func:`skymesh.slo_judge.missed_targets`):
 TTFT from arrival to the first byte of a stream (a non-streaming answer's first byte is its

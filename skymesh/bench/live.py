@@ -43,7 +43,7 @@ from skymesh.bench.traces import (
     scale_rate,
 )
 from skymesh.config import SloClassConfig
-from skymesh.replica_sim.profiles import PROFILES
+from skymesh.hardware import PROFILES
 from skymesh.runtime.procs import Child, free_port, start_sim_replicas, wait_healthy
 
 Samples = list[tuple[float, dict[str, int]]]

@@ -3,7 +3,8 @@
 - *SLO attainment* (DualMap's effective request capacity at a given load): the share of
   requests whose TTFT met the SLO; failed and rejected requests count as misses.
 - *Goodput*: the highest request rate at which at least 90% of requests meet the TTFT SLO,
-  from a rate sweep (linear interpolation between the two sweep points around 90%).
+  from a rate sweep (linear interpolation between the two sweep points around 90%);
+  the monotone variant counts a rate only if every lower swept rate passed too.
 - TTFT / E2E percentiles: nearest rank, over requests that got a first token / finished.
 - Output-token throughput: output tokens of finished requests over the span from the
   first arrival to the last finish.

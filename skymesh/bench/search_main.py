@@ -29,7 +29,7 @@ from skymesh.bench.sim_main import (
     run_one,
 )
 from skymesh.bench.traces import fit_to_context, lru_hit_rate, oracle_hit_rate
-from skymesh.replica_sim.profiles import PROFILES
+from skymesh.hardware import PROFILES
 
 
 def variants(args: argparse.Namespace) -> list[dict[str, Any]]:

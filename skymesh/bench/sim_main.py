@@ -41,7 +41,7 @@ from skymesh.bench.traces import (
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
 from skymesh.config.routing import OffloadConfig, OffloadRule, QueueConfig
-from skymesh.replica_sim.profiles import PROFILES
+from skymesh.hardware import PROFILES
 from skymesh.routing.offload import OffloadTrigger
 from skymesh.routing.registry import (
     PolicyOptionsError,

@@ -1,5 +1,8 @@
 """The stand-in's hardware/model profiles: the production table of skymesh/hardware.py
-(the balancer reads the same profiles; production never imports the stand-in)."""
+(the balancer reads the same profiles; production never imports the stand-in).
+
+Only a re-export, kept while the stand-in's own modules (engine, server, main) and
+skymesh/bench/des.py still import from here; everything else imports skymesh.hardware."""
 
 from __future__ import annotations
 

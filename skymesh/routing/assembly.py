@@ -2,8 +2,10 @@
 daemon and the discrete-event simulator both call, so a routing parameter reaches the
 policy, the offload router, the region model and the region core the same way in both.
 
-The settings come from a mesh config (skymesh/assembly.py) or from the simulator's knobs
-(skymesh/bench/des.py); this module only puts the parts together.
+The settings come from a mesh config's routing sections through skymesh/assembly.py, in
+the daemon and the simulator alike (skymesh/bench/des.py turns its ``SimConfig.routing``
+the same way, then sets offload on or off and drops the queue-wait deadline); this module
+only puts the parts together.
 """
 
 from __future__ import annotations

@@ -110,16 +110,20 @@ class Policy(Protocol):
     """One routing policy. Implementations live one per file in ``policies/``.
 
     Call order per request: ``choose`` (possibly several times while the request waits),
-    then ``on_dispatch`` once it is sent, ``on_first_token`` when its first byte comes back,
-    ``on_complete`` when it ends (``ok`` False on failure). ``set_replicas`` is called on
-    every membership change with the full current list.
+    then ``on_dispatch`` once it is sent, ``on_first_token`` when its first token comes back
+    (not for a non-streaming answer, whose first byte is its last), ``on_complete`` when it
+    ends (``ok`` False on failure). ``set_replicas`` is called on every membership change
+    with the full current list.
 
-    The balancer keeps one FCFS queue (selective pushing) and offers queued requests in
-    order to ``choose`` whenever some replica is available. ``choose`` must return an
-    available, healthy replica or ``None`` (hold the request; only DualMap holds, waiting
-    for one of its two candidates, and bounded by the SLO). ``rebalance`` runs
-    periodically over the still-queued requests; a policy that holds requests for a
-    replica may move them (DualMap hotspot migration) and reports the moves it made.
+    Requests wait at the balancer (selective pushing), highest priority (SLO class) first
+    and, within a priority, in the queue discipline's order (arrival order under ``fcfs``);
+    the dispatcher offers them in that order to ``choose`` whenever some replica is
+    available. ``choose`` must return an available, healthy replica or ``None`` (hold the
+    request; besides "none available", only DualMap holds while a replica is free: for a
+    busy candidate estimated faster than the free choice, or, with ``max_hold_fraction``,
+    within a share of the SLO's slack). ``rebalance`` runs periodically over the
+    still-queued requests; a policy that holds requests for a replica may move them
+    (DualMap hotspot migration) and reports the moves it made.
     """
 
     name: str

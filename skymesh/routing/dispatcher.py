@@ -4,9 +4,10 @@ Requests wait here, at the balancer, not at a busy replica: a replica is *availa
 while its last probe reported no waiting request (``vllm:num_requests_waiting == 0``) and
 the balancer has not already pushed ``dispatch_budget`` requests to it since that probe
 (so it never overfills between probes). Requests it pushed that a probe's page does not
-show yet (without a first token here, beyond what the page's running + waiting count leaves
-after this balancer's streaming requests) stay charged to the budget. A first token coming back proves the replica admitted that
-request, so it returns one unit of budget early.
+show yet (without a first token here, beyond what the page's running + waiting count
+leaves after this balancer's streaming requests) stay charged to the budget. A first
+token coming back proves the replica admitted that request, so it returns one unit of
+budget early.
 
 The daemon (real sockets, real clock), the discrete-event simulator and the benchmarks all
 drive this class; it never reads a clock or touches I/O.
@@ -258,7 +259,7 @@ class BalancerCore:
 
     def dispatch(self, now: float) -> list[tuple[RoutingRequest, Decision]]:
         """Place as many queued requests as available replicas allow, in queue order
-        (priority, then FCFS).
+        (priority, then the discipline's order within one; arrival order without one).
 
         Looks up to ``lookahead`` requests past held ones so that one request waiting for
         its cache-affine replica does not block the rest (no head-of-line blocking).

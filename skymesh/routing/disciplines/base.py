@@ -1,9 +1,10 @@
 """What a queue discipline is: :class:`QueueDiscipline`, told of every request joining and
-leaving the balancer's queue and of every dispatch, gives the order in which the
-dispatcher offers queued requests to the policy. Priorities always come first; the
-discipline decides within one. Every hook has a default that does nothing (and the default
-order is the queue's own), so a discipline implements only what it needs. Pure: no clock
-(``now`` is passed in), no I/O.
+leaving the balancer's queue, of every dispatch and of the blocks replicas report cached
+(KV events), gives the order in which the dispatcher offers queued requests to the
+policy. ``fcfs`` is no discipline at all: the dispatcher keeps the queue's own order.
+Priorities always come first; the discipline decides within one. Every hook has a
+default that does nothing (and the default order is the queue's own), so a discipline
+implements only what it needs. Pure: no clock (``now`` is passed in), no I/O.
 
 A discipline's options are a frozen dataclass extending :class:`DisciplineOptions`, its
 fields named as the config's ``queue:`` keys (``max_age_s``, ``window``, ...); what the
@@ -52,8 +53,8 @@ class DisciplineContext:
 
 
 class QueueDiscipline:
-    """A queue discipline other than FCFS. The defaults do nothing and keep the queue's
-    order: override the hooks the discipline needs."""
+    """A queue discipline (``slo``, ``prefix``; ``fcfs`` has none). The defaults do nothing
+    and keep the queue's order: override the hooks the discipline needs."""
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:
         """The region's replicas are now ``replica_ids``."""

@@ -11,7 +11,7 @@
 - Selective pushing: only available candidates can be returned. When neither is
   available the request is *held* at the balancer for its preferred candidate while its
   wait so far is within ``max_hold_fraction`` of the SLO's slack (SLO − estimated TTFT);
-  after that it spills to the best available replica.
+  after that (at once with the default 0) it spills to the best available replica.
 - Waiting for a faster busy candidate (``wait_for_faster_candidate``): selective pushing
   makes a loaded candidate unavailable, and taking whatever is free instead throws its
   cache away. When a busy candidate's estimated TTFT (its prefill work ahead, plus what
@@ -22,6 +22,9 @@
 - Hotspot-aware rebalancing: a held request migrates to its other candidate when the
   benefit B = TTFT_i − TTFT_j > 0 and TTFT_j < SLO, where TTFT includes the prefill work
   already held at the balancer for that replica.
+
+Why the options default as they do (the runs that decided it): docs/benchmarks.md,
+"DualMap's option defaults, as measured".
 """
 
 from __future__ import annotations
@@ -48,22 +51,18 @@ class DualMapOptions(PolicyOptions):
     base_key_chunks: int = Field(1, ge=1)
     hotness_window: int = Field(512, ge=1)  # requests the hotness tree counts over
     hotness_window_s: float | None = Field(None, gt=0)  # or a time window; None: count only
-    # 0 by default: in the discrete-event runs (docs/benchmarks.md) holding a request
-    # for a busy candidate cost more TTFT than the cache hit it saved, on both the
-    # conversation and the hot-prefix workloads; the knob stays for other workloads
+    # when neither candidate is available, hold the request for its preferred one while its
+    # wait is within this share of the SLO's slack; 0: spill at once (holding measured
+    # worse: docs/benchmarks.md, "DualMap's option defaults, as measured")
     max_hold_fraction: float = Field(0.0, ge=0)
     # the cache-affine candidate is kept while its estimate is within this share of the SLO
     affinity_slo_fraction: float = Field(1.0, ge=0)
-    # when even the better candidate's estimate breaks the SLO, take the replica with the
-    # least prefill work ahead of this request over all available ones (one O(n) scan,
-    # only for requests that would miss anyway). Measured in the discrete-event runs
-    # (docs/benchmarks.md): goodput +16% on the first 400 conversation requests, +7%
-    # on the hot-prefix workload, no loss on the 20-minute conversation slice.
+    # when even the better candidate's estimate breaks the SLO, take the available replica
+    # with the least prefill work ahead instead (one O(n) scan, only for requests that would
+    # miss anyway): two fixed candidates cannot absorb a burst on one pair
     escape_over_slo: bool = True
-    # hold for a busy candidate whose estimate beats the best free choice by the margin.
-    # On by default: in the policy matrix (docs/benchmarks.md, "The policy matrix", three
-    # seeds or windows per workload) it is the best or tied-best system on all four
-    # workloads and beats dualmap without it on the KV-constrained one on every seed
+    # hold for a busy candidate whose estimate beats the best free choice by
+    # ``wait_margin_s``, rather than throw its cache away on a free replica
     wait_for_faster_candidate: bool = True
     wait_margin_s: float = Field(0.0, ge=0)
 
