@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 from collections.abc import Callable
 
 import aiohttp
@@ -22,6 +21,7 @@ from aiohttp import web
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.openai_request import ParsedRequest
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
+from skymesh.balancer.ratelimit import retry_after_header
 from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER
 from skymesh.balancer.usage import (
     judge_prediction,
@@ -39,6 +39,7 @@ from skymesh.routing.region import (
     Reject,
     SendToReplica,
 )
+from skymesh.runtime.clock import loop_clock
 from skymesh.slo_judge import SloClass, missed_targets
 
 log = logging.getLogger("skymesh.balancer")
@@ -151,11 +152,6 @@ class RequestFlow:
         self._chunk_tokens = chunk_tokens
         self._cache_source = cache_source
 
-    @staticmethod
-    def _now() -> float:
-        # the clock asyncio's loop.time() reads (the balancer's, see Balancer._now)
-        return time.monotonic()
-
     def apply(self, actions: list[Action]) -> None:
         """Carry out the core's actions: wake the handler that waits for each request."""
         for action in actions:
@@ -176,7 +172,7 @@ class RequestFlow:
 
     def reject(self, r: Reject) -> web.Response:
         self.metrics.rejections.labels(str(r.status)).inc()
-        headers = {"Retry-After": str(max(1, round(r.retry_after_s)))} if r.retry_after_s else None
+        headers = {"Retry-After": retry_after_header(r.retry_after_s)} if r.retry_after_s else None
         return error_response(r.status, r.message, code=r.code, headers=headers)
 
     async def serve(
@@ -192,7 +188,7 @@ class RequestFlow:
             assert isinstance(action, SendToReplica | ForwardToRegion)
             target = self._target(request, req, action)
             if target is None:  # the replica left membership between placement and now
-                self.apply(self.core.fail(req.request_id, self._now(), reason="left membership",
+                self.apply(self.core.fail(req.request_id, loop_clock(), reason="left membership",
                                           counts_against_health=False))
                 continue
             on_peer = isinstance(action, ForwardToRegion)
@@ -218,7 +214,7 @@ class RequestFlow:
                 continue
             finally:
                 waiter.attempt_task = None
-            now = self._now()
+            now = loop_clock()
             if outcome.outcome is Outcome.SERVED:
                 if isinstance(action, SendToReplica) and single_prompt:
                     self._judge_prediction(action, outcome.tail)
@@ -272,10 +268,10 @@ class RequestFlow:
     def _first_byte_hook(self, req: RoutingRequest, waiter: Waiter) -> Callable[[bool], None]:
         def on_first_byte(is_stream: bool) -> None:
             if is_stream:
-                waiter.first_byte_at = self._now()
+                waiter.first_byte_at = loop_clock()
             # a non-streaming answer arrives whole: its first byte is not its first token,
             # so it must not feed the policy's TTFT model
-            ttft = self.core.first_token(req.request_id, self._now(), observe=is_stream)
+            ttft = self.core.first_token(req.request_id, loop_clock(), observe=is_stream)
             if ttft is not None and is_stream:
                 self.metrics.observed_ttft.observe(ttft)
             self.wake.set()

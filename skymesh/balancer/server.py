@@ -72,6 +72,7 @@ from skymesh.routing.region import (
     ProbeSample,
     SendToReplica,
 )
+from skymesh.runtime.clock import loop_clock
 from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus
 from skymesh.runtime.supervise import SupervisedLoop
@@ -171,7 +172,7 @@ class Balancer:
         """Replace the set of replicas this balancer owns (from YAML or the controller)."""
         self.replicas = merge_replicas(self.replicas, infos)
         homes = {rid: info.home_region for rid, info in self.replicas.items()}
-        self._apply(self.core.set_replicas(list(self.replicas), self._now(), homes))
+        self._apply(self.core.set_replicas(list(self.replicas), loop_clock(), homes))
         if self.kv_subscriber is not None:
             self.kv_subscriber.set_replicas(self._kv_endpoints())
         self.wake.set()
@@ -229,7 +230,7 @@ class Balancer:
         balancer is): what waited for it is decided again now (``RegionCore.peer_down``);
         with ``cut_forwards`` its forwards that returned nothing yet are cut too. Heartbeat
         timeouts reach the core through the dispatch loop's ticks."""
-        actions = self.core.peer_down(region, self._now(), cut_forwards=cut_forwards)
+        actions = self.core.peer_down(region, loop_clock(), cut_forwards=cut_forwards)
         if actions:
             log.info("peer region down: its requests decided again",
                      extra={"peer": region, "why": why, "requests": len({a.request_id for a in actions})})
@@ -239,11 +240,6 @@ class Balancer:
     def _request_ended(self) -> None:
         if self._stopping and not self.core.active_requests:
             self._drained.set()  # the last handler out of a drain
-
-    @staticmethod
-    def _now() -> float:
-        # the clock asyncio's loop.time() reads, usable before the loop runs (construction)
-        return time.monotonic()
 
     def rejected_peer_calls(self) -> dict[str, int]:
         out = rejected_peer_calls(self.extra_services)
@@ -390,7 +386,7 @@ class Balancer:
         listen = self.region_cfg.balancer.listen
         if self.core.kv_indexes is not None:
             self.kv_subscriber = KvEventSubscriber(
-                apply=lambda rid, events, max_blocks: self.core.kv_events(rid, events, self._now(), max_blocks),
+                apply=lambda rid, events, max_blocks: self.core.kv_events(rid, events, loop_clock(), max_blocks),
                 reset=self.core.kv_stream_reset)
             self.kv_subscriber.set_replicas(self._kv_endpoints())
         elif any(rep.kv_events for rep in self.region_cfg.replicas):
@@ -495,7 +491,7 @@ class Balancer:
             if res.healthy
             else None
         )
-        self._apply(self.core.probe(info.replica_id, sample, self._now()))
+        self._apply(self.core.probe(info.replica_id, sample, loop_clock()))
 
     def prefix_hit_ratio(self) -> float:
         return prefix_hit_ratio(self.replicas.values())
