@@ -24,7 +24,8 @@ import zmq
 
 from skymesh.config import ConfigError, parse_config
 from skymesh.prompt_encoder import PromptEncoder
-from skymesh.replica_sim.engine import Engine, chained_block_hashes
+from skymesh.replica_sim.block_pool import chained_block_hashes
+from skymesh.replica_sim.engine import Engine
 from skymesh.replica_sim.kv_events import KVEventBatch as StandInBatch
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import NullPublisher, ZmqPublisher

@@ -30,10 +30,12 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 
 from skymesh.edge.connection_metrics import EdgeMetrics
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
-from skymesh.replica_sim.engine import Engine, EngineRequest, chained_block_hashes
+from skymesh.replica_sim.block_pool import chained_block_hashes
+from skymesh.replica_sim.engine import Engine
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import EventPublisher, NullPublisher, make_publisher
 from skymesh.replica_sim.profiles import PROFILES, Profile
+from skymesh.replica_sim.request_state import EngineRequest
 from skymesh.replica_sim.vllm_metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.runtime.supervise import SupervisedLoop
 from skymesh.word_tokenizer import (
