@@ -71,7 +71,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                                            **_overrides(args))
         ready = {"http": s.port}
-        pub = s.kv_publisher
+        pub = s.engine_loop.kv_publisher
         # the TCP ports the event sockets listen on (the replay socket always listens)
         for key, endpoint in (("kv_events", pub.endpoint if pub.pub_bound else None),
                               ("kv_replay", pub.replay_endpoint)):
