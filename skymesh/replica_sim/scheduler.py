@@ -41,6 +41,9 @@ class StepOutput:
 
 
 class Scheduler:
+    """The waiting and running queues, admission and preemption, one ``step`` at a time;
+    its KV blocks are ``self.pool``."""
+
     def __init__(
         self,
         profile: Profile,
