@@ -211,11 +211,7 @@ class _CheckedSimulator(Simulator):
             if er is None:  # finished in the same step: its blocks may be evicted already
                 continue
             full = er.prompt_len // bs
-            engine_blocks = 0
-            for h in er.block_hashes[:full]:
-                if h not in rep.engine._cached:
-                    break
-                engine_blocks += 1
+            engine_blocks = len(rep.engine.pool.lookup(er.block_hashes, full))
             self.compared.append((index.by_replica[rep.rid].cached_chunks(self.chunks[rid][:full]), engine_blocks))
         return done
 

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skymesh.hardware import PROFILES, Profile, prefill_pairs, vllm_batch_defaults
-from skymesh.replica_sim.engine import Engine, StepOutput, chained_block_hashes
+from skymesh.replica_sim.block_pool import chained_block_hashes
+from skymesh.replica_sim.engine import Engine
+from skymesh.replica_sim.scheduler import StepOutput
 from skymesh.word_tokenizer import filler_tokens
 
 TINY = PROFILES["tiny-test"]

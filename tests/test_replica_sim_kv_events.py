@@ -25,7 +25,8 @@ import zmq
 from skymesh.config import ConfigError, parse_config
 from skymesh.hardware import PROFILES
 from skymesh.prompt_encoder import PromptEncoder
-from skymesh.replica_sim.engine import Engine, chained_block_hashes
+from skymesh.replica_sim.block_pool import chained_block_hashes
+from skymesh.replica_sim.engine import Engine
 from skymesh.replica_sim.kv_events import KVEventBatch as StandInBatch
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import NullPublisher, ZmqPublisher
@@ -232,8 +233,8 @@ async def wait_for(sub: Subscriber, cond: Callable[[], bool]) -> None:
 
 
 def publisher_of(srv: ReplicaServer) -> ZmqPublisher:
-    assert isinstance(srv.kv_publisher, ZmqPublisher)
-    return srv.kv_publisher
+    assert isinstance(srv.engine_loop.kv_publisher, ZmqPublisher)
+    return srv.engine_loop.kv_publisher
 
 
 def stored_events(batches: list[KVEventBatch]) -> list[BlockStored]:
@@ -317,7 +318,7 @@ async def test_publisher_is_off_by_default() -> None:
                       KVEventsConfig(publisher="zmq")):
         srv = await start_replica(profile="tiny-test", time_scale=0.01, kv_events=kv_events)
         try:
-            assert isinstance(srv.kv_publisher, NullPublisher) and srv.engine.kv_events is None
+            assert isinstance(srv.engine_loop.kv_publisher, NullPublisher) and srv.engine.kv_events is None
             async with aiohttp.ClientSession() as s:
                 await complete(s, srv.url, " ".join(f"w{i}" for i in range(40)), 2)
             assert srv.engine.take_kv_events() == []
@@ -400,7 +401,7 @@ async def test_replay_from_a_seq_and_contiguous_sequence_numbers(tmp_path: Path)
         for k in range(4):
             await complete(s, srv.url, [20_000 + 100 * k + i for i in range(BS)], 1)
         await wait_for(sub, lambda: len(sub.messages) >= start + 4)
-        ep = srv.kv_publisher.replay_endpoint
+        ep = srv.engine_loop.kv_publisher.replay_endpoint
         assert ep is not None and ep.startswith("tcp://127.0.0.1:")  # *:0 -> a free port on --host
         live = list(sub.messages)
         all_of_them, end = await asyncio.to_thread(replay, ep, 0)
@@ -619,7 +620,7 @@ async def test_a_balancer_keeps_the_stand_ins_cache_from_its_events(tmp_path: Pa
         data["tokenizer"] = {"path": str(tokenizer_path)}
         for i, srv in enumerate(srvs):
             data["regions"][0]["replicas"][i]["kv_events"] = {
-                "endpoint": srv.kv_publisher.endpoint, "replay_endpoint": srv.kv_publisher.replay_endpoint}
+                "endpoint": srv.engine_loop.kv_publisher.endpoint, "replay_endpoint": srv.engine_loop.kv_publisher.replay_endpoint}
         b = Balancer(parse_config(data), "us-east-1")
         await b.start(port=0)
         prompt = "A load balancer keeps the cache warm by sending shared prefixes to one replica. " * 3

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from skymesh.replica_sim.engine_loop import ENGINE_UNHEALTHY_AFTER_CRASHES
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.replica_sim.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from skymesh.runtime.procs import Child
@@ -530,7 +531,7 @@ async def test_engine_crash_fails_the_open_request_then_the_engine_restarts(
         m1 = await scrape(s, replica.url)
         assert await health_status(s, replica.url) == 200
     assert m1[RESTARTS] == 1
-    assert replica.engine_loop.restarts == 1 and replica.engine_healthy()
+    assert replica.engine_loop.supervisor.restarts == 1 and replica.engine_loop.healthy()
     # the crashed request left nothing behind in the engine
     assert not replica.engine.has_work() and replica.engine.kv_cache_usage == 0.0
     assert replica.engine.num_free_blocks == replica.engine.num_blocks
@@ -559,8 +560,6 @@ async def test_engine_crash_mid_stream_ends_the_stream_with_an_error(
 async def test_health_fails_while_the_engine_keeps_crashing_and_recovers_after_a_step(
     replica: ReplicaServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from skymesh.replica_sim.server import ENGINE_UNHEALTHY_AFTER_CRASHES
-
     n = ENGINE_UNHEALTHY_AFTER_CRASHES
     crashed = crash_engine_steps(replica, monkeypatch, set(range(1, n + 1)))
     body = {"model": MODEL, "prompt": "a b c d", "max_tokens": 2}
@@ -578,7 +577,7 @@ async def test_health_fails_while_the_engine_keeps_crashing_and_recovers_after_a
 
 
 async def test_health_fails_when_the_engine_loop_is_gone(replica: ReplicaServer) -> None:
-    task = replica._loop_task
+    task = replica.engine_loop.task
     assert task is not None
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

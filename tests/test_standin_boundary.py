@@ -102,19 +102,11 @@ def test_importing_all_production_code_loads_no_standin() -> None:
     assert json.loads(out.strip().splitlines()[-1]) == []
 
 
-def test_the_standin_reads_the_production_profiles() -> None:
-    # one table: the balancer's cost model is the stand-in's
-    from skymesh import hardware
-    from skymesh.replica_sim import profiles
-
-    assert profiles.PROFILES is hardware.PROFILES and profiles.Profile is hardware.Profile
-
-
 @pytest.mark.parametrize(("snippet", "filename", "expected"), [
     ("import skymesh.replica_sim.engine\n", "skymesh/config.py",
      "skymesh/config.py:1: imports skymesh.replica_sim.engine"),
-    ("def f():\n    from skymesh.replica_sim.profiles import PROFILES\n", "skymesh/balancer/server.py",
-     "skymesh/balancer/server.py:2: imports skymesh.replica_sim.profiles"),
+    ("def f():\n    from skymesh.replica_sim.scheduler import Scheduler\n", "skymesh/balancer/server.py",
+     "skymesh/balancer/server.py:2: imports skymesh.replica_sim.scheduler"),
     ("from skymesh import replica_sim\n", "skymesh/operations/up.py", "skymesh/operations/up.py:1: imports skymesh.replica_sim"),
     ("from ..replica_sim import engine\n", "skymesh/balancer/server.py",
      "skymesh/balancer/server.py:1: imports skymesh.replica_sim"),

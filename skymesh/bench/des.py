@@ -46,8 +46,10 @@ from skymesh.config.routing import (
 )
 from skymesh.prompt_encoder import id_chunk_hashes
 from skymesh.replica_sim import kv_events as standin_events
-from skymesh.replica_sim.engine import Engine, EngineRequest, StepOutput
+from skymesh.replica_sim.engine import Engine
 from skymesh.replica_sim.profiles import PROFILES, Profile
+from skymesh.replica_sim.request_state import EngineRequest
+from skymesh.replica_sim.scheduler import StepOutput
 from skymesh.routing import kv_index
 from skymesh.routing.assembly import (
     CostSeed,

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from skymesh.hardware import PROFILES
 from skymesh.replica_sim.kv_events import KVEventsConfig
-from skymesh.replica_sim.profiles import PROFILES
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import READY_HELP, report_ready, serve_until_signal
 
@@ -71,7 +71,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                                            **_overrides(args))
         ready = {"http": s.port}
-        pub = s.kv_publisher
+        pub = s.engine_loop.kv_publisher
         # the TCP ports the event sockets listen on (the replay socket always listens)
         for key, endpoint in (("kv_events", pub.endpoint if pub.pub_bound else None),
                               ("kv_replay", pub.replay_endpoint)):

@@ -1,0 +1,229 @@
+"""The engine's KV-cache blocks: who holds each block, which full blocks are cached under
+which prefix hash, LRU eviction of idle cached blocks, and the KV events (vLLM 0.32's) that
+every change of the prefix cache records. Kept apart from the scheduler, which only asks
+for blocks and hands them back, as vLLM v1 keeps its ``BlockPool``."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import xxhash
+
+from skymesh.replica_sim.kv_events import AllBlocksCleared, StandInEvent, removed, stored
+from skymesh.replica_sim.request_state import EngineRequest
+
+
+def chained_block_hashes(tokens: Sequence[str], block_size: int, parent: int = 0) -> list[int]:
+    """vLLM-style prefix-caching keys: one hash per FULL block, each seeded with the hash
+    of the previous block, so equal hashes mean equal whole prefixes, not just equal blocks.
+    A trailing partial block gets no hash (vLLM never caches it)."""
+    out: list[int] = []
+    h = parent
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        # \x1f cannot occur inside a whitespace-split token, so the join is unambiguous
+        h = xxhash.xxh64_intdigest("\x1f".join(tokens[start : start + block_size]).encode(), seed=h)
+        out.append(h)
+    return out
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks of ``block_size`` tokens. A block is free (no hash, no
+    reference), held (referenced by requests, maybe cached), or idle-cached (cached, no
+    reference: reusable by a prefix hit, evictable in LRU order).
+
+    KV events (off unless :meth:`enable_kv_events`) are recorded as vLLM records them: a
+    block newly cached -> ``BlockStored`` (one event per request and step for its run of new
+    blocks, with their token ids and the parent's hash), a cached block evicted ->
+    ``BlockRemoved``, the cache emptied -> ``AllBlocksCleared``."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # per block: reference count and the prefix hash it holds (None: not cached)
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        # no hash, ref 0; a stack: which free block is used first does not matter
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU order
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.used = 0  # blocks with ref > 0
+        self.evictions = 0
+        # vLLM's KV cache events since the last take_kv_events (None: not recorded)
+        self.kv_events: list[StandInEvent] | None = None
+
+    # ------------------------------------------------------------------ KV events
+
+    def enable_kv_events(self) -> None:
+        """Record KV cache events from now on (requests then need ``token_ids``)."""
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def take_kv_events(self) -> list[StandInEvent]:
+        """The events recorded since the last call, oldest first."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
+    def emit_stored(self, r: EngineRequest, first: int, end: int) -> None:
+        """BlockStored for ``r``'s blocks ``first`` .. ``end - 1``, newly cached; the
+        parent is the hash of the block before them (None for a prompt's first block)."""
+        if self.kv_events is None or r.token_ids is None or end <= first:
+            return
+        bs = self.block_size
+        self.kv_events.append(stored(r.block_hashes[first:end], r.block_hashes[first - 1] if first else None,
+                                     r.token_ids[first * bs : end * bs], bs))
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a request could get now: free ones and idle cached ones (evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, only while no request holds a block (False
+        otherwise, nothing changed)."""
+        if self.used:
+            return False
+        for b in self._evictable:
+            self._hash[b] = None
+            self._free.append(b)
+        self._evictable.clear()
+        self._cached.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
+        return True
+
+    def clear(self) -> None:
+        """Every block free and uncached, whatever state the structures were left in: only
+        builds fresh ones, so it cannot fail (the eviction counter is kept)."""
+        self._ref = [0] * self.num_blocks
+        self._hash = [None] * self.num_blocks
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._evictable = OrderedDict()
+        self._cached = {}
+        self.used = 0
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
+
+    # ------------------------------------------------------------------ allocation
+
+    def alloc(self) -> int | None:
+        """One block for a request: a free one, else the least recently used idle cached
+        one (evicted); None when every block is held."""
+        if self._free:
+            b = self._free.pop()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            h = self._hash[b]
+            if h is not None and self._cached.get(h) == b:
+                del self._cached[h]
+                if self.kv_events is not None:
+                    self.kv_events.append(removed(h))
+            self._hash[b] = None
+            self.evictions += 1
+        else:
+            return None
+        self._ref[b] = 1
+        self.used += 1
+        return b
+
+    def alloc_many(self, n: int, into: list[int]) -> None:
+        """Append ``n`` blocks to ``into``; the caller has checked there are enough.
+        Free blocks are taken with one slice (long prompts need hundreds of blocks)."""
+        free = self._free
+        take = min(n, len(free))
+        if take:
+            got = free[len(free) - take :]
+            del free[len(free) - take :]
+            ref = self._ref
+            for b in got:
+                ref[b] = 1
+            self.used += take
+            into += got
+        for _ in range(n - take):
+            b = self.alloc()
+            assert b is not None
+            into.append(b)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference on each of ``blocks``; a block left unreferenced stays cached
+        (idle, evictable) if it holds a cached hash, else becomes free."""
+        ref, hashes, cached = self._ref, self._hash, self._cached
+        # reversed: a request's last blocks are the least likely to be shared, so they
+        # are put first in LRU order and evicted before its prefix (vLLM does the same)
+        for b in reversed(blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                self.used -= 1
+                h = hashes[b]
+                if h is not None and cached.get(h) == b:
+                    self._evictable[b] = None  # stays cached until evicted (LRU)
+                else:
+                    hashes[b] = None
+                    self._free.append(b)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def lookup(self, block_hashes: list[int], max_hit_blocks: int) -> list[int]:
+        """Blocks of the longest cached prefix of ``block_hashes``, at most
+        ``max_hit_blocks`` (full blocks only)."""
+        hits: list[int] = []
+        cached = self._cached
+        for h in block_hashes[:max_hit_blocks]:
+            b = cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def num_idle(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` no request holds (counted in :attr:`num_free`)."""
+        ref = self._ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def share(self, blocks: list[int]) -> None:
+        """Take a reference on each of ``blocks`` (prefix hits), pulling idle ones out of
+        the LRU order."""
+        ref = self._ref
+        for b in blocks:
+            if ref[b] == 0:
+                del self._evictable[b]
+                self.used += 1
+            ref[b] += 1
+
+    def register_computed(self, r: EngineRequest, before: int) -> None:
+        """Publish the hashes of the blocks that became fully computed since ``before``
+        computed tokens: prompt blocks and, as vLLM caches them too (``cache_blocks`` up to
+        the tokens whose KV exists), blocks of generated tokens."""
+        bs = self.block_size
+        last = r.num_computed // bs
+        run = -1  # first block of the current run of newly cached blocks (KV events)
+        end = min(last, len(r.block_hashes), len(r.blocks))
+        for i in range(before // bs, end):
+            if self.register_block(r, i):
+                if run < 0:
+                    run = i
+            elif run >= 0:
+                self.emit_stored(r, run, i)
+                run = -1
+        if run >= 0:
+            self.emit_stored(r, run, end)
+
+    def register_block(self, r: EngineRequest, i: int) -> bool:
+        """Cache block ``i`` of ``r`` under its hash; False when that hash is already
+        cached (the stand-in keeps one block per hash)."""
+        h = r.block_hashes[i]
+        if h in self._cached:
+            return False
+        b = r.blocks[i]
+        self._hash[b] = h
+        self._cached[h] = b
+        return True
