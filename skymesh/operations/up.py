@@ -7,7 +7,8 @@ proxies that give the advertised addresses their inter-region latency. Waits unt
 child reports ready (its SKYMESH_READY line, see skymesh.runtime.procs) and every real replica is
 healthy, prints how to use the mesh, and stops everything (reverse order, by PID) on
 Ctrl-C / SIGTERM. :class:`Mesh` is also what the integration tests drive: they kill and
-restart single parts (a balancer, the controller, the DNS server, a replica).
+restart single parts (a balancer, the controller, the DNS server, a replica). One concern
+(~500 lines): the local mesh's processes, from start to stop.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ admission (:mod:`skymesh.routing.admission`), replica health
 (:class:`~skymesh.routing.drain_rate.DrainRate`), which queued requests go to a peer
 (:class:`~skymesh.routing.offload_selection.OffloadSelection`, over
 :class:`~skymesh.routing.offload.OffloadRouter`) and queue-wait deadlines
-(:class:`~skymesh.routing.queue_deadlines.QueueDeadlines`).
+(:class:`~skymesh.routing.queue_deadlines.QueueDeadlines`). One concern, the coordinator:
+every move of a request passes here, the decisions are its parts'.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ Kept incrementally, never by rescanning the queue:
   entry reaching the top of p's heap is checked against the cache before it is chosen, and
   pushed back with its true key when that differs.
 
+One concern (~500 lines): that incremental index and the order it gives.
+
 The discipline orders, the policy places: :meth:`PrefixMatchOrder.dispatch_order` gives each
 available replica (one per replica per round, as many rounds as its free dispatch slots) its
 best-matching request, and the dispatcher offers them to the policy first, then the rest of
