@@ -3,7 +3,7 @@ daemon and the discrete-event simulator both call, so a routing parameter reache
 policy, the offload router, the region model and the region core the same way in both.
 
 The settings come from a mesh config (skymesh/assembly.py) or from the simulator's knobs
-(skymesh/bench/des.py); this module only puts the parts together.
+(skymesh/bench/sim_config.py); this module only puts the parts together.
 """
 
 from __future__ import annotations
