@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from skymesh.bench.scores import class_summary, summarize_arrays
+from skymesh.cache_prediction import over_block, within_block
 from skymesh.config import SloClassConfig
 
 
@@ -63,8 +64,7 @@ class SimResult:
         ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
         if not ok.any():
             return None
-        diff = np.abs(self.predicted_cached[ok] - self.actual_cached[ok])
-        return float(np.mean(diff <= block_tokens))
+        return float(np.mean(within_block(self.predicted_cached[ok], self.actual_cached[ok], block_tokens)))
 
     def prediction_over(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
         """Share of admitted requests whose predicted cached prefix exceeds the actual one
@@ -72,4 +72,4 @@ class SimResult:
         ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
         if not ok.any():
             return None
-        return round(float(np.mean(self.predicted_cached[ok] - self.actual_cached[ok] > block_tokens)), 4)
+        return round(float(np.mean(over_block(self.predicted_cached[ok], self.actual_cached[ok], block_tokens))), 4)
