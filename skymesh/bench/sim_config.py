@@ -61,7 +61,6 @@ class SimConfig:
         return self.one_way_ms.get((a, b), self.one_way_ms.get((b, a), 0.0)) / 1000.0
 
 
-
 def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAssembly:
     """What one simulated region's core is built from: the routing it simulates, turned
     into settings as the daemon turns a mesh config (skymesh/assembly.py)."""
