@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from skymesh.assembly import RoutingConfig, cost_seed, max_queue_wait_s, region_assembly
-from skymesh.bench.des import SimConfig, sim_region_assembly
+from skymesh.bench.sim_config import SimConfig, sim_region_assembly
 from skymesh.config import MeshConfig, parse_config
 from skymesh.config.routing import PolicyConfig, UpstreamConfig
 from skymesh.hardware import PROFILES

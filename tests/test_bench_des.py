@@ -11,7 +11,9 @@ import pytest
 
 from skymesh.assembly import RoutingConfig
 from skymesh.bench import sim_main
-from skymesh.bench.des import SimConfig, Simulator, block_chains, simulated_policy
+from skymesh.bench.des import Simulator
+from skymesh.bench.sim_chains import block_chains
+from skymesh.bench.sim_config import SimConfig, simulated_policy
 from skymesh.bench.traces import TraceRequest
 from skymesh.bench.workloads import hot_prefix_workload
 from skymesh.config.routing import OffloadConfig, QueueConfig

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from skymesh.balancer.usage import PredictionResult, judge_prediction, reported_cached_tokens
+from skymesh.balancer.usage import reported_cached_tokens
+from skymesh.cache_prediction import PredictionResult, judge_prediction
 
 STREAM_END = (
     b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'

@@ -23,11 +23,8 @@ from skymesh.balancer.openai_request import ParsedRequest
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
 from skymesh.balancer.ratelimit import retry_after_header
 from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER
-from skymesh.balancer.usage import (
-    judge_prediction,
-    reported_cached_tokens,
-    reported_completion_tokens,
-)
+from skymesh.balancer.usage import reported_cached_tokens, reported_completion_tokens
+from skymesh.cache_prediction import judge_prediction
 from skymesh.edge.openai_errors import RequestError, error_response
 from skymesh.prompt_encoder import EncodedPrompt, PromptEncoder
 from skymesh.routing.base import RoutingRequest

@@ -9,7 +9,8 @@ the field whenever the flag is on, 0 included (``is not None``; versions before 
 batch of prompts it is one prompt's count, so the balancer judges single prompts only.
 
 The balancer compares it with what the policy expected (``Decision.matched_tokens``) to
-count how well its picture of the caches predicts them (``skymesh_cache_predictions_total``).
+count how well its picture of the caches predicts them (``skymesh_cache_predictions_total``,
+judged by :mod:`skymesh.cache_prediction`).
 The answer is proxied byte for byte, never parsed: this reads only its last few KiB, where
 ``usage`` is (after ``choices`` in every OpenAI-shaped answer vLLM writes).
 """
@@ -17,7 +18,6 @@ The answer is proxied byte for byte, never parsed: this reads only its last few 
 from __future__ import annotations
 
 import re
-from enum import Enum
 
 # the tail kept of every answer: usage is a few hundred bytes followed by "data: [DONE]"
 TAIL_BYTES = 4096
@@ -49,15 +49,3 @@ def _usage_field(tail: bytes, field: re.Pattern[bytes]) -> int | None:
     found = field.search(tail, last.end())
     return int(found.group(1)) if found is not None else None
 
-
-class PredictionResult(Enum):
-    WITHIN_BLOCK = "within_block"
-    OVER = "over"  # the policy counted on more than the replica had
-    UNDER = "under"
-
-
-def judge_prediction(predicted_tokens: int, cached_tokens: int, block_tokens: int) -> PredictionResult:
-    """Within one block either way, else over or under."""
-    if abs(predicted_tokens - cached_tokens) <= block_tokens:
-        return PredictionResult.WITHIN_BLOCK
-    return PredictionResult.OVER if predicted_tokens > cached_tokens else PredictionResult.UNDER

@@ -1,11 +1,15 @@
 """Discrete-event mode: the routing core and the stand-in's engine on a simulated clock.
 
-Every region runs the real :class:`BalancerCore` (selective pushing, probes every
-``probe_interval_s`` reading the engine's ``num_waiting`` / ``num_running`` /
-``kv_cache_usage``) with a policy from the registry and, with offload on, the real
-:class:`OffloadRouter` fed by heartbeats that take the configured one-way latency to
-arrive. Replicas are the real :class:`Engine`. Nothing here reimplements routing or the
-engine's scheduling: the simulator only moves time and messages.
+Every region runs the real :class:`RegionCore` (skymesh/bench/sim_state.py), built by the
+one assembly the balancer daemon uses (skymesh/bench/sim_config.py): its policy from the
+registry, probes every ``probe_interval_s`` reading the engine's ``num_waiting`` /
+``num_running`` / ``kv_cache_usage``, and, with offload on (more than one region), the
+offload router fed by heartbeats that take the configured one-way latency to arrive.
+Replicas are the real :class:`Engine`. Nothing here reimplements routing or the engine's
+scheduling: the simulator (this module, its event loop) only moves time and messages,
+submits requests and carries the core's actions out (``SendToReplica``,
+``ForwardToRegion``; a ``Reject`` only on submission: there is no queue-wait deadline, no
+failure and no ejection in a simulation).
 
 Speed without approximation: while a replica's engine can only decode (nothing in prefill,
 no waiting request admissible), the simulator does not step it; it schedules one wake-up
@@ -15,47 +19,45 @@ engine is advanced (``Engine.run_until``) to the end of the step in progress at 
 moment, which is exactly where a real engine would admit it. So the result equals
 stepping the engine one iteration at a time, with one event per request phase instead of
 one per decode step. Arrivals are pulled lazily from an iterator and per-request results
-live in flat arrays, so 1M requests fit in memory.
+live in flat arrays (:class:`~skymesh.bench.sim_result.SimResult`), so 1M requests fit in
+memory.
 
 What policies read of a replica's cache (``SimConfig.cache_view``): ``"history"`` (the
-routing-history trie; chunks and engine blocks hashed from the trace's block ids) or
-``"events"``: requests get token ids (:func:`trace_block_ids`), chunks are the balancer's
-own :func:`~skymesh.prompt_encoder.id_chunk_hashes` over engine-block-sized chunks, and each
+routing-history trie; chunks and engine blocks hashed from the trace's block ids,
+skymesh/bench/sim_chains.py) or ``"events"``: requests get token ids
+(:func:`~skymesh.bench.sim_chains.trace_block_ids`), chunks are the balancer's own
+:func:`~skymesh.prompt_encoder.id_chunk_hashes` over engine-block-sized chunks, and each
 engine's KV events reach its region core's block index at the end of every step.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import math
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from skymesh.assembly import RoutingConfig, routing_assembly
-from skymesh.bench.scores import class_summary, cv, summarize_arrays
-from skymesh.bench.traces import TraceRequest, fit_request
-from skymesh.config import SloClassConfig
-from skymesh.config.routing import (
-    PolicyConfig,
+from skymesh.bench.scores import cv
+from skymesh.bench.sim_chains import (
+    block_chains,
+    output_block_chain,
+    prompt_token_ids,
+    token_chains,
 )
-from skymesh.prompt_encoder import id_chunk_hashes
-from skymesh.replica_sim import kv_events as standin_events
+from skymesh.bench.sim_config import SimConfig
+from skymesh.bench.sim_result import SimResult
+from skymesh.bench.sim_state import SimRegion, SimReplica, routing_events
+from skymesh.bench.traces import TraceRequest, fit_request
+from skymesh.hardware import PROFILES, Profile
 from skymesh.replica_sim.engine import Engine
-from skymesh.replica_sim.profiles import PROFILES, Profile
 from skymesh.replica_sim.request_state import EngineRequest
 from skymesh.replica_sim.scheduler import StepOutput
-from skymesh.routing import kv_index
-from skymesh.routing.assembly import (
-    CostSeed,
-    RegionAssembly,
-    build_region_core,
-)
+from skymesh.routing.assembly import CostSeed
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
     ForwardToRegion,
@@ -65,261 +67,6 @@ from skymesh.routing.region import (
 )
 from skymesh.slo_judge import SloClass, apply_slo_class
 from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
-
-
-def simulated_policy(name: str = "dualmap", **keys: Any) -> PolicyConfig:
-    """``policy:`` as the simulator runs it unless ``keys`` say otherwise: an unbounded
-    queue (goodput sweeps measure every request) and a routing chunk of one trace block."""
-    return PolicyConfig.model_validate({"name": name, "queue_bound": 1_000_000, "chunk_tokens": TRACE_BLOCK_TOKENS,
-                                        **keys})
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """What is simulated: the regions, their links and replicas, the engine's block size,
-    what is recorded; and the routing the simulated balancers run (``routing``, the mesh
-    config's sections: every routing parameter is named there)."""
-
-    regions: dict[str, int] = field(default_factory=lambda: {"central": 16})  # region -> replicas
-    one_way_ms: dict[tuple[str, str], float] = field(default_factory=dict)
-    profile: str = "h100-qwen2.5-7b"
-    routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(policy=simulated_policy()))
-    block_size: int = 16  # engine KV block; the KV capacity in tokens stays the profile's
-    sample_load_every_s: float = 1.0
-    plot_replicas: int = 32  # per-replica load series kept for the plot
-    fuse_decode: bool = True  # False: one event per engine step (the reference for tests)
-    # what cache-aware policies read of a replica's cache: "history" (the routing-history
-    # trie: what the balancer sent where) or "events" (the replicas' KV events in the
-    # region core's per-replica block index, as with vLLM's --kv-events-config). "events"
-    # gives requests token ids and needs routing.policy.chunk_tokens == block_size.
-    cache_view: str = "history"
-    # SLO classes by name (a trace request's ``slo_class`` picks one; unknown or "": none):
-    # their targets and priorities reach the region core as the balancer stamps them
-    slo_classes: dict[str, SloClassConfig] = field(default_factory=dict)
-
-    @property
-    def offload(self) -> bool:
-        """Whether the regions offload to each other (with one region there is no peer)."""
-        return self.routing.offload.enabled and len(self.regions) > 1
-
-    def latency_s(self, a: str, b: str) -> float:
-        if a == b:
-            return 0.0
-        return self.one_way_ms.get((a, b), self.one_way_ms.get((b, a), 0.0)) / 1000.0
-
-
-_MASK = 0xFFFF_FFFF_FFFF_FFFF
-
-
-def output_block_chain(prompt_blocks: list[int], hash_ids: Sequence[int], input_len: int, output_len: int,
-                       block_size: int) -> list[int]:
-    """Engine block hashes of the full blocks after the prompt's full blocks: the block
-    the prompt's tail shares with the first output tokens, then output only. The stand-in
-    generates the same filler for every request, so these depend only on the prompt (its
-    full-block chain, and the tail's trace block and length) and the position, as the live
-    stand-in's text hashes do; the engine caches them as vLLM caches generated blocks."""
-    full = input_len // block_size
-    if len(prompt_blocks) != full:
-        return []  # the trace's ids do not cover the prompt: no hash to chain from
-    tail = input_len % block_size
-    tail_block = (full * block_size) // TRACE_BLOCK_TOKENS
-    tail_id = hash_ids[tail_block] if tail and tail_block < len(hash_ids) else -1
-    prev = prompt_blocks[-1] if prompt_blocks else 0
-    out: list[int] = []
-    for q in range(full, (input_len + output_len) // block_size):
-        prev = hash((prev, tail_id, tail, q, 2)) & _MASK
-        out.append(prev)
-    return out
-
-
-def block_chains(hash_ids: Iterable[int], input_len: int, block_size: int,
-                 chunk_tokens: int) -> tuple[list[int], tuple[int, ...]]:
-    """Engine block hashes (full blocks only) and routing chunk hashes from trace block ids:
-    each 512-token trace block is ``512 / size`` sub-blocks, hashed deterministically and
-    chained, so equal hash-id prefixes give equal chains and nothing else does."""
-    ids = list(hash_ids)
-    blocks: list[int] = []
-    per_block = max(1, TRACE_BLOCK_TOKENS // block_size)
-    full = input_len // block_size
-    prev = 0
-    for h in ids:
-        for j in range(per_block):
-            if len(blocks) >= full:
-                break
-            prev = hash((prev, h, j)) & _MASK
-            blocks.append(prev)
-    chunks: list[int] = []
-    per_chunk = max(1, TRACE_BLOCK_TOKENS // chunk_tokens)
-    n_chunks = -(-input_len // chunk_tokens)
-    prev = 0
-    for h in ids:
-        for j in range(per_chunk):
-            if len(chunks) >= n_chunks:
-                break
-            prev = hash((prev, h, j, 1)) & _MASK
-            chunks.append(prev)
-    return blocks, tuple(chunks)
-
-
-VOCAB = 32_000
-# the filler every request's answer is made of (the stand-in generates the same text for
-# every request): output block hashes depend only on the prompt tail and the position
-# (ints only: hash() of ints and tuples of ints does not depend on PYTHONHASHSEED)
-_OUTPUT_FILLER = tuple(hash((-1, j)) % VOCAB for j in range(TRACE_BLOCK_TOKENS))
-
-
-@functools.lru_cache(maxsize=1 << 12)  # ~18 KB a block: ~75 MB at most
-def trace_block_ids(h: int) -> tuple[int, ...]:
-    """The token ids of one 512-token trace block: deterministic in its hash id, so equal
-    hash-id prefixes are equal token prefixes (and unequal ones differ from the first
-    block on)."""
-    return tuple(hash((h, j)) % VOCAB for j in range(TRACE_BLOCK_TOKENS))
-
-
-def prompt_token_ids(hash_ids: Sequence[int], input_len: int, request_key: int) -> list[int]:
-    """A trace request's prompt as token ids: its blocks' ids, cut to ``input_len``; a
-    prompt longer than its ids (a trace that does not cover it) ends in tokens of its own."""
-    ids: list[int] = []
-    for h in hash_ids:
-        if len(ids) >= input_len:
-            break
-        ids.extend(trace_block_ids(h))
-    k = 0
-    while len(ids) < input_len:
-        ids.append(hash((-2, request_key, k)) % VOCAB)
-        k += 1
-    del ids[input_len:]
-    return ids
-
-
-def token_chains(prompt_ids: Sequence[int], output_len: int, block_size: int
-                 ) -> tuple[list[int], tuple[int, ...], list[int]]:
-    """For the "events" cache view: the engine's block hashes (full blocks of prompt +
-    answer), the routing chunk hashes (the balancer's own :func:`id_chunk_hashes` over
-    ``block_size``-token chunks, so the replicas' blocks are the balancer's chunks) and
-    the token ids behind the blocks (KV events carry them)."""
-    n_out = output_len
-    out_ids = (_OUTPUT_FILLER * (n_out // len(_OUTPUT_FILLER) + 1))[:n_out]
-    all_ids = [*prompt_ids, *out_ids]
-    chunks = id_chunk_hashes(prompt_ids, block_size)
-    full = len(all_ids) // block_size
-    blocks = list(id_chunk_hashes(all_ids[: full * block_size], block_size))
-    return blocks, chunks, all_ids
-
-
-def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_index.KvEvent]:
-    """The stand-in's vLLM-wire KV events as the routing core's (what the balancer's
-    subscriber decodes them to)."""
-    out: list[kv_index.KvEvent] = []
-    for ev in events:
-        if isinstance(ev, standin_events.BlockStored):
-            out.append(kv_index.BlockStored(list(ev.block_hashes), ev.parent_block_hash, ev.token_ids,
-                                            ev.block_size))
-        elif isinstance(ev, standin_events.BlockRemoved):
-            out.append(kv_index.BlockRemoved(list(ev.block_hashes)))
-        else:
-            out.append(kv_index.AllBlocksCleared())
-    return out
-
-
-def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAssembly:
-    """What one simulated region's core is built from: the routing it simulates, turned
-    into settings as the daemon turns a mesh config (skymesh/assembly.py)."""
-    peers = {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
-    assembly = routing_assembly(cfg.routing, name, peer_one_way_s=peers, cost_seed=seed,
-                                kv_events=cfg.cache_view == "events")
-    return replace(assembly, offload=replace(assembly.offload, enabled=cfg.offload),
-                   # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
-                   settings=replace(assembly.settings, max_queue_wait_s=None))
-
-
-class _Replica:
-    __slots__ = ("idx", "rid", "region", "engine", "state", "t_sync", "version")
-    IDLE, STEP, LAZY = 0, 1, 2
-
-    def __init__(self, idx: int, rid: str, region: str, engine: Engine) -> None:
-        self.idx, self.rid, self.region, self.engine = idx, rid, region, engine
-        self.state = self.IDLE
-        self.t_sync = 0.0  # LAZY: the time the engine's state is at
-        self.version = 0  # invalidates a superseded wake-up
-
-
-class _Region:
-    """One simulated region: the real :class:`RegionCore`, as the daemon drives it."""
-
-    def __init__(self, name: str, sim: Simulator) -> None:
-        cfg = sim.cfg
-        self.name = name
-        self.core = build_region_core(sim_region_assembly(cfg, name, CostSeed(*sim.profile.ttft_seed())))
-        # "events": the index the region core fills from KV events, read by the region model's
-        # CacheView (one object, as in the balancer daemon)
-        self.kv_indexes = self.core.kv_indexes
-        self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
-        self.core.set_replicas(self.replica_ids, 0.0)
-        if self.kv_indexes is not None:
-            # the subscriptions are up from the start: every (empty) cache is known
-            for rid in self.replica_ids:
-                self.core.kv_events(rid, [], 0.0, sim.num_blocks)
-        self.seq = 0
-
-
-@dataclass
-class SimResult:
-    """Per-request flat arrays (index = order of arrival) and replica counters."""
-
-    arrival: np.ndarray
-    ttft: np.ndarray  # NaN: no first token (rejected)
-    e2e: np.ndarray
-    input_len: np.ndarray
-    output_len: np.ndarray
-    rejected: np.ndarray
-    offloaded: np.ndarray
-    # per request: prefix tokens the policy expected to hit (its Decision.matched_tokens)
-    # and those the engine served from its cache at first admission; NaN: never admitted
-    predicted_cached: np.ndarray
-    actual_cached: np.ndarray
-    prefix_hit_rate: float
-    load_cv: float | None
-    load_series: list[tuple[float, list[int]]]  # (t, pending prefill tokens of the plotted replicas)
-    plotted_replicas: list[str]
-    events: int
-    sim_time_s: float
-    lazy_mismatches: int
-    # per request: the index of its SLO class in ``slo_class_names``; -1: none
-    slo_class: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
-    slo_class_names: tuple[str, ...] = ()
-    slo_class_targets: tuple[SloClassConfig, ...] = ()
-
-    def class_summaries(self, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
-        """Per SLO class: its requests, attainment (every target it can be judged on met;
-        a rejected request misses), share rejected and mean / P90 latencies."""
-        return {
-            name: class_summary(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
-                                self.slo_class == k, targets, warmup_s=warmup_s)
-            for k, (name, targets) in enumerate(zip(self.slo_class_names, self.slo_class_targets, strict=True))
-        }
-
-    def summary(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, Any]:
-        return summarize_arrays(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
-                                self.offloaded, slo_s, prefix_hit_rate=self.prefix_hit_rate,
-                                load_cv_value=self.load_cv, warmup_s=warmup_s)
-
-    def prediction_accuracy(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
-        """Share of admitted requests whose predicted cached prefix is within one block
-        (``block_tokens``) of the engine's actual one."""
-        ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
-        if not ok.any():
-            return None
-        diff = np.abs(self.predicted_cached[ok] - self.actual_cached[ok])
-        return float(np.mean(diff <= block_tokens))
-
-    def prediction_over(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
-        """Share of admitted requests whose predicted cached prefix exceeds the actual one
-        by more than one block (the policy counted on blocks that were not there)."""
-        ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
-        if not ok.any():
-            return None
-        return round(float(np.mean(self.predicted_cached[ok] - self.actual_cached[ok] > block_tokens)), 4)
 
 
 class Simulator:
@@ -338,14 +85,15 @@ class Simulator:
                              "are the balancer's chunks)")
         # keep the profile's KV capacity in tokens whatever the simulated block size
         self.num_blocks = max(1, self.profile.kv_capacity_tokens // cfg.block_size)
-        self.regions = {name: _Region(name, self) for name in cfg.regions}
-        self.replicas: dict[str, _Replica] = {}
+        seed = CostSeed(*self.profile.ttft_seed())
+        self.regions = {name: SimRegion(name, cfg, seed, self.num_blocks) for name in cfg.regions}
+        self.replicas: dict[str, SimReplica] = {}
         for reg in self.regions.values():
             for rid in reg.replica_ids:
                 eng = Engine(self.profile, block_size=cfg.block_size, num_gpu_blocks=self.num_blocks)
                 if self.events_view:
                     eng.enable_kv_events()
-                self.replicas[rid] = _Replica(len(self.replicas), rid, reg.name, eng)
+                self.replicas[rid] = SimReplica(len(self.replicas), rid, reg.name, eng)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._engine_args: dict[str, tuple[int, list[int], int, list[int] | None]] = {}
@@ -421,24 +169,24 @@ class Simulator:
             self.events += 1
             if kind == self.STEP_DONE:
                 rep, out = payload
-                rep.state = _Replica.IDLE
+                rep.state = SimReplica.IDLE
                 done = self._apply(rep, out, t)
                 outstanding -= done
-                if rep.state == _Replica.IDLE:
+                if rep.state == SimReplica.IDLE:
                     self._kick(rep, t)
                 if progress and done:
                     progress(done)
             elif kind == self.WAKE:
                 rep, version, t_end = payload
-                if version != rep.version or rep.state != _Replica.LAZY:
+                if version != rep.version or rep.state != SimReplica.LAZY:
                     continue
                 reached, out = rep.engine.run_until(rep.t_sync, t_end + 1e-9 * max(1.0, t_end))
                 if not out.finished or abs(reached - t_end) > 1e-6 * max(1.0, t_end):
                     self.lazy_mismatches += 1
-                rep.state = _Replica.IDLE
+                rep.state = SimReplica.IDLE
                 done = self._apply(rep, out, t)
                 outstanding -= done
-                if rep.state == _Replica.IDLE:
+                if rep.state == SimReplica.IDLE:
                     self._kick(rep, t)
                 if progress and done:
                     progress(done)
@@ -516,7 +264,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ balancer side
 
-    def _admit(self, reg: _Region, rreq: RoutingRequest, t: float) -> bool:
+    def _admit(self, reg: SimRegion, rreq: RoutingRequest, t: float) -> bool:
         for action in reg.core.submit(rreq, t):
             assert isinstance(action, Reject)
             i = int(rreq.request_id)
@@ -527,7 +275,7 @@ class Simulator:
         self._dispatch(reg, t)
         return True
 
-    def _dispatch(self, reg: _Region, t: float) -> None:
+    def _dispatch(self, reg: SimRegion, t: float) -> None:
         for action in reg.core.tick(t):
             rid = action.request_id
             if isinstance(action, SendToReplica):
@@ -545,7 +293,7 @@ class Simulator:
             else:  # no queue deadline, no failures, no ejections: nothing else can happen here
                 raise AssertionError(f"unexpected action in the simulator: {action!r}")
 
-    def _probe(self, reg: _Region, t: float) -> None:
+    def _probe(self, reg: SimRegion, t: float) -> None:
         core, reps = reg.core, self.replicas
         for rid in reg.replica_ids:
             e = reps[rid].engine
@@ -553,7 +301,7 @@ class Simulator:
                                         kv_usage=e.kv_cache_usage), t)
         self._dispatch(reg, t)
 
-    def _heartbeat(self, reg: _Region, t: float) -> None:
+    def _heartbeat(self, reg: SimRegion, t: float) -> None:
         reg.seq += 1
         beat = (reg.name, reg.seq, reg.core.heartbeat(t))
         for other in self.regions:
@@ -562,15 +310,15 @@ class Simulator:
 
     # ------------------------------------------------------------------ replica side
 
-    def _deliver(self, rep: _Replica, rid: str, in_len: int, blocks: list[int], out_len: int,
+    def _deliver(self, rep: SimReplica, rid: str, in_len: int, blocks: list[int], out_len: int,
                  token_ids: list[int] | None, t: float) -> None:
         """A request reaches a replica at ``t`` (it joins the engine's next step)."""
         e = rep.engine
-        if rep.state == _Replica.LAZY:
+        if rep.state == SimReplica.LAZY:
             # cut the decode stretch at the step in progress at t; while syncing, nested
             # deliveries (from finishes reported on the way) only queue in the engine
             rep.version += 1
-            rep.state = _Replica.STEP
+            rep.state = SimReplica.STEP
             reached = rep.t_sync
             in_progress: tuple[float, StepOutput] | None = None
             while reached < t:
@@ -586,11 +334,11 @@ class Simulator:
             if in_progress is not None:
                 self._push(in_progress[0], self.STEP_DONE, (rep, in_progress[1]))
                 return
-            rep.state = _Replica.IDLE
+            rep.state = SimReplica.IDLE
             self._kick(rep, t)
             return
         self._add(e, rid, in_len, blocks, out_len, token_ids, t)
-        if rep.state == _Replica.IDLE:
+        if rep.state == SimReplica.IDLE:
             self._kick(rep, t)
 
     def _add(self, e: Engine, rid: str, in_len: int, blocks: list[int], out_len: int,
@@ -598,7 +346,7 @@ class Simulator:
         e.add_request(rid, in_len, blocks, out_len, t, token_ids=token_ids)
         self._engine_req[rid] = e.requests[rid]  # its cached prefix is read at its first token
 
-    def _kick(self, rep: _Replica, t: float) -> None:
+    def _kick(self, rep: SimReplica, t: float) -> None:
         """Schedule the replica's next step (or decode stretch) starting at ``t``."""
         e = rep.engine
         if not e.has_work():
@@ -606,7 +354,7 @@ class Simulator:
         if self.cfg.fuse_decode:
             h = e.decode_horizon()
             if h is not None:
-                rep.state = _Replica.LAZY
+                rep.state = SimReplica.LAZY
                 rep.t_sync = t
                 rep.version += 1
                 self._push(t + h, self.WAKE, (rep, rep.version, t + h))
@@ -614,10 +362,10 @@ class Simulator:
         out = e.step(t)
         if out.steps == 0:
             return
-        rep.state = _Replica.STEP
+        rep.state = SimReplica.STEP
         self._push(t + out.duration_s, self.STEP_DONE, (rep, out))
 
-    def _apply(self, rep: _Replica, out: StepOutput, t: float) -> int:
+    def _apply(self, rep: SimReplica, out: StepOutput, t: float) -> int:
         """Report a step's first tokens and finishes to the balancers; returns finishes."""
         touched: set[str] = set()
         cfg = self.cfg

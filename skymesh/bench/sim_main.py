@@ -25,9 +25,10 @@ from typing import Any
 
 from skymesh.assembly import RoutingConfig
 from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
-from skymesh.bench.des import SimConfig, Simulator, simulated_policy
+from skymesh.bench.des import Simulator
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.scores import goodput
+from skymesh.bench.sim_config import SimConfig, simulated_policy
 from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,

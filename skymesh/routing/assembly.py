@@ -3,9 +3,9 @@ daemon and the discrete-event simulator both call, so a routing parameter reache
 policy, the offload router, the region model and the region core the same way in both.
 
 The settings come from a mesh config's routing sections through skymesh/assembly.py, in
-the daemon and the simulator alike (skymesh/bench/des.py turns its ``SimConfig.routing``
-the same way, then sets offload on or off and drops the queue-wait deadline); this module
-only puts the parts together.
+the daemon and the simulator alike (skymesh/bench/sim_config.py turns its
+``SimConfig.routing`` the same way, then sets offload on or off and drops the queue-wait
+deadline); this module only puts the parts together.
 """
 
 from __future__ import annotations

@@ -1,0 +1,72 @@
+"""What the discrete-event simulator simulates (:class:`SimConfig`) and how one simulated
+region's routing core is assembled from it.
+
+Kept apart from the event loop (skymesh/bench/des.py) so that the command line
+(skymesh/bench/sim_main.py) and the assembly test can build and compare simulator settings
+without the simulator itself: the routing it simulates is the mesh config's
+``RoutingConfig``, turned into region settings by the same ``routing_assembly`` the daemon
+uses (skymesh/assembly.py), with the simulator's declared differences applied here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from skymesh.assembly import RoutingConfig, routing_assembly
+from skymesh.config import SloClassConfig
+from skymesh.config.routing import PolicyConfig
+from skymesh.routing.assembly import CostSeed, RegionAssembly
+from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
+
+
+def simulated_policy(name: str = "dualmap", **keys: Any) -> PolicyConfig:
+    """``policy:`` as the simulator runs it unless ``keys`` say otherwise: an unbounded
+    queue (goodput sweeps measure every request) and a routing chunk of one trace block."""
+    return PolicyConfig.model_validate({"name": name, "queue_bound": 1_000_000, "chunk_tokens": TRACE_BLOCK_TOKENS,
+                                        **keys})
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What is simulated: the regions, their links and replicas, the engine's block size,
+    what is recorded; and the routing the simulated balancers run (``routing``, the mesh
+    config's sections: every routing parameter is named there)."""
+
+    regions: dict[str, int] = field(default_factory=lambda: {"central": 16})  # region -> replicas
+    one_way_ms: dict[tuple[str, str], float] = field(default_factory=dict)
+    profile: str = "h100-qwen2.5-7b"
+    routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(policy=simulated_policy()))
+    block_size: int = 16  # engine KV block; the KV capacity in tokens stays the profile's
+    sample_load_every_s: float = 1.0
+    plot_replicas: int = 32  # per-replica load series kept for the plot
+    fuse_decode: bool = True  # False: one event per engine step (the reference for tests)
+    # what cache-aware policies read of a replica's cache: "history" (the routing-history
+    # trie: what the balancer sent where) or "events" (the replicas' KV events in the
+    # region core's per-replica block index, as with vLLM's --kv-events-config). "events"
+    # gives requests token ids and needs routing.policy.chunk_tokens == block_size.
+    cache_view: str = "history"
+    # SLO classes by name (a trace request's ``slo_class`` picks one; unknown or "": none):
+    # their targets and priorities reach the region core as the balancer stamps them
+    slo_classes: dict[str, SloClassConfig] = field(default_factory=dict)
+
+    @property
+    def offload(self) -> bool:
+        """Whether the regions offload to each other (with one region there is no peer)."""
+        return self.routing.offload.enabled and len(self.regions) > 1
+
+    def latency_s(self, a: str, b: str) -> float:
+        if a == b:
+            return 0.0
+        return self.one_way_ms.get((a, b), self.one_way_ms.get((b, a), 0.0)) / 1000.0
+
+
+def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAssembly:
+    """What one simulated region's core is built from: the routing it simulates, turned
+    into settings as the daemon turns a mesh config (skymesh/assembly.py)."""
+    peers = {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
+    assembly = routing_assembly(cfg.routing, name, peer_one_way_s=peers, cost_seed=seed,
+                                kv_events=cfg.cache_view == "events")
+    return replace(assembly, offload=replace(assembly.offload, enabled=cfg.offload),
+                   # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
+                   settings=replace(assembly.settings, max_queue_wait_s=None))

@@ -1,0 +1,75 @@
+"""What a simulation run returns: per-request flat arrays and replica counters
+(:class:`SimResult`), and the figures read from them (the metric set of
+skymesh/bench/scores.py, per SLO class, and the cache-prediction accuracy).
+
+Apart from the event loop so that reporting code reads results without the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from skymesh.bench.scores import class_summary, summarize_arrays
+from skymesh.cache_prediction import over_block, within_block
+from skymesh.config import SloClassConfig
+
+
+@dataclass
+class SimResult:
+    """Per-request flat arrays (index = order of arrival) and replica counters."""
+
+    arrival: np.ndarray
+    ttft: np.ndarray  # NaN: no first token (rejected)
+    e2e: np.ndarray
+    input_len: np.ndarray
+    output_len: np.ndarray
+    rejected: np.ndarray
+    offloaded: np.ndarray
+    # per request: prefix tokens the policy expected to hit (its Decision.matched_tokens)
+    # and those the engine served from its cache at first admission; NaN: never admitted
+    predicted_cached: np.ndarray
+    actual_cached: np.ndarray
+    prefix_hit_rate: float
+    load_cv: float | None
+    load_series: list[tuple[float, list[int]]]  # (t, pending prefill tokens of the plotted replicas)
+    plotted_replicas: list[str]
+    events: int
+    sim_time_s: float
+    lazy_mismatches: int
+    # per request: the index of its SLO class in ``slo_class_names``; -1: none
+    slo_class: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    slo_class_names: tuple[str, ...] = ()
+    slo_class_targets: tuple[SloClassConfig, ...] = ()
+
+    def class_summaries(self, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """Per SLO class: its requests, attainment (every target it can be judged on met;
+        a rejected request misses), share rejected and mean / P90 latencies."""
+        return {
+            name: class_summary(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
+                                self.slo_class == k, targets, warmup_s=warmup_s)
+            for k, (name, targets) in enumerate(zip(self.slo_class_names, self.slo_class_targets, strict=True))
+        }
+
+    def summary(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, Any]:
+        return summarize_arrays(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
+                                self.offloaded, slo_s, prefix_hit_rate=self.prefix_hit_rate,
+                                load_cv_value=self.load_cv, warmup_s=warmup_s)
+
+    def prediction_accuracy(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
+        """Share of admitted requests whose predicted cached prefix is within one block
+        (``block_tokens``) of the engine's actual one."""
+        ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
+        if not ok.any():
+            return None
+        return float(np.mean(within_block(self.predicted_cached[ok], self.actual_cached[ok], block_tokens)))
+
+    def prediction_over(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
+        """Share of admitted requests whose predicted cached prefix exceeds the actual one
+        by more than one block (the policy counted on blocks that were not there)."""
+        ok = ~np.isnan(self.actual_cached) & ~np.isnan(self.predicted_cached) & (self.arrival >= warmup_s)
+        if not ok.any():
+            return None
+        return round(float(np.mean(over_block(self.predicted_cached[ok], self.actual_cached[ok], block_tokens))), 4)

@@ -1,0 +1,66 @@
+"""The simulator's state per replica and per region: a replica is the stand-in's real
+:class:`Engine` with the simulator's stepping state; a region is the real
+:class:`RegionCore`, built by the one assembly and driven as the balancer daemon drives it.
+
+Apart from the event loop (skymesh/bench/des.py), which owns the clock and moves requests
+and messages between these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from skymesh.bench.sim_config import SimConfig, sim_region_assembly
+from skymesh.replica_sim import kv_events as standin_events
+from skymesh.replica_sim.engine import Engine
+from skymesh.routing import kv_index
+from skymesh.routing.assembly import CostSeed, build_region_core
+
+
+def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_index.KvEvent]:
+    """The stand-in's vLLM-wire KV events as the routing core's (what the balancer's
+    subscriber decodes them to)."""
+    out: list[kv_index.KvEvent] = []
+    for ev in events:
+        if isinstance(ev, standin_events.BlockStored):
+            out.append(kv_index.BlockStored(list(ev.block_hashes), ev.parent_block_hash, ev.token_ids,
+                                            ev.block_size))
+        elif isinstance(ev, standin_events.BlockRemoved):
+            out.append(kv_index.BlockRemoved(list(ev.block_hashes)))
+        else:
+            out.append(kv_index.AllBlocksCleared())
+    return out
+
+
+class SimReplica:
+    """One replica: its engine and where the simulator is in stepping it (``IDLE``: no
+    step scheduled; ``STEP``: one engine step in flight; ``LAZY``: a fused decode stretch
+    from ``t_sync``, ended by a wake-up of the current ``version``)."""
+
+    __slots__ = ("idx", "rid", "region", "engine", "state", "t_sync", "version")
+    IDLE, STEP, LAZY = 0, 1, 2
+
+    def __init__(self, idx: int, rid: str, region: str, engine: Engine) -> None:
+        self.idx, self.rid, self.region, self.engine = idx, rid, region, engine
+        self.state = self.IDLE
+        self.t_sync = 0.0  # LAZY: the time the engine's state is at
+        self.version = 0  # invalidates a superseded wake-up
+
+
+class SimRegion:
+    """One simulated region: the real :class:`RegionCore`, as the daemon drives it;
+    ``seed``: the replicas' TTFT cost seed, ``num_blocks``: each replica's KV blocks."""
+
+    def __init__(self, name: str, cfg: SimConfig, seed: CostSeed, num_blocks: int) -> None:
+        self.name = name
+        self.core = build_region_core(sim_region_assembly(cfg, name, seed))
+        # "events": the index the region core fills from KV events, read by the region model's
+        # CacheView (one object, as in the balancer daemon)
+        self.kv_indexes = self.core.kv_indexes
+        self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
+        self.core.set_replicas(self.replica_ids, 0.0)
+        if self.kv_indexes is not None:
+            # the subscriptions are up from the start: every (empty) cache is known
+            for rid in self.replica_ids:
+                self.core.kv_events(rid, [], 0.0, num_blocks)
+        self.seq = 0
