@@ -287,7 +287,8 @@ class Simulator:
                 self._predicted[int(rid)] = action.decision.matched_tokens
                 self._deliver(rep, rid, in_len, blocks, out_len, token_ids, t)
             elif isinstance(action, ForwardToRegion):
-                forwarded = replace(reg.core.request_of(rid), forwarded=True)
+                # as the daemon's forward claims it (request_flow.peer_target): the sender's region
+                forwarded = replace(reg.core.request_of(rid), forwarded=True, origin_region=reg.name)
                 self._push(t + self.cfg.latency_s(reg.name, action.region), self.FORWARD_ARRIVE,
                            (action.region, forwarded))
             else:  # no queue deadline, no failures, no ejections: nothing else can happen here
