@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
+from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
 from skymesh.bench.sim_main import split_system
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
 from skymesh.runtime.procs import free_port
@@ -70,7 +71,7 @@ def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_sc
     data["controller"]["state_path"] = str(state_dir / "controller.sqlite")
     data["dns"]["listen"] = f"127.0.0.1:{free_port(span=2)}"  # the control endpoint is port + 1
     pol = data["policy"]
-    pol.update(name=policy, ttft_slo_s=slo_s, queue_bound=100_000, chunk_tokens=512,
+    pol.update(name=policy, ttft_slo_s=slo_s, queue_bound=BENCH_QUEUE_BOUND, chunk_tokens=512,
                probe_interval_s=pol.get("probe_interval_s", 0.1) * time_scale)
     off = data["offload"]
     off["enabled"] = offload

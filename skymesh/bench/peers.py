@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
 from skymesh.runtime.procs import Child, free_port, skymesh_cmd
 
 PEERS = ("sglang-router", "vllm-router")
@@ -70,7 +71,7 @@ def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, r
                      "replicas": [{"id": f"r{i}", "url": u} for i, u in enumerate(urls)]}],
         "controller": {"listen": f"127.0.0.1:{free_port()}", "http_listen": f"127.0.0.1:{free_port()}"},
         "dns": {"name": "llm.bench.local", "listen": f"127.0.0.1:{free_port(span=2)}"},
-        "policy": {"name": policy, "ttft_slo_s": slo_s, "queue_bound": 100000, "chunk_tokens": chunk_tokens},
+        "policy": {"name": policy, "ttft_slo_s": slo_s, "queue_bound": BENCH_QUEUE_BOUND, "chunk_tokens": chunk_tokens},
         "offload": {"enabled": False},
     }
 

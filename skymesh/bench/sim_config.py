@@ -19,11 +19,15 @@ from skymesh.config.routing import PolicyConfig
 from skymesh.routing.assembly import CostSeed, RegionAssembly
 from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
+# the queue bound of every benchmark, simulated or live: effectively unbounded, so a
+# goodput sweep measures every request instead of refusing some as queue_full
+BENCH_QUEUE_BOUND = 1_000_000
+
 
 def simulated_policy(name: str = "dualmap", **keys: Any) -> PolicyConfig:
     """``policy:`` as the simulator runs it unless ``keys`` say otherwise: an unbounded
     queue (goodput sweeps measure every request) and a routing chunk of one trace block."""
-    return PolicyConfig.model_validate({"name": name, "queue_bound": 1_000_000, "chunk_tokens": TRACE_BLOCK_TOKENS,
+    return PolicyConfig.model_validate({"name": name, "queue_bound": BENCH_QUEUE_BOUND, "chunk_tokens": TRACE_BLOCK_TOKENS,
                                         **keys})
 
 
