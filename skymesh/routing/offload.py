@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from skymesh.routing.base import RoutingRequest
+from skymesh.routing.cache_sources.routing_history import RoutingHistory
+from skymesh.routing.cache_view import CacheView
 from skymesh.routing.model import RegionModel
 from skymesh.routing.trie import BoundedPrefixTrie
 
@@ -106,9 +108,11 @@ class OffloadRouter:
         self.model: RegionModel | None = None
         self.chunk_tokens = chunk_tokens
         self.peers: dict[str, PeerState] = {}
-        # prefixes sent to each peer (target = its region) and, for the predicted-TTFT
-        # trigger, dispatched locally (target = this region)
-        self.snapshot = BoundedPrefixTrie(trie_max_nodes)
+        # the snapshot trie: prefixes sent to each peer (target = its region) and, for the
+        # predicted-TTFT trigger, dispatched locally (target = this region); a routing
+        # history of regions, read through a CacheView like the replicas' caches
+        history = RoutingHistory(BoundedPrefixTrie(trie_max_nodes))
+        self.snapshot = CacheView([history], history)
 
     def use_model(self, model: RegionModel) -> None:
         """Price prefill with the region model's cost model from now on (refitted online
