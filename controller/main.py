@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from controller.reload_rules import reload_controller
+from controller.service import ControllerService
 from skymesh.config import ConfigError, HostPort, MeshConfig, load_config, load_config_digest
+from skymesh.dns.factory import make_provider
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
@@ -26,10 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from controller.reload_rules import reload_controller
-    from controller.service import ControllerService
-    from skymesh.dns.factory import make_provider
-
     def prepare(cfg: MeshConfig) -> MeshConfig:  # the command line's overrides, at start and on reload
         ctl = cfg.controller
         if args.state_path:

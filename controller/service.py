@@ -164,6 +164,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.config_sha256 = config_sha256
         self.config_loaded_unix = time.time()
         if cfg.dns.provider == "route53":
+            # lazy: boto3 only when dns.provider is route53
             from skymesh.dns.route53 import Route53Provider
 
             if isinstance(self.dns, Route53Provider):

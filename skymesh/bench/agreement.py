@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.bench.peers import PEERS
+from skymesh.bench.traces import DEFAULT_TRACE
 
 
 def ranking(goodputs: Mapping[str, float]) -> list[str]:
@@ -105,8 +106,6 @@ def agreement_markdown(c: Mapping[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from skymesh.bench.traces import DEFAULT_TRACE
-
     p.add_argument("--trace", default=DEFAULT_TRACE)
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,round_robin",
                    help="registry policies run in both modes")
@@ -128,6 +127,7 @@ def _sub_args(module: Any, argv: Sequence[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `skymesh bench` imports every mode's module for its parser; only a run loads the simulator
     from skymesh.bench import live, sim_main
 
     out = Path(args.out)

@@ -94,6 +94,7 @@ async def run_geo_system(system: str, trace: list[TraceRequest], args: argparse.
                          tmp: Path) -> Outcome | None:
     from tqdm import tqdm
 
+    # lazy: `skymesh bench` imports every mode's module for its parser; only a run loads the simulator
     from skymesh.bench.live_geo import run_mesh_system
 
     if system in PEERS:
@@ -180,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
     base = fit_to_context(load_mooncake(args.trace, args.requests), profile.max_model_len,
                           profile.kv_capacity_tokens)
     if args.regions > 1:
+        # lazy: `skymesh bench` imports every mode's module for its parser; only a run loads the simulator
         from skymesh.bench.live_geo import geo_trace
 
         base = geo_trace(base, args.skew, args.diurnal_period_s, args.amplitude, args.seed)

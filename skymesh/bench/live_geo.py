@@ -36,6 +36,7 @@ from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, repl
 from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
 from skymesh.bench.sim_main import split_system
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
+from skymesh.operations.up import Mesh
 from skymesh.runtime.procs import free_port
 
 
@@ -109,8 +110,6 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
                           ) -> tuple[list[LiveResult], float | None, list[tuple[float, dict[str, int]]]]:
     """One system over a fresh 3-region mesh; returns the results, the replicas' prefix
     cache hit rate (read before the mesh stops) and the balancers' per-replica load samples."""
-    from skymesh.operations.up import Mesh
-
     policy, offload, trigger = split_system(system, "predicted_ttft")
     state = tmp / f"mesh-{system.replace('@', '-')}-{uuid.uuid4().hex[:8]}"
     data = geo_mesh_config(policy, args.replicas, args.profile, args.time_scale, args.slo * args.time_scale,

@@ -22,6 +22,7 @@ from typing import Any
 from skymesh.routing.base import PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.hashing import chunk_hashes
 from skymesh.routing.registry import POLICIES, make_policy
+from skymesh.runtime.gc_tuning import tune_gc
 
 
 def _requests(
@@ -72,8 +73,6 @@ def run_routing_bench(
     the balancer's admission work, not the decision's). Each result row has p50/p99/mean
     in µs of the decision (``choose``), of the bookkeeping (``on_dispatch``) and of both.
     """
-    from skymesh.runtime.gc_tuning import tune_gc
-
     gen = random.Random(seed)
     per_prompt = max(1, -(-prompt_tokens // chunk_tokens))
     # enough unique conversations to overflow the bound, so eviction runs all along

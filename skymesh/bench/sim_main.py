@@ -279,6 +279,7 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
 
 def run(args: argparse.Namespace) -> int:
     if args.goodput_search:
+        # cycle: skymesh.bench.search_main imports this module
         from skymesh.bench.search_main import run_search
 
         return run_search(args)

@@ -11,6 +11,7 @@ from pydantic import AfterValidator, Field, model_validator
 from skymesh.config.base import ConfigError, ConfigModel, Int, Text, matching, set_derived
 from skymesh.config.network import DerivedHttpUrl
 from skymesh.config.sim import SimReplica
+from skymesh.hardware import PROFILES
 
 REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -39,8 +40,6 @@ class KvEventsEndpoint(ConfigModel):
 def _sim_kv_events(sim: SimReplica) -> KvEventsEndpoint:
     """Where a balancer subscribes to a publishing stand-in; the index bound is its KV
     capacity (the profile's blocks)."""
-    from skymesh.hardware import PROFILES
-
     kv = sim.kv_events
     assert kv is not None
     host = f"[{sim.host}]" if ":" in sim.host else sim.host

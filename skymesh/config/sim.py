@@ -10,6 +10,7 @@ from typing import Annotated
 from pydantic import Field, Strict, ValidationInfo, field_validator, model_validator
 
 from skymesh.config.base import ConfigError, ConfigModel, Float, Int, Port, Text
+from skymesh.hardware import PROFILES
 
 
 class SimKvEvents(ConfigModel):
@@ -66,8 +67,6 @@ class SimReplica(ConfigModel):
         if "profiles" in context:
             profiles = set(context["profiles"])
         else:
-            from skymesh.hardware import PROFILES
-
             profiles = set(PROFILES)
         if profiles and profile not in profiles:
             raise ConfigError("", f"unknown profile {profile!r} (known: {', '.join(sorted(profiles))})")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from skymesh.config import MeshConfig
 from skymesh.dns.base import DnsProvider
+from skymesh.dns.embedded import EmbeddedDnsProvider
 
 
 def make_provider(cfg: MeshConfig) -> DnsProvider:
     if cfg.dns.provider == "embedded":
-        from skymesh.dns.embedded import EmbeddedDnsProvider
-
         return EmbeddedDnsProvider(cfg)
     if cfg.dns.provider == "route53":
+        # lazy: boto3 only when dns.provider is route53
         from skymesh.dns.route53 import Route53Provider
 
         assert cfg.dns.hosted_zone is not None  # validated by the config loader

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from skymesh.config import ConfigError, HostPort, load_config
+from skymesh.dns.embedded import MeshDnsServer
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import READY_HELP, report_ready, run_daemon, serve_until_signal
 
@@ -20,8 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from skymesh.dns.embedded import MeshDnsServer
-
     cfg = load_config(args.config)
     if args.port is not None:
         assert cfg.dns.listen is not None  # run() checked

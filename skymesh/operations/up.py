@@ -28,6 +28,7 @@ import yaml
 
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.operations.latency_proxy import DelayProxy, proxies_for
+from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import (
     Child,
     bind_problem,
@@ -119,6 +120,7 @@ class Mesh:
                         if kv.replay_port is not None:
                             out.append((f"replica {rep.id} KV events replay", rep.sim.host, kv.replay_port, False))
         if cfg.dns.provider == "embedded" and cfg.dns.listen is not None:
+            # lazy: `skymesh up` runs the DNS server as a child; dnspython stays out of this process
             from skymesh.dns.embedded import control_address
 
             out.append(("DNS server (udp)", cfg.dns.listen.host, cfg.dns.listen.port, True))
@@ -516,8 +518,6 @@ async def _up(args: argparse.Namespace, path: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skymesh.runtime.logging_setup import setup_logging
-
     setup_logging("WARNING")
     try:
         load_config(args.config)

@@ -11,6 +11,8 @@ from typing import Any
 
 from skymesh.hardware import PROFILES
 from skymesh.replica_sim.kv_events import KVEventsConfig
+from skymesh.replica_sim.kv_publisher import tcp_port
+from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import READY_HELP, report_ready, serve_until_signal
 
@@ -58,9 +60,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, int]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from skymesh.replica_sim.kv_publisher import tcp_port
-    from skymesh.replica_sim.server import ReplicaServer, start_replica
-
     srv: dict[str, ReplicaServer] = {}
 
     async def start() -> None:

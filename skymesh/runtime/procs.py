@@ -440,6 +440,7 @@ def run_daemon(name: str, main: Coroutine[Any, Any, int]) -> int:
     """``asyncio.run(main)`` for a daemon's CLI: a missing secret (a component that would
     listen beyond loopback without one) or a file the config names that cannot be read is
     one line on stderr and exit code 2."""
+    # lazy: procs stays below skymesh.config (test helpers import it alone); only daemons need these
     from skymesh.config import ConfigError
     from skymesh.security.admin_auth import MissingSecretError
 

@@ -38,6 +38,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from skymesh.config import ConfigError
+
 if TYPE_CHECKING:
     from skymesh.config import MeshConfig
 
@@ -122,8 +124,6 @@ def peer_identity(context: Any) -> str | None:
 def load_credentials(cfg: MeshConfig, component: str) -> Credentials | None:
     """``component``: "controller", "admin" or a region name (its balancer). None when the
     config has no ``tls`` section. A missing file is a ConfigError naming its key."""
-    from skymesh.config import ConfigError
-
     tls = cfg.tls
     if tls is None:
         return None
@@ -164,8 +164,6 @@ def peer_tls(cfg: MeshConfig, region: str) -> PeerTls | None:
     """The TLS contexts of ``region``'s balancer for peer forwards, from the same files as
     its gRPC credentials (:func:`load_credentials`); None when the config has no ``tls``
     section. A missing or unusable file is a ConfigError naming its key."""
-    from skymesh.config import ConfigError
-
     if load_credentials(cfg, region) is None:  # also: every file is readable
         return None
     assert cfg.tls is not None
@@ -195,8 +193,6 @@ def identity_of_peercert(cert: dict[str, Any] | None) -> str | None:
 def require_credentials_off_loopback(host: str, creds: object | None, what: str, listener: str = "gRPC") -> None:
     """No default secrets: gRPC (or the peer listener) off loopback needs the mesh's
     certificates."""
-    from skymesh.config import ConfigError
-
     if creds is None and not is_loopback_host(host):
         raise ConfigError("tls", f"{what} binds {listener} to {host}, which is not loopback: set the config's "
                                  "tls section (ca_cert, controller, balancers.<region>; see docs/deploy.md)")
@@ -306,6 +302,7 @@ def generate_mesh_pki(directory: str | Path, regions: Iterable[str], *, reuse: b
 def main(argv: list[str] | None = None) -> int:
     """``python -m skymesh.security.pki --config mesh.yaml --out DIR [--reuse | --force]``: the same
     as ``skymesh pki issue`` (skymesh/security/pki_cli.py)."""
+    # cycle: skymesh.security.pki_cli imports this module
     from skymesh.security import pki_cli
 
     p = argparse.ArgumentParser(prog="python -m skymesh.security.pki", description=pki_cli.__doc__,
