@@ -272,7 +272,7 @@ def test_the_discipline_follows_every_queue_event_of_the_dispatcher(
         steps: list[tuple[str, tuple[list[str], int], int, int, int]]) -> None:
     replicas = ["r0", "r1", "r2"]
     order = PrefixMatchOrder(model=RegionModel(chunk_tokens=CHUNK), max_age_s=3.0)
-    bc = BalancerCore(make_policy("prefix_tree", PolicyContext(chunk_tokens=CHUNK)), dispatch_budget=2, max_retries=5)
+    bc = BalancerCore(make_policy("prefix_tree", PolicyContext(chunk_tokens=CHUNK)), dispatch_budget=2)
     bc.discipline = order
     bc.set_replicas(replicas)
     n = 0
