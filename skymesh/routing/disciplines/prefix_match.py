@@ -421,6 +421,10 @@ class PrefixMatchOrder(QueueDiscipline):
                         self.corrections += 1
                         mine.pop()
                         self._set_held(q, replica_id, held)
+                        if replica_id not in q.held_chunks and whole is not None:
+                            # back at its floor here: its shared entry, set aside for this
+                            # replica while it was recorded apart, competes again
+                            self._restore_aside(aside, whole, q.req.request_id)
                         continue
                     popped.append((mine, mine.pop()))
                     self.picks_matched += held > 0
@@ -440,6 +444,17 @@ class PrefixMatchOrder(QueueDiscipline):
         finally:
             for heap, entry in aside:
                 heap.push(entry)
+
+    @staticmethod
+    def _restore_aside(aside: list[tuple[_LazyHeap, _Entry]], heap: _LazyHeap, request_id: str) -> None:
+        """Push ``request_id``'s entries set aside from ``heap`` back into it."""
+        keep = []
+        for h, entry in aside:
+            if h is heap and entry[3] == request_id:
+                heap.push(entry)
+            else:
+                keep.append((h, entry))
+        aside[:] = keep
 
     def _clean_top(self, heap: _LazyHeap | None, replica_id: str | None, skip: Callable[[str], int],
                    popped: list[tuple[_LazyHeap, _Entry]], aside: list[tuple[_LazyHeap, _Entry]]) -> _Entry | None:
