@@ -29,7 +29,13 @@ from skymesh.config.base import (
 )
 from skymesh.config.control_plane import ControllerConfig, DnsConfig
 from skymesh.config.edge import ClientTimeoutsConfig, HttpLimitsConfig
-from skymesh.config.load import config_schema, load_config, load_config_digest, parse_config
+from skymesh.config.load import (
+    config_schema,
+    load_config,
+    load_config_digest,
+    load_config_for_command,
+    parse_config,
+)
 from skymesh.config.mesh import MeshConfig
 from skymesh.config.network import (
     DNS_NAME_RE,
@@ -136,6 +142,7 @@ __all__ = [
     "config_schema",
     "load_config",
     "load_config_digest",
+    "load_config_for_command",
     "parse_config",
     "region_of_address",
     "source_network_of",

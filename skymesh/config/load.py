@@ -5,6 +5,7 @@ loaded config by, and the JSON schema of the format (``skymesh config --schema``
 from __future__ import annotations
 
 import hashlib
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,16 @@ def config_schema() -> dict[str, Any]:
 def load_config(path: str | Path | None = None) -> MeshConfig:
     """Load a YAML file; ``None`` loads the embedded local 3-region default."""
     return load_config_digest(path)[0]
+
+
+def load_config_for_command(path: str | Path | None) -> MeshConfig | None:
+    """:func:`load_config` for a command line tool: a config error is printed as one
+    ``config error: ...`` line on stderr and gives None (the command then exits 2)."""
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return None
 
 
 def load_config_digest(path: str | Path | None = None) -> tuple[MeshConfig, str]:

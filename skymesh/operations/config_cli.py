@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from skymesh.config import ConfigError, config_schema, load_config
+from skymesh.config import config_schema, load_config_for_command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,10 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = load_config_for_command(args.config)
+    if cfg is None:
         return 2
     if args.schema:
         # stdout stays pure JSON so it can be piped into a file or a linter

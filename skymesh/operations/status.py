@@ -18,7 +18,12 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.config import ConfigError, HostPort, MeshConfig, RegionConfig, load_config
+from skymesh.config import (
+    HostPort,
+    MeshConfig,
+    RegionConfig,
+    load_config_for_command,
+)
 from skymesh.security.admin_auth import DEFAULT_STATE_DIR, admin_headers, resolve_admin_token
 
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -236,10 +241,8 @@ def _once(cfg: MeshConfig, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = load_config_for_command(args.config)
+    if cfg is None:
         return 2
     if args.watch is None:
         return _once(cfg, args)

@@ -31,6 +31,7 @@ from skymesh.operations.latency_proxy import DelayProxy, proxies_for
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import (
     Child,
+    all_or_first_failure,
     bind_problem,
     cancel_tasks,
     describe_port_holders,
@@ -352,17 +353,7 @@ class Mesh:
             await self.start_replicas()
             await self.start_dns()
             await self.start_controller()
-            tasks = [asyncio.create_task(self.start_balancer(r.name)) for r in self.cfg.regions]
-            try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                for t in tasks:
-                    exc = t.exception() if t in done else None
-                    if exc is not None:
-                        raise exc
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await all_or_first_failure([asyncio.create_task(self.start_balancer(r.name)) for r in self.cfg.regions])
         except BaseException:
             await self.stop()
             raise

@@ -231,7 +231,12 @@ async def wait_healthy(url: str, child: Child | None = None, within_s: float = 6
 async def wait_all_ready(children: list[Child], within_s: float = 60.0) -> None:
     """``wait_ready`` for every child at once; the first failure cancels the rest and is
     raised (naming the child, with its log tail)."""
-    tasks = [asyncio.create_task(c.wait_ready(within_s)) for c in children]
+    await all_or_first_failure([asyncio.create_task(c.wait_ready(within_s)) for c in children])
+
+
+async def all_or_first_failure(tasks: list[asyncio.Task[Any]]) -> None:
+    """Wait for every task; the first one that raises cancels the rest, and its exception
+    is raised."""
     if not tasks:
         return
     try:

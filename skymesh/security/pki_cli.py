@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import yaml
 
-from skymesh.config import ConfigError, load_config
+from skymesh.config import load_config_for_command
 from skymesh.security.admin_auth import LOCAL_PEER_TOKEN_FILE, LOCAL_TOKEN_FILE
 from skymesh.security.pki import _write_private, generate_mesh_pki
 
@@ -93,10 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = load_config_for_command(args.config)
+    if cfg is None:
         return 2
     mode: Mode = "force" if args.force else "reuse" if args.reuse else "new"
     regions = [r.name for r in cfg.regions]
