@@ -74,3 +74,24 @@ def test_a_failed_forward_and_a_failed_replica_share_one_budget() -> None:
     assert place(core, 0.3) == "r0"
     (reject,) = core.fail("q0", 0.4, reason="reset", counts_against_health=False)
     assert isinstance(reject, Reject) and reject.status == 502
+
+
+def test_an_abandonment_past_the_budget_is_answered_at_once() -> None:
+    """A replica leaving under a request that has had all its placements: 502 now, not a
+    requeue that would let membership churn place it forever."""
+    core = region(2, max_retries=0)
+    core.submit(RoutingRequest("q0", (), 16, 0.0), 0.0)
+    first = place(core, 0.0)
+    actions = core.set_replicas([rid for rid in core.replicas if rid != first], 0.5)
+    assert [type(a).__name__ for a in actions] == ["AbandonAttempt", "Reject"]
+    assert actions[1].status == 502 and core.active_requests == 0 and core.queue_length == 0
+
+
+def test_the_replica_that_spent_the_budget_gets_no_new_work_until_a_good_probe() -> None:
+    core = region(2, max_retries=0)
+    core.submit(RoutingRequest("q0", (), 16, 0.0), 0.0)
+    failed = place(core, 0.0)
+    (reject,) = core.fail("q0", 0.1, reason="reset", counts_against_health=False)
+    assert isinstance(reject, Reject) and not core.replicas[failed].available
+    core.probe(failed, ProbeSample(), 0.2)
+    assert core.replicas[failed].available

@@ -308,7 +308,7 @@ class RegionCore:
         actions: list[Action] = []
         for rid in list(self.local.replicas):
             if rid not in wanted:
-                actions.extend(self._abandon_unstarted(rid, now))
+                actions.extend(self._abandon_unstarted(rid, now, "replica left membership"))
                 self.health.forget(rid)
                 if self.kv_indexes is not None:
                     self.kv_indexes.forget(rid)
@@ -366,16 +366,30 @@ class RegionCore:
             return self._abandon_unstarted(replica_id, now)
         return []
 
-    def _abandon_unstarted(self, replica_id: str, now: float) -> list[Action]:
+    def _abandon_unstarted(self, replica_id: str, now: float, why: str = "replica ejected") -> list[Action]:
         actions: list[Action] = []
         for request_id in self.local.unstarted_on(replica_id):
             t = self._requests.get(request_id)
             if t is None or t.state is not RequestState.PLACED:
                 continue
+            if self._budget_spent(t):
+                self._leave(t, RequestState.REJECTED, now)
+                actions += [AbandonAttempt(request_id, replica_id), self._exhausted(request_id, why)]
+                continue
             self.local.retry(request_id, now)
             self._queue_again(t, now)
             actions.append(AbandonAttempt(request_id, replica_id))
         return actions
+
+    def _budget_spent(self, t: _Tracked) -> bool:
+        """The one retry budget: ``max_retries`` placements after the first, however the
+        last one ended (failed, or abandoned by this region)."""
+        return t.placements > self.settings.max_retries
+
+    @staticmethod
+    def _exhausted(request_id: str, reason: str) -> Reject:
+        return Reject(request_id, 502, "upstream_unavailable",
+                      f"all attempts to reach a replica failed before any output ({reason})")
 
     def peer_heartbeat(
         self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
@@ -420,6 +434,10 @@ class RegionCore:
                if t.state is RequestState.PLACED and t.on_peer and t.target == region] if cut_forwards else []
         for t in cut:
             request_id = t.req.request_id
+            if self._budget_spent(t):
+                self._leave(t, RequestState.REJECTED, now)
+                actions += [AbandonAttempt(request_id, region), self._exhausted(request_id, f"peer region {region} down")]
+                continue
             try:
                 self.local.submit(t.req, front=True)
             except QueueFull:
@@ -473,7 +491,7 @@ class RegionCore:
             return []
         actions: list[Action] = []
         target = t.target
-        exhausted = t.placements > self.settings.max_retries
+        exhausted = self._budget_spent(t)
         if t.on_peer:
             self.offload.mark_unavailable(target)
             if not exhausted and self.residency.nothing_can_serve(t.req, now):
@@ -490,6 +508,7 @@ class RegionCore:
         else:
             if exhausted:
                 self.local.on_complete(request_id, False, now)
+                self.local.hold(target)  # as a retry does: no new work there until a good probe
             else:
                 self.local.retry(request_id, now)
             if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
@@ -497,8 +516,7 @@ class RegionCore:
         if exhausted:
             self._move(t, RequestState.REJECTED)
             del self._requests[request_id]
-            actions.append(Reject(request_id, 502, "upstream_unavailable",
-                                  f"all attempts to reach a replica failed before any output ({reason})"))
+            actions.append(self._exhausted(request_id, reason))
             return actions
         self._queue_again(t, now)
         return actions
