@@ -421,6 +421,15 @@ class BalancerCore:
             self.counters.failed += 1
         self.policy.on_complete(f.req, f.replica_id, ok, now)
 
+    def give_up(self, request_id: str, now: float) -> None:
+        """The attempt failed before the first byte and the request has no placement left
+        (the region core's retry budget): it failed, and its replica is held as after a
+        retry, until the next probe says otherwise."""
+        f = self._in_flight.get(request_id)
+        self.on_complete(request_id, False, now)
+        if f is not None:
+            self.hold(f.replica_id)
+
     def retry(self, request_id: str, now: float) -> bool:
         """The attempt ended before the first byte (it failed, or the region core abandoned
         it): queue again at the head, never to the same replica. Whether the request may

@@ -507,8 +507,7 @@ class RegionCore:
                     exhausted = True
         else:
             if exhausted:
-                self.local.on_complete(request_id, False, now)
-                self.local.hold(target)  # as a retry does: no new work there until a good probe
+                self.local.give_up(request_id, now)
             else:
                 self.local.retry(request_id, now)
             if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
