@@ -39,6 +39,11 @@ class MeshPeerStub:
                 request_serializer=skymesh_dot_v1_dot_mesh__pb2.PeerHeartbeat.SerializeToString,
                 response_deserializer=skymesh_dot_v1_dot_mesh__pb2.PeerHeartbeat.FromString,
                 _registered_method=True)
+        self.Siblings = channel.stream_stream(
+                '/skymesh.v1.MeshPeer/Siblings',
+                request_serializer=skymesh_dot_v1_dot_mesh__pb2.SiblingState.SerializeToString,
+                response_deserializer=skymesh_dot_v1_dot_mesh__pb2.SiblingState.FromString,
+                _registered_method=True)
 
 
 class MeshPeerServicer:
@@ -51,6 +56,13 @@ class MeshPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Siblings(self, request_iterator, context):
+        """The same between two balancers of one region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +70,11 @@ def add_MeshPeerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=skymesh_dot_v1_dot_mesh__pb2.PeerHeartbeat.FromString,
                     response_serializer=skymesh_dot_v1_dot_mesh__pb2.PeerHeartbeat.SerializeToString,
+            ),
+            'Siblings': grpc.stream_stream_rpc_method_handler(
+                    servicer.Siblings,
+                    request_deserializer=skymesh_dot_v1_dot_mesh__pb2.SiblingState.FromString,
+                    response_serializer=skymesh_dot_v1_dot_mesh__pb2.SiblingState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +104,33 @@ class MeshPeer:
             '/skymesh.v1.MeshPeer/Heartbeat',
             skymesh_dot_v1_dot_mesh__pb2.PeerHeartbeat.SerializeToString,
             skymesh_dot_v1_dot_mesh__pb2.PeerHeartbeat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Siblings(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/skymesh.v1.MeshPeer/Siblings',
+            skymesh_dot_v1_dot_mesh__pb2.SiblingState.SerializeToString,
+            skymesh_dot_v1_dot_mesh__pb2.SiblingState.FromString,
             options,
             channel_credentials,
             insecure,
