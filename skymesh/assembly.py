@@ -17,6 +17,7 @@ from skymesh.config.routing import (
     QueueConfig,
     UpstreamConfig,
 )
+from skymesh.config.siblings import SiblingsConfig
 from skymesh.hardware import PROFILES, Profile
 from skymesh.routing.assembly import CostSeed, OffloadSettings, PolicySettings, RegionAssembly
 from skymesh.routing.health import HealthSettings
@@ -34,13 +35,14 @@ class RoutingConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    siblings: SiblingsConfig = field(default_factory=SiblingsConfig)
     # the mesh config's slo_early_rejection
     early_rejection: bool = True
 
     @classmethod
     def of(cls, cfg: MeshConfig) -> RoutingConfig:
         return cls(policy=cfg.policy, queue=cfg.queue, offload=cfg.offload, health=cfg.health,
-                   upstream=cfg.upstream, early_rejection=cfg.slo_early_rejection)
+                   upstream=cfg.upstream, siblings=cfg.siblings, early_rejection=cfg.slo_early_rejection)
 
 
 def replica_profile(replicas: tuple[ReplicaConfig, ...]) -> tuple[Profile, float] | None:

@@ -199,9 +199,9 @@ class _CheckedSimulator(Simulator):
         self.chunks: dict[str, tuple[int, ...]] = {}
         self.compared: list[tuple[int, int]] = []  # (index chunks, engine blocks)
 
-    def _admit(self, reg, rreq, t):  # type: ignore[no-untyped-def]
+    def _admit(self, reg, k, rreq, t):  # type: ignore[no-untyped-def]
         self.chunks[rreq.request_id] = rreq.chunk_hashes
-        return super()._admit(reg, rreq, t)
+        return super()._admit(reg, k, rreq, t)
 
     def _apply(self, rep, out, t):  # type: ignore[no-untyped-def]
         reqs = {rid: rep.engine.requests.get(rid) for rid in out.first_token}
@@ -303,3 +303,23 @@ def test_the_simulator_drives_the_prefix_discipline_and_loses_nothing() -> None:
     assert discipline is not None
     stats = discipline.stats()
     assert stats["queued"] == 0 and stats["picks_matched"] > 0 and stats["decisions"] > 0
+
+
+@pytest.mark.parametrize("policy", ["dualmap", "prefix_tree", "least_load"])
+def test_a_region_of_three_balancers_serves_everything_within_one_push_budget(policy: str) -> None:
+    """Past saturation (a queue at every balancer): with three balancers sharing the
+    replicas' push budgets, every request is served, no replica's own queue ever holds
+    more than one balancer's budget, and each balancer's trie learned its siblings'
+    placements."""
+    trace = _trace(300, 60.0)
+    cfg = SimConfig(regions={"c": 4}, profile="tiny-test", block_size=16, balancers_per_region=3,
+                    routing=RoutingConfig(policy=simulated_policy(policy)))
+    sim = Simulator(cfg)
+    res = sim.run(trace)
+    s = res.summary(1.0)
+    assert s["completed"] == 300
+    budget = sim.regions["c"].core.settings.dispatch_budget
+    assert 0 < res.max_replica_waiting <= budget
+    cores = sim.regions["c"].cores
+    assert all(c.counters.dispatched > 50 for c in cores)  # each took its share of the work
+    assert all(c.siblings is not None and c.siblings.placements_applied > 50 for c in cores)

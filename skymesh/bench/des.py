@@ -70,7 +70,8 @@ from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 
 class Simulator:
-    ARRIVE, STEP_DONE, WAKE, PROBE, HEARTBEAT, BEAT_ARRIVE, FORWARD_ARRIVE, SAMPLE = range(8)
+    (ARRIVE, STEP_DONE, WAKE, PROBE, HEARTBEAT, BEAT_ARRIVE, FORWARD_ARRIVE, SAMPLE, SIBLING,
+     SIBLING_ARRIVE) = range(10)
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
@@ -98,8 +99,10 @@ class Simulator:
         self._seq = itertools.count()
         self._engine_args: dict[str, tuple[int, list[int], int, list[int] | None]] = {}
         self._engine_req: dict[str, EngineRequest] = {}  # dispatched, first token not yet out
-        self._origin: dict[str, str] = {}
-        self._served_by: dict[str, str] = {}
+        # request -> (region, balancer index) it arrived at / is served by
+        self._origin: dict[str, tuple[str, int]] = {}
+        self._served_by: dict[str, tuple[str, int]] = {}
+        self.max_replica_waiting = 0
         self.now = 0.0
         self.events = 0
         self.lazy_mismatches = 0
@@ -155,10 +158,17 @@ class Simulator:
             self._push(r.arrival_s, self.ARRIVE, (i, region, r, in_len, out_len))
             return True
 
-        for name in self.regions:
-            self._push(0.0, self.PROBE, name)
-            if cfg.offload:
-                self._push(0.0, self.HEARTBEAT, name)
+        probe_s = cfg.routing.policy.probe_interval_s
+        sibling_s = cfg.routing.siblings.interval_s
+        for name, reg in self.regions.items():
+            n = len(reg.cores)
+            for k in range(n):
+                # balancers are not in step with each other: spread their rounds
+                self._push(k * probe_s / n, self.PROBE, (name, k))
+                if cfg.offload:
+                    self._push(0.0, self.HEARTBEAT, (name, k))
+                if n > 1:
+                    self._push(k * sibling_s / n, self.SIBLING, (name, k))
         self._push(0.0, self.SAMPLE, None)
         more = pull()
         events = self._events
@@ -203,39 +213,62 @@ class Simulator:
                     blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.routing.policy.chunk_tokens)
                     blocks += output_block_chain(blocks, r.hash_ids, in_len, out_len, cfg.block_size)
                 self._engine_args[rid] = (in_len, blocks, out_len, token_ids)
-                self._origin[rid] = region
+                reg = self.regions[region]
+                k = reg.next_balancer()
+                self._origin[rid] = (region, k)
                 rreq = RoutingRequest(rid, chunks, in_len, r.arrival_s, max_tokens=out_len,
                                       session_key=str(r.session))
                 targets = cfg.slo_classes.get(r.slo_class) if r.slo_class else None
                 if targets is not None:
                     apply_slo_class(rreq, SloClass(r.slo_class, targets))
-                if not self._admit(self.regions[region], rreq, t):
+                if not self._admit(reg, k, rreq, t):
                     outstanding -= 1
                     if progress:
                         progress(1)
             elif kind == self.PROBE:
-                self._probe(self.regions[payload], t)
+                name, k = payload
+                self._probe(self.regions[name], k, t)
                 self._push(t + cfg.routing.policy.probe_interval_s, self.PROBE, payload)
             elif kind == self.HEARTBEAT:
-                self._heartbeat(self.regions[payload], t)
+                name, k = payload
+                self._heartbeat(self.regions[name], k, t)
                 self._push(t + cfg.routing.offload.heartbeat_interval_s, self.HEARTBEAT, payload)
             elif kind == self.BEAT_ARRIVE:
-                dst, src, seq, snapshot = payload
+                dst, dk, src, seq, snapshot = payload
                 reg = self.regions[dst]
-                reg.core.peer_heartbeat(src, snapshot, t, epoch=1, seq=seq)
-                self._dispatch(reg, t)
+                reg.cores[dk].peer_heartbeat(src, snapshot, t, epoch=1, seq=seq)
+                self._dispatch(reg, dk, t)
+            elif kind == self.SIBLING:
+                name, k = payload
+                reg = self.regions[name]
+                msg = reg.cores[k].sibling_message(t)
+                for other in range(len(reg.cores)):
+                    if other != k:
+                        self._push(t + cfg.sibling_delay_s, self.SIBLING_ARRIVE, (name, other, msg))
+                self._push(t + cfg.routing.siblings.interval_s, self.SIBLING, payload)
+            elif kind == self.SIBLING_ARRIVE:
+                name, k, msg = payload
+                reg = self.regions[name]
+                reg.cores[k].sibling_state(msg, t)
+                self._dispatch(reg, k, t)
             elif kind == self.FORWARD_ARRIVE:
                 dst, rreq = payload
-                if not self._admit(self.regions[dst], rreq, t):
+                reg = self.regions[dst]
+                k = reg.next_balancer()
+                if not self._admit(reg, k, rreq, t):
                     outstanding -= 1
                     if progress:
                         progress(1)
             elif kind == self.SAMPLE:
-                views = {rid: v for reg in self.regions.values() for rid, v in reg.core.replicas.items()}
-                c = cv([views[rid].pending_prefill_tokens for rid in all_ids])
+                pending = {rid: 0 for rid in all_ids}
+                for reg in self.regions.values():
+                    for core in reg.cores:
+                        for rid, v in core.replicas.items():
+                            pending[rid] += v.pending_prefill_tokens
+                c = cv([pending[rid] for rid in all_ids])
                 if c is not None:
                     cvs.append(c)
-                load_series.append((t, [views[rid].pending_prefill_tokens for rid in plotted]))
+                load_series.append((t, [pending[rid] for rid in plotted]))
                 self._push(t + cfg.sample_load_every_s, self.SAMPLE, None)
         n = self._next_index
         arrival = np.frombuffer(self._arrival, dtype=float)[:n].copy()
@@ -260,54 +293,62 @@ class Simulator:
             slo_class=np.frombuffer(self._class, dtype=np.int16)[:n].copy(),
             slo_class_names=class_names,
             slo_class_targets=tuple(cfg.slo_classes[c] for c in class_names),
+            max_replica_waiting=self.max_replica_waiting,
         )
 
     # ------------------------------------------------------------------ balancer side
 
-    def _admit(self, reg: SimRegion, rreq: RoutingRequest, t: float) -> bool:
-        for action in reg.core.submit(rreq, t):
+    def _admit(self, reg: SimRegion, k: int, rreq: RoutingRequest, t: float) -> bool:
+        """``rreq`` reaches balancer ``k`` of ``reg`` (the one it stays with)."""
+        for action in reg.cores[k].submit(rreq, t):
             assert isinstance(action, Reject)
             i = int(rreq.request_id)
             self._flags[i] |= 1
             self._engine_args.pop(rreq.request_id, None)
             self._origin.pop(rreq.request_id, None)
             return False
-        self._dispatch(reg, t)
+        self._dispatch(reg, k, t)
         return True
 
-    def _dispatch(self, reg: SimRegion, t: float) -> None:
-        for action in reg.core.tick(t):
+    def _dispatch(self, reg: SimRegion, k: int, t: float) -> None:
+        core = reg.cores[k]
+        for action in core.tick(t):
             rid = action.request_id
             if isinstance(action, SendToReplica):
                 rep = self.replicas[action.replica_id]
                 in_len, blocks, out_len, token_ids = self._engine_args.pop(rid)
-                self._served_by[rid] = reg.name
-                if reg.name != self._origin[rid]:
+                self._served_by[rid] = (reg.name, k)
+                if reg.name != self._origin[rid][0]:
                     self._flags[int(rid)] |= 2
                 self._predicted[int(rid)] = action.decision.matched_tokens
                 self._deliver(rep, rid, in_len, blocks, out_len, token_ids, t)
             elif isinstance(action, ForwardToRegion):
                 # as the daemon's forward claims it (request_flow.peer_target): the sender's region
-                forwarded = replace(reg.core.request_of(rid), forwarded=True, origin_region=reg.name)
+                forwarded = replace(core.request_of(rid), forwarded=True, origin_region=reg.name)
                 self._push(t + self.cfg.latency_s(reg.name, action.region), self.FORWARD_ARRIVE,
                            (action.region, forwarded))
             else:  # no queue deadline, no failures, no ejections: nothing else can happen here
                 raise AssertionError(f"unexpected action in the simulator: {action!r}")
 
-    def _probe(self, reg: SimRegion, t: float) -> None:
-        core, reps = reg.core, self.replicas
+    def _probe(self, reg: SimRegion, k: int, t: float) -> None:
+        core, reps = reg.cores[k], self.replicas
         for rid in reg.replica_ids:
             e = reps[rid].engine
+            if e.num_waiting > self.max_replica_waiting:
+                self.max_replica_waiting = e.num_waiting
             core.probe(rid, ProbeSample(num_running=e.num_running, num_waiting=e.num_waiting,
                                         kv_usage=e.kv_cache_usage), t)
-        self._dispatch(reg, t)
+        self._dispatch(reg, k, t)
 
-    def _heartbeat(self, reg: SimRegion, t: float) -> None:
-        reg.seq += 1
-        beat = (reg.name, reg.seq, reg.core.heartbeat(t))
-        for other in self.regions:
+    def _heartbeat(self, reg: SimRegion, k: int, t: float) -> None:
+        """Balancer ``k`` of ``reg`` heartbeats the balancer its connection reaches in each
+        peer region (the one of the same index: regions run as many each)."""
+        reg.seq[k] += 1
+        beat = (reg.name, reg.seq[k], reg.cores[k].heartbeat(t))
+        for other, oreg in self.regions.items():
             if other != reg.name:
-                self._push(t + self.cfg.latency_s(reg.name, other), self.BEAT_ARRIVE, (other, *beat))
+                self._push(t + self.cfg.latency_s(reg.name, other), self.BEAT_ARRIVE,
+                           (other, k % len(oreg.cores), *beat))
 
     # ------------------------------------------------------------------ replica side
 
@@ -376,32 +417,34 @@ class Simulator:
             # subscriber is in the same region: no latency), before anything is dispatched
             events = rep.engine.take_kv_events()
             if events:
-                regions[rep.region].core.kv_events(rep.rid, routing_events(events), t, self.num_blocks)
+                decoded = routing_events(events)
+                for core in regions[rep.region].cores:  # every balancer consumes every event
+                    core.kv_events(rep.rid, decoded, t, self.num_blocks)
         for rid in out.first_token:
             er = self._engine_req.pop(rid, None)
             if er is not None:
                 self._actual[int(rid)] = er.cached_tokens
-            region = self._served_by[rid]
-            origin = self._origin[rid]
+            region, k = self._served_by[rid]
+            origin, ok = self._origin[rid]
             self._first[int(rid)] = t + cfg.latency_s(region, origin)
-            regions[region].core.first_token(rid, t)
+            regions[region].cores[k].first_token(rid, t)
             if origin != region:
                 # the origin tracks its forwarded request to the end too (it books nothing
                 # there, so this changes no decision and needs no dispatch round)
-                regions[origin].core.first_token(rid, t)
-            touched.add(region)
+                regions[origin].cores[ok].first_token(rid, t)
+            touched.add((region, k))
         finished = 0
         for rid in out.finished:
-            region = self._served_by.pop(rid)
-            origin = self._origin.pop(rid)
+            region, k = self._served_by.pop(rid)
+            origin, ok = self._origin.pop(rid)
             self._finish[int(rid)] = t + cfg.latency_s(region, origin)
-            regions[region].core.complete(rid, t)
+            regions[region].cores[k].complete(rid, t)
             if origin != region:
-                regions[origin].core.complete(rid, t)
-            touched.add(region)
+                regions[origin].cores[ok].complete(rid, t)
+            touched.add((region, k))
             finished += 1
-        for region in touched:
-            self._dispatch(self.regions[region], t)
+        for region, k in touched:
+            self._dispatch(self.regions[region], k, t)
         return finished
 
     # ------------------------------------------------------------------ summaries

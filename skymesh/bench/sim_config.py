@@ -53,6 +53,12 @@ class SimConfig:
     # SLO classes by name (a trace request's ``slo_class`` picks one; unknown or "": none):
     # their targets and priorities reach the region core as the balancer stamps them
     slo_classes: dict[str, SloClassConfig] = field(default_factory=dict)
+    # active-active balancers per region (docs/routing.md, "A region is a fleet"): clients'
+    # requests are spread over them in turn (the region's L4 entry), each probes every
+    # replica, and they exchange their state every routing.siblings.interval_s, arriving
+    # sibling_delay_s later
+    balancers_per_region: int = 1
+    sibling_delay_s: float = 0.0005
 
     @property
     def offload(self) -> bool:

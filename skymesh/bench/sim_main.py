@@ -111,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="routing chunk (tokens); default: 512 (one trace block), the block size with "
                         "--cache-view events (which needs them equal)")
     p.add_argument("--probe-interval-s", type=float, default=0.1)
+    p.add_argument("--balancers-per-region", type=int, default=1,
+                   help="active-active balancers per region, sharing push budgets and placements "
+                        "(docs/routing.md, 'A region is a fleet')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="policy option for every system (repeatable), e.g. max_hold_fraction=0.2")
@@ -179,7 +182,7 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
     )
     return SimConfig(regions=replicas_per_region(args, names), one_way_ms=lat, profile=args.profile,
                      routing=routing, block_size=args.block_size, cache_view=args.cache_view,
-                     slo_classes=slo_classes(args))
+                     slo_classes=slo_classes(args), balancers_per_region=args.balancers_per_region)
 
 
 def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:
@@ -268,6 +271,7 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
     m["prediction_within_block"] = None if acc is None else round(acc, 4)
     m["prediction_over"] = res.prediction_over(args.block_size, args.warmup_s)
     m["simulated_s"] = round(res.sim_time_s, 1)
+    m["max_replica_waiting"] = res.max_replica_waiting
     if res.slo_class_names:
         m["classes"] = res.class_summaries(args.warmup_s)
     ttfts = res.ttft[~(res.ttft != res.ttft)]

@@ -15,6 +15,8 @@ from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine
 from skymesh.routing import kv_index
 from skymesh.routing.assembly import CostSeed, build_region_core
+from skymesh.routing.region import RegionCore
+from skymesh.routing.siblings import RegionSiblings
 
 
 def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_index.KvEvent]:
@@ -48,19 +50,36 @@ class SimReplica:
 
 
 class SimRegion:
-    """One simulated region: the real :class:`RegionCore`, as the daemon drives it;
-    ``seed``: the replicas' TTFT cost seed, ``num_blocks``: each replica's KV blocks."""
+    """One simulated region: its balancers, each the real :class:`RegionCore` as the daemon
+    drives it (``cores``; ``core`` is the first); ``seed``: the replicas' TTFT cost seed,
+    ``num_blocks``: each replica's KV blocks."""
 
     def __init__(self, name: str, cfg: SimConfig, seed: CostSeed, num_blocks: int) -> None:
         self.name = name
-        self.core = build_region_core(sim_region_assembly(cfg, name, seed))
-        # "events": the index the region core fills from KV events, read by the region model's
-        # CacheView (one object, as in the balancer daemon)
-        self.kv_indexes = self.core.kv_indexes
+        n = cfg.balancers_per_region
+        if n < 1:
+            raise ValueError("a region needs at least one balancer")
         self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
-        self.core.set_replicas(self.replica_ids, 0.0)
-        if self.kv_indexes is not None:
-            # the subscriptions are up from the start: every (empty) cache is known
-            for rid in self.replica_ids:
-                self.core.kv_events(rid, [], 0.0, num_blocks)
-        self.seq = 0
+        self.cores: list[RegionCore] = []
+        for k in range(n):
+            core = build_region_core(sim_region_assembly(cfg, name, seed))
+            core.set_replicas(self.replica_ids, 0.0)
+            if n > 1:
+                core.attach_siblings(RegionSiblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
+                                                    dead_after_s=cfg.routing.siblings.dead_after_s))
+            if core.kv_indexes is not None:
+                # the subscriptions are up from the start: every (empty) cache is known
+                for rid in self.replica_ids:
+                    core.kv_events(rid, [], 0.0, num_blocks)
+            self.cores.append(core)
+        self.core = self.cores[0]
+        # "events": the first balancer's index (each balancer consumes every KV event)
+        self.kv_indexes = self.core.kv_indexes
+        self.seq = [0] * n  # per balancer: its heartbeats' sequence
+        self._next = 0
+
+    def next_balancer(self) -> int:
+        """The balancer the region's entry hands the next request to (in turn)."""
+        k = self._next
+        self._next = (k + 1) % len(self.cores)
+        return k

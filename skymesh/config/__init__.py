@@ -14,7 +14,8 @@ address defaulting to the listen address) are filled in by the models' validator
 Modules by concern, each importing only those before it: ``base`` (ConfigModel, strict
 scalars, ConfigError), ``network`` (addresses), ``sim`` (the stand-in's ``sim:``),
 ``replica``, ``region``, ``routing``, ``control_plane`` (controller, DNS), ``slo``,
-``security`` (TLS, API keys, admin and peer tokens), ``edge`` (HTTP server bounds),
+``security`` (TLS, API keys, admin and peer tokens), ``siblings`` (a region's balancers
+among themselves), ``edge`` (HTTP server bounds),
 ``mesh`` (the root and its cross-section checks), ``load`` (YAML, schema).
 """
 
@@ -79,6 +80,7 @@ from skymesh.config.security import (
     Sha256Hex,
     TlsConfig,
 )
+from skymesh.config.siblings import SiblingsConfig
 from skymesh.config.sim import SimKvEvents, SimReplica
 from skymesh.config.slo import SLO_CLASS_RE, SloClassConfig, SloClassName
 from skymesh.source_networks import SourceNetworkTable, region_of_address, source_network_of
@@ -130,6 +132,7 @@ __all__ = [
     "ReplicaConfig",
     "ReplicaId",
     "Sha256Hex",
+    "SiblingsConfig",
     "SimKvEvents",
     "SimReplica",
     "SloClassConfig",

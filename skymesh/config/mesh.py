@@ -24,6 +24,7 @@ from skymesh.config.routing import (
     UpstreamConfig,
 )
 from skymesh.config.security import AdminConfig, ClientAuthConfig, PeerToken, TlsConfig
+from skymesh.config.siblings import SiblingsConfig
 from skymesh.config.slo import SloClassConfig, SloClassName
 from skymesh.source_networks import SourceNetworkTable
 
@@ -44,6 +45,8 @@ class MeshConfig(ConfigModel):
     health: HealthConfig = Field(default_factory=HealthConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    # the state messages between the balancers of one region (a region of several)
+    siblings: SiblingsConfig = Field(default_factory=SiblingsConfig)
     # the shared secret of forwarded requests and the DNS control API; no default is
     # shipped: $SKYMESH_PEER_TOKEN, this, or the local-mode file (skymesh/security/admin_auth.py)
     peer_token: PeerToken | None = None

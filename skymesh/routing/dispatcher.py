@@ -9,6 +9,14 @@ leaves after this balancer's streaming requests) stay charged to the budget. A f
 token coming back proves the replica admitted that request, so it returns one unit of
 budget early.
 
+A region of several balancers shares each replica's budget (``siblings``,
+skymesh/routing/push_shares.py): this balancer may push to a replica only within the
+units it holds there, and the page's running + waiting count is read net of what its
+siblings said they have on it. The policy still sees a replica as available when it is
+free region-wide (its budget less every balancer's unseen pushes there); a pick of one
+where this balancer holds no free unit is kept queued and counted as a *want*, which its
+siblings answer by lending a unit.
+
 The daemon (real sockets, real clock), the discrete-event simulator and the benchmarks all
 drive this class; it never reads a clock or touches I/O.
 """
@@ -23,6 +31,11 @@ from typing import Any
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import QueueDiscipline
 from skymesh.routing.queueing import PriorityQueue
+from skymesh.routing.siblings import RegionSiblings
+
+# in a region of several balancers: the most queued requests per dispatch round that a
+# pick of a replica without a free unit here holds back (each one a want; the rest wait)
+WANT_LOOKAHEAD = 8
 
 
 @dataclass(slots=True)
@@ -97,6 +110,30 @@ class BalancerCore:
         # records a dispatch in the region's routing history once the discipline and the
         # policy were told of it (both read that history; set by the region core)
         self.record_dispatch: Callable[[RoutingRequest, str, float], None] | None = None
+        # a region of several balancers: this one's units of each replica's budget and
+        # what its siblings said (None: a region of one)
+        self.siblings: RegionSiblings | None = None
+        # replica -> queued requests the last dispatch round's policy picked it for while
+        # this balancer had no free unit there (siblings lend to them)
+        self.wants: dict[str, int] = {}
+
+    def budget_of(self, replica_id: str) -> int:
+        """Pushes this balancer may have unseen on ``replica_id``: the dispatch budget,
+        or in a region of several balancers the units of it this one holds."""
+        return self.dispatch_budget if self.siblings is None else self.siblings.shares.units_on(replica_id)
+
+    def unseen_pushes(self) -> dict[str, int]:
+        """Per replica, this balancer's pushes its last probe does not show yet."""
+        return dict(self._since_probe)
+
+    def loads(self) -> dict[str, tuple[int, int]]:
+        """Per replica: (this balancer's requests on it, of those without a first token)."""
+        return {rid: (v.in_flight, self._unstarted.get(rid, 0)) for rid, v in self.replicas.items()}
+
+    def refresh_budgets(self) -> None:
+        """The units held changed (a sibling step): availability follows."""
+        for view in self.replicas.values():
+            self._refresh_available(view)
 
     # ------------------------------------------------------------------ membership/probes
 
@@ -143,18 +180,28 @@ class BalancerCore:
         if healthy:
             unstarted = self._unstarted[replica_id]
             started = view.in_flight - unstarted
+            if self.siblings is not None:
+                # the page counts the siblings' requests too: they are not this one's
+                started += self.siblings.in_flight_on(replica_id)
             self._since_probe[replica_id] = max(0, unstarted - max(0, num_running + num_waiting - started))
         else:
             self._since_probe[replica_id] = 0
         self._refresh_available(view)
 
     def _refresh_available(self, view: ReplicaView) -> None:
-        budget_left = self._since_probe[view.replica_id] < self.dispatch_budget
+        rid = view.replica_id
+        budget_left = self._since_probe[rid] < self.budget_of(rid)
         if budget_left:
             # a spent budget that comes back ends its wait; a page lagging the pushes that
             # spends it again gives no time to go by (only a dispatch does)
-            self._budget_spent_at.pop(view.replica_id, None)
+            self._budget_spent_at.pop(rid, None)
+        if self.siblings is not None:
+            # free region-wide: the whole budget less every balancer's unseen pushes
+            budget_left = self._since_probe[rid] + self.siblings.unstarted_on(rid) < self.dispatch_budget
         view.available = view.healthy and view.num_waiting == 0 and budget_left
+
+    def _has_unit_free(self, replica_id: str) -> bool:
+        return self._since_probe[replica_id] < self.budget_of(replica_id)
 
     def eject(self, replica_id: str) -> None:
         """No dispatch to ``replica_id`` at all until a probe says it is healthy again."""
@@ -199,10 +246,12 @@ class BalancerCore:
         spent with none back, when that is longer. A replica with requests waiting in its
         own queue (saturated), an unhealthy one and one held without a fresh probe add
         nothing: what they drain is the measured placement rate's to tell."""
-        budget = self.dispatch_budget
         rate = 0.0
         for rid, view in self.replicas.items():
             if not view.healthy or view.num_waiting > 0:
+                continue
+            budget = self.budget_of(rid)
+            if budget == 0:
                 continue
             if self._since_probe[rid] < budget:
                 rate += budget / first_token_s
@@ -264,6 +313,8 @@ class BalancerCore:
         Looks up to ``lookahead`` requests past held ones so that one request waiting for
         its cache-affine replica does not block the rest (no head-of-line blocking).
         """
+        if self.wants:
+            self.wants = {}
         if not self._queue:
             return []
         if now - self._last_rebalance >= self.rebalance_interval_s:
@@ -277,6 +328,7 @@ class BalancerCore:
             order = self._queue.ids()
         placed: list[tuple[RoutingRequest, Decision]] = []
         held = 0
+        wanted = 0
         for rid in order:
             if held >= self.lookahead or not self.any_available():
                 break
@@ -296,16 +348,25 @@ class BalancerCore:
                 raise RuntimeError(
                     f"policy {self.policy.name!r} chose unavailable replica {decision.replica_id!r}"
                 )
+            if self.siblings is not None and not self._has_unit_free(decision.replica_id):
+                # free region-wide, not here: wait for a unit a sibling lends
+                self.wants[decision.replica_id] = self.wants.get(decision.replica_id, 0) + 1
+                held += 1
+                wanted += 1
+                if wanted >= WANT_LOOKAHEAD:
+                    break
+                continue
             self._dequeue(rid)
             self._commit(q, decision, now)
             placed.append((q.req, decision))
         return placed
 
     def _free_slots(self) -> dict[str, int]:
-        """Per available replica, the requests it can still be sent before its next probe."""
+        """Per available replica, the requests this balancer can still send it before its
+        next probe."""
         return {
-            rid: self.dispatch_budget - self._since_probe[rid]
-            for rid, v in self.replicas.items() if v.available and self._since_probe[rid] < self.dispatch_budget
+            rid: self.budget_of(rid) - self._since_probe[rid]
+            for rid, v in self.replicas.items() if v.available and self._since_probe[rid] < self.budget_of(rid)
         }
 
     def _excluded(self, request_id: str) -> AbstractSet[str]:
@@ -351,7 +412,7 @@ class BalancerCore:
         view.pending_prefill_tokens += prefill
         view.in_flight += 1
         self._since_probe[rid] += 1
-        if self._since_probe[rid] >= self.dispatch_budget:
+        if self._since_probe[rid] >= self.budget_of(rid):
             self._budget_spent_at[rid] = now
         self._unstarted[rid] += 1
         self._refresh_available(view)

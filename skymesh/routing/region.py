@@ -50,6 +50,7 @@ from skymesh.routing.region_actions import (
 from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.request_state import ALLOWED_TRANSITIONS, TERMINAL, RequestState
 from skymesh.routing.residency import Residency
+from skymesh.routing.siblings import RegionSiblings, SiblingMessage
 
 # the region core's vocabulary, importable from here as before it had modules of its own
 __all__ = [
@@ -127,6 +128,62 @@ class RegionCore:
         self.offloaded_in = 0
         self._admission_view = RegionPartsView(self.local, self.drain_rate, self.offload_selection, offload,
                                                self.residency)
+        # the region's other balancers (None: this balancer is the region's only one)
+        self.siblings: RegionSiblings | None = None
+
+    def attach_siblings(self, siblings: RegionSiblings) -> None:
+        """This balancer is one of several in its region: it shares each replica's push
+        budget with them, reads the replicas' pages net of their requests, and tells them
+        what it places (docs/routing.md, "A region is a fleet")."""
+        self.siblings = siblings
+        siblings.shares.set_replicas(self.local.replicas)
+        self.local.siblings = siblings
+        record = self.model.record_dispatch
+
+        def record_and_tell(req: RoutingRequest, replica_id: str, now: float) -> None:
+            record(req, replica_id, now)
+            siblings.placed(replica_id, req.chunk_hashes, now)
+
+        self.local.record_dispatch = record_and_tell
+        self.local.refresh_budgets()
+
+    def sibling_message(self, now: float) -> SiblingMessage:
+        """What this balancer tells its siblings now (call every sibling interval)."""
+        sib = self._require_siblings()
+        self._sibling_step(now)
+        return SiblingMessage(
+            region=self.region,
+            shares=sib.shares.message(self.local.queue_length, self.local.wants),
+            pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
+            placements_per_s=self.service_rate_per_s(now) or 0.0,
+            loads=self.local.loads(),
+            placements=sib.take_placements(),
+        )
+
+    def sibling_state(self, msg: SiblingMessage, now: float) -> bool:
+        """A sibling's message: its placements go into the routing history (so the
+        policy here knows what it sent where), its units and loads into the push budget.
+        False: ignored (another region's, or older than one heard)."""
+        sib = self._require_siblings()
+        if not sib.heard(msg, now):
+            return False
+        known = self.local.replicas
+        for p in msg.placements:
+            if p.replica_id in known:
+                self.model.cache.insert(p.chunk_hashes, p.replica_id, min(now, p.at))
+                sib.placements_applied += 1
+        self._sibling_step(now)
+        return True
+
+    def _require_siblings(self) -> RegionSiblings:
+        if self.siblings is None:
+            raise RuntimeError("this region core has no siblings attached (attach_siblings)")
+        return self.siblings
+
+    def _sibling_step(self, now: float) -> None:
+        if self.siblings is not None:
+            self.siblings.step(now, self.local.unseen_pushes(), self.local.wants)
+            self.local.refresh_budgets()
 
     @property
     def settings(self) -> RegionSettings:
@@ -196,12 +253,20 @@ class RegionCore:
         return {rid: (t.state.value, now - t.req.arrival) for rid, t in self._requests.items()}
 
     def heartbeat(self, now: float) -> HeartbeatSnapshot:
+        """The region's state for its peers: with siblings, their queues, prefill and
+        placement rates count too (one region, however many balancers)."""
+        queue, prefill, rate = self.local.queue_length, max(0, self.local.pending_prefill_tokens()), \
+            self.service_rate_per_s(now) or 0.0
+        if self.siblings is not None:
+            queue += self.siblings.queue_length(now)
+            prefill += self.siblings.pending_prefill_tokens(now)
+            rate += self.siblings.placements_per_s(now)
         return HeartbeatSnapshot(
             replicas_total=len(self.local.replicas),
             replicas_available=self.local.available_count(),
-            queue_length=self.local.queue_length,
-            pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
-            placements_per_s=self.service_rate_per_s(now) or 0.0,
+            queue_length=queue,
+            pending_prefill_tokens=prefill,
+            placements_per_s=rate,
         )
 
     def first_token_s(self) -> float:
@@ -313,6 +378,9 @@ class RegionCore:
                 if self.kv_indexes is not None:
                     self.kv_indexes.forget(rid)
         self.local.set_replicas(replica_ids)
+        if self.siblings is not None:
+            self.siblings.shares.set_replicas(replica_ids)
+            self.local.refresh_budgets()
         self.health.track(replica_ids)
         return actions
 
@@ -529,6 +597,7 @@ class RegionCore:
         """Expire over-long waits, forward what a peer would answer sooner (the
         predicted-TTFT trigger), place what the replicas can take, offload the rest."""
         actions: list[Action] = self._expire(now)
+        self._sibling_step(now)
         offload = self.offload
         for region in offload.newly_dead(now):
             # heartbeats timed out: the queued requests are decided again now; forwards in

@@ -1,0 +1,121 @@
+"""The other balancers of this region (active-active siblings), as the region core sees
+them, pure: what each said last (:class:`SiblingMessage`), the push-budget units this
+balancer holds among them (:mod:`skymesh.routing.push_shares`), and the placements made
+here since the last message, which every sibling writes into its routing history so its
+trie knows what a sibling placed (docs/routing.md, "A region is a fleet").
+
+The daemon carries these messages over the sibling gRPC stream; the simulator delivers
+them after the configured intra-region delay. Both call :meth:`RegionCore.sibling_message`
+and :meth:`RegionCore.sibling_state`; nothing here reads a clock or touches I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from skymesh.routing.push_shares import PushShares, ShareState
+
+# a message carries at most this many placements (the rest wait for the next message);
+# bounds what one message costs to build, send and apply
+MAX_PLACEMENTS_PER_MESSAGE = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    replica_id: str
+    chunk_hashes: tuple[int, ...]
+    at: float  # the sender's `now` when it placed it
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingMessage:
+    """Everything one balancer tells its region's other balancers, every interval."""
+
+    region: str
+    shares: ShareState
+    pending_prefill_tokens: int
+    placements_per_s: float
+    # per replica: (this balancer's requests on it, of those without a first token)
+    loads: Mapping[str, tuple[int, int]]
+    placements: tuple[Placement, ...]
+    # client key name -> (requests, prompt tokens) consumed since the previous message
+    key_usage: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Heard:
+    message: SiblingMessage
+    at: float
+
+
+class RegionSiblings:
+    """This balancer's view of its siblings and its share of the region's push budget."""
+
+    def __init__(self, region: str, balancer_id: str, dispatch_budget: int, *, epoch: int = 1,
+                 dead_after_s: float = 0.3, started_at: float = 0.0) -> None:
+        self.region = region
+        self.shares = PushShares(balancer_id, dispatch_budget, epoch=epoch, dead_after_s=dead_after_s,
+                                 started_at=started_at)
+        self._heard: dict[str, _Heard] = {}
+        self._outbox: list[Placement] = []
+        self.placements_applied = 0
+        self.messages_in = 0
+        # the live siblings' last messages as of the last step (read between steps)
+        self._live: dict[str, SiblingMessage] = {}
+
+    @property
+    def balancer_id(self) -> str:
+        return self.shares.balancer_id
+
+    def live(self, now: float) -> dict[str, SiblingMessage]:
+        """The last message of every sibling heard from within ``dead_after_s``."""
+        horizon = self.shares.dead_after_s
+        return {sid: h.message for sid, h in self._heard.items() if now - h.at <= horizon}
+
+    def placed(self, replica_id: str, chunk_hashes: tuple[int, ...], now: float) -> None:
+        if len(self._outbox) < 4 * MAX_PLACEMENTS_PER_MESSAGE:
+            self._outbox.append(Placement(replica_id, chunk_hashes, now))
+
+    def take_placements(self) -> tuple[Placement, ...]:
+        out = tuple(self._outbox[:MAX_PLACEMENTS_PER_MESSAGE])
+        del self._outbox[:MAX_PLACEMENTS_PER_MESSAGE]
+        return out
+
+    def heard(self, msg: SiblingMessage, now: float) -> bool:
+        """A sibling's message; False (and nothing applied) for one of another region, this
+        balancer's own, or one older than what was already heard."""
+        if msg.region != self.region or not self.shares.on_message(msg.shares, now):
+            return False
+        self._heard[msg.shares.balancer_id] = _Heard(msg, now)
+        self.messages_in += 1
+        return True
+
+    def step(self, now: float, unseen_pushes: Mapping[str, int], wants: Mapping[str, int]) -> None:
+        """Move the push-budget units (:meth:`PushShares.step`) and take note of who is
+        live, from everything heard by ``now``."""
+        self._live = self.live(now)
+        self.shares.step(now, unseen_pushes, wants)
+
+    def in_flight_on(self, replica_id: str) -> int:
+        """The live siblings' requests on ``replica_id`` (their last word on it, as of
+        the last step)."""
+        return sum(m.loads.get(replica_id, (0, 0))[0] for m in self._live.values())
+
+    def unstarted_on(self, replica_id: str) -> int:
+        """Of those, the ones without a first token yet (their unseen pushes, at most)."""
+        return sum(m.loads.get(replica_id, (0, 0))[1] for m in self._live.values())
+
+    def queue_length(self, now: float) -> int:
+        return sum(m.shares.queue_length for m in self.live(now).values())
+
+    def pending_prefill_tokens(self, now: float) -> int:
+        return sum(m.pending_prefill_tokens for m in self.live(now).values())
+
+    def placements_per_s(self, now: float) -> float:
+        return sum(m.placements_per_s for m in self.live(now).values())
+
+    def forget_dead(self, now: float, keep_for_s: float = 60.0) -> None:
+        for sid in [sid for sid, h in self._heard.items() if now - h.at > keep_for_s]:
+            del self._heard[sid]
+        self.shares.forget_dead(now, keep_for_s)
