@@ -9,11 +9,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.ports import Registration, StatusReport
 from skymesh.config import HostPort
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import HeartbeatSnapshot, RegionCore
 from skymesh.routing.registry import make_policy
+from skymesh.routing.siblings import SiblingMessage
+from skymesh.runtime.clock import loop_clock
 from skymesh.security.pki import Credentials
 
 
@@ -41,14 +44,23 @@ class StandInBalancer:
     topologies: list[Any] = field(default_factory=list)
     extra_services: list[Any] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # a region of several: this one's member suffix, and each sibling's id -> gRPC port
+    member: str = "1"
+    sibling_ports: dict[str, int] = field(default_factory=dict)
+    sibling_dead_after_s: float = 0.3
+    fleet: RegionFleet = field(init=False)
 
     def __post_init__(self) -> None:
         self.core = region_core(self.region)
         self.grpc_advertise = self.grpc_advertise or f"127.0.0.1:{self.grpc_port}"
+        self.fleet = RegionFleet(self.region, self.balancer_id, self.epoch, self.core,
+                                 static_members={sid: f"127.0.0.1:{port}" for sid, port in self.sibling_ports.items()},
+                                 dead_after_s=self.sibling_dead_after_s)
+        self.fleet.attach_if_needed(loop_clock())
 
     @property
     def balancer_id(self) -> str:
-        return f"{self.region}-1"
+        return f"{self.region}-{self.member}"
 
     def mesh_credentials(self) -> Credentials | None:
         return self.creds
@@ -83,6 +95,21 @@ class StandInBalancer:
 
     def heartbeat_delay_s(self, region: str) -> float:
         return 0.0
+
+    def has_siblings(self) -> bool:
+        return self.fleet.has_siblings()
+
+    def sibling_addresses(self) -> dict[str, str]:
+        return self.fleet.addresses()
+
+    def sibling_message(self) -> SiblingMessage:
+        return self.fleet.message(asyncio.get_running_loop().time())
+
+    def apply_sibling_message(self, msg: SiblingMessage) -> bool:
+        return self.fleet.apply(msg, asyncio.get_running_loop().time())
+
+    def sibling_interval_s(self) -> float:
+        return self.interval_s
 
     def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
                              balancer_id: str, epoch: int, seq: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from skymesh.config import HostPort
 from skymesh.routing.region import HeartbeatSnapshot
+from skymesh.routing.siblings import SiblingMessage
 from skymesh.security.pki import Credentials
 
 VERSION = "0.1.0"
@@ -75,8 +76,31 @@ class MeshMember(Protocol):
         ...
 
 
-class PeerMeshBalancer(MeshMember, Protocol):
-    """What :class:`~skymesh.balancer.services.PeerMesh` needs of the balancer."""
+class SiblingLinkBalancer(MeshMember, Protocol):
+    """What :class:`~skymesh.balancer.sibling_link.SiblingLink` needs of the balancer."""
+
+    def has_siblings(self) -> bool:
+        """The region runs more than this balancer (config or controller)."""
+        ...
+
+    def sibling_addresses(self) -> dict[str, str]:
+        """Sibling balancer id -> its own gRPC address (not the region's entry)."""
+        ...
+
+    def sibling_message(self) -> SiblingMessage:
+        """This balancer's state now (the region core's ``sibling_message``)."""
+        ...
+
+    def apply_sibling_message(self, msg: SiblingMessage) -> bool:
+        """A sibling's state (the region core's ``sibling_state``); False: ignored."""
+        ...
+
+    def sibling_interval_s(self) -> float: ...
+
+
+class PeerMeshBalancer(SiblingLinkBalancer, Protocol):
+    """What :class:`~skymesh.balancer.services.PeerMesh` needs of the balancer (it serves
+    the siblings' streams on the same gRPC listener)."""
 
     def heartbeat_interval_s(self) -> float: ...
 

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from skymesh.assembly import region_settings
 from skymesh.balancer.auth import ClientKeyring
+from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.gate import ClientGate
 from skymesh.balancer.http_surface import HttpSurface
 from skymesh.balancer.kv_events import KvEventSubscriber
@@ -72,6 +73,7 @@ from skymesh.routing.region import (
     ProbeSample,
     SendToReplica,
 )
+from skymesh.routing.siblings import SiblingMessage
 from skymesh.runtime.clock import loop_clock
 from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus
@@ -106,6 +108,10 @@ class Balancer:
         self.core = build_region_core(cfg, region, self.policy_name)
         self.policy = self.core.policy
         self.offload = self.core.offload
+        # the region's other balancers (config or controller) and the budgets shared with them
+        self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core, static_members={},
+                                 dead_after_s=cfg.siblings.dead_after_s)
+        self.fleet.attach_if_needed(loop_clock())
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
         self.encoder = build_encoder(cfg)
@@ -288,6 +294,26 @@ class Balancer:
     def grpc_listen(self) -> HostPort:
         return self.region_cfg.balancer.grpc_listen
 
+    # ------------------------------------------------------------------ siblings (fleet.py)
+
+    def has_siblings(self) -> bool:
+        return self.fleet.has_siblings()
+
+    def sibling_addresses(self) -> dict[str, str]:
+        return self.fleet.addresses()
+
+    def sibling_message(self) -> SiblingMessage:
+        return self.fleet.message(loop_clock())
+
+    def apply_sibling_message(self, msg: SiblingMessage) -> bool:
+        applied = self.fleet.apply(msg, loop_clock())
+        if applied:
+            self.wake.set()  # units may have come: a dispatch round
+        return applied
+
+    def sibling_interval_s(self) -> float:
+        return self.cfg.siblings.interval_s
+
     def peer_regions(self) -> Collection[str]:
         return self.peers.keys()
 
@@ -339,6 +365,7 @@ class Balancer:
         self.topology_version = topology.version
         for assignment in topology.balancers:
             if assignment.region == self.region:
+                self.fleet.topology_members(assignment.members, loop_clock())
                 self.set_replicas(
                     [
                         ReplicaInfo(r.replica_id, r.url, r.home_region or self.region)

@@ -24,6 +24,7 @@ from skymesh.balancer.ports import (
     PeerMeshBalancer,
     StatusReport,
 )
+from skymesh.balancer.sibling_link import SiblingLink
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.region import HeartbeatSnapshot
 from skymesh.runtime.procs import cancel_tasks, wait_event
@@ -120,6 +121,10 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         # heartbeats received on a dialed stream and held for the emulated link delay, by
         # region: dropped when that stream breaks (a dead peer's last words must not revive it)
         self._held: dict[str, set[asyncio.TimerHandle]] = {}
+        # the region's other balancers, on the same gRPC listener (idle while it knows none:
+        # the config may list them, or the controller's topology name them later)
+        self.sibling_link: SiblingLink | None = SiblingLink(
+            balancer, lambda name, body: self._supervised(name, body, backoff_s=0.05, max_backoff_s=1.0))
 
     # ------------------------------------------------------------------ what we send
 
@@ -241,6 +246,13 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         finally:
             reader.cancel()
 
+    async def Siblings(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        if self.sibling_link is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this balancer's region has no siblings")
+            return
+        async for pb in self.sibling_link.serve(request_iterator, context):
+            yield pb
+
     async def _dial(self, region: str) -> None:
         backoff = self.interval
         while True:
@@ -284,6 +296,8 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             self._tasks.append(self._supervised(f"hb-{region}", functools.partial(self._dial, region),
                                                 backoff_s=self.interval, max_backoff_s=2.0))
         self._tasks.append(self._supervised("hb-state", self._watch_state, backoff_s=0.1, max_backoff_s=2.0))
+        if self.sibling_link is not None:
+            await self.sibling_link.start()
 
     async def _watch_state(self) -> None:
         # cheap poll of two integers; pushes a heartbeat as soon as availability changes
@@ -293,6 +307,8 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             await asyncio.sleep(step)
 
     async def stop(self) -> None:
+        if self.sibling_link is not None:
+            await self.sibling_link.stop()
         await cancel_tasks(self._tasks)
         if self._server is not None:
             await self._server.stop(grace=0.2)
@@ -441,7 +457,8 @@ class ControllerLink(SupervisedService):
 
 
 def attach_services(b: MeshServicesBalancer, *, peers: bool = True, controller: bool = True) -> None:
-    if peers and b.peer_regions() and b.offload_enabled():
+    # the gRPC listener serves peers' heartbeats and the region's siblings
+    if (peers and b.peer_regions() and b.offload_enabled()) or b.has_siblings():
         b.extra_services.append(PeerMesh(b))
     if controller:
         b.extra_services.append(ControllerLink(b))

@@ -154,6 +154,7 @@ class RegionCore:
         return SiblingMessage(
             region=self.region,
             shares=sib.shares.message(self.local.queue_length, self.local.wants),
+            sent_at=now,
             pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
             placements_per_s=self.service_rate_per_s(now) or 0.0,
             loads=self.local.loads(),

@@ -34,6 +34,7 @@ class SiblingMessage:
 
     region: str
     shares: ShareState
+    sent_at: float  # the sender's `now`
     pending_prefill_tokens: int
     placements_per_s: float
     # per replica: (this balancer's requests on it, of those without a first token)

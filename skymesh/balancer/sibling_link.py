@@ -1,0 +1,215 @@
+"""The sibling channel: the balancers of one region stream their state to each other
+(docs/routing.md, "A region is a fleet"): every ``siblings.interval_s`` one
+:class:`~skymesh.routing.siblings.SiblingMessage` is built from the region core and sent
+on every sibling stream; what arrives goes to the region core, which moves the push-budget
+units, writes the sibling's placements into its routing history and counts its queue in
+the region's heartbeat.
+
+Each balancer dials every sibling's own gRPC address (``MeshPeer.Siblings``) and answers
+the ones that dial it, so a pair has two streams and a message may arrive twice: the
+region core drops anything not newer than what it heard (epoch, seq). A stream is
+accepted only from the mesh identity of this same region (mTLS); without TLS the gRPC
+listener is loopback-only (skymesh/security/pki.py). Sibling messages are bounded before
+they reach the core: a sibling is trusted with the region's budget, not with memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from skymesh.balancer.ports import SiblingLinkBalancer
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.routing.push_shares import ShareState, Unit
+from skymesh.routing.siblings import MAX_PLACEMENTS_PER_MESSAGE, Placement, SiblingMessage
+from skymesh.runtime.procs import cancel_tasks
+from skymesh.security.pki import (
+    balancer_server_name,
+    peer_identity,
+    region_of_identity,
+    secure_channel,
+)
+
+log = logging.getLogger("skymesh.balancer.siblings")
+
+# bounds on one incoming message (a sibling is trusted with budgets, not with memory)
+MAX_REPLICAS = 4096
+MAX_UNITS = 4 * MAX_REPLICAS
+MAX_CHUNKS_PER_PLACEMENT = 1 << 14
+MAX_SIBLINGS = 256
+MAX_KEYS = 4096
+# per stream: messages built but not yet sent (a slow stream drops its oldest)
+STREAM_BACKLOG = 32
+
+
+class MessageTooLarge(ValueError):
+    """A sibling message past the bounds above: dropped, counted."""
+
+
+def to_proto(msg: SiblingMessage) -> Any:
+    sh = msg.shares
+    return mesh_pb2.SiblingState(
+        region=msg.region, balancer_id=sh.balancer_id, epoch=sh.epoch, seq=sh.seq,
+        sent_unix_ms=int(time.time() * 1000), queue_length=sh.queue_length,
+        pending_prefill_tokens=msg.pending_prefill_tokens, placements_per_s=msg.placements_per_s,
+        seen=[mesh_pb2.SiblingSeen(balancer_id=b, epoch=e, seq=s) for b, (e, s) in sh.seen.items()],
+        held=[mesh_pb2.PushUnit(replica_id=u.replica_id, unit=u.index) for u in sorted(sh.held)],
+        claims=[mesh_pb2.PushUnit(replica_id=u.replica_id, unit=u.index) for u in sorted(sh.claims)],
+        lends=[mesh_pb2.UnitLend(replica_id=u.replica_id, unit=u.index, borrower=b) for u, b in sh.lends.items()],
+        loads=[mesh_pb2.ReplicaLoad(replica_id=r, in_flight=f, unstarted=n, wanted=sh.wants.get(r, 0))
+               for r, (f, n) in msg.loads.items()],
+        placements=[mesh_pb2.PlacementRecord(replica_id=p.replica_id, chunk_hashes=p.chunk_hashes,
+                                             age_s=max(0.0, msg.sent_at - p.at)) for p in msg.placements],
+        key_usage=[mesh_pb2.KeyUsage(key_name=k, requests=r, prompt_tokens=t) for k, (r, t) in msg.key_usage.items()],
+        draining=sh.draining,
+    )
+
+
+def from_proto(pb: Any, now: float) -> SiblingMessage:
+    """A received SiblingState as the routing core's message; placement times are
+    rebased on the receiver's clock (``now`` less their age). Raises MessageTooLarge."""
+    if (len(pb.loads) > MAX_REPLICAS or len(pb.held) + len(pb.claims) + len(pb.lends) > 3 * MAX_UNITS
+            or len(pb.seen) > MAX_SIBLINGS or len(pb.placements) > MAX_PLACEMENTS_PER_MESSAGE
+            or len(pb.key_usage) > MAX_KEYS
+            or any(len(p.chunk_hashes) > MAX_CHUNKS_PER_PLACEMENT for p in pb.placements)):
+        raise MessageTooLarge(f"sibling message from {pb.balancer_id[:64]!r} past its bounds")
+    shares = ShareState(
+        balancer_id=pb.balancer_id, epoch=pb.epoch, seq=pb.seq, queue_length=pb.queue_length,
+        wants={ld.replica_id: ld.wanted for ld in pb.loads if ld.wanted > 0},
+        held=frozenset(Unit(u.replica_id, u.unit) for u in pb.held),
+        claims=frozenset(Unit(u.replica_id, u.unit) for u in pb.claims),
+        lends={Unit(ln.replica_id, ln.unit): ln.borrower for ln in pb.lends},
+        seen={s.balancer_id: (s.epoch, s.seq) for s in pb.seen},
+        draining=pb.draining,
+    )
+    return SiblingMessage(
+        region=pb.region, shares=shares, sent_at=now, pending_prefill_tokens=pb.pending_prefill_tokens,
+        placements_per_s=pb.placements_per_s,
+        loads={ld.replica_id: (ld.in_flight, ld.unstarted) for ld in pb.loads},
+        placements=tuple(Placement(p.replica_id, tuple(p.chunk_hashes), now - max(0.0, p.age_s))
+                         for p in pb.placements),
+        key_usage={k.key_name: (k.requests, k.prompt_tokens) for k in pb.key_usage},
+    )
+
+
+class SiblingLink:
+    """Streams this balancer's state to its siblings and applies theirs."""
+
+    def __init__(self, balancer: SiblingLinkBalancer,
+                 supervise: Callable[[str, Callable[[], Any]], asyncio.Task[None]]) -> None:
+        self.balancer = balancer
+        self._supervise = supervise
+        self.creds = balancer.mesh_credentials()
+        self.interval = balancer.sibling_interval_s()
+        self._streams: set[asyncio.Queue[Any]] = set()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._dialing: dict[str, asyncio.Task[Any]] = {}
+        self.messages_in = 0
+        self.messages_out = 0
+        self.refused_streams = 0
+        self.dropped: dict[str, int] = {}  # incoming messages dropped, by reason
+
+    # ------------------------------------------------------------------ sending
+
+    def _fan_out(self) -> None:
+        pb = to_proto(self.balancer.sibling_message())
+        self.messages_out += 1
+        for q in self._streams:
+            if q.full():
+                q.get_nowait()  # a slow stream loses its oldest (the next one repeats the state)
+            q.put_nowait(pb)
+
+    async def _ticker(self) -> None:
+        while True:
+            if self.balancer.has_siblings():
+                self._fan_out()
+            self._sync_dialers()
+            await asyncio.sleep(self.interval)
+
+    async def _outgoing(self) -> AsyncIterator[Any]:
+        q: asyncio.Queue[Any] = asyncio.Queue(STREAM_BACKLOG)
+        self._streams.add(q)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self._streams.discard(q)
+
+    # ------------------------------------------------------------------ receiving
+
+    def receive(self, pb: Any, stream_region: str | None) -> None:
+        b = self.balancer
+        if self.creds is not None and stream_region != b.region:
+            self.dropped["wrong_region"] = self.dropped.get("wrong_region", 0) + 1
+            return
+        if pb.region != b.region or pb.balancer_id == b.balancer_id:
+            self.dropped["not_a_sibling"] = self.dropped.get("not_a_sibling", 0) + 1
+            return
+        try:
+            msg = from_proto(pb, asyncio.get_running_loop().time())
+        except MessageTooLarge:
+            self.dropped["too_large"] = self.dropped.get("too_large", 0) + 1
+            return
+        if b.apply_sibling_message(msg):
+            self.messages_in += 1
+
+    async def serve(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        """The server side of ``MeshPeer.Siblings`` (PeerMesh delegates here)."""
+        stream_region = region_of_identity(peer_identity(context))
+        if self.creds is not None and stream_region != self.balancer.region:
+            self.refused_streams += 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only this region's balancers are siblings")
+
+        async def read() -> None:
+            async for pb in request_iterator:
+                self.receive(pb, stream_region)
+
+        reader = asyncio.create_task(read())
+        try:
+            async for pb in self._outgoing():
+                if reader.done():
+                    break
+                yield pb
+        finally:
+            reader.cancel()
+
+    async def _dial(self, sibling_id: str) -> None:
+        backoff = self.interval
+        region = self.balancer.region
+        while True:
+            address = self.balancer.sibling_addresses().get(sibling_id)
+            if address is None:
+                return
+            try:
+                channel = (grpc.aio.insecure_channel(address) if self.creds is None
+                           else secure_channel(address, self.creds, balancer_server_name(region)))
+                async with channel:
+                    call = mesh_pb2_grpc.MeshPeerStub(channel).Siblings(self._outgoing())
+                    async for pb in call:
+                        backoff = self.interval
+                        self.receive(pb, region)
+            except (grpc.aio.AioRpcError, grpc.RpcError, OSError) as e:
+                log.debug("sibling stream to %s ended: %s", sibling_id, type(e).__name__)
+            await asyncio.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
+
+    def _sync_dialers(self) -> None:
+        """One dial loop per sibling the balancer knows now (config or controller)."""
+        wanted = set(self.balancer.sibling_addresses())
+        for sid in [s for s in self._dialing if s not in wanted]:
+            self._dialing.pop(sid).cancel()
+        for sid in wanted - set(self._dialing):
+            self._dialing[sid] = self._supervise(f"sibling-{sid}", functools.partial(self._dial, sid))
+
+    async def start(self) -> None:
+        self._tasks.append(self._supervise("sibling-ticker", self._ticker))
+
+    async def stop(self) -> None:
+        await cancel_tasks([*self._tasks, *self._dialing.values()])
+        self._dialing.clear()

@@ -1,0 +1,95 @@
+"""Two balancers of one region over the real sibling channel (gRPC on loopback; the
+balancer is the stand-in behind the services' ports with a real region core and the
+real RegionFleet): they split every replica's push budget with no unit held twice, each
+learns what the other placed, a sibling that stops is declared dead and its units taken,
+and a message past its bounds is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from skymesh.balancer.services import PeerMesh
+from skymesh.balancer.sibling_link import MAX_PLACEMENTS_PER_MESSAGE, from_proto
+from skymesh.proto_gen import mesh_pb2
+from skymesh.routing.base import RoutingRequest
+from skymesh.routing.push_shares import Unit
+from skymesh.routing.region import ProbeSample, SendToReplica
+from tests.balancer_standin import StandInBalancer
+from tests.mesh_helpers import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+INTERVAL_S = 0.02
+REPLICAS = ["r0", "r1", "r2"]
+
+
+def member(name: str, port: int, siblings: dict[str, int]) -> StandInBalancer:
+    b = StandInBalancer("us", port, {}, INTERVAL_S, controller_listen=f"127.0.0.1:{port}", member=name,
+                        sibling_ports=siblings, sibling_dead_after_s=0.3)
+    now = asyncio.get_running_loop().time()
+    b.core.set_replicas(REPLICAS, now)
+    for rid in REPLICAS:
+        b.core.probe(rid, ProbeSample(num_running=0, num_waiting=0, kv_usage=0.0), now)
+    return b
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not check():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for: {what}")
+        await asyncio.sleep(0.01)
+
+
+def units(b: StandInBalancer) -> set[Unit]:
+    assert b.core.siblings is not None
+    return set(b.core.siblings.shares.held)
+
+
+async def test_two_siblings_split_the_budget_share_placements_and_outlive_each_other() -> None:
+    pa, pb = free_port(), free_port()
+    a = member("a", pa, {"us-b": pb})
+    b = member("b", pb, {"us-a": pa})
+    ma, mb = PeerMesh(a), PeerMesh(b)
+    await ma.start()
+    await mb.start()
+    try:
+        budget = a.core.settings.dispatch_budget
+        every = {Unit(r, i) for r in REPLICAS for i in range(budget)}
+        await until(lambda: units(a) | units(b) == every, "every unit held")
+        assert not units(a) & units(b)
+        assert units(a) and units(b)  # both hold some: the homes split them
+
+        # a places a request: b's routing history learns where it went
+        now = asyncio.get_running_loop().time()
+        req = RoutingRequest("q1", (11, 22, 33), 300, now)
+        a.core.submit(req, now)
+        sent = [x for x in a.core.tick(now) if isinstance(x, SendToReplica)]
+        assert len(sent) == 1
+        chosen = sent[0].replica_id
+        await until(lambda: b.core.siblings is not None and b.core.siblings.placements_applied >= 1,
+                    "b applied a's placement")
+        assert b.core.model.cache.match_per_target((11, 22, 33), [chosen])[chosen] == 3
+
+        # a stops: after dead_after_s b holds every unit
+        await ma.stop()
+        await until(lambda: units(b) == every, "b took a's units")
+    finally:
+        await ma.stop()
+        await mb.stop()
+
+
+def test_a_sibling_message_past_its_bounds_is_refused_before_it_reaches_the_core() -> None:
+    pb = mesh_pb2.SiblingState(region="us", balancer_id="us-x", epoch=1, seq=1)
+    pb.placements.extend(mesh_pb2.PlacementRecord(replica_id="r0", chunk_hashes=[1])
+                         for _ in range(MAX_PLACEMENTS_PER_MESSAGE + 1))
+    with pytest.raises(ValueError, match="past its bounds"):
+        from_proto(pb, 0.0)
+    ok = mesh_pb2.SiblingState(region="us", balancer_id="us-x", epoch=1, seq=1,
+                               placements=[mesh_pb2.PlacementRecord(replica_id="r0", chunk_hashes=[1, 2], age_s=0.5)])
+    msg = from_proto(ok, 10.0)
+    assert msg.placements[0].at == pytest.approx(9.5) and msg.placements[0].chunk_hashes == (1, 2)
