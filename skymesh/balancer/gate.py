@@ -13,8 +13,9 @@ carrying the hop header.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -77,6 +78,9 @@ class ClientGate:
         self._clock = clock
         # per key name; bounded by the configured keys
         self._buckets = {k.name: _buckets(k.limits) for k in self.keyring.keys}
+        # per key name: (requests, prompt tokens) taken here since the siblings were last
+        # told (limits hold across a region's balancers: take_usage / charge_siblings)
+        self._usage: dict[str, tuple[float, float]] = {}
 
     def reconfigure(self, cfg: MeshConfig, keyring: ClientKeyring, admin_token: str | None) -> None:
         """A reloaded config: its keys, limits, admin token and metrics access apply to the
@@ -110,7 +114,9 @@ class ClientGate:
         if client is None:
             return None, invalid_key_response()
         bucket = self._buckets[client.name].requests
-        if bucket is not None and not bucket.try_take(now):
+        if bucket is not None and bucket.try_take(now):
+            self._spent(client.name, 1.0, 0.0)
+        elif bucket is not None:
             return client, error_response(
                 429,
                 f"Rate limit reached for requests of key {client.name!r}: "
@@ -121,6 +127,30 @@ class ClientGate:
             )
         return client, None
 
+    def _spent(self, key_name: str, requests: float, prompt_tokens: float) -> None:
+        r, t = self._usage.get(key_name, (0.0, 0.0))
+        self._usage[key_name] = (r + requests, t + prompt_tokens)
+
+    def take_usage(self) -> dict[str, tuple[float, float]]:
+        """What each key took here since the last call: the siblings charge it too."""
+        usage, self._usage = self._usage, {}
+        return usage
+
+    def charge_siblings(self, usage: Mapping[str, tuple[float, float]], now: float | None = None) -> None:
+        """What a sibling balancer took of each key's limits: taken here too, so a key's
+        budgets hold across the region's balancers (within what one message interval
+        admits). Names of keys not configured here and values that are not finite and
+        non-negative are ignored. ``now``: the gate's clock (default: read it)."""
+        now = self._clock() if now is None else now
+        for name, (requests, prompt_tokens) in usage.items():
+            buckets = self._buckets.get(name)
+            if buckets is None:
+                continue
+            if buckets.requests is not None and math.isfinite(requests) and requests > 0:
+                buckets.requests.charge(now, requests)
+            if buckets.prompt_tokens is not None and math.isfinite(prompt_tokens) and prompt_tokens > 0:
+                buckets.prompt_tokens.charge(now, prompt_tokens)
+
     def charge_prompt(self, request: web.BaseRequest, prompt_tokens: int, now: float) -> web.Response | None:
         """Take a parsed request's prompt tokens from its key's bucket; the 429 when they
         are not there (nothing is taken then)."""
@@ -130,7 +160,10 @@ class ClientGate:
         # a key removed by a reload after this request was admitted: it is let through
         buckets = self._buckets.get(client.name)
         bucket = buckets.prompt_tokens if buckets is not None else None
-        if bucket is None or bucket.try_take(now, prompt_tokens):
+        if bucket is None:
+            return None
+        if bucket.try_take(now, prompt_tokens):
+            self._spent(client.name, 0.0, float(prompt_tokens))
             return None
         wait = bucket.wait_s(now, prompt_tokens)
         limit = client.limits.prompt_tokens_per_minute

@@ -38,6 +38,13 @@ class TokenBucket:
             return True
         return False
 
+    def charge(self, now: float, cost: float) -> None:
+        """Take ``cost`` tokens spent elsewhere (a sibling balancer of the region admitted
+        that work, docs/routing.md "A region is a fleet"): taken whether or not they are
+        there, the bucket going down to ``-capacity`` at most, and refilling from there."""
+        self._refill(now)
+        self.tokens = max(-self.capacity, self.tokens - cost)
+
     def wait_s(self, now: float, cost: float = 1.0) -> float:
         """Seconds until ``cost`` tokens are there; inf when more than the bucket holds."""
         if cost > self.capacity:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -303,11 +304,13 @@ class Balancer:
         return self.fleet.addresses()
 
     def sibling_message(self) -> SiblingMessage:
-        return self.fleet.message(loop_clock())
+        # what each client key took here goes along: its limits hold region-wide
+        return dataclasses.replace(self.fleet.message(loop_clock()), key_usage=self.gate.take_usage())
 
     def apply_sibling_message(self, msg: SiblingMessage) -> bool:
         applied = self.fleet.apply(msg, loop_clock())
         if applied:
+            self.gate.charge_siblings(msg.key_usage)
             self.wake.set()  # units may have come: a dispatch round
         return applied
 
