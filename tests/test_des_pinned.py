@@ -115,8 +115,9 @@ def run_case(name: str) -> dict[str, Any]:
     argv, label, rate = CASES[name]
     args, system = _system(_args(argv), label)
     out = sim_main.run_one(args, system, rate, False)
-    # max_replica_waiting: reported since the golden was made (a new figure, not a change)
-    metrics = {k: v for k, v in out["metrics"].items() if k not in ("wall_s", "cpu_s", "max_replica_waiting")}
+    # reported since the golden was made (new figures, not a change)
+    new = ("max_replica_waiting", "max_replica_unadmitted")
+    metrics = {k: v for k, v in out["metrics"].items() if k not in ("wall_s", "cpu_s", *new)}
     return {"metrics": metrics, "ttfts": {"n": len(out["ttfts"]), "sum": sum(out["ttfts"]),
                                           "sha256": _digest(out["ttfts"])},
             "load": {"samples": len(out["load"]), "replicas": out["load_replicas"], "sha256": _digest(out["load"])}}

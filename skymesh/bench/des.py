@@ -103,6 +103,7 @@ class Simulator:
         self._origin: dict[str, tuple[str, int]] = {}
         self._served_by: dict[str, tuple[str, int]] = {}
         self.max_replica_waiting = 0
+        self.max_replica_unadmitted = 0
         self.now = 0.0
         self.events = 0
         self.lazy_mismatches = 0
@@ -294,6 +295,7 @@ class Simulator:
             slo_class_names=class_names,
             slo_class_targets=tuple(cfg.slo_classes[c] for c in class_names),
             max_replica_waiting=self.max_replica_waiting,
+            max_replica_unadmitted=self.max_replica_unadmitted,
         )
 
     # ------------------------------------------------------------------ balancer side
@@ -336,6 +338,8 @@ class Simulator:
             e = reps[rid].engine
             if e.num_waiting > self.max_replica_waiting:
                 self.max_replica_waiting = e.num_waiting
+            if e.num_waiting and e.num_waiting_never_admitted > self.max_replica_unadmitted:
+                self.max_replica_unadmitted = e.num_waiting_never_admitted
             core.probe(rid, ProbeSample(num_running=e.num_running, num_waiting=e.num_waiting,
                                         kv_usage=e.kv_cache_usage), t)
         self._dispatch(reg, k, t)

@@ -272,6 +272,7 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
     m["prediction_over"] = res.prediction_over(args.block_size, args.warmup_s)
     m["simulated_s"] = round(res.sim_time_s, 1)
     m["max_replica_waiting"] = res.max_replica_waiting
+    m["max_replica_unadmitted"] = res.max_replica_unadmitted
     if res.slo_class_names:
         m["classes"] = res.class_summaries(args.warmup_s)
     ttfts = res.ttft[~(res.ttft != res.ttft)]

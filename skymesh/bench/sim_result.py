@@ -44,8 +44,10 @@ class SimResult:
     slo_class_names: tuple[str, ...] = ()
     slo_class_targets: tuple[SloClassConfig, ...] = ()
     # the most requests waiting in any replica's own queue (vllm:num_requests_waiting) at
-    # any probe: selective pushing keeps it within one dispatch budget
+    # any probe, and of those the most never admitted yet (pushed, not preempted back):
+    # selective pushing keeps the latter within one dispatch budget
     max_replica_waiting: int = 0
+    max_replica_unadmitted: int = 0
 
     def class_summaries(self, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """Per SLO class: its requests, attainment (every target it can be judged on met;

@@ -107,6 +107,12 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_waiting_never_admitted(self) -> int:
+        """Waiting requests that never ran (pushed, not yet admitted), leaving out the ones
+        preempted back to the queue (vLLM's num_requests_waiting counts both)."""
+        return sum(1 for r in self.waiting if r.preemptions == 0)
+
+    @property
     def kv_cache_usage(self) -> float:
         """Fraction of blocks referenced by requests (vLLM: cached-but-idle blocks count as
         free, since they can be evicted at any time)."""

@@ -177,12 +177,14 @@ class BalancerCore:
         # to the replica's scheduler, or a page older than them: vLLM moves its gauges once
         # per engine step) stay charged to the budget; resetting it to 0 would let the
         # balancer push a second budget on top of them
-        if healthy:
+        if healthy and self.siblings is not None:
+            # the page counts the siblings' requests too, and what they pushed since they
+            # last said is not known here: no request of this balancer counts as seen on
+            # it before its first token (a credit could count a sibling's push as its own)
+            self._since_probe[replica_id] = self._unstarted[replica_id]
+        elif healthy:
             unstarted = self._unstarted[replica_id]
             started = view.in_flight - unstarted
-            if self.siblings is not None:
-                # the page counts the siblings' requests too: they are not this one's
-                started += self.siblings.in_flight_on(replica_id)
             self._since_probe[replica_id] = max(0, unstarted - max(0, num_running + num_waiting - started))
         else:
             self._since_probe[replica_id] = 0

@@ -37,6 +37,7 @@ nothing for a region of one.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class _Sibling:
     heard_at: float
 
 
+@functools.lru_cache(maxsize=4096)
 def _replica_offset(replica_id: str) -> int:
     # stable across processes and runs (Python's str hash is salted per process)
     return zlib.crc32(replica_id.encode())
@@ -113,9 +115,16 @@ class PushShares:
         return sorted(ids)
 
     def home_of(self, unit: Unit, now: float) -> str:
-        homes = [sid for sid in self.live_ids(now) if not self._is_draining(sid)]
-        if not homes:  # every live balancer is leaving: they keep serving what they hold
-            homes = self.live_ids(now)
+        return self._home(unit, self._homes(now))
+
+    def _homes(self, now: float) -> list[str]:
+        """The balancers units have homes at: the live ones not draining, by id."""
+        live = self.live_ids(now)
+        homes = [sid for sid in live if not self._is_draining(sid)]
+        return homes or live  # every live balancer is leaving: they keep what they hold
+
+    @staticmethod
+    def _home(unit: Unit, homes: list[str]) -> str:
         return homes[(_replica_offset(unit.replica_id) + unit.index) % len(homes)]
 
     def sibling_queue_lengths(self, now: float) -> dict[str, int]:
@@ -155,8 +164,9 @@ class PushShares:
         probe does not show yet (the units it uses); ``wants``: per replica, its queued
         requests waiting for a unit there."""
         live = set(self.live_ids(now))
-        self._lend(now, unseen_pushes, wants, live)
-        entitled = {u for r in self.replicas for u in self._units_of(r) if self._entitled(u, now)}
+        homes = self._homes(now)
+        self._lend(homes, unseen_pushes, wants, live)
+        entitled = {u for r in self.replicas for u in self._units_of(r) if self._entitled(u, homes)}
         self._give_up(entitled, unseen_pushes)
         for u in list(self.claim_seq):
             if u not in entitled or u in self.held:
@@ -198,14 +208,14 @@ class PushShares:
         s = self.siblings.get(balancer_id)
         return s is not None and s.state.draining
 
-    def _entitled(self, unit: Unit, now: float) -> bool:
-        home = self.home_of(unit, now)
+    def _entitled(self, unit: Unit, homes: list[str]) -> bool:
+        home = self._home(unit, homes)
         if home == self.balancer_id:
             return unit not in self.lends
         s = self.siblings.get(home)
         return s is not None and s.state.lends.get(unit) == self.balancer_id
 
-    def _lend(self, now: float, unseen_pushes: Mapping[str, int], wants: Mapping[str, int],
+    def _lend(self, homes: list[str], unseen_pushes: Mapping[str, int], wants: Mapping[str, int],
               live: set[str]) -> None:
         others = {sid: s.state for sid, s in self.siblings.items() if sid in live}
 
@@ -232,7 +242,7 @@ class PushShares:
             for u in sorted((u for u in self.held if u.replica_id == r), reverse=True):
                 if spare <= 0:
                     break
-                if u not in self.lends and self.home_of(u, now) == self.balancer_id:
+                if u not in self.lends and self._home(u, homes) == self.balancer_id:
                     self.lends[u] = takers[0]
                     spare -= 1
 

@@ -598,7 +598,6 @@ class RegionCore:
         """Expire over-long waits, forward what a peer would answer sooner (the
         predicted-TTFT trigger), place what the replicas can take, offload the rest."""
         actions: list[Action] = self._expire(now)
-        self._sibling_step(now)
         offload = self.offload
         for region in offload.newly_dead(now):
             # heartbeats timed out: the queued requests are decided again now; forwards in
