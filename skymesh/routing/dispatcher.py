@@ -97,6 +97,8 @@ class BalancerCore:
         # records a dispatch in the region's routing history once the discipline and the
         # policy were told of it (both read that history; set by the region core)
         self.record_dispatch: Callable[[RoutingRequest, str, float], None] | None = None
+        # replicas leaving membership: no new dispatch, requests in flight on them finish
+        self.draining: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ membership/probes
 
@@ -154,7 +156,15 @@ class BalancerCore:
             # a spent budget that comes back ends its wait; a page lagging the pushes that
             # spends it again gives no time to go by (only a dispatch does)
             self._budget_spent_at.pop(view.replica_id, None)
-        view.available = view.healthy and view.num_waiting == 0 and budget_left
+        view.available = view.healthy and view.num_waiting == 0 and budget_left and view.replica_id not in self.draining
+
+    def set_draining(self, replica_ids: Iterable[str]) -> None:
+        """The members that are leaving (the controller marks them draining): none of them
+        gets a new dispatch; what is in flight on them finishes. A replica no longer named
+        becomes available again with its next probe."""
+        self.draining = frozenset(rid for rid in replica_ids if rid in self.replicas)
+        for rid in self.draining:
+            self.replicas[rid].available = False
 
     def eject(self, replica_id: str) -> None:
         """No dispatch to ``replica_id`` at all until a probe says it is healthy again."""
