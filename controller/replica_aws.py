@@ -27,12 +27,16 @@ _IDS_PER_CALL = 200
 class AwsSource:
     def __init__(self, cfg: AwsSourceConfig, regions: frozenset[str]) -> None:
         import boto3
+        from botocore.config import Config
 
         self.cfg = cfg
         self.name = aws_source_name(cfg.aws_region)
         # tag values that name a configured region (any other value is ignored)
         self.regions = regions
-        kwargs: dict[str, Any] = {"region_name": cfg.aws_region}
+        # a poll is retried by the next poll: few retries, bounded waits (a hung call would
+        # hold a thread and delay every later poll)
+        kwargs: dict[str, Any] = {"region_name": cfg.aws_region, "config": Config(
+            retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=5, read_timeout=15)}
         if cfg.endpoint_url is not None:
             kwargs["endpoint_url"] = cfg.endpoint_url
         self._autoscaling = boto3.client("autoscaling", **kwargs)
