@@ -103,33 +103,32 @@ class Membership:
         self._version = version
         self._clock = clock
         self.members: dict[str, Member] = {}
+        self._static = _static_urls(cfg)
         self.sources: set[str] = {STATIC, REGISTRATION} | {aws_source_name(s.aws_region) for s in cfg.membership.aws}
         self.update_metrics()
 
     # ------------------------------------------------------------------ queries
 
     def static_urls(self) -> dict[str, str]:
-        return {rep.id: rep.url for r in self.cfg.regions for rep in r.replicas}
+        """replica id -> URL of the current YAML's replicas."""
+        return self._static
 
     def registered_count(self) -> int:
         return sum(1 for m in self.members.values() if m.source == REGISTRATION and not m.draining)
 
-    def url_user(self, url: str) -> str | None:
-        """The replica id already at ``url`` (a YAML one or a member), or None."""
-        for rid, u in self.static_urls().items():
-            if u == url:
-                return rid
-        for m in self.members.values():
-            if m.url == url:
-                return m.replica_id
-        return None
+    def url_index(self) -> dict[str, str]:
+        """url -> the replica id at it (the YAML's first, then the members)."""
+        index = {m.url: m.replica_id for m in self.members.values()}
+        index.update({u: rid for rid, u in self.static_urls().items()})
+        return index
 
     def of_region(self, region: str) -> list[Member]:
         return sorted((m for m in self.members.values() if m.region == region), key=lambda m: m.replica_id)
 
     # ------------------------------------------------------------------ changes
 
-    def _check_free(self, replica_id: str, url: str, region: str, source: str) -> Member | None:
+    def _check_free(self, replica_id: str, url: str, region: str, source: str,
+                    urls: dict[str, str] | None = None) -> Member | None:
         """The member ``replica_id`` already is (of ``source``), or None; refuses an id of
         the YAML or of another source, another region, or a URL another replica has."""
         if replica_id in self.static_urls():
@@ -140,7 +139,7 @@ class Membership:
         if prev is not None and prev.region != region:
             raise MembershipRefused(409, f"replica {replica_id!r} is a replica of {prev.region}; "
                                          "deregister it there first", "region")
-        user = self.url_user(url)
+        user = (urls if urls is not None else self.url_index()).get(url)
         if user is not None and user != replica_id:
             raise MembershipRefused(409, f"{url} is already replica {user!r}", "url")
         return prev
@@ -186,15 +185,19 @@ class Membership:
         changed = False
         refused: list[str] = []
         seen: set[str] = set()
+        urls = self.url_index()  # one index for the whole list (a large group stays linear)
         for d in found:
             if d.replica_id in seen:
                 continue
             try:
-                prev = self._check_free(d.replica_id, d.url, d.region, source)
+                prev = self._check_free(d.replica_id, d.url, d.region, source, urls)
             except MembershipRefused:
                 refused.append(d.replica_id)
                 continue
             seen.add(d.replica_id)
+            if prev is not None:
+                urls.pop(prev.url, None)
+            urls[d.url] = d.replica_id
             if prev is None:
                 self.members[d.replica_id] = Member(d.replica_id, d.url, d.region, source)
                 changed = True
@@ -214,7 +217,7 @@ class Membership:
         """A reload: YAML replicas it removed drain (as YAML members); ids the new YAML
         configures stop being members (the YAML wins)."""
         self.cfg = new
-        now_static = self.static_urls()
+        self._static = now_static = _static_urls(new)
         for rid in [rid for rid in self.members if rid in now_static]:
             del self.members[rid]
         for r in old.regions:
@@ -289,6 +292,10 @@ class Membership:
             "lease_left_s": None if m.expires_at is None else round(max(0.0, m.expires_at - now), 3),
             "draining_for_s": None if m.draining_since is None else round(now - m.draining_since, 3),
         } for m in sorted(self.members.values(), key=lambda m: m.replica_id)]
+
+
+def _static_urls(cfg: MeshConfig) -> dict[str, str]:
+    return {rep.id: rep.url for r in cfg.regions for rep in r.replicas}
 
 
 def aws_source_name(aws_region: str) -> str:
