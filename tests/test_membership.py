@@ -249,3 +249,41 @@ def test_a_draining_replica_gets_nothing_new_and_its_in_flight_requests_finish()
     c.set_draining([])
     c.update_replica("r1", healthy=True)
     assert c.replicas["r1"].available
+
+
+# ----------------------------------------------------------------------------- a region of dynamic replicas only
+
+
+def test_a_region_without_yaml_replicas_needs_a_source_that_can_add_some(tmp_path: Any) -> None:
+    data = local_config_free_ports()
+    data["regions"][1]["replicas"] = []
+    with pytest.raises(ConfigError) as e:
+        parse_config(data)
+    assert e.value.path == "regions[1].replicas"
+    name = data["regions"][1]["name"]
+    other = data["regions"][0]["name"]
+    for membership, ok in (
+        ({"registration": {"enabled": True}}, True),
+        ({"registration": {"enabled": True, "regions": [other]}}, False),
+        ({"registration": {"enabled": False}}, False),
+        ({"aws": [{"aws_region": "us-east-1", "auto_scaling_groups": [{"name": "g", "region": name}]}]}, True),
+        ({"aws": [{"aws_region": "us-east-1", "auto_scaling_groups": [{"name": "g", "region": other}]}]}, False),
+        ({"aws": [{"aws_region": "us-east-1", "tag_key": "skymesh:region"}]}, True),
+    ):
+        data["membership"] = membership
+        if ok:
+            parse_config(data)
+        else:
+            with pytest.raises(ConfigError) as e:
+                parse_config(data)
+            assert e.value.path == "regions[1].replicas", membership
+    data["membership"] = {"registration": {"enabled": True}}
+    data["controller"]["state_path"] = str(tmp_path / "controller.sqlite")
+    svc = ControllerService(parse_config(data))
+    try:
+        assert not next(b for b in svc.topology().balancers if b.region == name).replicas
+        svc.membership.table.register("first", "http://10.0.0.9:8000", name, 10.0)
+        (only,) = next(b for b in svc.topology().balancers if b.region == name).replicas
+        assert (only.replica_id, only.home_region, only.draining) == ("first", name, False)
+    finally:
+        svc.store.close()

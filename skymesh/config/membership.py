@@ -96,6 +96,15 @@ class MembershipConfig(ConfigModel):
             raise ConfigError(f"aws[{i}].aws_region", f"{self.aws[i].aws_region} is listed twice (also aws[{first}])")
         return self
 
+    def can_add_to(self, region: str) -> bool:
+        """Whether a source may add replicas to ``region`` (registration open to it, an
+        Auto Scaling group of it, or a tag key, whose values may name it)."""
+        reg = self.registration
+        if reg.enabled and (reg.regions is None or region in reg.regions):
+            return True
+        return any(s.tag_key is not None or any(g.region == region for g in s.auto_scaling_groups)
+                   for s in self.aws)
+
     def referenced_regions(self) -> list[tuple[str, str]]:
         """(config path relative to ``membership``, region name) of every region it names."""
         out = [(f"registration.regions[{i}]", name) for i, name in enumerate(self.registration.regions or ())]

@@ -85,6 +85,10 @@ class MeshConfig(ConfigModel):
         for path, name in self.membership.referenced_regions():
             if name not in names:
                 raise ConfigError(f"membership.{path}", f"unknown region {name!r}")
+        for i, r in enumerate(self.regions):
+            if not r.replicas and not self.membership.can_add_to(r.name):
+                raise ConfigError(f"regions[{i}].replicas", "a region without YAML replicas needs a membership "
+                                  "source that adds some (membership.registration or membership.aws)")
         if self.offload.enabled and len(self.regions) > 1:
             for i, r in enumerate(self.regions):
                 if r.balancer.peer_listen is None:
