@@ -25,6 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from controller.membership_store import SavedMember
 from skymesh.config import MeshConfig
 
 STATIC = "static"
@@ -46,6 +47,7 @@ class Member:
     # the first topology version that publishes it draining (its balancer's report at
     # this version or later tells whether anything is still in flight on it)
     drain_version: int = 0
+    ttl_s: float | None = None  # a registration's lease length
 
     @property
     def draining(self) -> bool:
@@ -153,12 +155,13 @@ class Membership:
             if self.registered_count() >= self.cfg.membership.registration.max_replicas:
                 raise MembershipRefused(429, "the registration table is full "
                                              f"({self.cfg.membership.registration.max_replicas} replicas)")
-            self.members[replica_id] = Member(replica_id, url, region, REGISTRATION, expires_at=expires)
+            self.members[replica_id] = Member(replica_id, url, region, REGISTRATION, expires_at=expires, ttl_s=ttl_s)
             self.update_metrics()
             return True, False
         changed = prev.draining or prev.url != url
         prev.url = url
         prev.expires_at = expires
+        prev.ttl_s = ttl_s
         prev.draining_since = None
         if changed:
             self.update_metrics()
@@ -267,6 +270,36 @@ class Membership:
         if changed:
             self.update_metrics()
         return changed
+
+    # ------------------------------------------------------------------ persistence
+
+    def saved(self) -> list[SavedMember]:
+        """The members as the store keeps them."""
+        return [SavedMember(m.replica_id, m.url, m.region, m.source, m.ttl_s, m.draining, m.drain_version)
+                for m in sorted(self.members.values(), key=lambda m: m.replica_id)]
+
+    def restore(self, saved: list[SavedMember]) -> int:
+        """Members saved before a restart (controller/membership_store.py says how they
+        come back); the number taken."""
+        now = self._clock()
+        regions = {r.name for r in self.cfg.regions}
+        urls = self.url_index()
+        taken = 0
+        for s in saved:
+            if (s.replica_id in self._static or s.replica_id in self.members or s.region not in regions
+                    or s.source not in self.sources or s.url in urls or (s.source == STATIC and not s.draining)):
+                continue
+            m = Member(s.replica_id, s.url, s.region, s.source, ttl_s=s.ttl_s)
+            if s.draining:
+                m.draining_since = now
+                m.drain_version = s.drain_version
+            elif s.source == REGISTRATION:
+                m.expires_at = now + (s.ttl_s or self.cfg.membership.registration.default_ttl_s)
+            self.members[m.replica_id] = m
+            urls[m.url] = m.replica_id
+            taken += 1
+        self.update_metrics()
+        return taken
 
     # ------------------------------------------------------------------ metrics, status
 

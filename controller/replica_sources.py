@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -16,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from controller.membership import Membership
+from controller.membership_store import MembershipStore
 from controller.replica_aws import AwsSource
 from controller.replica_registration import RegistrationApi
 from controller.topology import region_owners
@@ -43,12 +45,26 @@ class MembershipSources:
     def __init__(self, controller: ControllerView, registry: CollectorRegistry) -> None:
         self._c = controller
         self.table = Membership(controller.cfg, registry, lambda: self._c.version)
+        # the members across restarts, in the controller's SQLite file
+        self.store = MembershipStore(controller.cfg.controller.state_path)
+        restored = self.table.restore(self.store.load())
+        if restored:
+            log.info("membership restored", extra={"replicas": restored})
+        self._save_lock = asyncio.Lock()
         self.api = RegistrationApi(self.table, lambda: self._c.cfg, self._changed)
         self.aws = [AwsSource(s, frozenset(r.name for r in controller.cfg.regions))
                     for s in controller.cfg.membership.aws]
 
     async def _changed(self, reason: str) -> None:
+        async with self._save_lock:  # saves land in the order the changes happened
+            try:
+                await asyncio.to_thread(self.store.save, self.table.saved())
+            except sqlite3.Error as e:  # a full or locked disk: serve on, unsaved (logged)
+                log.warning("membership not saved", extra={"error": repr(e)[:300]})
         await self._c._changed(f"membership: {reason}")
+
+    def close(self) -> None:
+        self.store.close()
 
     # ------------------------------------------------------------------ hooks
 

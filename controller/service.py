@@ -493,3 +493,4 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         if self.dns is not None:
             await self.dns.close()
         self.store.close()
+        self.membership.close()

@@ -213,6 +213,7 @@ def test_the_topology_carries_dynamic_replicas_to_the_owner_of_their_home_region
         assert "new-1" not in replicas_of("eu-west-1")
     finally:
         svc.store.close()
+        svc.membership.close()
 
 
 # ----------------------------------------------------------------------------- dispatcher
@@ -287,3 +288,4 @@ def test_a_region_without_yaml_replicas_needs_a_source_that_can_add_some(tmp_pat
         assert (only.replica_id, only.home_region, only.draining) == ("first", name, False)
     finally:
         svc.store.close()
+        svc.membership.close()

@@ -26,14 +26,15 @@ GROUP = "skymesh-replicas-use1"
 TAG = "skymesh:region"
 
 
-async def wait_until(pred: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
+async def wait_until(pred: Callable[[], bool], what: str, within_s: float = 120.0,
+                     state: Callable[[], str] | None = None) -> None:
     """Polls ``pred``; ``within_s`` is a hang guard only."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if pred():
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
+    raise AssertionError(f"never happened: {what}" + (f" ({state()})" if state is not None else ""))
 
 
 def aws_cfg(tmp_path: Path, endpoint_url: str, **source: Any) -> MeshConfig:
@@ -111,7 +112,8 @@ async def test_group_and_tagged_instances_join_and_scaled_in_ones_drain(tmp_path
         def discovered() -> dict[str, tuple[str, str, bool]]:
             return {k: v for k, v in replicas_of(svc).items() if k not in static}
 
-        await wait_until(lambda: discovered() == want, f"the instances became replicas: {want}")
+        await wait_until(lambda: discovered() == want, "the instances became replicas",
+                         state=lambda: f"want {want}, have {discovered()}")
         assert svc.metrics.registry.get_sample_value(
             "skymesh_membership_replicas", {"region": "us-east-1", "source": "aws:us-east-1"}) == 2
 
@@ -130,13 +132,15 @@ async def test_group_and_tagged_instances_join_and_scaled_in_ones_drain(tmp_path
                 return False
             return True
 
-        await wait_until(dropped_left, "the scaled-in instance drained and left")
+        await wait_until(dropped_left, "the scaled-in instance drained and left",
+                         state=lambda: f"dropped {dropped}, have {discovered()}")
         assert seen_draining
         assert set(discovered()) == set(kept) | {tagged}
 
         # the tagged instance is terminated: it leaves too
         aws.ec2.terminate_instances(InstanceIds=[tagged])
-        await wait_until(lambda: set(discovered()) == set(kept), "the terminated tagged instance left")
+        await wait_until(lambda: set(discovered()) == set(kept), "the terminated tagged instance left",
+                         state=lambda: f"kept {kept}, have {discovered()}")
     finally:
         await svc.stop()
 
@@ -157,3 +161,4 @@ async def test_a_failing_aws_api_keeps_the_replicas(tmp_path: Path, monkeypatch:
             "skymesh_membership_source_polls_total", {"source": src.name, "result": "error"}) == 1
     finally:
         svc.store.close()
+        svc.membership.close()

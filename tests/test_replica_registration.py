@@ -258,3 +258,34 @@ async def test_the_token_file_is_read(tmp_path: Path, monkeypatch: pytest.Monkey
             assert status == 200, doc
     finally:
         await svc.stop()
+
+
+async def test_registrations_survive_a_controller_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart restores the registered replicas (a full lease each) and the draining
+    ones, so the balancers do not lose them until their next renewal."""
+    monkeypatch.setenv("SKYMESH_REGISTRATION_TOKEN", TOKEN)
+    cfg = make_cfg(tmp_path)
+    cfg = cfg.model_copy(update={"membership": cfg.membership.model_copy(update={"drain_grace_s": 600.0})})
+    svc = ControllerService(cfg)
+    await svc.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            api = Api(svc, s)
+            for rid, port in (("stays", 8001), ("leaves", 8002)):
+                status, doc = await api.register({"replica_id": rid, "url": f"http://10.0.0.5:{port}",
+                                                  "region": "eu-west-1", "ttl_s": 60})
+                assert status == 200, doc
+            assert (await api.call("DELETE", f"{PATH}/leaves"))[0] == 200
+    finally:
+        await svc.stop()
+    svc = ControllerService(cfg)
+    await svc.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            topo = await Api(svc, s).topology()
+        assert topo["stays"]["url"] == "http://10.0.0.5:8001" and not topo["stays"]["draining"]
+        assert topo["leaves"]["draining"]
+        lease = next(m for m in svc.membership.status_json() if m["replica_id"] == "stays")["lease_left_s"]
+        assert 0 < lease <= 60
+    finally:
+        await svc.stop()
