@@ -134,6 +134,7 @@ async def test_a_registered_replica_gets_work_and_drains_without_failures(mesh: 
             async with s.delete(mesh.controller + f"/membership/v1/replicas/{JOINER}", headers=AUTH) as r:
                 assert r.status == 200, await r.text()
             await wait_until(lambda: JOINER in b.core.local.draining, "the balancer marked it draining")
+            assert b.admin_status()["replicas"][JOINER]["draining"]
             drain_seen = time.monotonic()
             # its drain ends once the balancer reported nothing in flight on it
             await wait_until(lambda: JOINER not in b.replicas, "the drained replica left the balancer")

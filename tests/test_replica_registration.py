@@ -289,3 +289,13 @@ async def test_registrations_survive_a_controller_restart(tmp_path: Path, monkey
         assert 0 < lease <= 60
     finally:
         await svc.stop()
+
+
+async def test_other_methods_and_paths_are_openai_shaped(api: Api) -> None:
+    for method, path, want in (("GET", PATH, 405), ("PUT", PATH + "/x", 405),
+                               ("POST", PATH + "/x/y/z", 404), ("GET", "/membership/v1/other", 404)):
+        status, doc = await api.call(method, path)
+        assert status == want and is_openai_error(doc, status), (method, path, status, doc)
+    # a path-encoded id that is not a replica id (a newline) is a 400, not a lookup
+    status, doc = await api.call("DELETE", PATH + "/bad%0A")
+    assert status == 400 and doc["error"]["param"] == "replica_id"
