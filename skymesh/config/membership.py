@@ -62,7 +62,8 @@ class AwsSourceConfig(ConfigModel):
     poll_interval_s: Annotated[Float, Field(ge=0.1, le=3600)] = 15.0
     port: Port = 8000
     scheme: Literal["http", "https"] = "http"
-    auto_scaling_groups: tuple[AwsGroupConfig, ...] = ()
+    # at most 100: one DescribeAutoScalingGroups call names them all
+    auto_scaling_groups: Annotated[tuple[AwsGroupConfig, ...], Field(max_length=100)] = ()
     # e.g. "skymesh:region": running instances whose tag value names a configured region
     tag_key: Annotated[Text, Field(max_length=128)] | None = None
 
