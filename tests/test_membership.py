@@ -289,3 +289,24 @@ def test_a_region_without_yaml_replicas_needs_a_source_that_can_add_some(tmp_pat
     finally:
         svc.store.close()
         svc.membership.close()
+
+
+def test_restore_leaves_out_what_no_longer_fits() -> None:
+    from controller.membership_store import SavedMember
+
+    cfg = config(drain_grace_s=30.0)
+    static = cfg.regions[0].replicas[0]
+    m, clock, _ = table(cfg)
+    saved = [
+        SavedMember("reg", "http://10.0.0.1:8000", "us-east-1", "registration", 20.0, False, 0),
+        SavedMember("drn", "http://10.0.0.2:8000", "us-east-1", "registration", 20.0, True, 5),
+        SavedMember(static.id, "http://10.0.0.3:8000", "us-east-1", "registration", 20.0, False, 0),  # YAML's now
+        SavedMember("gone-src", "http://10.0.0.4:8000", "us-east-1", "aws:eu-north-1", None, False, 0),
+        SavedMember("gone-region", "http://10.0.0.5:8000", "mars-1", "registration", 20.0, False, 0),
+        SavedMember("dup-url", static.url, "us-east-1", "registration", 20.0, False, 0),
+        SavedMember("old-yaml", "http://10.0.0.6:8000", "us-east-1", "static", None, False, 0),
+    ]
+    assert m.restore(saved) == 2
+    assert set(m.members) == {"reg", "drn"}
+    assert m.members["reg"].expires_at == clock.now + 20.0  # a full lease from the restart
+    assert m.members["drn"].draining and m.members["drn"].drain_version == 5
