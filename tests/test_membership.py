@@ -310,3 +310,17 @@ def test_restore_leaves_out_what_no_longer_fits() -> None:
     assert set(m.members) == {"reg", "drn"}
     assert m.members["reg"].expires_at == clock.now + 20.0  # a full lease from the restart
     assert m.members["drn"].draining and m.members["drn"].drain_version == 5
+
+
+def test_skymesh_status_shows_a_draining_replica() -> None:
+    from skymesh.operations.status import render
+
+    rep = {"url": "http://10.0.0.9:8000", "home_region": "us-east-1", "healthy": True, "available": False,
+           "num_running": 2, "num_waiting": 0, "kv_cache_usage": 0.1, "draining": True}
+    status = {"source": "controller", "controller": {"topology_version": 9}, "policy": "dualmap",
+              "regions": [{"region": "us-east-1", "balancer_alive": True, "balancer_url": "http://b",
+                           "balancer_id": "b1", "owned_replicas": [],
+                           "report": {"replicas": {"joiner": rep, "r0": {**rep, "draining": False}}}}]}
+    rows = {line.split()[0]: line.split()[2] for line in render(status).splitlines()
+            if line.strip().startswith(("joiner", "r0"))}
+    assert rows == {"joiner": "drain", "r0": "busy"}
