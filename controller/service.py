@@ -29,6 +29,7 @@ from aiohttp import web
 
 from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
+from controller.replica_sources import MembershipSources
 from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig
@@ -108,6 +109,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
         self.metrics = ControllerMetrics()
+        # replicas that join and leave besides the YAML ones (registration API, AWS)
+        self.membership = MembershipSources(self, self.metrics.registry)
 
     # ------------------------------------------------------------------ topology
 
@@ -130,6 +133,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 if owner == r.name:
                     home, url = homes[rid]
                     a.replicas.add(replica_id=rid, url=url, home_region=home)
+        self.membership.assign(out)
         return out
 
     async def _changed(self, reason: str) -> None:
@@ -158,6 +162,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         version goes up, the new topology is pushed to every watcher and DNS is synced."""
         # config and ownership change together: topology() must never see a replica
         # that one of them lacks
+        self.membership.config_changed(self.cfg, cfg)
         self.cfg = cfg
         self.owners = assign_owners(cfg, self.alive_regions())
         self.admin_token = admin_token
@@ -409,6 +414,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             },
             "policy": self.cfg.policy.name,
             "regions": regions,
+            # the replicas of the registration API and AWS, and YAML ones draining after a reload
+            "membership": self.membership.status_json(),
         }
 
     def make_app(self) -> web.Application:
@@ -431,8 +438,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 "balancers": [{
                     "region": a.region, "balancer_id": a.balancer_id, "http_url": a.http_url,
                     "grpc_address": a.grpc_address, "alive": a.alive,
-                    "replicas": [{"replica_id": x.replica_id, "url": x.url, "home_region": x.home_region}
-                                 for x in a.replicas],
+                    "replicas": [{"replica_id": x.replica_id, "url": x.url, "home_region": x.home_region,
+                                  "draining": x.draining} for x in a.replicas],
                 } for a in t.balancers],
             })
 
@@ -440,6 +447,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         app.router.add_get("/v1/status", status)
         app.router.add_get("/v1/topology", topology)
         app.router.add_get("/metrics", metrics)
+        self.membership.add_routes(app)
         return app
 
     # ------------------------------------------------------------------ lifecycle
@@ -465,7 +473,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.bound_ports["http"] = int(self._runner.addresses[0][1])
         interval = self.cfg.controller.probe_interval_s
         for name, body, backoff_s in (("probe", self._probe_loop, interval),
-                                      ("dns-sync", self._dns_loop, min(1.0, DNS_RESYNC_S))):
+                                      ("dns-sync", self._dns_loop, min(1.0, DNS_RESYNC_S)),
+                                      *self.membership.loops()):
             self._tasks.append(SupervisedLoop(
                 name, body, on_restart=self.metrics.loop_restarted, logger=log,
                 backoff_s=backoff_s, max_backoff_s=max(backoff_s, 5.0)).start())
@@ -484,3 +493,4 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         if self.dns is not None:
             await self.dns.close()
         self.store.close()
+        self.membership.close()

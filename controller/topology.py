@@ -10,18 +10,23 @@ from __future__ import annotations
 from skymesh.config import MeshConfig
 
 
-def assign_owners(cfg: MeshConfig, alive: set[str]) -> dict[str, str]:
-    """replica id -> owning region."""
+def region_owners(cfg: MeshConfig, alive: set[str]) -> dict[str, str]:
+    """region -> the region whose balancer owns its replicas (itself while alive)."""
     owners: dict[str, str] = {}
+    live = [r.name for r in cfg.regions if r.name in alive]
     for region in cfg.regions:
         owner = region.name
-        if region.name not in alive:
-            live = [r.name for r in cfg.regions if r.name in alive]
-            if live:
-                owner = min(live, key=lambda n: (cfg.one_way_ms(region.name, n), n))
-        for rep in region.replicas:
-            owners[rep.id] = owner
+        if region.name not in alive and live:
+            owner = min(live, key=lambda n: (cfg.one_way_ms(region.name, n), n))
+        owners[region.name] = owner
     return owners
+
+
+def assign_owners(cfg: MeshConfig, alive: set[str]) -> dict[str, str]:
+    """replica id -> owning region (the YAML replicas; a dynamic replica is owned like
+    the static ones of its home region: :func:`region_owners`)."""
+    by_region = region_owners(cfg, alive)
+    return {rep.id: by_region[region.name] for region in cfg.regions for rep in region.replicas}
 
 
 def nearest_alive(cfg: MeshConfig, region: str, alive: set[str]) -> str | None:

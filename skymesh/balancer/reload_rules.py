@@ -79,6 +79,7 @@ def balancer_rules(region: str, *, own_replicas: bool) -> Rules:
         (("controller", "listen"), Kind.RESTART),  # the balancer dials it
         (("controller",), Kind.UNUSED),
         (("dns",), Kind.UNUSED),
+        (("membership",), Kind.UNUSED),  # the controller's sources; balancers follow its topology
     )
 
 

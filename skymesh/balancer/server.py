@@ -184,6 +184,11 @@ class Balancer:
             self.kv_subscriber.set_replicas(self._kv_endpoints())
         self.wake.set()
 
+    def set_draining(self, replica_ids: list[str]) -> None:
+        """The owned replicas that are leaving: no new requests, the ones in flight finish."""
+        self.core.set_draining(replica_ids)
+        self.wake.set()
+
     def _cache_source(self, replica_id: str) -> str:
         """What the policy reads this replica's cache from: "events" (its KV events) or
         "routing-history" (what this balancer sent it)."""
@@ -375,6 +380,7 @@ class Balancer:
                         for r in assignment.replicas
                     ]
                 )
+                self.set_draining([r.replica_id for r in assignment.replicas if r.draining])
             elif assignment.region in self.peers:
                 peer = self.peers[assignment.region]
                 if peer.alive and not assignment.alive:

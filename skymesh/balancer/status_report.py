@@ -24,7 +24,9 @@ def build_status_report(*, now: float, core: RegionCore, replicas: Mapping[str, 
     for rid, info in replicas.items():
         v = snap["replicas"].get(rid, {})
         replica_docs[rid] = {"url": info.url, "home_region": info.home_region, **v,
-                             "cache_source": cache_source(rid)}
+                             "cache_source": cache_source(rid),
+                             # leaving membership: nothing new is sent to it (the controller's topology)
+                             "draining": rid in core.local.draining}
     hit_ratio = round(prefix_hit_ratio(replicas.values()), 4)
     admin = {
         **identity,

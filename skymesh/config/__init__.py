@@ -15,8 +15,8 @@ Modules by concern, each importing only those before it: ``base`` (ConfigModel, 
 scalars, ConfigError), ``network`` (addresses), ``sim`` (the stand-in's ``sim:``),
 ``replica``, ``region``, ``routing``, ``control_plane`` (controller, DNS), ``slo``,
 ``security`` (TLS, API keys, admin and peer tokens), ``siblings`` (a region's balancers
-among themselves), ``edge`` (HTTP server bounds),
-``mesh`` (the root and its cross-section checks), ``load`` (YAML, schema).
+among themselves), ``edge`` (HTTP server bounds), ``membership`` (dynamic replica
+sources), ``mesh`` (the root and its cross-section checks), ``load`` (YAML, schema).
 """
 
 from skymesh.config.base import (
@@ -36,6 +36,12 @@ from skymesh.config.load import (
     load_config_digest,
     load_config_for_command,
     parse_config,
+)
+from skymesh.config.membership import (
+    AwsGroupConfig,
+    AwsSourceConfig,
+    MembershipConfig,
+    RegistrationConfig,
 )
 from skymesh.config.mesh import MeshConfig
 from skymesh.config.network import (
@@ -93,7 +99,9 @@ __all__ = [
     "SHA256_HEX_RE",
     "SLO_CLASS_RE",
     "AdminConfig",
+    "AwsGroupConfig",
     "AwsRegion",
+    "AwsSourceConfig",
     "BalancerConfig",
     "Bool",
     "CertKeyFiles",
@@ -119,6 +127,7 @@ __all__ = [
     "IpAddress",
     "KvEventsEndpoint",
     "LatencyConfig",
+    "MembershipConfig",
     "MeshConfig",
     "Network",
     "OffloadConfig",
@@ -129,6 +138,7 @@ __all__ = [
     "QueueConfig",
     "RegionConfig",
     "RegionName",
+    "RegistrationConfig",
     "ReplicaConfig",
     "ReplicaId",
     "Sha256Hex",

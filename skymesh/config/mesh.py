@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from skymesh.config.base import Bool, ConfigError, ConfigModel, Float, Text, first_repeat
 from skymesh.config.control_plane import ControllerConfig, DnsConfig
 from skymesh.config.edge import ClientTimeoutsConfig, HttpLimitsConfig
+from skymesh.config.membership import MembershipConfig
 from skymesh.config.network import HostPort
 from skymesh.config.region import LatencyConfig, RegionConfig
 from skymesh.config.routing import (
@@ -65,6 +66,8 @@ class MeshConfig(ConfigModel):
     # Mooncake's early rejection: a request whose class's TTFT target no replica here or at a
     # peer can meet even at best is answered 429 at once; false: it is queued anyway
     slo_early_rejection: Bool = True
+    # replicas that join and leave while serving (the controller's registration API, AWS)
+    membership: MembershipConfig = Field(default_factory=MembershipConfig)
 
     # (a, b) with a < b -> one-way ms, built from `latencies` by the validator
     _latency_ms: dict[tuple[str, str], float] = PrivateAttr(default_factory=dict)
@@ -82,6 +85,13 @@ class MeshConfig(ConfigModel):
             if not any(fnmatch.fnmatchcase(n, rule.source) for n in names):
                 raise ConfigError(f"offload.rules[{i}].from", f"pattern {rule.source!r} matches no configured region")
         _check_slo_class_names(self)
+        for path, name in self.membership.referenced_regions():
+            if name not in names:
+                raise ConfigError(f"membership.{path}", f"unknown region {name!r}")
+        for i, r in enumerate(self.regions):
+            if not r.replicas and not self.membership.can_add_to(r.name):
+                raise ConfigError(f"regions[{i}].replicas", "a region without YAML replicas needs a membership "
+                                  "source that adds some (membership.registration or membership.aws)")
         if self.offload.enabled and len(self.regions) > 1:
             for i, r in enumerate(self.regions):
                 if r.balancer.peer_listen is None:

@@ -74,7 +74,8 @@ class RegionConfig(ConfigModel):
     name: RegionName
     source_networks: Annotated[tuple[Network, ...], Field(min_length=1)]
     balancer: BalancerConfig
-    replicas: Annotated[tuple[ReplicaConfig, ...], Field(min_length=1)]
+    # the YAML's replicas; empty only when a membership source can add some (mesh.py)
+    replicas: tuple[ReplicaConfig, ...] = ()
     aws_region: AwsRegion | None = None
     # source address this region's balancer binds when it connects to peers, so a delay
     # proxy (or a real network) can tell which region traffic comes from

@@ -125,7 +125,9 @@ def _replica_table(region: str, rep: dict[str, Any], owned: list[dict[str, Any]]
         home = homes.get(rid) or x.get("home_region") or region
         if home != region:
             home = f"{home} (adopted)"
-        if not x.get("healthy", False):
+        if x.get("draining"):
+            state = "drain"  # leaving membership: nothing new, in-flight requests finish
+        elif not x.get("healthy", False):
             state = "down"
         else:
             state = "avail" if x.get("available") else "busy"

@@ -116,6 +116,8 @@ class BalancerCore:
         # replica -> queued requests the last dispatch round's policy picked it for while
         # this balancer had no free unit there (siblings lend to them)
         self.wants: dict[str, int] = {}
+        # replicas leaving membership: no new dispatch, requests in flight on them finish
+        self.draining: frozenset[str] = frozenset()
 
     def budget_of(self, replica_id: str) -> int:
         """Pushes this balancer may have unseen on ``replica_id``: the dispatch budget,
@@ -200,7 +202,15 @@ class BalancerCore:
         if self.siblings is not None:
             # free region-wide: the whole budget less every balancer's unseen pushes
             budget_left = self._since_probe[rid] + self.siblings.unstarted_on(rid) < self.dispatch_budget
-        view.available = view.healthy and view.num_waiting == 0 and budget_left
+        view.available = view.healthy and view.num_waiting == 0 and budget_left and rid not in self.draining
+
+    def set_draining(self, replica_ids: Iterable[str]) -> None:
+        """The members that are leaving (the controller marks them draining): none of them
+        gets a new dispatch; what is in flight on them finishes. A replica no longer named
+        becomes available again with its next probe."""
+        self.draining = frozenset(rid for rid in replica_ids if rid in self.replicas)
+        for rid in self.draining:
+            self.replicas[rid].available = False
 
     def _has_unit_free(self, replica_id: str) -> bool:
         return self._since_probe[replica_id] < self.budget_of(replica_id)
@@ -250,7 +260,7 @@ class BalancerCore:
         nothing: what they drain is the measured placement rate's to tell."""
         rate = 0.0
         for rid, view in self.replicas.items():
-            if not view.healthy or view.num_waiting > 0:
+            if not view.healthy or view.num_waiting > 0 or rid in self.draining:
                 continue
             budget = self.budget_of(rid)
             if budget == 0:

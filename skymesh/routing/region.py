@@ -385,6 +385,11 @@ class RegionCore:
         self.health.track(replica_ids)
         return actions
 
+    def set_draining(self, replica_ids: Sequence[str]) -> None:
+        """Members leaving (the controller's topology marks them draining): no new
+        dispatch to them; requests in flight on them finish there."""
+        self.local.set_draining(replica_ids)
+
     def kv_events(self, replica_id: str, events: Sequence[KvEvent], now: float,
                   max_blocks: int | None = None) -> None:
         """A replica's KV events (a decoded batch, in sequence order; the subscriber has

@@ -54,6 +54,23 @@ resource "aws_iam_role_policy" "route53" {
   policy = data.aws_iam_policy_document.route53.json
 }
 
+# membership.aws: the controller lists the replicas' Auto Scaling groups and instances.
+# Read-only; these Describe APIs have no resource-level permissions (AWS only accepts "*").
+resource "aws_iam_role_policy" "discovery" {
+  count = var.replica_discovery ? 1 : 0
+  name  = "${var.name}-replica-discovery"
+  role  = aws_iam_role.this.id
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Sid      = "ListReplicasReadOnly"
+      Effect   = "Allow"
+      Action   = ["autoscaling:DescribeAutoScalingGroups", "ec2:DescribeInstances"]
+      Resource = "*"
+    }]
+  })
+}
+
 # The controller's mesh credentials (the CA certificate, the admin token, its own
 # certificate and key) and nothing else: no balancer's key, not the peer token.
 locals {
@@ -109,6 +126,16 @@ resource "aws_security_group" "this" {
       to_port     = 7002
       protocol    = "tcp"
       cidr_blocks = var.admin_cidrs
+    }
+  }
+  dynamic "ingress" {
+    for_each = length(var.replica_cidrs) > 0 ? [1] : []
+    content {
+      description = "replica registration API (membership.registration)"
+      from_port   = 7002
+      to_port     = 7002
+      protocol    = "tcp"
+      cidr_blocks = var.replica_cidrs
     }
   }
   egress {

@@ -57,6 +57,18 @@ variable "balancer_cidrs" {
   type        = list(string)
 }
 
+variable "replica_cidrs" {
+  description = "Networks of replicas that register themselves with the controller (membership.registration: the API on 7002, under its own token); empty: closed."
+  type        = list(string)
+  default     = []
+}
+
+variable "replica_discovery" {
+  description = "Let the controller list Auto Scaling groups and EC2 instances (membership.aws: read-only DescribeAutoScalingGroups and DescribeInstances)."
+  type        = bool
+  default     = false
+}
+
 variable "admin_cidrs" {
   description = "Networks allowed to read the status API (7002) for `skymesh status`."
   type        = list(string)

@@ -95,3 +95,29 @@ run "rejects_wildcard_secret_arns" {
   }
   expect_failures = [var.credentials]
 }
+
+run "replica_membership_is_off_by_default" {
+  command = plan
+
+  assert {
+    condition     = length(aws_iam_role_policy.discovery) == 0
+    error_message = "no discovery permissions unless replica_discovery is set"
+  }
+}
+
+run "replica_membership_opens_what_it_needs" {
+  command = plan
+  variables {
+    replica_discovery = true
+    replica_cidrs     = ["10.20.0.0/16"]
+  }
+
+  assert {
+    condition     = tolist(jsondecode(aws_iam_role_policy.discovery[0].policy).Statement[0].Action) == tolist(["autoscaling:DescribeAutoScalingGroups", "ec2:DescribeInstances"])
+    error_message = "discovery is read-only: the two Describe calls"
+  }
+  assert {
+    condition     = length([for r in aws_security_group.this.ingress : r if r.from_port == 7002 && contains(r.cidr_blocks, "10.20.0.0/16")]) == 1
+    error_message = "the registration API opens to the replicas' networks"
+  }
+}
