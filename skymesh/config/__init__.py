@@ -15,9 +15,11 @@ Modules by concern, each importing only those before it: ``base`` (ConfigModel, 
 scalars, ConfigError), ``network`` (addresses), ``sim`` (the stand-in's ``sim:``),
 ``replica``, ``region``, ``routing``, ``control_plane`` (controller, DNS), ``slo``,
 ``security`` (TLS, API keys, admin and peer tokens), ``edge`` (HTTP server bounds),
+``autoscaling`` (the region's autoscaling signal),
 ``mesh`` (the root and its cross-section checks), ``load`` (YAML, schema).
 """
 
+from skymesh.config.autoscaling import AutoscalingConfig, CloudWatchSignalConfig
 from skymesh.config.base import (
     Bool,
     ConfigError,
@@ -91,6 +93,7 @@ __all__ = [
     "SHA256_HEX_RE",
     "SLO_CLASS_RE",
     "AdminConfig",
+    "AutoscalingConfig",
     "AwsRegion",
     "BalancerConfig",
     "Bool",
@@ -99,6 +102,7 @@ __all__ = [
     "ClientKeyConfig",
     "ClientLimits",
     "ClientTimeoutsConfig",
+    "CloudWatchSignalConfig",
     "ConfigError",
     "ConfigModel",
     "ControllerConfig",

@@ -10,6 +10,7 @@ from typing import Annotated
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from skymesh.config.autoscaling import AutoscalingConfig
 from skymesh.config.base import Bool, ConfigError, ConfigModel, Float, Text, first_repeat
 from skymesh.config.control_plane import ControllerConfig, DnsConfig
 from skymesh.config.edge import ClientTimeoutsConfig, HttpLimitsConfig
@@ -62,6 +63,9 @@ class MeshConfig(ConfigModel):
     # Mooncake's early rejection: a request whose class's TTFT target no replica here or at a
     # peer can meet even at best is answered 429 at once; false: it is queued anyway
     slo_early_rejection: Bool = True
+    # the region's autoscaling signal: a Prometheus gauge always, published to CloudWatch
+    # with autoscaling.cloudwatch (skymesh/balancer/autoscaling_signal.py)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
     # (a, b) with a < b -> one-way ms, built from `latencies` by the validator
     _latency_ms: dict[tuple[str, str], float] = PrivateAttr(default_factory=dict)
