@@ -46,6 +46,7 @@ def test_aws_example_loads() -> None:
     cfg = load_config(ROOT / "configs" / "aws-3-regions.yaml")
     assert cfg.dns.provider == "route53"
     assert all(r.replicas and r.replicas[0].sim is None for r in cfg.regions)
+    assert cfg.autoscaling.cloudwatch is not None and cfg.autoscaling.cloudwatch.namespace == "SkyMesh"
 
 
 def _set(d: dict[str, Any], path: list[Any], value: Any) -> None:

@@ -525,7 +525,7 @@ resource "aws_lb" "mesh" {
 
 # One target group per listener (a network load balancer's target group serves one load
 # balancer); every balancer of the group registers in all four. Each checks the
-# balancer's /health over HTTP, which answers 503 while it drains, so a draining balancer
+# balancer's /health over HTTP; a draining balancer closes its listeners first, so it
 # leaves every listener together.
 resource "aws_lb_target_group" "balancer" {
   for_each             = local.listeners
