@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import boto3
 import pytest
 import yaml
@@ -30,7 +33,10 @@ from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import ProbeSample, RegionCore, RegionSettings, SendToReplica
 from skymesh.routing.registry import make_policy
-from tests.mesh_helpers import ROOT
+from skymesh.runtime.procs import Child, free_port, skymesh_cmd
+from tests.mesh_helpers import ROOT, one_region_config
+
+HANG_GUARD_S = 60.0  # a hang guard only: the test waits for events, not for time
 
 # 1 ms of prefill per prompt token: round numbers below
 S_PER_TOKEN = 1e-3
@@ -219,3 +225,41 @@ def test_config_errors_name_the_key(section: dict[str, Any], path: str) -> None:
     with pytest.raises(ConfigError) as e:
         local_config({"autoscaling": section})
     assert path in str(e.value)
+
+
+async def test_a_balancer_process_publishes_to_cloudwatch_and_shows_the_gauge(
+    moto_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`skymesh balancer` with autoscaling.cloudwatch: the data points reach a CloudWatch
+    emulator (moto on loopback; boto3 finds it through AWS_ENDPOINT_URL_CLOUDWATCH) in the
+    region's AWS region, and /metrics carries the gauge."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL_CLOUDWATCH", moto_url)
+    port = free_port()
+    # a replica nobody listens on: never healthy, nothing queued, the signal is 0
+    data = one_region_config({"r0": f"http://127.0.0.1:{free_port()}"}, port, free_port())
+    data["regions"][0]["aws_region"] = "eu-central-1"
+    data["autoscaling"] = {"cloudwatch": {"namespace": "SkyMesh/Test", "interval_s": 1.0}}
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(data))
+    child = Child("balancer", skymesh_cmd("balancer", "--config", str(path), "--region", "us-east-1",
+                                          "--no-controller", "--no-peers"), tmp_path)
+    cw = boto3.client("cloudwatch", region_name="eu-central-1", endpoint_url=moto_url)
+    child.start()
+    try:
+        await child.wait_ready(HANG_GUARD_S)
+        deadline = time.monotonic() + HANG_GUARD_S
+        metrics: list[dict[str, Any]] = []
+        while not metrics:
+            assert time.monotonic() < deadline, f"no data point in CloudWatch\n{child.tail()}"
+            await asyncio.sleep(0.1)
+            metrics = (await asyncio.to_thread(cw.list_metrics, Namespace="SkyMesh/Test"))["Metrics"]
+        assert [(m["MetricName"], m["Dimensions"]) for m in metrics] == [
+            ("PendingPrefillSecondsPerReplica", [{"Name": "Region", "Value": "us-east-1"}])]
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            page = await r.text()
+        assert 'skymesh_autoscaling_pending_prefill_seconds_per_replica{region="us-east-1"} 0.0' in page
+    finally:
+        await child.stop()
+    # the region's AWS region, not boto3's default
+    assert boto3.client("cloudwatch", region_name="us-east-1", endpoint_url=moto_url).list_metrics(
+        Namespace="SkyMesh/Test")["Metrics"] == []
