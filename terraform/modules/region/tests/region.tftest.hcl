@@ -230,6 +230,15 @@ run "peer_forwards_port_only_from_peers" {
   command = plan
 
   assert {
+    condition     = length([for r in aws_security_group.balancer.ingress : r if r.from_port == 8000 && toset(r.cidr_blocks) == toset(["10.10.0.0/16"])]) == 1
+    error_message = "the load balancers' health checks (from their nodes in this VPC) reach /health"
+  }
+  assert {
+    condition     = alltrue([for r in aws_security_group.balancer.ingress : r.from_port == 8000 && r.to_port == 8000 if toset(r.cidr_blocks) == toset(["10.10.0.0/16"])])
+    error_message = "the VPC-wide rule opens the health check port only"
+  }
+
+  assert {
     condition     = length([for r in aws_security_group.balancer.ingress : r if r.from_port == 8443 && r.to_port == 8443 && toset(r.cidr_blocks) == toset(var.peer_cidrs)]) == 1
     error_message = "the peer listener (8443, mTLS forwards) is open to peer networks only"
   }
