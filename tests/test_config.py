@@ -46,6 +46,7 @@ def test_aws_example_loads() -> None:
     cfg = load_config(ROOT / "configs" / "aws-3-regions.yaml")
     assert cfg.dns.provider == "route53"
     assert all(r.replicas and r.replicas[0].sim is None for r in cfg.regions)
+    assert cfg.autoscaling.cloudwatch is not None and cfg.autoscaling.cloudwatch.namespace == "SkyMesh"
 
 
 def _set(d: dict[str, Any], path: list[Any], value: Any) -> None:
@@ -247,7 +248,7 @@ def test_schema_command_prints_the_json_schema(with_file: bool, capsys: pytest.C
         "model", "regions", "latencies", "local_latency_ms", "controller", "dns", "policy", "offload",
         "health", "upstream", "peer_token", "emulate_latency", "tls",
         "client_auth", "admin", "client_timeouts", "http_limits", "tokenizer", "slo_classes", "default_slo_class",
-        "slo_early_rejection", "queue", "siblings", "membership",
+        "slo_early_rejection", "queue", "siblings", "membership", "autoscaling",
     }
     assert set(schema["required"]) == {"regions", "controller", "dns"}
     policy = schema["$defs"]["PolicyConfig"]["properties"]

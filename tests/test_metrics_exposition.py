@@ -79,7 +79,8 @@ def test_two_stand_ins_in_one_process_keep_separate_registries() -> None:
 ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transitions", "skymesh_loop_restarts",
                            "skymesh_internal_errors", "skymesh_rejected_peer_calls", "skymesh_config_reloads",
                            "skymesh_cache_predictions", "skymesh_slo_requests", "skymesh_slo_outcomes",
-                           "skymesh_slo_target_misses", "skymesh_http_connections")
+                           "skymesh_slo_target_misses", "skymesh_http_connections",
+                           "skymesh_autoscaling_pending_prefill_seconds_per_replica")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -102,7 +103,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         replicas=[ReplicaLoad("r0", 2, 300), ReplicaLoad("r1", 3, 0)],
         peers=[PeerHealth("us-east", 0.5, True), PeerHealth("eu-west", float("inf"), False)],
         transitions={("queued", "placed"): 4}, loop_restarts={"probe": 1}, ejected_replicas=1,
-        rejected_peer_calls={"wrong_region": 2},
+        rejected_peer_calls={"wrong_region": 2}, pending_prefill_s_per_replica=0.75,
     )
     m = BalancerMetrics("us-west", lambda: snapshot)
     m.decision_seconds.observe(3e-5)
@@ -128,6 +129,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_config_reloads_total{result="ok"}': 0.0,
         'skymesh_config_reloads_total{result="error"}': 0.0,
         "skymesh_http_connections_open": 0.0,
+        'skymesh_autoscaling_pending_prefill_seconds_per_replica{region="us-west"}': 0.75,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added

@@ -79,7 +79,7 @@ def test_config_module_terraform_test(tf_env: dict[str, str], tmp_path: Path) ->
     mod = TF_DIR / "modules" / "config"
     tf(["init", "-backend=false", "-input=false"], mod, tf_env, tmp_path)
     out = tf(["test"], mod, tf_env, tmp_path)
-    assert "7 passed, 0 failed" in out.stdout, out.stdout
+    assert "10 passed, 0 failed" in out.stdout, out.stdout
 
 
 @needs_tf
@@ -98,6 +98,7 @@ module "config" {{
     {{ name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = ["10.20.1.10"] }},
   ]
   latencies = [{{ regions = ["us-east-1", "eu-west-1"], one_way_ms = 38 }}]
+  autoscaling = {{ interval_s = 30 }}
 }}
 output "skymesh_config" {{
   value     = module.config.skymesh_config
@@ -109,6 +110,11 @@ output "skymesh_config" {{
     yaml_text = tf(["output", "-raw", "skymesh_config"], work, tf_env, tmp_path / "d").stdout
     cfg = parse_config(yaml.safe_load(yaml_text))
     assert [r.name for r in cfg.regions] == ["us-east-1", "eu-west-1"]
+    # the balancers publish the signal the region module's replica scaling policy tracks
+    # (its autoscaling_metric defaults: SkyMesh / PendingPrefillSecondsPerReplica)
+    cw = cfg.autoscaling.cloudwatch
+    assert cw is not None and (cw.namespace, cw.metric_name, cw.interval_s) == (
+        "SkyMesh", "PendingPrefillSecondsPerReplica", 30.0)
     assert cfg.regions[0].replicas[1].url == "http://10.10.1.11:8000"
     assert cfg.regions[0].balancer.public_ip == "3.80.0.10"
     assert cfg.dns.provider == "route53" and cfg.rtt_ms("us-east-1", "eu-west-1") == 76

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from skymesh.balancer.autoscaling_signal import attach_autoscaling_signal
 from skymesh.balancer.reload_rules import reload_balancer
 from skymesh.balancer.server import Balancer
 from skymesh.balancer.services import attach_services
@@ -81,6 +82,7 @@ async def serve(args: argparse.Namespace) -> int:
     balancer = Balancer(prepare(cfg), args.region, balancer_id=args.balancer_id, policy_name=args.policy,
                         config_sha256=digest)
     attach_services(balancer, peers=not args.no_peers, controller=not args.no_controller)
+    attach_autoscaling_signal(balancer)  # with autoscaling.cloudwatch: the signal to CloudWatch
 
     async def start() -> None:
         await balancer.start()

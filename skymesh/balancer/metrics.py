@@ -16,6 +16,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from skymesh.balancer.autoscaling_signal import pending_prefill_s_per_replica
 from skymesh.edge.connection_metrics import EdgeMetrics
 from skymesh.routing.base import Decision, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
@@ -57,6 +58,8 @@ class BalancerSnapshot:
     ejected_replicas: int = 0
     # peer heartbeat traffic refused (mesh identity), by reason
     rejected_peer_calls: Mapping[str, int] = field(default_factory=dict)
+    # the autoscaling signal: predicted seconds of prefill waiting per healthy replica
+    pending_prefill_s_per_replica: float = 0.0
 
 
 class SnapshotSource(Protocol):
@@ -91,6 +94,7 @@ def balancer_snapshot(b: SnapshotSource) -> BalancerSnapshot:
         loop_restarts=b.loop_restart_counts(),
         ejected_replicas=b.core.ejected_count(),
         rejected_peer_calls=b.rejected_peer_calls(),
+        pending_prefill_s_per_replica=pending_prefill_s_per_replica(b.core),
     )
 
 
@@ -130,6 +134,10 @@ class _LoadCollector:
                           [(here, s.prefix_hit_ratio)])
         yield self._gauge("skymesh_replicas_ejected", "Replicas ejected by the health tracker.", "region",
                           [(here, s.ejected_replicas)])
+        yield self._gauge("skymesh_autoscaling_pending_prefill_seconds_per_replica",
+                          "Predicted seconds of prefill work waiting (queued and dispatched without a first "
+                          "token) per healthy replica: the autoscaling signal.", "region",
+                          [(here, s.pending_prefill_s_per_replica)])
         transitions = CounterMetricFamily(
             "skymesh_request_transitions", "Request lifecycle transitions (new, queued, placed, streaming, "
             "done, failed, rejected, cancelled).", labels=("from_state", "to_state"))

@@ -16,9 +16,11 @@ scalars, ConfigError), ``network`` (addresses), ``sim`` (the stand-in's ``sim:``
 ``replica``, ``region``, ``routing``, ``control_plane`` (controller, DNS), ``slo``,
 ``security`` (TLS, API keys, admin and peer tokens), ``siblings`` (a region's balancers
 among themselves), ``edge`` (HTTP server bounds), ``membership`` (dynamic replica
-sources), ``mesh`` (the root and its cross-section checks), ``load`` (YAML, schema).
+sources), ``autoscaling`` (the region's autoscaling signal), ``mesh`` (the root and its
+cross-section checks), ``load`` (YAML, schema).
 """
 
+from skymesh.config.autoscaling import AutoscalingConfig, CloudWatchSignalConfig
 from skymesh.config.base import (
     Bool,
     ConfigError,
@@ -100,6 +102,7 @@ __all__ = [
     "SLO_CLASS_RE",
     "AdminConfig",
     "AwsGroupConfig",
+    "AutoscalingConfig",
     "AwsRegion",
     "AwsSourceConfig",
     "BalancerConfig",
@@ -109,6 +112,7 @@ __all__ = [
     "ClientKeyConfig",
     "ClientLimits",
     "ClientTimeoutsConfig",
+    "CloudWatchSignalConfig",
     "ConfigError",
     "ConfigModel",
     "ControllerConfig",

@@ -10,6 +10,7 @@ from typing import Annotated
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from skymesh.config.autoscaling import AutoscalingConfig
 from skymesh.config.base import Bool, ConfigError, ConfigModel, Float, Text, first_repeat
 from skymesh.config.control_plane import ControllerConfig, DnsConfig
 from skymesh.config.edge import ClientTimeoutsConfig, HttpLimitsConfig
@@ -68,6 +69,9 @@ class MeshConfig(ConfigModel):
     slo_early_rejection: Bool = True
     # replicas that join and leave while serving (the controller's registration API, AWS)
     membership: MembershipConfig = Field(default_factory=MembershipConfig)
+    # the region's autoscaling signal: a Prometheus gauge always, published to CloudWatch
+    # with autoscaling.cloudwatch (skymesh/balancer/autoscaling_signal.py)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
     # (a, b) with a < b -> one-way ms, built from `latencies` by the validator
     _latency_ms: dict[tuple[str, str], float] = PrivateAttr(default_factory=dict)

@@ -242,6 +242,12 @@ class RegionCore:
     def pending_prefill_tokens(self) -> int:
         return self.local.pending_prefill_tokens()
 
+    def region_pending_prefill_tokens(self) -> int:
+        """Prefill work queued or dispatched without a first token in the whole region:
+        this balancer's and, in a region of several, its siblings' as they last said."""
+        own = max(0, self.local.pending_prefill_tokens())
+        return own if self.siblings is None else own + self.siblings.pending_prefill_tokens_as_of_step()
+
     def request_of(self, request_id: str) -> RoutingRequest:
         return self._requests[request_id].req
 

@@ -107,6 +107,10 @@ class RegionSiblings:
         """Of those, the ones without a first token yet (their unseen pushes, at most)."""
         return sum(m.loads.get(replica_id, (0, 0))[1] for m in self._live.values())
 
+    def pending_prefill_tokens_as_of_step(self) -> int:
+        """The live siblings' pending prefill as of the last step (no clock needed)."""
+        return sum(m.pending_prefill_tokens for m in self._live.values())
+
     def queue_length(self, now: float) -> int:
         return sum(m.shares.queue_length for m in self.live(now).values())
 

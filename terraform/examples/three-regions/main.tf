@@ -26,14 +26,21 @@ provider "aws" {
 
 locals {
   regions = {
-    "us-east-1"      = { cidr = "10.10.0.0/16", az = "us-east-1a", ami = var.amis["us-east-1"] }
-    "eu-west-1"      = { cidr = "10.20.0.0/16", az = "eu-west-1a", ami = var.amis["eu-west-1"] }
-    "ap-northeast-1" = { cidr = "10.30.0.0/16", az = "ap-northeast-1a", ami = var.amis["ap-northeast-1"] }
+    "us-east-1"      = { cidr = "10.10.0.0/16", azs = ["us-east-1a", "us-east-1b"], ami = var.amis["us-east-1"] }
+    "eu-west-1"      = { cidr = "10.20.0.0/16", azs = ["eu-west-1a", "eu-west-1b"], ami = var.amis["eu-west-1"] }
+    "ap-northeast-1" = { cidr = "10.30.0.0/16", azs = ["ap-northeast-1a", "ap-northeast-1c"], ami = var.amis["ap-northeast-1"] }
   }
   all_cidrs     = [for r in local.regions : r.cidr]
   controller_ip = cidrhost(cidrsubnet(local.regions["us-east-1"].cidr, 8, 0), 5)
-  balancer_ip   = { for k, r in local.regions : k => cidrhost(cidrsubnet(r.cidr, 8, 0), 10) }
-  replica_ips   = { for k, r in local.regions : k => [for i in range(var.replicas_per_region) : cidrhost(cidrsubnet(r.cidr, 8, 0), 20 + i)] }
+  # the static pool of replicas, at fixed addresses in each region's first subnet
+  replica_ips = { for k, r in local.regions : k => [for i in range(var.replicas_per_region) : cidrhost(cidrsubnet(r.cidr, 8, 0), 20 + i)] }
+  # a region's address for peers and the controller: its internal (mesh) load balancer's
+  # fixed private IP in the first subnet, computed from the CIDR (known at plan)
+  balancer_ip = {
+    "us-east-1"      = module.use1.balancer_private_ip
+    "eu-west-1"      = module.euw1.balancer_private_ip
+    "ap-northeast-1" = module.apne1.balancer_private_ip
+  }
   balancer_public_ip = {
     "us-east-1"      = module.use1.balancer_public_ip
     "eu-west-1"      = module.euw1.balancer_public_ip
@@ -69,9 +76,9 @@ module "secrets" {
   kms_key_arn = var.kms_key_arn
 }
 
-# The config is computed from planned addresses (fixed private IPs per region, and the
-# balancers' Elastic IPs, which are allocated before any instance), so every instance gets
-# the same YAML at boot.
+# The config is computed from planned addresses (each region's mesh load balancer at a
+# fixed private IP, the entry load balancer's Elastic IP, which is allocated before any
+# instance, the static replicas' fixed IPs), so every instance gets the same YAML at boot.
 module "config" {
   source = "../../modules/config"
   model  = var.model
@@ -90,6 +97,12 @@ module "config" {
   # tls: and admin.token_file name the files the fetch scripts write; the peer token
   # reaches the balancers in their environment, so the config (user data) holds no secret
   credentials_dir = module.secrets.host_dir
+  # every balancer publishes the autoscaling signal the replicas' scaling policy tracks
+  autoscaling = { namespace = local.autoscaling_metric.namespace, metric_name = local.autoscaling_metric.name }
+}
+
+locals {
+  autoscaling_metric = { namespace = "SkyMesh", name = "PendingPrefillSecondsPerReplica" }
 }
 
 module "use1" {
@@ -97,11 +110,12 @@ module "use1" {
   providers           = { aws = aws.use1 }
   name                = "us-east-1"
   vpc_cidr            = local.regions["us-east-1"].cidr
-  availability_zone   = local.regions["us-east-1"].az
+  availability_zones  = local.regions["us-east-1"].azs
   ami_id              = local.regions["us-east-1"].ami
-  replica_count       = var.replicas_per_region
-  balancer_private_ip = local.balancer_ip["us-east-1"]
   replica_private_ips = local.replica_ips["us-east-1"]
+  replica_scaling     = var.replica_scaling
+  balancer_scaling    = var.balancer_scaling
+  autoscaling_metric  = local.autoscaling_metric
   peer_cidrs          = local.all_cidrs
   model               = var.model
   skymesh_package     = var.skymesh_package
@@ -115,11 +129,12 @@ module "euw1" {
   providers           = { aws = aws.euw1 }
   name                = "eu-west-1"
   vpc_cidr            = local.regions["eu-west-1"].cidr
-  availability_zone   = local.regions["eu-west-1"].az
+  availability_zones  = local.regions["eu-west-1"].azs
   ami_id              = local.regions["eu-west-1"].ami
-  replica_count       = var.replicas_per_region
-  balancer_private_ip = local.balancer_ip["eu-west-1"]
   replica_private_ips = local.replica_ips["eu-west-1"]
+  replica_scaling     = var.replica_scaling
+  balancer_scaling    = var.balancer_scaling
+  autoscaling_metric  = local.autoscaling_metric
   peer_cidrs          = local.all_cidrs
   model               = var.model
   skymesh_package     = var.skymesh_package
@@ -133,11 +148,12 @@ module "apne1" {
   providers           = { aws = aws.apne1 }
   name                = "ap-northeast-1"
   vpc_cidr            = local.regions["ap-northeast-1"].cidr
-  availability_zone   = local.regions["ap-northeast-1"].az
+  availability_zones  = local.regions["ap-northeast-1"].azs
   ami_id              = local.regions["ap-northeast-1"].ami
-  replica_count       = var.replicas_per_region
-  balancer_private_ip = local.balancer_ip["ap-northeast-1"]
   replica_private_ips = local.replica_ips["ap-northeast-1"]
+  replica_scaling     = var.replica_scaling
+  balancer_scaling    = var.balancer_scaling
+  autoscaling_metric  = local.autoscaling_metric
   peer_cidrs          = local.all_cidrs
   model               = var.model
   skymesh_package     = var.skymesh_package

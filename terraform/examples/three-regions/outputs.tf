@@ -5,8 +5,26 @@ output "skymesh_config" {
 }
 
 output "balancer_public_ips" {
-  description = "Public IPs of the regional balancers."
+  description = "Per region, the Elastic IP of its entry load balancer that DNS publishes (the balancers behind it are an Auto Scaling group)."
   value       = local.balancer_public_ip
+}
+
+output "entry_dns_names" {
+  description = "Per region, the DNS name of its internet-facing entry load balancer."
+  value = {
+    "us-east-1"      = module.use1.entry_dns_name
+    "eu-west-1"      = module.euw1.entry_dns_name
+    "ap-northeast-1" = module.apne1.entry_dns_name
+  }
+}
+
+output "autoscaling_groups" {
+  description = "Per region, its Auto Scaling groups: the balancers and the scaling pool of replicas."
+  value = {
+    "us-east-1"      = { balancers = module.use1.balancer_asg_name, replicas = module.use1.replica_asg_name }
+    "eu-west-1"      = { balancers = module.euw1.balancer_asg_name, replicas = module.euw1.replica_asg_name }
+    "ap-northeast-1" = { balancers = module.apne1.balancer_asg_name, replicas = module.apne1.replica_asg_name }
+  }
 }
 
 output "controller_private_ip" {

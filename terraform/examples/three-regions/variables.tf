@@ -4,9 +4,35 @@ variable "amis" {
 }
 
 variable "replicas_per_region" {
-  description = "vLLM replicas per region."
+  description = "vLLM replicas per region in the static pool (fixed addresses the config names)."
   type        = number
   default     = 2
+
+  validation {
+    condition     = var.replicas_per_region >= 1 && var.replicas_per_region <= 64
+    error_message = "replicas_per_region must be between 1 and 64 (the config needs one replica per region)."
+  }
+}
+
+variable "replica_scaling" {
+  description = "Per region, the scaling pool of replicas (the region module's replica_scaling): bounds, first size, target seconds of pending prefill per replica."
+  type = object({
+    min_size                 = optional(number, 0)
+    max_size                 = optional(number, 8)
+    desired_capacity         = optional(number, 0)
+    target_pending_prefill_s = optional(number, 2)
+  })
+  default = {}
+}
+
+variable "balancer_scaling" {
+  description = "Per region, the active-active balancers behind the load balancers (the region module's balancer_scaling)."
+  type = object({
+    min_size         = optional(number, 2)
+    max_size         = optional(number, 4)
+    desired_capacity = optional(number, 2)
+  })
+  default = {}
 }
 
 variable "model" {

@@ -19,6 +19,13 @@ locals {
     }
     admin = { token_file = "${local.dir}/admin-token" }
   } : k => v if var.credentials_dir != null }
+  autoscaling = var.autoscaling == null ? {} : {
+    autoscaling = { cloudwatch = {
+      namespace   = var.autoscaling.namespace
+      metric_name = var.autoscaling.metric_name
+      interval_s  = var.autoscaling.interval_s
+    } }
+  }
   config = merge({
     model = var.model
     regions = [for r in var.regions : merge(
@@ -67,5 +74,5 @@ locals {
       enabled = true
       rules   = var.offload_rules
     }
-  }, var.peer_token == null ? {} : { peer_token = var.peer_token }, local.credentials)
+  }, var.peer_token == null ? {} : { peer_token = var.peer_token }, local.credentials, local.autoscaling)
 }

@@ -130,3 +130,18 @@ variable "credentials_dir" {
     error_message = "credentials_dir must be an absolute path of plain characters."
   }
 }
+
+variable "autoscaling" {
+  description = "Where every balancer publishes the autoscaling signal (the config's autoscaling.cloudwatch: CloudWatch namespace, metric name, seconds between data points); null: not published."
+  type = object({
+    namespace   = optional(string, "SkyMesh")
+    metric_name = optional(string, "PendingPrefillSecondsPerReplica")
+    interval_s  = optional(number, 60)
+  })
+  default = null
+
+  validation {
+    condition     = var.autoscaling == null || try(var.autoscaling.interval_s >= 1 && var.autoscaling.interval_s <= 3600, false)
+    error_message = "autoscaling.interval_s must be between 1 and 3600 seconds."
+  }
+}

@@ -19,9 +19,14 @@ variable "vpc_cidr" {
   }
 }
 
-variable "availability_zone" {
-  description = "AZ for the subnet (GPU capacity differs per AZ)."
-  type        = string
+variable "availability_zones" {
+  description = "AZs of the region's subnets, one subnet each (GPU capacity differs per AZ): the load balancers and both Auto Scaling groups span them; the first holds the static replicas."
+  type        = list(string)
+
+  validation {
+    condition     = length(var.availability_zones) >= 1 && length(var.availability_zones) <= 6 && length(distinct(var.availability_zones)) == length(var.availability_zones)
+    error_message = "availability_zones must list 1 to 6 distinct zones."
+  }
 }
 
 variable "ami_id" {
@@ -29,15 +34,58 @@ variable "ami_id" {
   type        = string
 }
 
-variable "replica_count" {
-  description = "Number of GPU replicas running vLLM."
-  type        = number
-  default     = 2
+variable "replica_scaling" {
+  description = "The scaling pool of replicas (an Auto Scaling group): its bounds, its first size, and the target of its tracking policy, in predicted seconds of prefill work waiting per healthy replica (the balancers' autoscaling signal)."
+  type = object({
+    min_size                 = optional(number, 0)
+    max_size                 = optional(number, 8)
+    desired_capacity         = optional(number, 0)
+    target_pending_prefill_s = optional(number, 2)
+  })
+  default = {}
 
   validation {
-    condition     = var.replica_count >= 1 && var.replica_count <= 64
-    error_message = "replica_count must be between 1 and 64."
+    condition     = var.replica_scaling.min_size >= 0 && var.replica_scaling.min_size <= var.replica_scaling.desired_capacity && var.replica_scaling.desired_capacity <= var.replica_scaling.max_size && var.replica_scaling.max_size <= 64
+    error_message = "replica_scaling needs 0 <= min_size <= desired_capacity <= max_size <= 64."
   }
+  validation {
+    condition     = var.replica_scaling.target_pending_prefill_s > 0
+    error_message = "replica_scaling.target_pending_prefill_s must be positive."
+  }
+}
+
+variable "balancer_scaling" {
+  description = "The region's active-active balancers (an Auto Scaling group behind the load balancers): bounds and size."
+  type = object({
+    min_size         = optional(number, 2)
+    max_size         = optional(number, 4)
+    desired_capacity = optional(number, 2)
+  })
+  default = {}
+
+  validation {
+    condition     = var.balancer_scaling.min_size >= 1 && var.balancer_scaling.min_size <= var.balancer_scaling.desired_capacity && var.balancer_scaling.desired_capacity <= var.balancer_scaling.max_size && var.balancer_scaling.max_size <= 16
+    error_message = "balancer_scaling needs 1 <= min_size <= desired_capacity <= max_size <= 16."
+  }
+}
+
+variable "autoscaling_metric" {
+  description = "The CloudWatch metric the balancers publish (the config's autoscaling.cloudwatch) and the replicas' policy tracks; its one dimension is Region = name."
+  type = object({
+    namespace = optional(string, "SkyMesh")
+    name      = optional(string, "PendingPrefillSecondsPerReplica")
+  })
+  default = {}
+}
+
+variable "ports" {
+  description = "The balancer's listeners (the config module's balancer_port, grpc_port, peer_port): HTTP (OpenAI API, /health), gRPC heartbeats, mTLS forwards from peers."
+  type = object({
+    http = optional(number, 8000)
+    grpc = optional(number, 9000)
+    peer = optional(number, 8443)
+  })
+  default = {}
 }
 
 variable "replica_instance_type" {
@@ -88,21 +136,10 @@ variable "skymesh_config" {
   sensitive   = true
 }
 
-variable "balancer_private_ip" {
-  description = "Fixed private IP of the balancer (the config module names it before apply); null: any."
-  type        = string
-  default     = null
-}
-
 variable "replica_private_ips" {
-  description = "Fixed private IPs of the replicas, one per replica; empty: any."
+  description = "The static pool: fixed private IPs (in the first subnet) of replicas the config names; empty: the scaling pool only."
   type        = list(string)
   default     = []
-
-  validation {
-    condition     = length(var.replica_private_ips) == 0 || length(var.replica_private_ips) == var.replica_count
-    error_message = "replica_private_ips must be empty or list one IP per replica (replica_count)."
-  }
 }
 
 variable "credentials" {

@@ -17,19 +17,19 @@ mock_provider "aws" {
 }
 
 override_resource {
-  target          = module.use1.aws_eip.balancer
+  target          = module.use1.aws_eip.entry
   values          = { public_ip = "3.80.0.10" }
   override_during = plan
 }
 
 override_resource {
-  target          = module.euw1.aws_eip.balancer
+  target          = module.euw1.aws_eip.entry
   values          = { public_ip = "52.16.0.10" }
   override_during = plan
 }
 
 override_resource {
-  target          = module.apne1.aws_eip.balancer
+  target          = module.apne1.aws_eip.entry
   values          = { public_ip = "13.112.0.10" }
   override_during = plan
 }
@@ -62,7 +62,23 @@ run "config_names_the_planned_addresses" {
 
   assert {
     condition     = { for r in yamldecode(output.skymesh_config).regions : r.name => r.balancer.public_ip } == { "us-east-1" = "3.80.0.10", "eu-west-1" = "52.16.0.10", "ap-northeast-1" = "13.112.0.10" }
-    error_message = "the config must publish each balancer's Elastic IP"
+    error_message = "the config must publish each region's entry Elastic IP"
+  }
+  assert {
+    condition     = { for r in yamldecode(output.skymesh_config).regions : r.name => [r.balancer.advertise, r.balancer.grpc_advertise, r.balancer.peer_advertise] } == { "us-east-1" = ["10.10.0.10:8000", "10.10.0.10:9000", "10.10.0.10:8443"], "eu-west-1" = ["10.20.0.10:8000", "10.20.0.10:9000", "10.20.0.10:8443"], "ap-northeast-1" = ["10.30.0.10:8000", "10.30.0.10:9000", "10.30.0.10:8443"] }
+    error_message = "peers and the controller reach each region at its mesh load balancer's fixed private IP"
+  }
+  assert {
+    condition     = module.euw1.balancer_private_ips == ["10.20.0.10", "10.20.1.10"]
+    error_message = "the mesh load balancer sits at the address the config advertises"
+  }
+  assert {
+    condition     = yamldecode(output.skymesh_config).autoscaling.cloudwatch == { namespace = "SkyMesh", metric_name = "PendingPrefillSecondsPerReplica", interval_s = 60 }
+    error_message = "every balancer publishes the signal the replicas' policy tracks"
+  }
+  assert {
+    condition     = alltrue([for m in [module.use1, module.euw1, module.apne1] : m.replica_scaling_metric.name == yamldecode(output.skymesh_config).autoscaling.cloudwatch.metric_name && m.replica_scaling_metric.namespace == yamldecode(output.skymesh_config).autoscaling.cloudwatch.namespace]) && module.apne1.replica_scaling_metric.region == "ap-northeast-1"
+    error_message = "the policy tracks the metric the config publishes"
   }
   assert {
     condition     = yamldecode(output.skymesh_config).controller.listen == "${module.controller.private_ip}:7001"

@@ -101,3 +101,32 @@ run "rejects_a_relative_credentials_dir" {
   }
   expect_failures = [var.credentials_dir]
 }
+
+run "no_autoscaling_no_section" {
+  command = plan
+
+  assert {
+    condition     = !contains(keys(yamldecode(output.skymesh_config)), "autoscaling")
+    error_message = "without autoscaling the balancers publish nothing"
+  }
+}
+
+run "autoscaling_renders_the_cloudwatch_section" {
+  command = plan
+  variables {
+    autoscaling = { interval_s = 30 }
+  }
+
+  assert {
+    condition     = yamldecode(output.skymesh_config).autoscaling == { cloudwatch = { namespace = "SkyMesh", metric_name = "PendingPrefillSecondsPerReplica", interval_s = 30 } }
+    error_message = "the signal's namespace, metric and interval, as the region module's policy tracks them"
+  }
+}
+
+run "rejects_a_zero_interval" {
+  command = plan
+  variables {
+    autoscaling = { interval_s = 0 }
+  }
+  expect_failures = [var.autoscaling]
+}
