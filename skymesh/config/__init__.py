@@ -52,9 +52,12 @@ from skymesh.config.region import (
     REGION_NAME_RE,
     AwsRegion,
     BalancerConfig,
+    BalancerId,
+    BalancerMember,
     LatencyConfig,
     RegionConfig,
     RegionName,
+    SiblingBalancerConfig,
 )
 from skymesh.config.replica import REPLICA_ID_RE, KvEventsEndpoint, ReplicaConfig, ReplicaId
 from skymesh.config.routing import (
@@ -93,6 +96,8 @@ __all__ = [
     "AdminConfig",
     "AwsRegion",
     "BalancerConfig",
+    "BalancerId",
+    "BalancerMember",
     "Bool",
     "CertKeyFiles",
     "ClientAuthConfig",
@@ -127,6 +132,7 @@ __all__ = [
     "QueueConfig",
     "RegionConfig",
     "RegionName",
+    "SiblingBalancerConfig",
     "ReplicaConfig",
     "ReplicaId",
     "Sha256Hex",
