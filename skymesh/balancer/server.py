@@ -328,7 +328,17 @@ class Balancer:
             epoch=self.epoch,
             http_url=self.region_cfg.balancer.advertise_url,
             grpc_address=str(self.region_cfg.balancer.grpc_advertise),
+            member_grpc_address=self.member_grpc_address(),
         )
+
+    def member_grpc_address(self) -> str:
+        """This balancer's own gRPC listener (the bound port when it listens on port 0)."""
+        listen = self.region_cfg.balancer.grpc_listen
+        for svc in self.extra_services:
+            port = getattr(svc, "bound_port", None)
+            if isinstance(port, int) and port > 0:  # the peers' gRPC server
+                return f"{listen.host}:{port}"
+        return str(listen)
 
     def set_controller_connected(self, connected: bool) -> None:
         self.controller_connected = connected
