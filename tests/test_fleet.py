@@ -7,17 +7,30 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
+from aiohttp import web
 
+from controller.service import ControllerService
 from skymesh.balancer.main import as_member, member_balancer_id, with_listen_ports
-from skymesh.config import BalancerMember, HostPort, MeshConfig, load_config
+from skymesh.config import (
+    BalancerMember,
+    HostPort,
+    MeshConfig,
+    RegionConfig,
+    load_config,
+    parse_config,
+)
+from skymesh.dns.base import BalancerEndpoint
 from skymesh.operations.latency_proxy import DelayProxy
+from skymesh.operations.status import render
 from skymesh.operations.up import Mesh
+from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from tests.mesh_helpers import admin_auth, local_config_free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,3 +143,165 @@ async def test_up_starts_every_member_behind_one_entry(tmp_path: Path) -> None:
         by_member = http_entry(mesh).connections_by_target
         assert all(by_member[(m.listen.host, m.listen.port)] >= 3 for m in region.balancer_members), by_member
         assert f"{US}" in mesh.describe() and "2 balancers" in mesh.describe()
+
+
+# ----------------------------------------------------------------------------- the controller
+
+
+class HealthOnly:
+    """A balancer stand-in that only answers /health, on one member's listener."""
+
+    def __init__(self, listen: HostPort) -> None:
+        self.listen = listen
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.listen.host, self.listen.port, reuse_address=True).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+class RecordingDns:
+    """A DNS provider that keeps every endpoint list it was told."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[list[BalancerEndpoint]] = []
+
+    async def sync(self, endpoints: list[BalancerEndpoint]) -> bool:
+        changed = not self.calls or self.calls[-1] != endpoints
+        self.calls.append(list(endpoints))
+        return changed
+
+    async def close(self) -> None:
+        return None
+
+    def healthy(self) -> set[str]:
+        return {e.region for e in self.calls[-1] if e.healthy} if self.calls else set()
+
+
+def controller_fleet_config(tmp_path: Path) -> MeshConfig:
+    data = local_config_free_ports(siblings=1)
+    data["emulate_latency"] = False
+    data["controller"].update(state_path=str(tmp_path / "controller.sqlite"), probe_interval_s=0.2,
+                              failure_threshold=2)
+    return parse_config(data)
+
+
+async def eventually(pred: Callable[[], bool], what: str) -> None:
+    """Wait for ``pred``; the bound is only a hang guard."""
+    for _ in range(600):
+        if pred():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+@contextlib.asynccontextmanager
+async def fleet_controller(cfg: MeshConfig, dns: RecordingDns | None = None) -> AsyncIterator[
+        tuple[ControllerService, Any, dict[str, HealthOnly]]]:
+    """A started controller, a stub to it, and a /health answerer on every member's listener."""
+    answering = {m.id: HealthOnly(m.listen) for r in cfg.regions for m in r.balancer_members}
+    svc = ControllerService(cfg, dns)
+    try:
+        for h in answering.values():
+            await h.start()
+        await svc.start()
+        async with grpc.aio.insecure_channel(str(cfg.controller.listen)) as ch:
+            yield svc, mesh_pb2_grpc.ControllerStub(ch), answering
+    finally:
+        await svc.stop()
+        for h in answering.values():
+            await h.stop()
+
+
+def register(region: RegionConfig, member: int) -> Any:
+    m = region.balancer_members[member]
+    return mesh_pb2.RegisterRequest(region=region.name, balancer_id=m.id, member_grpc_address=str(m.grpc_listen))
+
+
+def members_of(topology: Any, region: str) -> dict[str, Any]:
+    return {m.balancer_id: m for a in topology.balancers if a.region == region for m in a.members}
+
+
+async def test_a_region_lives_while_any_balancer_does_and_fails_over_with_the_last(tmp_path: Path) -> None:
+    cfg = controller_fleet_config(tmp_path)
+    use1 = cfg.region(US)
+    dns = RecordingDns()
+    async with fleet_controller(cfg, dns) as (svc, stub, answering):
+        b0 = await stub.Register(register(use1, 0), timeout=5)
+        b1 = await stub.Register(register(use1, 1), timeout=5)
+        # each registration its own epoch, never one another's
+        assert b0.accepted and b1.accepted and b1.epoch > b0.epoch
+        members = members_of(b1.topology, US)
+        assert set(members) == {f"{US}-b0", f"{US}-b1"}
+        for m in use1.balancer_members:
+            listed = members[m.id]
+            assert listed.alive and listed.http_url == m.listen.http_url
+            assert listed.grpc_address == str(m.grpc_listen)
+        assert (members[f"{US}-b0"].epoch, members[f"{US}-b1"].epoch) == (b0.epoch, b1.epoch)
+        await eventually(lambda: dns.healthy() == {r.name for r in cfg.regions}, "DNS told every region is up")
+        owners_before = dict(svc.owners)
+
+        # one balancer drains and leaves: its region stays, DNS and ownership do not move
+        v0 = svc.version
+        left = await stub.Deregister(mesh_pb2.DeregisterRequest(
+            region=US, balancer_id=f"{US}-b1", epoch=b1.epoch, reason="draining"), timeout=5)
+        assert left.accepted and left.topology_version > v0  # the siblings hear of it
+        assert US in svc.alive_regions() and svc.owners == owners_before
+        after = members_of(svc.topology(), US)
+        assert not after[f"{US}-b1"].alive and after[f"{US}-b0"].alive
+        # its /health still answers while it drains: probes do not bring it back
+        await asyncio.sleep(4 * cfg.controller.probe_interval_s)
+        assert not members_of(svc.topology(), US)[f"{US}-b1"].alive
+        assert dns.healthy() == {r.name for r in cfg.regions}
+        st = await stub.GetStatus(mesh_pb2.StatusRequest(), timeout=5)
+        rs = {r.region: r for r in st.regions}[US]
+        assert rs.balancer_alive and [(m.balancer_id, m.alive) for m in rs.members] == [
+            (f"{US}-b0", True), (f"{US}-b1", False)]
+        text = render(svc.status_json())
+        assert f"== {US}  1/2 balancers up" in text and f"{US}-b1" in text
+
+        # the last one dies (its /health stops answering): failover as for a lone balancer
+        await answering[f"{US}-b0"].stop()
+        await eventually(lambda: US not in svc.alive_regions(), "us-east-1 dead with its last balancer")
+        use1_replicas = {rep.id for rep in use1.replicas}
+        assert {rid for rid, owner in svc.owners.items() if owner == "eu-west-1"} >= use1_replicas
+        await eventually(lambda: US not in dns.healthy(), "DNS told us-east-1 is out")
+        # a balancer of it comes back: so does the region
+        await stub.Register(register(use1, 1), timeout=5)
+        assert US in svc.alive_regions() and svc.owners == owners_before
+
+
+async def test_a_silent_member_dies_alone_and_epochs_survive_a_restart(tmp_path: Path) -> None:
+    cfg = controller_fleet_config(tmp_path)
+    eu = cfg.region("eu-west-1")
+    async with fleet_controller(cfg) as (svc, stub, answering):
+        first = await stub.Register(register(eu, 0), timeout=5)
+        second = await stub.Register(register(eu, 1), timeout=5)
+        await answering["eu-west-1-b1"].stop()  # killed: no deregistration
+        await eventually(lambda: not members_of(svc.topology(), "eu-west-1")["eu-west-1-b1"].alive,
+                         "the silent balancer declared dead")
+        assert "eu-west-1" in svc.alive_regions()
+        assert members_of(svc.topology(), "eu-west-1")["eu-west-1-b0"].alive
+        # a stale registration of the other member cannot deregister this one
+        stale = await stub.Deregister(mesh_pb2.DeregisterRequest(
+            region="eu-west-1", balancer_id="eu-west-1-b0", epoch=second.epoch), timeout=5)
+        assert not stale.accepted and "eu-west-1" in svc.alive_regions()
+    async with fleet_controller(cfg) as (svc, stub, _):
+        # the state file kept each member: its epoch never repeats, the dead one is known dead
+        recovered = members_of(svc.topology(), "eu-west-1")
+        assert recovered["eu-west-1-b0"].epoch == first.epoch and recovered["eu-west-1-b1"].epoch == second.epoch
+        again = await stub.Register(register(eu, 0), timeout=5)
+        assert again.epoch > second.epoch

@@ -154,6 +154,14 @@ def _peers_line(peers: dict[str, Any]) -> str:
     return "   peers: " + "; ".join(parts)
 
 
+def _member_line(m: dict[str, Any]) -> str:
+    """One balancer of a fleet: its id, state, epoch and own address."""
+    state = "up" if m.get("alive") else ("DRAINING" if m.get("draining") else "DOWN")
+    name = m.get("balancer_id") or m.get("key", "?")
+    epoch = f"epoch {m['epoch']}" if m.get("epoch") else "not registered"
+    return f"   balancer {name:<20} {state:<8} {epoch:<14} {m.get('http_url', '')}".rstrip()
+
+
 def render(status: dict[str, Any]) -> str:
     """A table per region, from the shape :func:`collect` returns."""
     lines: list[str] = []
@@ -173,7 +181,13 @@ def render(status: dict[str, Any]) -> str:
         name = r.get("region", "?")
         up = "up" if r.get("balancer_alive") else ("DRAINING" if r.get("balancer_draining") else "DOWN")
         lines.append("")
-        lines.append(f"== {name}  balancer {up}  {r.get('balancer_url', '')}  {r.get('balancer_id', '')}".rstrip())
+        members = r.get("balancers") or []
+        if len(members) > 1:  # a fleet: how many of its balancers serve, then each
+            alive = sum(1 for m in members if m.get("alive"))
+            lines.append(f"== {name}  {alive}/{len(members)} balancers {up}  {r.get('balancer_url', '')}")
+            lines += [_member_line(m) for m in members]
+        else:
+            lines.append(f"== {name}  balancer {up}  {r.get('balancer_url', '')}  {r.get('balancer_id', '')}".rstrip())
         if not r.get("balancer_alive"):
             owner = r.get("nearest_alive")
             if owner and owner != name:
