@@ -31,7 +31,8 @@ from skymesh.operations.latency_proxy import DelayProxy
 from skymesh.operations.status import render
 from skymesh.operations.up import Mesh
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from tests.mesh_helpers import admin_auth, local_config_free_ports
+from tests.mesh_helpers import admin_auth, local_config_free_ports, report_figures
+from tests.test_mesh_integration import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "configs" / "local-fleet.yaml"
@@ -305,3 +306,108 @@ async def test_a_silent_member_dies_alone_and_epochs_survive_a_restart(tmp_path:
         assert recovered["eu-west-1-b0"].epoch == first.epoch and recovered["eu-west-1-b1"].epoch == second.epoch
         again = await stub.Register(register(eu, 0), timeout=5)
         assert again.epoch > second.epoch
+
+
+# ----------------------------------------------------------------------------- a member killed
+
+
+async def stream_on_a_new_connection(url: str, source: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion on its own connection: its status (0: the connection failed
+    or broke) and whether the stream ended with [DONE]."""
+    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(source, 0), force_close=True)) \
+                as s, s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
+            data = await r.read()
+            return {"status": r.status, "done": b"[DONE]" in data}
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return {"status": 0, "done": False, "error": type(e).__name__}
+
+
+async def controller_status(mesh: Mesh) -> dict[str, Any] | None:
+    url = mesh.cfg.controller.http_listen.http_url + "/v1/status"
+    with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        async with aiohttp.ClientSession(headers=admin_auth()) as s, \
+                s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+            return dict(await r.json())
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.timeout(240)
+async def test_a_killed_member_fails_only_its_open_streams_and_its_sibling_serves_the_rest(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as mesh:
+        region = mesh.cfg.region(US)
+        entry = http_entry(mesh)
+        victim = region.balancer_members[1]
+        victim_target = (victim.listen.host, victim.listen.port)
+        address = region.balancer.advertise.host
+        assert await asyncio.to_thread(resolve, mesh, SOURCE) == address
+        killed = asyncio.Event()
+        may_start = asyncio.Event()  # cleared while the member is killed: the set in flight is known
+        may_start.set()
+        in_flight = 0
+        results: list[tuple[bool, dict[str, Any]]] = []  # (started after the kill, result)
+
+        async def user(k: int, n: int) -> None:
+            nonlocal in_flight
+            for i in range(n):
+                await may_start.wait()
+                after = killed.is_set()
+                in_flight += 1
+                try:
+                    results.append((after, await stream_on_a_new_connection(
+                        region.balancer.advertise_url, SOURCE, f"user {k} asks {i}", max_tokens=48)))
+                finally:
+                    in_flight -= 1
+
+        targets = [(m.listen.host, m.listen.port) for m in region.balancer_members]
+        load = asyncio.gather(*(user(k, 12) for k in range(4)))
+        await eventually(lambda: entry.open_connections_to(victim_target) >= 1 and len(results) >= 4,
+                         "requests streaming through both members")
+        may_start.clear()
+        # every request in flight has its connection to a member
+        await eventually(lambda: sum(entry.open_connections_to(t) for t in targets) == in_flight,
+                         "the requests in flight connected")
+        open_on_victim = entry.open_connections_to(victim_target)
+        carried_before = entry.connections_by_target[victim_target]
+        await mesh.stop_balancer(US, kill=True, member=1)  # SIGKILL
+        killed.set()
+        may_start.set()
+        await load
+
+        failed = [res for _, res in results if not (res["status"] == 200 and res["done"])]
+        # only what it was streaming (at most its open connections then) failed ...
+        assert len(failed) <= open_on_victim, failed
+        # ... every request that started after the kill was served, by the sibling
+        after = [res for started_after, res in results if started_after]
+        assert after and all(res["status"] == 200 and res["done"] for res in after), after
+        assert entry.connections_by_target[victim_target] == carried_before
+        # the controller sees one balancer gone, the region alive: DNS does not move
+        def b1_dead(st: dict[str, Any] | None) -> bool:
+            if st is None:
+                return False
+            us = next(r for r in st["regions"] if r["region"] == US)
+            return us["balancer_alive"] and [m["alive"] for m in us["balancers"]] == [True, False]
+
+        for _ in range(300):  # hang guard
+            if b1_dead(await controller_status(mesh)):
+                break
+            await asyncio.sleep(0.1)
+        assert b1_dead(await controller_status(mesh))
+        assert await asyncio.to_thread(resolve, mesh, SOURCE) == address
+        report_figures("fleet_member_killed", requests=len(results), failed=len(failed),
+                       open_on_killed_member=open_on_victim, started_after_kill=len(after))
+
+
+def test_up_checks_every_members_listeners_before_starting(tmp_path: Path) -> None:
+    mesh = Mesh(FLEET, tmp_path)
+    listed = {(what, f"{host}:{port}") for what, host, port, _udp in mesh.listen_addresses()}
+    for r in mesh.cfg.regions:
+        for m in r.balancer_members:
+            assert (f"balancer {m.id} HTTP", str(m.listen)) in listed
+            assert (f"balancer {m.id} gRPC", str(m.grpc_listen)) in listed
+            assert (f"balancer {m.id} peer listener", str(m.peer_listen)) in listed
+        assert (f"delay proxy {r.name} HTTP", str(r.balancer.advertise)) in listed
+    assert "2 balancers" in mesh.describe()

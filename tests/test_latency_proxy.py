@@ -372,6 +372,7 @@ async def test_a_dead_member_gets_no_new_connections_and_no_client_sees_a_refusa
     async with running(proxy) as p:
         first = [await greeting(p.port) for _ in range(2)]
         assert [name for name, _, _ in first] == [b"b0", b"b1"]
+        assert p.open_connections_to(("127.0.0.1", port_b)) == 1
         b.kill()
         # the connection it had open ends: the only thing a client sees of its death
         _, r_b, w_b = first[1]
@@ -385,6 +386,7 @@ async def test_a_dead_member_gets_no_new_connections_and_no_client_sees_a_refusa
             assert await r.readexactly(10) == b"still here"
             w.close()
         assert p.connections_by_target[("127.0.0.1", port_b)] == 1
+        await until(lambda: p.open_connections_to(("127.0.0.1", port_b)) == 0)
         # the connection open to the live member was never disturbed
         _, r_a, w_a = first[0]
         w_a.write(b"ok")

@@ -149,6 +149,7 @@ class DelayProxy:
         self._server: asyncio.Server | None = None
         self._conns: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
         self._lines: dict[asyncio.Task[None], list[_DelayLine]] = {}
+        self._upstream_of: dict[asyncio.Task[None], tuple[str, int]] = {}
 
     @property
     def target(self) -> tuple[str, int]:
@@ -161,8 +162,9 @@ class DelayProxy:
         self._next_target = (first + 1) % len(self.targets)
         return [*self.targets[first:], *self.targets[:first]]
 
-    async def _connect_upstream(self, source: str | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """A connection to the first target in turn that accepts one; None when none does."""
+    async def _connect_upstream(
+            self, source: str | None) -> tuple[tuple[str, int], asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """(target, connection) to the first target in turn that accepts one; None when none does."""
         for target in self._targets_in_turn():
             try:
                 ureader, uwriter = await asyncio.open_connection(
@@ -173,7 +175,7 @@ class DelayProxy:
                     "proxy": self.name, "target": f"{target[0]}:{target[1]}", "error": str(e)})
                 continue
             self.connections_by_target[target] += 1
-            return ureader, uwriter
+            return target, ureader, uwriter
         return None
 
     @property
@@ -186,6 +188,10 @@ class DelayProxy:
     @property
     def active_connections(self) -> int:
         return len(self._conns)
+
+    def open_connections_to(self, target: tuple[str, int]) -> int:
+        """Connections open right now to one of the targets."""
+        return sum(1 for t in self._upstream_of.values() if t == target)
 
     def buffered_bytes(self) -> list[int]:
         """Bytes held right now by each direction of each open connection."""
@@ -251,7 +257,8 @@ class DelayProxy:
             if upstream is None:
                 # every upstream down: the client sees the connection close, as with a dead host
                 return
-            ureader, uwriter = upstream
+            target, ureader, uwriter = upstream
+            self._upstream_of[task] = target
             writers.append(uwriter)
             dl = self._lines[task] = [
                 _DelayLine(creader, uwriter, d, self.max_buffered),
@@ -276,6 +283,7 @@ class DelayProxy:
             cwriter.close()
             self._conns.pop(task, None)
             self._lines.pop(task, None)
+            self._upstream_of.pop(task, None)
 
 
 def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
