@@ -138,6 +138,18 @@ async def test_up_starts_every_member_behind_one_entry(tmp_path: Path) -> None:
         assert all(c.running() for c in mesh.balancer_members.values())
         statuses = [await member_status(m) for m in region.balancer_members]
         assert [s and s.get("balancer_id") for s in statuses] == [f"{US}-b0", f"{US}-b1"]
+
+        async def siblings_known() -> bool:
+            # each member learns the other from the controller's topology
+            seen = [await member_status(m) for m in region.balancer_members]
+            return all(s is not None and [(x["balancer_id"], x["alive"]) for x in s["siblings"]] == [(other, True)]
+                       for s, other in zip(seen, (f"{US}-b1", f"{US}-b0"), strict=True))
+
+        for _ in range(200):  # hang guard
+            if await siblings_known():
+                break
+            await asyncio.sleep(0.1)
+        assert await siblings_known()
         entry = region.balancer.advertise_url
         codes = [await complete_on_a_new_connection(entry, SOURCE, f"hello {i}") for i in range(6)]
         assert codes == [200] * 6

@@ -139,6 +139,8 @@ class Balancer:
         self.refused_forwards: dict[str, int] = {}
         self.controller_connected = False
         self.topology_version = 0
+        # the other balancers of this region (a fleet), as the controller's topology lists them
+        self.siblings: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._runner: EdgeAppRunner | None = None
         self._peer_runner: EdgeAppRunner | None = None
@@ -349,6 +351,10 @@ class Balancer:
         self.topology_version = topology.version
         for assignment in topology.balancers:
             if assignment.region == self.region:
+                self.siblings = [
+                    {"balancer_id": m.balancer_id, "alive": m.alive, "epoch": m.epoch, "http_url": m.http_url,
+                     "grpc_address": m.grpc_address}
+                    for m in assignment.members if m.balancer_id != self.balancer_id]
                 self.set_replicas(
                     [
                         ReplicaInfo(r.replica_id, r.url, r.home_region or self.region)
@@ -545,7 +551,7 @@ class Balancer:
             config={"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
                     "last_reload": self.reload_status.as_json()},
             control={"controller_connected": self.controller_connected,
-                     "topology_version": self.topology_version},
+                     "topology_version": self.topology_version, "siblings": self.siblings},
             kv_events=self.kv_events_status(),
         )
 
