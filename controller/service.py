@@ -84,6 +84,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         st = self.store.load()
         self.version: int = st["version"]
         self.started_ms = _now_ms()
+        self.metrics = ControllerMetrics()
         # each region as one endpoint (alive: any of its balancers), derived from its
         # members by _refresh_region; the region's latest registration names it
         self.balancers: dict[str, dict[str, Any]] = {}
@@ -124,7 +125,6 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.bound_ports: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
-        self.metrics = ControllerMetrics()
 
     # ------------------------------------------------------------------ members
 
@@ -169,6 +169,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             b["balancer_id"], b["epoch"] = latest.balancer_id, latest.epoch
         seen = [m.last_seen_ms for m in members if m.last_seen_ms is not None]
         b["last_seen_ms"] = max(seen) if seen else b.get("last_seen_ms")
+        self.metrics.balancers.labels(region).set(len(members))
+        self.metrics.balancers_alive.labels(region).set(sum(m.alive for m in members))
 
     def _members_json(self) -> dict[str, list[dict[str, Any]]]:
         return {region: [m.as_json() for m in members] for region, members in self.members.items()}

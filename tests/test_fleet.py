@@ -285,6 +285,9 @@ async def test_a_region_lives_while_any_balancer_does_and_fails_over_with_the_la
             (f"{US}-b0", True), (f"{US}-b1", False)]
         text = render(svc.status_json())
         assert f"== {US}  1/2 balancers up" in text and f"{US}-b1" in text
+        exposition = svc.metrics.render().decode().splitlines()
+        assert f'skymesh_controller_balancers{{region="{US}"}} 2.0' in exposition
+        assert f'skymesh_controller_balancers_alive{{region="{US}"}} 1.0' in exposition
 
         # the last one dies (its /health stops answering): failover as for a lone balancer
         await answering[f"{US}-b0"].stop()
