@@ -31,6 +31,7 @@ from skymesh.operations.latency_proxy import DelayProxy
 from skymesh.operations.status import render
 from skymesh.operations.up import Mesh
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
+from skymesh.runtime.procs import free_port
 from tests.mesh_helpers import admin_auth, local_config_free_ports, report_figures
 from tests.test_mesh_integration import resolve
 
@@ -326,12 +327,13 @@ async def test_a_silent_member_dies_alone_and_epochs_survive_a_restart(tmp_path:
 # ----------------------------------------------------------------------------- a member killed
 
 
-async def stream_on_a_new_connection(url: str, source: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed completion on its own connection: its status (0: the connection failed
-    or broke) and whether the stream ended with [DONE]."""
+async def stream_on_a_new_connection(url: str, source: tuple[str, int], prompt: str,
+                                     max_tokens: int) -> dict[str, Any]:
+    """One streamed completion on its own connection from ``source`` (ip, port): its
+    status (0: the connection failed or broke) and whether the stream ended with [DONE]."""
     body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(source, 0), force_close=True)) \
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=source, force_close=True)) \
                 as s, s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
             data = await r.read()
             return {"status": r.status, "done": b"[DONE]" in data}
@@ -362,41 +364,41 @@ async def test_a_killed_member_fails_only_its_open_streams_and_its_sibling_serve
         killed = asyncio.Event()
         may_start = asyncio.Event()  # cleared while the member is killed: the set in flight is known
         may_start.set()
-        in_flight = 0
-        results: list[tuple[bool, dict[str, Any]]] = []  # (started after the kill, result)
+        in_flight: set[tuple[str, int]] = set()  # the client addresses of the requests in flight
+        results: list[tuple[tuple[str, int], bool, dict[str, Any]]] = []  # (client, started after the kill, result)
 
         async def user(k: int, n: int) -> None:
-            nonlocal in_flight
             for i in range(n):
                 await may_start.wait()
+                client = (SOURCE, free_port(SOURCE))
                 after = killed.is_set()
-                in_flight += 1
+                in_flight.add(client)
                 try:
-                    results.append((after, await stream_on_a_new_connection(
-                        region.balancer.advertise_url, SOURCE, f"user {k} asks {i}", max_tokens=48)))
+                    res = await stream_on_a_new_connection(region.balancer.advertise_url, client,
+                                                           f"user {k} asks {i}", max_tokens=48)
                 finally:
-                    in_flight -= 1
+                    in_flight.discard(client)
+                results.append((client, after, res))
 
-        targets = [(m.listen.host, m.listen.port) for m in region.balancer_members]
         load = asyncio.gather(*(user(k, 12) for k in range(4)))
         await eventually(lambda: entry.open_connections_to(victim_target) >= 1 and len(results) >= 4,
                          "requests streaming through both members")
         may_start.clear()
-        # every request in flight has its connection to a member
-        await eventually(lambda: sum(entry.open_connections_to(t) for t in targets) == in_flight,
+        # every request in flight has its connection to a member: who carries which is known
+        await eventually(lambda: in_flight <= {c for c, _ in entry.open_connections()},
                          "the requests in flight connected")
-        open_on_victim = entry.open_connections_to(victim_target)
+        on_victim = {c for c, target in entry.open_connections() if target == victim_target}
         carried_before = entry.connections_by_target[victim_target]
         await mesh.stop_balancer(US, kill=True, member=1)  # SIGKILL
         killed.set()
         may_start.set()
         await load
 
-        failed = [res for _, res in results if not (res["status"] == 200 and res["done"])]
-        # only what it was streaming (at most its open connections then) failed ...
-        assert len(failed) <= open_on_victim, failed
+        failed = [(client, res) for client, _, res in results if not (res["status"] == 200 and res["done"])]
+        # only what it was streaming failed ...
+        assert all(client in on_victim for client, _ in failed), (failed, on_victim)
         # ... every request that started after the kill was served, by the sibling
-        after = [res for started_after, res in results if started_after]
+        after = [res for _, started_after, res in results if started_after]
         assert after and all(res["status"] == 200 and res["done"] for res in after), after
         assert entry.connections_by_target[victim_target] == carried_before
         # the controller sees one balancer gone, the region alive: DNS does not move
@@ -413,7 +415,7 @@ async def test_a_killed_member_fails_only_its_open_streams_and_its_sibling_serve
         assert b1_dead(await controller_status(mesh))
         assert await asyncio.to_thread(resolve, mesh, SOURCE) == address
         report_figures("fleet_member_killed", requests=len(results), failed=len(failed),
-                       open_on_killed_member=open_on_victim, started_after_kill=len(after))
+                       open_on_killed_member=len(on_victim), started_after_kill=len(after))
 
 
 def test_up_checks_every_members_listeners_before_starting(tmp_path: Path) -> None:

@@ -424,3 +424,14 @@ def test_a_fleet_regions_proxies_stand_in_front_of_every_member() -> None:
         listener = {"http": "listen", "grpc": "grpc_listen", "peer": "peer_listen"}[p.kind]
         assert p.targets == tuple((getattr(m, listener).host, getattr(m, listener).port) for m in members)
         assert len(p.targets) == 2
+
+
+def test_without_emulated_latency_only_a_fleets_entry_is_proxied_and_without_delay() -> None:
+    data = local_config_free_ports(siblings=1)
+    data["emulate_latency"] = False
+    del data["regions"][1]["balancer"]["siblings"]
+    proxies = proxies_for(parse_config(data))
+    assert {p.region for p in proxies} == {"us-east-1", "ap-northeast-1"}  # eu-west-1: one balancer
+    assert all(len(p.targets) == 2 and p.delay("127.2.0.5") == 0.0 for p in proxies)
+    data["emulate_latency"] = True
+    assert {p.region for p in proxies_for(parse_config(data))} == {"us-east-1", "eu-west-1", "ap-northeast-1"}

@@ -193,6 +193,15 @@ class DelayProxy:
         """Connections open right now to one of the targets."""
         return sum(1 for t in self._upstream_of.values() if t == target)
 
+    def open_connections(self) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+        """(client address, target) of every connection carried right now."""
+        out = []
+        for task, target in self._upstream_of.items():
+            peer = self._conns[task][0].get_extra_info("peername") if task in self._conns else None
+            if peer:
+                out.append(((str(peer[0]), int(peer[1])), target))
+        return out
+
     def buffered_bytes(self) -> list[int]:
         """Bytes held right now by each direction of each open connection."""
         return [line.buffered for lines in self._lines.values() for line in lines]
@@ -288,12 +297,16 @@ class DelayProxy:
 
 def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
     """One HTTP, one gRPC and one peer-listener delay proxy per region whose advertised
-    address differs from its listen address, each in front of every balancer of the region."""
+    address differs from its listen address, each in front of every balancer of the region.
+    Without ``emulate_latency``: only a fleet's, without delay (they still spread its
+    connections)."""
     out = []
     for r in cfg.regions:
         b = r.balancer
-        d = delay_for(cfg, r.name)
         members = r.balancer_members
+        if not cfg.emulate_latency and len(members) == 1:
+            continue
+        d = delay_for(cfg, r.name) if cfg.emulate_latency else _no_delay
         if b.advertise != b.listen:
             http = [(m.listen.host, m.listen.port) for m in members]
             out.append(DelayProxy((b.advertise.host, b.advertise.port), http[0], d, more_targets=http[1:],
@@ -312,6 +325,10 @@ def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
                                   name=f"{r.name} peer {b.peer_advertise}", region=r.name, kind="peer",
                                   preserve_client_ip=True))
     return out
+
+
+def _no_delay(ip: str) -> float:
+    return 0.0
 
 
 def _split_hostport(address: str) -> tuple[str, int]:

@@ -140,7 +140,9 @@ class Mesh:
                 out.append((f"{who} gRPC", m.grpc_listen.host, m.grpc_listen.port, False))
                 if m.peer_listen is not None:
                     out.append((f"{who} peer listener", m.peer_listen.host, m.peer_listen.port, False))
-            if cfg.emulate_latency:
+            # the delay proxies, which also spread a fleet's connections (then even without
+            # emulate_latency: nothing else serves the region's entry on loopback)
+            if cfg.emulate_latency or len(r.balancer_members) > 1:
                 if b.advertise != b.listen:
                     out.append((f"delay proxy {r.name} HTTP", b.advertise.host, b.advertise.port, False))
                 if b.grpc_advertise != b.grpc_listen:
@@ -189,8 +191,6 @@ class Mesh:
         raise KeyError(rid)
 
     async def start_proxies(self) -> None:
-        if not self.cfg.emulate_latency:
-            return
         for p in proxies_for(self.cfg):
             try:
                 await p.start()
