@@ -428,3 +428,22 @@ def test_up_checks_every_members_listeners_before_starting(tmp_path: Path) -> No
             assert (f"balancer {m.id} peer listener", str(m.peer_listen)) in listed
         assert (f"delay proxy {r.name} HTTP", str(r.balancer.advertise)) in listed
     assert "2 balancers" in mesh.describe()
+
+
+async def test_both_balancers_leaving_fails_the_region_over_as_one_did(tmp_path: Path) -> None:
+    cfg = controller_fleet_config(tmp_path)
+    eu = cfg.region("eu-west-1")
+    dns = RecordingDns()
+    async with fleet_controller(cfg, dns) as (svc, stub, _):
+        regs = [await stub.Register(register(eu, k), timeout=5) for k in (0, 1)]
+        await eventually(lambda: dns.healthy() == {r.name for r in cfg.regions}, "DNS told every region is up")
+        first = await stub.Deregister(mesh_pb2.DeregisterRequest(
+            region="eu-west-1", balancer_id="eu-west-1-b0", epoch=regs[0].epoch), timeout=5)
+        assert first.accepted and "eu-west-1" in svc.alive_regions()
+        last = await stub.Deregister(mesh_pb2.DeregisterRequest(
+            region="eu-west-1", balancer_id="eu-west-1-b1", epoch=regs[1].epoch), timeout=5)
+        assert last.accepted and "eu-west-1" not in svc.alive_regions()
+        # at once, as a lone balancer's deregistration: its replicas to the nearest live region
+        assert {svc.owners[rep.id] for rep in eu.replicas} == {"us-east-1"}
+        await eventually(lambda: dns.healthy() == {"us-east-1", "ap-northeast-1"}, "DNS told eu-west-1 is out")
+        assert svc.status_json()["regions"][1]["balancer_draining"]
