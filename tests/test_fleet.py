@@ -447,3 +447,36 @@ async def test_both_balancers_leaving_fails_the_region_over_as_one_did(tmp_path:
         assert {svc.owners[rep.id] for rep in eu.replicas} == {"us-east-1"}
         await eventually(lambda: dns.healthy() == {"us-east-1", "ap-northeast-1"}, "DNS told eu-west-1 is out")
         assert svc.status_json()["regions"][1]["balancer_draining"]
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.timeout(240)
+async def test_a_draining_member_deregisters_alone_and_the_region_keeps_serving(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as mesh:
+        region = mesh.cfg.region(US)
+
+        def members_state(st: dict[str, Any] | None) -> list[tuple[bool, bool]] | None:
+            if st is None:
+                return None
+            us = next(r for r in st["regions"] if r["region"] == US)
+            return [(m["alive"], m["draining"]) for m in us["balancers"]] if us["balancer_alive"] else None
+
+        async def wait_members(expected: list[tuple[bool, bool]], what: str) -> None:
+            for _ in range(300):  # hang guard
+                if members_state(await controller_status(mesh)) == expected:
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"never: {what} (last: {members_state(await controller_status(mesh))})")
+
+        await wait_members([(True, False), (True, False)], "both members registered and alive")
+        await mesh.stop_balancer(US, member=1)  # SIGTERM: deregister, drain, exit
+        assert not mesh.balancer_members[(US, 1)].running()
+        await wait_members([(True, False), (False, True)], "the drained member out, the region alive")
+        assert await asyncio.to_thread(resolve, mesh, SOURCE) == region.balancer.advertise.host
+        codes = [await complete_on_a_new_connection(region.balancer.advertise_url, SOURCE, f"after {i}")
+                 for i in range(4)]
+        assert codes == [200] * 4
+        # it comes back: registered again, alive again
+        await mesh.start_balancer(US, member=1)
+        await wait_members([(True, False), (True, False)], "the restarted member back")
