@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint fmt proto clean vllm-env checkov-env
+.PHONY: setup run run-fleet test lint fmt proto clean vllm-env checkov-env
 
 setup: $(STAMP)
 
@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 
 run: setup
 	$(BIN)/skymesh up --config configs/local.yaml
+
+# the same mesh with two active-active balancers per region (configs/local-fleet.yaml)
+run-fleet: setup
+	$(BIN)/skymesh up --config configs/local-fleet.yaml --state-dir .skymesh/run-fleet
 
 # real vLLM (CPU build) for the tests marked `vllm`: its own venv, built once (~4 min),
 # instant afterwards; when it cannot be built this says why and the vllm tests skip

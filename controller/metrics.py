@@ -3,7 +3,7 @@ controllers beside balancers and stand-ins in one process)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.edge.connection_metrics import EdgeMetrics
@@ -42,6 +42,13 @@ class ControllerMetrics:
         )
         for result in ("ok", "error"):
             self.config_reloads.labels(result)
+
+        # each region's balancers (a fleet): how many it has, how many are alive; the
+        # region is alive while the second is above 0
+        self.balancers = Gauge("skymesh_controller_balancers", "Balancers of a region known to the controller.",
+                               ("region",), registry=self.registry)
+        self.balancers_alive = Gauge("skymesh_controller_balancers_alive", "Balancers of a region alive.",
+                                     ("region",), registry=self.registry)
 
     def loop_restarted(self, name: str, exc: BaseException) -> None:
         """The on_restart hook of the controller's supervised loops."""

@@ -47,6 +47,8 @@ def controller_rules(dns_provider: str) -> Rules:
         (("regions", ANY, "balancer", "public_ip"), Kind.LIVE),
         (("regions", ANY, "balancer", "advertise"), Kind.RESTART),
         (("regions", ANY, "balancer", "grpc_advertise"), Kind.RESTART),
+        # the region's balancers: the members the controller probes and lists
+        (("regions", ANY, "balancer", "siblings"), Kind.RESTART),
         (("regions", ANY, "balancer"), Kind.UNUSED),  # listen addresses: the balancer's own
         (("regions", ANY, "source_networks"), Kind.UNUSED),  # the DNS server's and balancers'
         (("regions", ANY, "egress_source"), Kind.UNUSED),

@@ -6,9 +6,12 @@ dead one's replicas (and hands them back on recovery), pushes every topology cha
 the balancers' WatchTopology streams, keeps its state in SQLite (recovered on restart) and
 tells the DNS provider which balancers are healthy. Balancers never wait on it.
 
-Liveness: a balancer is alive while its HTTP ``/health`` answers the controller's probe
-or it keeps calling Register/Report (either resets its failure count); it is dead after
-``failure_threshold`` consecutive failed probes with no Register/Report in between.
+Liveness: a region is a fleet of balancers (controller/balancer_members.py), each with its
+own registration and epoch. A balancer is alive while its HTTP ``/health`` answers the
+controller's probe or it keeps calling Register/Report (either resets its failure count);
+it is dead after ``failure_threshold`` consecutive failed probes with no Register/Report in
+between, or once it deregisters. A region is alive while any of its balancers is: failover
+and DNS change only when the last one dies or leaves.
 DNS is synced by its own task (on every change and every ``DNS_RESYNC_S``), so a slow or
 dead DNS endpoint never delays failover or the topology push.
 """
@@ -27,12 +30,19 @@ import aiohttp
 import grpc
 from aiohttp import web
 
+from controller.balancer_members import (
+    UNPROBED_REPORT_STALE_S,
+    MemberState,
+    configured_members,
+    member_of_registration,
+    registered_member,
+)
 from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
 from controller.replica_sources import MembershipSources
 from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
-from skymesh.config import MeshConfig
+from skymesh.config import MeshConfig, RegionConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
@@ -75,19 +85,27 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         st = self.store.load()
         self.version: int = st["version"]
         self.started_ms = _now_ms()
+        self.metrics = ControllerMetrics()
+        # each region as one endpoint (alive: any of its balancers), derived from its
+        # members by _refresh_region; the region's latest registration names it
         self.balancers: dict[str, dict[str, Any]] = {}
+        self.members: dict[str, list[MemberState]] = {}
+        self._latest_member: dict[str, str] = {}
         for r in cfg.regions:
             saved = st["balancers"].get(r.name, {})
+            self.members[r.name] = self._recovered_members(r, saved, st["members"].get(r.name, {}))
             self.balancers[r.name] = {
                 "balancer_id": saved.get("balancer_id") or "",
                 "epoch": saved.get("epoch") or 0,
-                # a balancer not known to be dead is presumed alive until probes say so
-                "alive": saved.get("alive", True),
+                "alive": True,
                 "http_url": r.balancer.advertise_url,
                 "grpc_address": str(r.balancer.grpc_advertise),
                 "last_seen_ms": saved.get("last_seen_ms"),
             }
-        self.failures = {r.name: 0 for r in cfg.regions}
+            latest = max(self.members[r.name], key=lambda m: m.epoch)
+            if latest.epoch:
+                self._latest_member[r.name] = latest.key
+            self._refresh_region(r.name)
         self.reports: dict[str, dict[str, Any]] = st["reports"]
         self.last_reports: dict[str, Any] = {}
         for region, blob in st["report_protos"].items():
@@ -108,9 +126,63 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.bound_ports: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
-        self.metrics = ControllerMetrics()
         # replicas that join and leave besides the YAML ones (registration API, AWS)
         self.membership = MembershipSources(self, self.metrics.registry)
+
+    # ------------------------------------------------------------------ members
+
+    @staticmethod
+    def _recovered_members(region: RegionConfig, saved_region: dict[str, Any],
+                           saved: dict[str, dict[str, Any]]) -> list[MemberState]:
+        """The region's configured members plus those that registered without being in the
+        config, with what the state file kept of each (epochs never repeat)."""
+        members = configured_members(region)
+        known = {m.key for m in members}
+        for key, rec in saved.items():
+            if key not in known:
+                members.append(MemberState(key=key, configured=False, http_url=rec.get("http_url") or "",
+                                           grpc_address=rec.get("grpc_address") or "", probe_url=""))
+        for m in members:
+            rec = saved.get(m.key)
+            if rec is not None:
+                m.balancer_id = rec.get("balancer_id") or ""
+                m.epoch = rec.get("epoch") or 0
+                # a balancer not known to be dead is presumed alive until probes say so
+                m.alive = bool(rec.get("alive", True))
+                m.draining = bool(rec.get("draining"))
+                m.last_seen_ms = rec.get("last_seen_ms")
+        if len(members) == 1 and not saved:
+            # a state file from before fleets: the region's record was its one balancer's
+            m = members[0]
+            m.balancer_id = saved_region.get("balancer_id") or ""
+            m.epoch = saved_region.get("epoch") or 0
+            m.alive = bool(saved_region.get("alive", True))
+            m.last_seen_ms = saved_region.get("last_seen_ms")
+        return members
+
+    def _refresh_region(self, region: str) -> None:
+        """The region's record from its members: alive while any is, draining when all
+        are, named by its latest registration."""
+        b = self.balancers[region]
+        members = self.members[region]
+        b["alive"] = any(m.alive for m in members)
+        b["draining"] = all(m.draining for m in members)
+        latest = next((m for m in members if m.key == self._latest_member.get(region)), None)
+        if latest is not None:
+            b["balancer_id"], b["epoch"] = latest.balancer_id, latest.epoch
+        seen = [m.last_seen_ms for m in members if m.last_seen_ms is not None]
+        b["last_seen_ms"] = max(seen) if seen else b.get("last_seen_ms")
+        self.metrics.balancers.labels(region).set(len(members))
+        self.metrics.balancers_alive.labels(region).set(sum(m.alive for m in members))
+
+    def _members_json(self) -> dict[str, list[dict[str, Any]]]:
+        return {region: [m.as_json() for m in members] for region, members in self.members.items()}
+
+    def _add_members(self, out: Any, region: str) -> None:
+        """The region's balancers into a repeated BalancerMember field."""
+        for m in self.members[region]:
+            out.add(balancer_id=m.name, alive=m.alive, epoch=m.epoch, http_url=m.http_url,
+                    grpc_address=m.grpc_address, last_seen_unix_ms=m.last_seen_ms or 0)
 
     # ------------------------------------------------------------------ topology
 
@@ -129,6 +201,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 region=r.name, balancer_id=b["balancer_id"], http_url=b["http_url"],
                 grpc_address=b["grpc_address"], alive=b["alive"],
             )
+            self._add_members(a.members, r.name)
             for rid, owner in sorted(self.owners.items()):
                 if owner == r.name:
                     home, url = homes[rid]
@@ -143,7 +216,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             self.version += 1
             homes = self.home_of()
             owners = {rid: (o, homes[rid][0], homes[rid][1]) for rid, o in self.owners.items()}
-            await asyncio.to_thread(self.store.save_topology, self.version, owners, self.balancers)
+            await asyncio.to_thread(self.store.save_topology, self.version, owners, self.balancers,
+                                    self._members_json())
             topo = self.topology()
             for q in list(self._subscribers):
                 while not q.empty():
@@ -216,28 +290,42 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
     # ------------------------------------------------------------------ health
 
-    async def _set_alive(self, region: str, alive: bool, reason: str) -> None:
-        b = self.balancers[region]
-        if alive and b.get("draining"):
+    async def _set_alive(self, region: str, alive: bool, reason: str, member: MemberState) -> None:
+        """One balancer of ``region`` is alive (seen now) or dead; the region follows its
+        members: it dies with the last and recovers with the first."""
+        if alive and member.draining:
             # a deregistered balancer still answers while it drains: only a new
-            # registration brings its region back
+            # registration brings it back
             return
         if alive:
-            self.failures[region] = 0
-            b["last_seen_ms"] = _now_ms()
-        if b["alive"] != alive:
-            b["alive"] = alive
+            member.failures = 0
+            member.last_seen_ms = _now_ms()
+        region_was_alive = self.balancers[region]["alive"]
+        member_changed = member.alive != alive
+        member.alive = alive
+        self._refresh_region(region)
+        if not member_changed:
+            return
+        if self.balancers[region]["alive"] != region_was_alive:
             await self._changed(f"{region} {'recovered' if alive else 'dead'}: {reason}")
+        else:
+            # the region's own state is unchanged (DNS and ownership too); its balancers
+            # learn who their siblings are from the pushed topology
+            await self._changed(f"{region} balancer {member.name} {'recovered' if alive else 'dead'}: {reason}")
 
-    async def _probe(self, region: str, limit: aiohttp.ClientTimeout) -> tuple[str, bool, str]:
-        """(region, its balancer answered /health with 200, why not)."""
+    async def _probe(self, region: str, member: MemberState,
+                     limit: aiohttp.ClientTimeout) -> tuple[str, MemberState, bool, str]:
+        """(region, member, it answered /health with 200 or, when it cannot be probed,
+        reported lately, why not)."""
         assert self._session is not None
-        url = self.balancers[region]["http_url"] + "/health"
+        if not member.probe_url:
+            quiet_s = (_now_ms() - (member.last_seen_ms or 0)) / 1000
+            return region, member, quiet_s <= UNPROBED_REPORT_STALE_S, f"no report for {quiet_s:.0f}s"
         try:
-            async with self._session.get(url, timeout=limit) as r:
-                return region, r.status == 200, f"HTTP {r.status}"
+            async with self._session.get(member.probe_url + "/health", timeout=limit) as r:
+                return region, member, r.status == 200, f"HTTP {r.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            return region, False, type(e).__name__
+            return region, member, False, type(e).__name__
 
     async def _probe_loop(self) -> None:
         assert self._session is not None
@@ -248,13 +336,16 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
             # a failed round (e.g. the state disk is full) raises to the supervisor, which
             # logs it (rate-limited), counts it and probes again after a short backoff
-            for region, ok, why in await asyncio.gather(*(self._probe(r, limit) for r in self.balancers)):
-                if ok:
-                    await self._set_alive(region, True, "probe ok")
+            probes = [self._probe(region, m, limit) for region, members in self.members.items() for m in members]
+            for region, member, ok, why in await asyncio.gather(*probes):
+                if ok and member.probe_url:
+                    await self._set_alive(region, True, "probe ok", member)
+                elif ok:
+                    member.failures = 0  # it reported lately; only its calls say it was seen
                 else:
-                    self.failures[region] += 1
-                    if self.failures[region] >= self.cfg.controller.failure_threshold:
-                        await self._set_alive(region, False, why)
+                    member.failures += 1
+                    if member.failures >= self.cfg.controller.failure_threshold:
+                        await self._set_alive(region, False, why, member)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     # ------------------------------------------------------------------ gRPC
@@ -285,22 +376,34 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 self.metrics.rejected_calls.labels("wrong_address").inc()
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{field} {claimed!r} is not the configured {configured!r} of {request.region}")
-        b = self.balancers[request.region]
-        changed = b["balancer_id"] != request.balancer_id
-        b["balancer_id"] = request.balancer_id
-        # the controller issues the epoch (monotonic per region, persisted before it is
-        # handed out); the caller's own request.epoch is ignored
-        epoch = int(b["epoch"] or 0) + 1
-        b["epoch"] = epoch
-        await asyncio.to_thread(self.store.save_epoch, request.region, epoch)
-        was_alive = b["alive"]
-        b["draining"] = False
-        await self._set_alive(request.region, True, f"registered (epoch {epoch})")
+        members = self.members[request.region]
+        member = member_of_registration(members, request.balancer_id, request.member_grpc_address)
+        if member is None:
+            # a balancer the config does not list: a member of the fleet, known by its id,
+            # alive by its reports (its own gRPC address is what it says: the sibling
+            # channel authenticates itself)
+            member = MemberState(key=request.balancer_id or f"{request.region}-{len(members)}", configured=False,
+                                 http_url="", grpc_address=request.member_grpc_address, probe_url="")
+            members.append(member)
+        changed = member.balancer_id != request.balancer_id
+        member.balancer_id = request.balancer_id
+        # the controller issues the epoch (each registration its own, monotonic over the
+        # region's balancers, persisted before it is handed out); the caller's own
+        # request.epoch is ignored
+        epoch = max(m.epoch for m in members) + 1
+        epoch = max(epoch, int(self.balancers[request.region]["epoch"] or 0) + 1)
+        member.epoch = epoch
+        await asyncio.to_thread(self.store.save_member_epoch, request.region, member.key, member.balancer_id, epoch)
+        self._latest_member[request.region] = member.key
+        was_alive = member.alive
+        member.draining = False
+        await self._set_alive(request.region, True, f"registered (epoch {epoch})", member)
         if changed and was_alive:
             # a restarted balancer (new id): persist and push
-            await self._changed(f"{request.region} registered epoch {epoch}")
+            await self._changed(f"{request.region} registered {member.name} epoch {epoch}")
         log.info("balancer registered", extra={"region": request.region, "balancer_id": request.balancer_id,
-                                               "epoch": epoch, "version_reported": request.version})
+                                               "member": member.key, "epoch": epoch,
+                                               "version_reported": request.version})
         return mesh_pb2.RegisterReply(accepted=True, topology=self.topology(), epoch=epoch)
 
     async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -308,9 +411,11 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         if b is None:
             return mesh_pb2.ReportReply(topology_version=self.version)
         await self._authorize_region(request.region, context)
-        if request.epoch < (b["epoch"] or 0):
-            # a report from an older registration of the balancer; an epoch larger than
-            # the issued one is not believed (and changes nothing)
+        members = self.members[request.region]
+        member = registered_member(members, request.balancer_id) or (members[0] if len(members) == 1 else None)
+        if member is None or request.epoch < member.epoch:
+            # a report from an older registration of the balancer (or of none); an epoch
+            # larger than the issued one is not believed (and changes nothing)
             return mesh_pb2.ReportReply(topology_version=self.version)
         try:
             report = json.loads(request.admin_json) if request.admin_json else {}
@@ -321,8 +426,11 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.reports[request.region] = report
         self.last_reports[request.region] = request
         if request.balancer_id:
-            b["balancer_id"] = request.balancer_id
-        await self._set_alive(request.region, True, "report")
+            member.balancer_id = request.balancer_id
+            # a balancer reporting before it registered (a controller restarted under it)
+            # names its region until a registration does
+            self._latest_member.setdefault(request.region, member.key)
+        await self._set_alive(request.region, True, "report", member)
         now = _now_ms()
         await asyncio.to_thread(self.store.save_report, request.region, report, now,
                                 request.SerializeToString())
@@ -334,17 +442,19 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             return mesh_pb2.DeregisterReply(accepted=False, reason=f"unknown region {request.region!r}",
                                             topology_version=self.version)
         await self._authorize_region(request.region, context)
-        if request.epoch != (b["epoch"] or 0) or request.balancer_id != b["balancer_id"]:
-            # only the current registration may take its region out: a stale process (or
+        member = registered_member(self.members[request.region], request.balancer_id)
+        if member is None or request.epoch != member.epoch or request.balancer_id != member.balancer_id:
+            # only a current registration may take its balancer out: a stale process (or
             # a replayed call) must not black out the balancer that replaced it
             self.metrics.rejected_calls.labels("stale_deregister").inc()
             return mesh_pb2.DeregisterReply(
                 accepted=False, topology_version=self.version,
                 reason=f"not the current registration of {request.region} (epoch {b['epoch']})")
-        b["draining"] = True
-        self.failures[request.region] = 0
+        member.draining = True
+        member.failures = 0
         reason = request.reason[:200] or "deregistered"
-        await self._set_alive(request.region, False, f"deregistered: {reason}")
+        # the region stays alive (DNS unchanged) while another of its balancers is
+        await self._set_alive(request.region, False, f"deregistered: {reason}", member)
         log.info("balancer deregistered", extra={"region": request.region, "balancer_id": request.balancer_id,
                                                  "epoch": request.epoch, "reason": reason})
         return mesh_pb2.DeregisterReply(accepted=True, topology_version=self.version)
@@ -377,6 +487,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             b = self.balancers[r.name]
             rs = st.regions.add(region=r.name, balancer_alive=b["alive"], balancer_id=b["balancer_id"],
                                 last_seen_unix_ms=b["last_seen_ms"] or 0)
+            self._add_members(rs.members, r.name)
             if r.name in self.last_reports:
                 rs.last_report.CopyFrom(self.last_reports[r.name])
         return st
@@ -398,6 +509,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 "balancer_url": b["http_url"],
                 "balancer_grpc": b["grpc_address"],
                 "last_seen_unix_ms": b["last_seen_ms"],
+                # the region's balancers (a fleet behind its entry); alive: any of them
+                "balancers": [m.as_json() for m in self.members[r.name]],
                 "owned_replicas": [
                     {"replica_id": rid, "url": homes[rid][1], "home_region": homes[rid][0]}
                     for rid, o in sorted(self.owners.items()) if o == r.name
@@ -438,6 +551,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 "balancers": [{
                     "region": a.region, "balancer_id": a.balancer_id, "http_url": a.http_url,
                     "grpc_address": a.grpc_address, "alive": a.alive,
+                    "members": [{"balancer_id": m.balancer_id, "alive": m.alive, "epoch": m.epoch,
+                                 "http_url": m.http_url, "grpc_address": m.grpc_address,
+                                 "last_seen_unix_ms": m.last_seen_unix_ms} for m in a.members],
                     "replicas": [{"replica_id": x.replica_id, "url": x.url, "home_region": x.home_region,
                                   "draining": x.draining} for x in a.replicas],
                 } for a in t.balancers],

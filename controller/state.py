@@ -20,6 +20,11 @@ CREATE TABLE IF NOT EXISTS ownership (
 );
 CREATE TABLE IF NOT EXISTS reports (region TEXT PRIMARY KEY, report_json TEXT NOT NULL, at_ms INTEGER);
 CREATE TABLE IF NOT EXISTS report_protos (region TEXT PRIMARY KEY, report BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS balancer_members (
+    region TEXT NOT NULL, member_key TEXT NOT NULL, balancer_id TEXT, epoch INTEGER, alive INTEGER NOT NULL,
+    draining INTEGER NOT NULL DEFAULT 0, http_url TEXT, grpc_address TEXT, last_seen_ms INTEGER,
+    PRIMARY KEY (region, member_key)
+);
 """
 
 
@@ -50,17 +55,26 @@ class StateStore:
             owners = {r[0]: r[1] for r in self._db.execute("SELECT replica_id, owner_region FROM ownership")}
             reports = {r[0]: json.loads(r[1]) for r in self._db.execute("SELECT region, report_json FROM reports")}
             protos = {r[0]: bytes(r[1]) for r in self._db.execute("SELECT region, report FROM report_protos")}
+            members: dict[str, dict[str, dict[str, Any]]] = {}
+            for r in self._db.execute("SELECT region, member_key, balancer_id, epoch, alive, draining, http_url,"
+                                      " grpc_address, last_seen_ms FROM balancer_members"):
+                members.setdefault(r[0], {})[r[1]] = {
+                    "balancer_id": r[2], "epoch": r[3], "alive": bool(r[4]), "draining": bool(r[5]),
+                    "http_url": r[6], "grpc_address": r[7], "last_seen_ms": r[8]}
         return {
             "version": int(meta.get("version", "0")),
             "balancers": balancers,
             "owners": owners,
             "reports": reports,
             "report_protos": protos,  # region -> serialized BalancerReport
+            "members": members,  # region -> member key -> its record (controller/balancer_members.py)
         }
 
     def save_topology(self, version: int, owners: dict[str, tuple[str, str, str]],
-                      balancers: dict[str, dict[str, Any]]) -> None:
-        """owners: replica id -> (owner region, home region, url)."""
+                      balancers: dict[str, dict[str, Any]],
+                      members: dict[str, list[dict[str, Any]]] | None = None) -> None:
+        """owners: replica id -> (owner region, home region, url); members: region -> the
+        records of its balancers (MemberState.as_json)."""
         with self._lock:
             db = self._db
             db.execute("BEGIN")
@@ -78,20 +92,41 @@ class StateStore:
                         (region, b.get("balancer_id"), b.get("epoch"), int(bool(b.get("alive"))),
                          b.get("http_url"), b.get("grpc_address"), b.get("last_seen_ms")),
                     )
+                for region, records in (members or {}).items():
+                    for m in records:
+                        db.execute(
+                            "INSERT OR REPLACE INTO balancer_members(region, member_key, balancer_id, epoch, alive,"
+                            " draining, http_url, grpc_address, last_seen_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (region, m["key"], m["balancer_id"], m["epoch"], int(bool(m["alive"])),
+                             int(bool(m["draining"])), m["http_url"], m["grpc_address"], m["last_seen_unix_ms"]),
+                        )
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
 
-    def save_epoch(self, region: str, epoch: int) -> None:
-        """The epoch issued to a region's latest registration: it must never repeat, even
-        across a controller restart."""
+    def save_member_epoch(self, region: str, member_key: str, balancer_id: str, epoch: int) -> None:
+        """The epoch issued to one balancer's registration (and the region's, which is the
+        highest of its members'): it must never repeat, even across a controller restart."""
         with self._lock:
-            self._db.execute(
-                "INSERT INTO balancers(region, epoch, alive) VALUES (?, ?, 1)"
-                " ON CONFLICT(region) DO UPDATE SET epoch = excluded.epoch",
-                (region, epoch),
-            )
+            db = self._db
+            db.execute("BEGIN")
+            try:
+                db.execute(
+                    "INSERT INTO balancer_members(region, member_key, balancer_id, epoch, alive) VALUES (?, ?, ?, ?, 1)"
+                    " ON CONFLICT(region, member_key) DO UPDATE SET epoch = excluded.epoch,"
+                    " balancer_id = excluded.balancer_id",
+                    (region, member_key, balancer_id, epoch),
+                )
+                db.execute(
+                    "INSERT INTO balancers(region, epoch, alive) VALUES (?, ?, 1)"
+                    " ON CONFLICT(region) DO UPDATE SET epoch = max(coalesce(balancers.epoch, 0), excluded.epoch)",
+                    (region, epoch),
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
 
     def save_report(self, region: str, report: dict[str, Any], at_ms: int, proto: bytes = b"") -> None:
         """The latest report of a region: its admin JSON and (when given) the raw

@@ -40,9 +40,10 @@ def one_region_config(replica_urls: dict[str, str], balancer_port: int, grpc_por
     }
 
 
-def local_config_free_ports(time_scale: float = 1.0) -> dict[str, Any]:
+def local_config_free_ports(time_scale: float = 1.0, siblings: int = 0) -> dict[str, Any]:
     """The embedded local.yaml with every port replaced by a free one (and the advertise
-    addresses kept on their per-region loopback IPs)."""
+    addresses kept on their per-region loopback IPs); with ``siblings``, each region runs
+    that many further balancers (a fleet behind its advertised addresses)."""
     import yaml
 
     data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
@@ -57,6 +58,9 @@ def local_config_free_ports(time_scale: float = 1.0) -> dict[str, Any]:
         b["peer_listen"] = f"127.0.0.1:{free_port()}"
         padv_host = b["peer_advertise"].rsplit(":", 1)[0]
         b["peer_advertise"] = f"{padv_host}:{free_port(padv_host)}"
+        if siblings:
+            b["siblings"] = [{"listen": f"127.0.0.1:{free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}",
+                              "peer_listen": f"127.0.0.1:{free_port()}"} for _ in range(siblings)]
         for rep in r["replicas"]:
             rep["sim"]["port"] = free_port()
             rep["sim"]["time_scale"] = time_scale

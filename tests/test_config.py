@@ -264,3 +264,65 @@ def test_schema_command_with_a_bad_file_fails(tmp_path: Path, capsys: pytest.Cap
         skymesh_main(["config", "--schema", "--config", str(f)])
     assert ei.value.code == 2
     assert "policy.options.hash_lenght: unknown option" in capsys.readouterr().err
+
+
+def fleet() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "configs" / "local-fleet.yaml").read_text())
+
+
+def test_a_region_without_siblings_is_one_balancer_named_b0() -> None:
+    use1 = parse_config(base(), profiles=PROFILES).region("us-east-1")
+    assert use1.balancer.siblings == ()
+    [only] = use1.balancer_members
+    assert (only.index, only.id, str(only.listen), str(only.grpc_listen), str(only.peer_listen)) == (
+        0, "us-east-1-b0", "127.0.0.1:8101", "127.0.0.1:9101", "127.0.0.1:8104")
+
+
+def test_the_fleet_config_is_the_local_mesh_with_two_balancers_per_region() -> None:
+    cfg = parse_config(fleet(), profiles=PROFILES)
+    local = parse_config(base(), profiles=PROFILES)
+    assert [r.name for r in cfg.regions] == [r.name for r in local.regions]
+    for r, one in zip(cfg.regions, local.regions, strict=True):
+        assert (r.balancer.advertise, r.balancer.grpc_advertise, r.balancer.peer_advertise) == (
+            one.balancer.advertise, one.balancer.grpc_advertise, one.balancer.peer_advertise)
+        assert [m.id for m in r.balancer_members] == [f"{r.name}-b0", f"{r.name}-b1"]
+        first, second = r.balancer_members
+        assert first.listen == one.balancer.listen and second.listen != first.listen
+        assert second.peer_listen is not None and second.grpc_listen != first.grpc_listen
+
+
+def test_a_sibling_may_name_its_id() -> None:
+    data = fleet()
+    data["regions"][0]["balancer"]["siblings"][0]["id"] = "use1-blue"
+    r = parse_config(data, profiles=PROFILES).regions[0]
+    assert [m.id for m in r.balancer_members] == ["us-east-1-b0", "use1-blue"]
+
+
+FLEET_BAD = [
+    (["regions", 1, "balancer", "siblings", 0, "listen"], "127.0.0.1:8101",
+     "regions[1].balancer.siblings[0].listen", "already used by regions[0].balancer.listen"),
+    (["regions", 0, "balancer", "siblings", 0, "grpc_listen"], "127.0.1.1:9100",
+     "regions[0].balancer.siblings[0].grpc_listen", "already used by regions[0].balancer.grpc_advertise"),
+    (["regions", 0, "balancer", "siblings", 0, "peer_listen"], _DELETE,
+     "regions[0].balancer.siblings[0].peer_listen", "every balancer of the region needs its own"),
+    (["regions", 0, "balancer", "advertise"], _DELETE,
+     "regions[0].balancer.advertise", "entry address in front of all its balancers"),
+    (["regions", 2, "balancer", "peer_advertise"], "127.0.0.1:8106",
+     "regions[2].balancer.peer_advertise", "not the first balancer's peer_listen"),
+    (["regions", 0, "balancer", "siblings", 0, "id"], "us-east-1-b0",
+     "regions[0].balancer.siblings[0].id", "duplicate balancer id"),
+    (["regions", 0, "balancer", "siblings", 0, "id"], "b 1",
+     "regions[0].balancer.siblings[0].id", "letters, digits"),
+    (["regions", 0, "balancer", "siblings", 0, "port"], 1,
+     "regions[0].balancer.siblings[0].port", "unknown key"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "where", "what"), FLEET_BAD, ids=[b[2] + ":" + b[3] for b in FLEET_BAD])
+def test_bad_fleet_config_names_exact_path(path: list[Any], value: Any, where: str, what: str) -> None:
+    data = fleet()
+    _set(data, path, value)
+    with pytest.raises(ConfigError) as ei:
+        parse_config(data, profiles=PROFILES)
+    assert ei.value.path == where, str(ei.value)
+    assert what in ei.value.message, str(ei.value)

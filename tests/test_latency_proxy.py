@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+import yaml
 
 from skymesh.config import parse_config
 from skymesh.operations.latency_proxy import (
@@ -21,7 +22,7 @@ from skymesh.operations.latency_proxy import (
     start_egress_forwarder,
 )
 from skymesh.runtime.procs import free_port
-from tests.mesh_helpers import local_config_free_ports
+from tests.mesh_helpers import ROOT, local_config_free_ports
 
 
 @pytest.fixture
@@ -295,3 +296,142 @@ async def test_client_ip_is_preserved_and_a_cut_link_refuses_and_resets() -> Non
                 w.close()
     finally:
         srv.close()
+
+
+class NamedUpstream:
+    """A loopback server that greets each connection with its name, then echoes; ``kill``
+    stops listening and resets the connections it has open (a member SIGKILLed)."""
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.server: asyncio.Server | None = None
+        self.open: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            self.open.append(w)
+            w.write(self.name + b"\n")
+            with contextlib.suppress(ConnectionError):
+                await w.drain()
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            w.close()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    def kill(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        for w in self.open:
+            w.transport.abort()
+        self.open = []
+
+
+@pytest.fixture
+async def two_members() -> AsyncIterator[tuple[NamedUpstream, int, NamedUpstream, int]]:
+    a, b = NamedUpstream(b"b0"), NamedUpstream(b"b1")
+    ports = (await a.start(), await b.start())
+    try:
+        yield a, ports[0], b, ports[1]
+    finally:
+        a.kill()
+        b.kill()
+
+
+async def greeting(port: int) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a connection through the proxy: (the member's name, reader, writer)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    return (await r.readline()).strip(), r, w
+
+
+async def test_new_connections_alternate_over_the_members(
+        two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:
+    _, port_a, _, port_b = two_members
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.001,
+                       more_targets=[("127.0.0.1", port_b)])
+    async with running(proxy) as p:
+        seen = []
+        for _ in range(6):
+            name, r, w = await greeting(p.port)
+            w.write(b"ping")
+            assert await r.readexactly(4) == b"ping"  # the whole connection goes to that member
+            seen.append(name)
+            w.close()
+        assert seen == [b"b0", b"b1"] * 3
+        assert p.connections_by_target == {("127.0.0.1", port_a): 3, ("127.0.0.1", port_b): 3}
+
+
+async def test_a_dead_member_gets_no_new_connections_and_no_client_sees_a_refusal(
+        two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:
+    a, port_a, b, port_b = two_members
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.001,
+                       more_targets=[("127.0.0.1", port_b)])
+    async with running(proxy) as p:
+        first = [await greeting(p.port) for _ in range(2)]
+        assert [name for name, _, _ in first] == [b"b0", b"b1"]
+        assert p.open_connections_to(("127.0.0.1", port_b)) == 1
+        b.kill()
+        # the connection it had open ends: the only thing a client sees of its death
+        _, r_b, w_b = first[1]
+        with contextlib.suppress(ConnectionError):
+            assert await r_b.read() == b""
+        w_b.close()
+        for _ in range(6):
+            name, r, w = await greeting(p.port)
+            assert name == b"b0"
+            w.write(b"still here")
+            assert await r.readexactly(10) == b"still here"
+            w.close()
+        assert p.connections_by_target[("127.0.0.1", port_b)] == 1
+        await until(lambda: p.open_connections_to(("127.0.0.1", port_b)) == 0)
+        # the connection open to the live member was never disturbed
+        _, r_a, w_a = first[0]
+        w_a.write(b"ok")
+        assert await r_a.readexactly(2) == b"ok"
+        w_a.close()
+        a.kill()
+        # no member left: the client sees the connection close
+        r, w = await asyncio.open_connection("127.0.0.1", p.port)
+        with contextlib.suppress(ConnectionError):
+            assert await r.read() == b""
+        w.close()
+
+
+async def test_spreading_keeps_the_links_delay(two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:
+    _, port_a, _, port_b = two_members
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.04,
+                       more_targets=[("127.0.0.1", port_b)])
+    async with running(proxy) as p:
+        for expected in (b"b0", b"b1"):
+            t0 = time.monotonic()
+            name, r, w = await greeting(p.port)
+            w.write(b"x")
+            assert await r.readexactly(1) == b"x"
+            # the greeting came back one way, the echo went there and back: at least 3 x 40 ms
+            assert name == expected and time.monotonic() - t0 >= 0.12
+            w.close()
+
+
+def test_a_fleet_regions_proxies_stand_in_front_of_every_member() -> None:
+    cfg = parse_config(yaml.safe_load((ROOT / "configs" / "local-fleet.yaml").read_text()))
+    proxies = proxies_for(cfg)
+    assert len(proxies) == 9
+    for p in proxies:
+        members = cfg.region(p.region).balancer_members
+        listener = {"http": "listen", "grpc": "grpc_listen", "peer": "peer_listen"}[p.kind]
+        assert p.targets == tuple((getattr(m, listener).host, getattr(m, listener).port) for m in members)
+        assert len(p.targets) == 2
+
+
+def test_without_emulated_latency_only_a_fleets_entry_is_proxied_and_without_delay() -> None:
+    data = local_config_free_ports(siblings=1)
+    data["emulate_latency"] = False
+    del data["regions"][1]["balancer"]["siblings"]
+    proxies = proxies_for(parse_config(data))
+    assert {p.region for p in proxies} == {"us-east-1", "ap-northeast-1"}  # eu-west-1: one balancer
+    assert all(len(p.targets) == 2 and p.delay("127.2.0.5") == 0.0 for p in proxies)
+    data["emulate_latency"] = True
+    assert {p.region for p in proxies_for(parse_config(data))} == {"us-east-1", "eu-west-1", "ap-northeast-1"}

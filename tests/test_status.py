@@ -227,3 +227,19 @@ def test_status_with_a_bad_config_exits_2(tmp_path: Path) -> None:
                          timeout=60)
     assert out.returncode == 2
     assert "regions[0].replicas[0]" in out.stderr
+
+
+async def test_the_fallback_asks_every_balancer_of_a_fleet() -> None:
+    cfg = parse_config(local_config_free_ports(siblings=1))
+    us = cfg.regions[0]
+    second = us.balancer_members[1]
+    report = {**US, "balancer_id": second.id}
+    async with serve({"/admin/status": report}, second.listen.host, second.listen.port):
+        status = await collect(cfg)
+    assert status["source"] == "balancers"
+    entry = status["regions"][0]
+    # the first balancer is down, the second answers: the region is up
+    assert entry["balancer_alive"] and entry["balancer_id"] == second.id
+    assert [(m["balancer_id"], m["alive"]) for m in entry["balancers"]] == [
+        (us.balancer_members[0].id, False), (second.id, True)]
+    assert "== us-east-1  1/2 balancers up" in render(status)

@@ -1,4 +1,4 @@
-"""`skymesh balancer --config FILE --region NAME`: run one regional balancer."""
+"""`skymesh balancer --config FILE --region NAME [--member K]`: run one balancer of a region."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="mesh YAML (default: the embedded local mesh)")
     p.add_argument("--region", required=True, help="which region of the config this balancer serves")
     p.add_argument("--policy", default=None, help="override the config's routing policy")
+    p.add_argument("--member", type=int, default=0,
+                   help="which balancer of the region's fleet this is: 0 the region's `balancer:` listeners,"
+                        " K its balancer.siblings[K-1] (default 0); its id is the member's unless --balancer-id")
     p.add_argument("--balancer-id", default=None)
     p.add_argument("--no-controller", action="store_true", help="run from the YAML alone")
     p.add_argument("--no-peers", action="store_true", help="region-local: no heartbeats, no offload")
@@ -47,6 +50,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "health, queue and retry bounds, offload rules (and the replica list with "
                      "--no-controller) apply live; a file changing anything else is refused as a whole "
                      "(see docs/deploy.md).")
+
+
+def as_member(cfg: MeshConfig, region: str, member: int) -> MeshConfig:
+    """``cfg`` with ``region``'s balancer listening on member ``member``'s listeners (the
+    advertised addresses, the region's entry, stay as configured)."""
+    if member == 0:
+        return cfg
+    m = cfg.region(region).balancer_members[member]
+    regions = tuple(
+        r.model_copy(update={"balancer": r.balancer.model_copy(update={
+            "listen": m.listen, "grpc_listen": m.grpc_listen, "peer_listen": m.peer_listen})})
+        if r.name == region else r
+        for r in cfg.regions
+    )
+    return cfg.model_copy(update={"regions": regions})
+
+
+def member_balancer_id(cfg: MeshConfig, region: str, member: int, given: str | None) -> str | None:
+    """The balancer id: ``given``, else the member's own in a region of several balancers,
+    else None (a fresh one per process, as a region of one balancer always had)."""
+    if given is not None:
+        return given
+    members = cfg.region(region).balancer_members
+    return members[member].id if len(members) > 1 else None
+
+
+def static_siblings(cfg: MeshConfig, region: str, member: int) -> dict[str, str]:
+    """The region's other balancers the config lists: id -> its own gRPC listener (from
+    the config as written, before this member's listeners replace the first's)."""
+    return {m.id: str(m.grpc_listen) for m in cfg.region(region).balancer_members if m.index != member}
 
 
 def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_port: int | None,
@@ -76,11 +109,14 @@ def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_
 
 async def serve(args: argparse.Namespace) -> int:
     def prepare(cfg: MeshConfig) -> MeshConfig:  # the command line's overrides, at start and on reload
-        return with_listen_ports(cfg, args.region, args.http_port, args.grpc_port, args.peer_port)
+        return with_listen_ports(as_member(cfg, args.region, args.member), args.region, args.http_port,
+                                 args.grpc_port, args.peer_port)
 
     cfg, digest = load_config_digest(args.config)
-    balancer = Balancer(prepare(cfg), args.region, balancer_id=args.balancer_id, policy_name=args.policy,
-                        config_sha256=digest)
+    balancer = Balancer(prepare(cfg), args.region,
+                        balancer_id=member_balancer_id(cfg, args.region, args.member, args.balancer_id),
+                        policy_name=args.policy, config_sha256=digest,
+                        static_siblings=static_siblings(cfg, args.region, args.member))
     attach_services(balancer, peers=not args.no_peers, controller=not args.no_controller)
     attach_autoscaling_signal(balancer)  # with autoscaling.cloudwatch: the signal to CloudWatch
 
@@ -108,12 +144,16 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         cfg = load_config(args.config)
-        cfg.region(args.region)
+        members = cfg.region(args.region).balancer_members
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except KeyError:
         print(f"config error: no region named {args.region!r}", file=sys.stderr)
+        return 2
+    if not 0 <= args.member < len(members):
+        print(f"config error: region {args.region!r} has {len(members)} balancer(s) (members 0-{len(members) - 1}),"
+              f" no member {args.member}", file=sys.stderr)
         return 2
     bad_ports = [f"--{k}-port must be 0-65535, got {v}" for k, v in (("http", args.http_port),
                  ("grpc", args.grpc_port), ("peer", args.peer_port)) if v is not None and not 0 <= v <= 65535]

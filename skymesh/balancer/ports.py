@@ -31,6 +31,9 @@ class Registration:
     http_url: str
     grpc_address: str
     version: str = VERSION
+    # this balancer's own gRPC listener (one member of the region's fleet); grpc_address
+    # is the region's advertised one
+    member_grpc_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -94,7 +94,10 @@ class Balancer:
         balancer_id: str | None = None,
         policy_name: str | None = None,
         config_sha256: str | None = None,
+        static_siblings: Mapping[str, str] | None = None,
     ) -> None:
+        """``static_siblings``: the region's other balancers the config lists (id -> its
+        own gRPC address); the controller's topology may name more."""
         self.cfg = cfg
         # the loaded config file: its SHA-256 (None: not from a file) and when it was loaded
         self.config_sha256 = config_sha256
@@ -110,8 +113,8 @@ class Balancer:
         self.policy = self.core.policy
         self.offload = self.core.offload
         # the region's other balancers (config or controller) and the budgets shared with them
-        self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core, static_members={},
-                                 dead_after_s=cfg.siblings.dead_after_s)
+        self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core,
+                                 static_members=static_siblings or {}, dead_after_s=cfg.siblings.dead_after_s)
         self.fleet.attach_if_needed(loop_clock())
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
@@ -362,7 +365,17 @@ class Balancer:
             epoch=self.epoch,
             http_url=self.region_cfg.balancer.advertise_url,
             grpc_address=str(self.region_cfg.balancer.grpc_advertise),
+            member_grpc_address=self.member_grpc_address(),
         )
+
+    def member_grpc_address(self) -> str:
+        """This balancer's own gRPC listener (the bound port when it listens on port 0)."""
+        listen = self.region_cfg.balancer.grpc_listen
+        for svc in self.extra_services:
+            port = getattr(svc, "bound_port", None)
+            if isinstance(port, int) and port > 0:  # the peers' gRPC server
+                return f"{listen.host}:{port}"
+        return str(listen)
 
     def set_controller_connected(self, connected: bool) -> None:
         self.controller_connected = connected
@@ -571,7 +584,7 @@ class Balancer:
             config={"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
                     "last_reload": self.reload_status.as_json()},
             control={"controller_connected": self.controller_connected,
-                     "topology_version": self.topology_version},
+                     "topology_version": self.topology_version, "siblings": self.fleet.status()},
             kv_events=self.kv_events_status(),
         )
 

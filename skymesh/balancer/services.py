@@ -411,6 +411,7 @@ class ControllerLink(SupervisedService):
             http_url=r.http_url,
             grpc_address=r.grpc_address,
             version=r.version,
+            member_grpc_address=r.member_grpc_address,
         )
 
     async def _report_loop(self, stub: Any) -> None:

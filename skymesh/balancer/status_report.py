@@ -18,7 +18,7 @@ def build_status_report(*, now: float, core: RegionCore, replicas: Mapping[str, 
                         kv_events: Mapping[str, Any]) -> StatusReport:
     """``identity``: region, balancer_id, epoch, policy; ``config``: the loaded file's
     digest, load time and last reload; ``control``: controller_connected,
-    topology_version; ``kv_events``: per replica, its event stream and block index."""
+    topology_version, siblings (the region's other balancers); ``kv_events``: per replica, its event stream and block index."""
     snap = core.snapshot()
     replica_docs = {}
     for rid, info in replicas.items():

@@ -61,9 +61,12 @@ from skymesh.config.region import (
     REGION_NAME_RE,
     AwsRegion,
     BalancerConfig,
+    BalancerId,
+    BalancerMember,
     LatencyConfig,
     RegionConfig,
     RegionName,
+    SiblingBalancerConfig,
 )
 from skymesh.config.replica import REPLICA_ID_RE, KvEventsEndpoint, ReplicaConfig, ReplicaId
 from skymesh.config.routing import (
@@ -106,6 +109,8 @@ __all__ = [
     "AwsRegion",
     "AwsSourceConfig",
     "BalancerConfig",
+    "BalancerId",
+    "BalancerMember",
     "Bool",
     "CertKeyFiles",
     "ClientAuthConfig",
@@ -143,6 +148,7 @@ __all__ = [
     "RegionConfig",
     "RegionName",
     "RegistrationConfig",
+    "SiblingBalancerConfig",
     "ReplicaConfig",
     "ReplicaId",
     "Sha256Hex",

@@ -203,6 +203,12 @@ def _check_unique_endpoints(regions: tuple[RegionConfig, ...]) -> None:
             claim(b.peer_listen, f"regions[{i}].balancer.peer_listen")
         if b.peer_advertise is not None and b.peer_advertise != b.peer_listen:
             claim(b.peer_advertise, f"regions[{i}].balancer.peer_advertise")
+        for k, sib in enumerate(b.siblings):
+            at = f"regions[{i}].balancer.siblings[{k}]"
+            claim(sib.listen, f"{at}.listen")
+            claim(sib.grpc_listen, f"{at}.grpc_listen")
+            if sib.peer_listen is not None:
+                claim(sib.peer_listen, f"{at}.peer_listen")
         for j, rep in enumerate(r.replicas):
             if rep.sim is not None:
                 claim(HostPort(rep.sim.host, rep.sim.port), f"regions[{i}].replicas[{j}].sim.port")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import AfterValidator, Field, model_validator
@@ -18,8 +19,8 @@ from skymesh.config.base import (
     matching,
     set_derived,
 )
-from skymesh.config.network import DerivedHostPort, HostPortField, IpAddress, Network
-from skymesh.config.replica import ReplicaConfig
+from skymesh.config.network import DerivedHostPort, HostPort, HostPortField, IpAddress, Network
+from skymesh.config.replica import REPLICA_ID_RE, ReplicaConfig
 
 REGION_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,62}$")
 
@@ -33,6 +34,35 @@ AwsRegion = Annotated[
     Text, AfterValidator(matching(REGION_NAME_RE, "an AWS region")),
     Field(json_schema_extra={"pattern": REGION_NAME_RE.pattern}),
 ]
+BalancerId = Annotated[
+    Text,
+    AfterValidator(matching(REPLICA_ID_RE, "letters, digits, '.', '_' or '-'")),
+    Field(json_schema_extra={"pattern": REPLICA_ID_RE.pattern}),
+]
+
+
+@dataclass(frozen=True)
+class BalancerMember:
+    """One balancer of a region: its id and its own listeners (member 0 is the region's
+    ``balancer:`` itself, member K its ``siblings[K-1]``)."""
+
+    index: int
+    id: str
+    listen: HostPort
+    grpc_listen: HostPort
+    peer_listen: HostPort | None
+
+
+class SiblingBalancerConfig(ConfigModel):
+    """A further active-active balancer of the region: its own listeners behind the
+    region's advertised addresses (an NLB in the cloud, `skymesh up`'s spreading proxies
+    on loopback)."""
+
+    # default: <region>-b<K>
+    id: BalancerId | None = None
+    listen: HostPortField
+    grpc_listen: HostPortField
+    peer_listen: HostPortField | None = None
 
 
 class BalancerConfig(ConfigModel):
@@ -52,6 +82,9 @@ class BalancerConfig(ConfigModel):
     # where peers send their forwards (default: peer_listen); a delay proxy with
     # emulate_latency, like advertise
     peer_advertise: DerivedHostPort = Field(default=None, description="default: peer_listen")
+    # further balancers of the region (a fleet): every one serves the advertised
+    # addresses above, which must then be an entry in front of them all
+    siblings: tuple[SiblingBalancerConfig, ...] = ()
 
     @model_validator(mode="after")
     def _advertise_defaults_to_listen(self) -> BalancerConfig:
@@ -63,7 +96,31 @@ class BalancerConfig(ConfigModel):
             set_derived(self, "peer_advertise", self.peer_listen)
         elif self.peer_listen is None:
             raise ConfigError("peer_advertise", "needs peer_listen (the listener it reaches)")
+        if self.siblings:
+            self._check_fleet_entry()
         return self
+
+    def _check_fleet_entry(self) -> None:
+        """Several balancers: each advertised address is an entry in front of them all,
+        never one balancer's own listener; each has a peer listener when the first has."""
+        for advertised, listener in (("advertise", "listen"), ("grpc_advertise", "grpc_listen"),
+                                     ("peer_advertise", "peer_listen")):
+            if getattr(self, listener) is not None and getattr(self, advertised) == getattr(self, listener):
+                raise ConfigError(advertised, f"a region with siblings needs an entry address in front of "
+                                              f"all its balancers, not the first balancer's {listener} "
+                                              f"({getattr(self, listener)})")
+        for i, sib in enumerate(self.siblings):
+            if (sib.peer_listen is None) != (self.peer_listen is None):
+                which = "this sibling has one and the first balancer has none" if self.peer_listen is None \
+                    else "the region's first balancer has one: every balancer of the region needs its own"
+                raise ConfigError(f"siblings[{i}].peer_listen", which)
+
+    def members(self, region: str) -> tuple[BalancerMember, ...]:
+        """Every balancer of ``region``: member 0 (this section's listeners), then the
+        siblings; ids ``<region>-b<K>`` unless given."""
+        first = BalancerMember(0, f"{region}-b0", self.listen, self.grpc_listen, self.peer_listen)
+        return (first, *(BalancerMember(k, sib.id or f"{region}-b{k}", sib.listen, sib.grpc_listen, sib.peer_listen)
+                         for k, sib in enumerate(self.siblings, start=1)))
 
     @property
     def advertise_url(self) -> str:
@@ -95,7 +152,18 @@ class RegionConfig(ConfigModel):
                 raise ConfigError(
                     "egress_source", f"{self.egress_source} is not inside this region's source_networks"
                 )
+        ids = [m.id for m in self.balancer_members]
+        repeat = first_repeat(ids)
+        if repeat is not None:
+            i, first = repeat
+            raise ConfigError(f"balancer.siblings[{i - 1}].id",
+                              f"duplicate balancer id {ids[i]!r} (also member {first} of this region)")
         return self
+
+    @property
+    def balancer_members(self) -> tuple[BalancerMember, ...]:
+        """The region's balancers: member 0 (``balancer:``) and its siblings."""
+        return self.balancer.members(self.name)
 
 
 class LatencyConfig(ConfigModel):

@@ -1,13 +1,19 @@
 """A byte-level TCP delay proxy that makes one machine feel like several regions.
 
-It listens on a balancer's advertised address and forwards to its real listen address,
-delaying every chunk in each direction by the one-way latency of the link the connection
+It listens on a region's advertised address and forwards to its balancers' real listen
+addresses, delaying every chunk in each direction by the one-way latency of the link the connection
 comes from: the client's source IP is matched against the regions' ``source_networks``
 (a client at 127.2.0.5, or a balancer that bound its egress to 127.2.0.1, is in
 eu-west-1), and the delay is ``one_way_ms(source region, this region)``. Unknown sources
 get ``local_latency_ms``. Byte-level, so it carries HTTP (incl. SSE streaming) and gRPC.
 The mesh's proxies connect to the balancer from the client's own address (client IP
 preservation, as an AWS NLB does), so the balancer sees which region a user is in.
+
+A region of several balancers (``balancer.siblings``) has one proxy per advertised address
+in front of all of them: like an NLB, it spreads new connections round robin over the
+members' listeners, and a member that does not accept (dead, or draining after SIGTERM) is
+skipped for that connection and the next one tried, so clients see a member die only on
+the connections they had open to it.
 
 Each direction is a queue of (release time, bytes): chunks leave in order at arrival +
 delay, so delays never add up along a stream (no sleep-per-chunk serialisation). The
@@ -21,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from skymesh.config import MeshConfig, region_of_address
 
@@ -111,20 +117,26 @@ class _DelayLine:
 
 
 class DelayProxy:
-    """Listen on ``listen``, forward to ``target``, delay by ``delay(client ip)`` seconds;
-    with ``upstream_source`` the upstream connection is bound to that source address."""
+    """Listen on ``listen``, forward to ``target`` (and, with ``more_targets``, spread new
+    connections round robin over all of them, skipping one that refuses), delay by
+    ``delay(client ip)`` seconds; with ``upstream_source`` the upstream connection is bound
+    to that source address."""
 
     def __init__(self, listen: tuple[str, int], target: tuple[str, int], delay: Callable[[str], float],
                  name: str = "", max_buffered: int = DEFAULT_MAX_BUFFERED,
                  upstream_source: str | None = None, region: str = "", kind: str = "",
-                 preserve_client_ip: bool = False) -> None:
+                 preserve_client_ip: bool = False, more_targets: Sequence[tuple[str, int]] = ()) -> None:
         self.listen = listen
         # what it stands in front of (e.g. "eu-west-1", "grpc"), for fault injection
         self.region = region
         self.kind = kind
         # a cut link: connections from client IPs this says True for are refused (None: none)
         self.refuse: Callable[[str], bool] | None = None
-        self.target = target
+        # the listeners behind this address (a region's balancers), tried round robin
+        self.targets: tuple[tuple[str, int], ...] = (target, *more_targets)
+        self._next_target = 0
+        # connections carried to each target (a refused connect does not count)
+        self.connections_by_target: dict[tuple[str, int], int] = dict.fromkeys(self.targets, 0)
         # bind the upstream side to this source address (an egress forwarder, below)
         self.upstream_source = upstream_source
         # connect upstream from the client's own address (as an AWS NLB preserves client
@@ -137,6 +149,34 @@ class DelayProxy:
         self._server: asyncio.Server | None = None
         self._conns: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
         self._lines: dict[asyncio.Task[None], list[_DelayLine]] = {}
+        self._upstream_of: dict[asyncio.Task[None], tuple[str, int]] = {}
+
+    @property
+    def target(self) -> tuple[str, int]:
+        """The first listener behind this address (the only one unless it spreads)."""
+        return self.targets[0]
+
+    def _targets_in_turn(self) -> list[tuple[str, int]]:
+        """Every target, starting with the one whose turn it is (round robin)."""
+        first = self._next_target
+        self._next_target = (first + 1) % len(self.targets)
+        return [*self.targets[first:], *self.targets[:first]]
+
+    async def _connect_upstream(
+            self, source: str | None) -> tuple[tuple[str, int], asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """(target, connection) to the first target in turn that accepts one; None when none does."""
+        for target in self._targets_in_turn():
+            try:
+                ureader, uwriter = await asyncio.open_connection(
+                    *target, local_addr=(source, 0) if source else None)
+            except OSError as e:
+                # this one is down: the next is tried, the client never sees it
+                log.debug("delay proxy upstream unreachable", extra={
+                    "proxy": self.name, "target": f"{target[0]}:{target[1]}", "error": str(e)})
+                continue
+            self.connections_by_target[target] += 1
+            return target, ureader, uwriter
+        return None
 
     @property
     def port(self) -> int:
@@ -148,6 +188,19 @@ class DelayProxy:
     @property
     def active_connections(self) -> int:
         return len(self._conns)
+
+    def open_connections_to(self, target: tuple[str, int]) -> int:
+        """Connections open right now to one of the targets."""
+        return sum(1 for t in self._upstream_of.values() if t == target)
+
+    def open_connections(self) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+        """(client address, target) of every connection carried right now."""
+        out = []
+        for task, target in self._upstream_of.items():
+            peer = self._conns[task][0].get_extra_info("peername") if task in self._conns else None
+            if peer:
+                out.append(((str(peer[0]), int(peer[1])), target))
+        return out
 
     def buffered_bytes(self) -> list[int]:
         """Bytes held right now by each direction of each open connection."""
@@ -175,7 +228,8 @@ class DelayProxy:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.listen[0], self.listen[1], reuse_address=True)
-        log.debug("delay proxy listening", extra={"proxy": self.name, "target": f"{self.target[0]}:{self.target[1]}"})
+        log.debug("delay proxy listening", extra={
+            "proxy": self.name, "targets": ", ".join(f"{h}:{p}" for h, p in self.targets)})
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -207,14 +261,13 @@ class DelayProxy:
         writers = self._conns[task] = [cwriter]
         d = self.delay(client_ip)
         try:
-            try:
-                source = client_ip if self.preserve_client_ip and client_ip else self.upstream_source
-                ureader, uwriter = await asyncio.open_connection(
-                    *self.target, local_addr=(source, 0) if source else None)
-            except OSError as e:
-                # upstream down: the client sees the connection close, as with a dead host
-                log.debug("delay proxy upstream unreachable", extra={"proxy": self.name, "error": str(e)})
+            source = client_ip if self.preserve_client_ip and client_ip else self.upstream_source
+            upstream = await self._connect_upstream(source)
+            if upstream is None:
+                # every upstream down: the client sees the connection close, as with a dead host
                 return
+            target, ureader, uwriter = upstream
+            self._upstream_of[task] = target
             writers.append(uwriter)
             dl = self._lines[task] = [
                 _DelayLine(creader, uwriter, d, self.max_buffered),
@@ -239,29 +292,43 @@ class DelayProxy:
             cwriter.close()
             self._conns.pop(task, None)
             self._lines.pop(task, None)
+            self._upstream_of.pop(task, None)
 
 
 def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
     """One HTTP, one gRPC and one peer-listener delay proxy per region whose advertised
-    address differs from its listen address."""
+    address differs from its listen address, each in front of every balancer of the region.
+    Without ``emulate_latency``: only a fleet's, without delay (they still spread its
+    connections)."""
     out = []
     for r in cfg.regions:
         b = r.balancer
-        d = delay_for(cfg, r.name)
+        members = r.balancer_members
+        if not cfg.emulate_latency and len(members) == 1:
+            continue
+        d = delay_for(cfg, r.name) if cfg.emulate_latency else _no_delay
         if b.advertise != b.listen:
-            out.append(DelayProxy((b.advertise.host, b.advertise.port), (b.listen.host, b.listen.port), d,
+            http = [(m.listen.host, m.listen.port) for m in members]
+            out.append(DelayProxy((b.advertise.host, b.advertise.port), http[0], d, more_targets=http[1:],
                                   name=f"{r.name} http {b.advertise}", region=r.name, kind="http",
                                   preserve_client_ip=True))
         if b.grpc_advertise != b.grpc_listen:
-            out.append(DelayProxy((b.grpc_advertise.host, b.grpc_advertise.port),
-                                  (b.grpc_listen.host, b.grpc_listen.port), d, name=f"{r.name} grpc {b.grpc_advertise}",
-                                  region=r.name, kind="grpc", preserve_client_ip=True))
+            grpc = [(m.grpc_listen.host, m.grpc_listen.port) for m in members]
+            out.append(DelayProxy((b.grpc_advertise.host, b.grpc_advertise.port), grpc[0], d, more_targets=grpc[1:],
+                                  name=f"{r.name} grpc {b.grpc_advertise}", region=r.name, kind="grpc",
+                                  preserve_client_ip=True))
         if b.peer_listen is not None and b.peer_advertise is not None and b.peer_advertise != b.peer_listen:
-            # byte-level: the forwards' TLS passes through untouched (and unreadable)
-            out.append(DelayProxy((b.peer_advertise.host, b.peer_advertise.port),
-                                  (b.peer_listen.host, b.peer_listen.port), d, name=f"{r.name} peer {b.peer_advertise}",
-                                  region=r.name, kind="peer", preserve_client_ip=True))
+            # byte-level: the forwards' TLS passes through untouched (and unreadable); the
+            # config gives every member a peer listener when the first has one
+            peer = [(m.peer_listen.host, m.peer_listen.port) for m in members if m.peer_listen is not None]
+            out.append(DelayProxy((b.peer_advertise.host, b.peer_advertise.port), peer[0], d, more_targets=peer[1:],
+                                  name=f"{r.name} peer {b.peer_advertise}", region=r.name, kind="peer",
+                                  preserve_client_ip=True))
     return out
+
+
+def _no_delay(ip: str) -> float:
+    return 0.0
 
 
 def _split_hostport(address: str) -> tuple[str, int]:

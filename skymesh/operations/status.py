@@ -45,21 +45,32 @@ def _reachable(hp: HostPort) -> HostPort:
     return HostPort("127.0.0.1", hp.port) if hp.host in _WILDCARDS else hp
 
 
-def balancer_admin_url(r: RegionConfig) -> str:
-    """Where to ask a balancer directly: its own listen address (no delay proxy in the
-    way), unless that is a wildcard; then the advertised one."""
+def balancer_admin_url(r: RegionConfig, member: int = 0) -> str:
+    """Where to ask a balancer (the region's ``member``) directly: its own listen address
+    (no delay proxy in the way), unless that is a wildcard; then the advertised one."""
     b = r.balancer
-    hp = b.advertise if b.listen.host in _WILDCARDS and b.advertise != b.listen else _reachable(b.listen)
+    listen = r.balancer_members[member].listen
+    hp = b.advertise if listen.host in _WILDCARDS and b.advertise != listen else _reachable(listen)
     return hp.http_url + "/admin/status"
+
+
+async def _member_reports(s: aiohttp.ClientSession, r: RegionConfig,
+                          refused: list[str] | None = None) -> list[dict[str, Any] | None]:
+    """Each balancer of the region's own /admin/status (None: no answer)."""
+    answers = await asyncio.gather(*(_get_json(s, balancer_admin_url(r, m.index), refused)
+                                     for m in r.balancer_members))
+    return [a if isinstance(a, dict) else None for a in answers]
 
 
 def controller_url(cfg: MeshConfig) -> str:
     return _reachable(cfg.controller.http_listen).http_url
 
 
-def _from_balancer(r: RegionConfig, rep: dict[str, Any] | None) -> dict[str, Any]:
-    """A region entry shaped like the controller's, from a balancer's own /admin/status."""
-    return {
+def _from_balancer(r: RegionConfig, rep: dict[str, Any] | None,
+                   member_reports: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """A region entry shaped like the controller's, from a balancer's own /admin/status
+    (with ``member_reports``, each balancer's of a region of several)."""
+    entry = {
         "region": r.name,
         "balancer_alive": rep is not None,
         "balancer_id": rep.get("balancer_id", "") if rep else "",
@@ -70,6 +81,12 @@ def _from_balancer(r: RegionConfig, rep: dict[str, Any] | None) -> dict[str, Any
         ],
         "report": rep,
     }
+    if member_reports is not None and len(member_reports) > 1:
+        entry["balancers"] = [
+            {"balancer_id": (x or {}).get("balancer_id") or m.id, "alive": x is not None,
+             "epoch": (x or {}).get("epoch", 0), "http_url": m.listen.http_url}
+            for m, x in zip(r.balancer_members, member_reports, strict=True)]
+    return entry
 
 
 async def collect(cfg: MeshConfig, admin_token: str | None = None,
@@ -86,16 +103,18 @@ async def collect(cfg: MeshConfig, admin_token: str | None = None,
             by_name = {r.name: r for r in cfg.regions}
             missing = [x for x in status["regions"]
                        if x.get("balancer_alive") and not x.get("report") and x.get("region") in by_name]
-            fresh = await asyncio.gather(*(_get_json(s, balancer_admin_url(by_name[x["region"]])) for x in missing))
-            for x, rep in zip(missing, fresh, strict=True):
-                if isinstance(rep, dict):
+            fresh = await asyncio.gather(*(_member_reports(s, by_name[x["region"]]) for x in missing))
+            for x, answers in zip(missing, fresh, strict=True):
+                rep = next((a for a in answers if a is not None), None)
+                if rep is not None:
                     x["report"] = rep
                     x["report_source"] = "balancer"
             status.setdefault("source", "controller")
             return status
-        reports = await asyncio.gather(*(_get_json(s, balancer_admin_url(r), refused) for r in cfg.regions))
-    regions = [_from_balancer(r, rep if isinstance(rep, dict) else None)
-               for r, rep in zip(cfg.regions, reports, strict=True)]
+        reports = await asyncio.gather(*(_member_reports(s, r, refused) for r in cfg.regions))
+    # a region answers while any of its balancers does
+    regions = [_from_balancer(r, next((a for a in answers if a is not None), None), answers)
+               for r, answers in zip(cfg.regions, reports, strict=True)]
     return {"source": "balancers", "controller": None, "controller_url": controller_url(cfg),
             "policy": cfg.policy.name, "regions": regions, "unauthorized": refused}
 
@@ -156,6 +175,14 @@ def _peers_line(peers: dict[str, Any]) -> str:
     return "   peers: " + "; ".join(parts)
 
 
+def _member_line(m: dict[str, Any]) -> str:
+    """One balancer of a fleet: its id, state, epoch and own address."""
+    state = "up" if m.get("alive") else ("DRAINING" if m.get("draining") else "DOWN")
+    name = m.get("balancer_id") or m.get("key", "?")
+    epoch = f"epoch {m['epoch']}" if m.get("epoch") else "not registered"
+    return f"   balancer {name:<20} {state:<8} {epoch:<14} {m.get('http_url', '')}".rstrip()
+
+
 def render(status: dict[str, Any]) -> str:
     """A table per region, from the shape :func:`collect` returns."""
     lines: list[str] = []
@@ -175,7 +202,13 @@ def render(status: dict[str, Any]) -> str:
         name = r.get("region", "?")
         up = "up" if r.get("balancer_alive") else ("DRAINING" if r.get("balancer_draining") else "DOWN")
         lines.append("")
-        lines.append(f"== {name}  balancer {up}  {r.get('balancer_url', '')}  {r.get('balancer_id', '')}".rstrip())
+        members = r.get("balancers") or []
+        if len(members) > 1:  # a fleet: how many of its balancers serve, then each
+            alive = sum(1 for m in members if m.get("alive"))
+            lines.append(f"== {name}  {alive}/{len(members)} balancers {up}  {r.get('balancer_url', '')}")
+            lines += [_member_line(m) for m in members]
+        else:
+            lines.append(f"== {name}  balancer {up}  {r.get('balancer_url', '')}  {r.get('balancer_id', '')}".rstrip())
         if not r.get("balancer_alive"):
             owner = r.get("nearest_alive")
             if owner and owner != name:
@@ -223,7 +256,8 @@ def _nothing_message(cfg: MeshConfig, status: dict[str, Any] | None = None) -> s
                 + f"): set {cfg.admin.token_env}, admin.token_file, or --state-dir where `skymesh up` runs")
     return ("nothing is running: no controller at "
             f"{controller_url(cfg)} and no balancer answered at "
-            + ", ".join(balancer_admin_url(r).removesuffix("/admin/status") for r in cfg.regions)
+            + ", ".join(balancer_admin_url(r, m.index).removesuffix("/admin/status")
+                         for r in cfg.regions for m in r.balancer_members)
             + " (start the mesh with `make run` or `skymesh up`)")
 
 

@@ -2,8 +2,10 @@
 
 Starts, each as its own process (own process group, log under the state dir): the
 stand-in replicas of every region (real `url` replicas are only health-checked), the DNS
-server, the controller and one balancer per region; plus, in this process, the delay
-proxies that give the advertised addresses their inter-region latency. Waits until every
+server, the controller and every balancer of every region (a region with
+``balancer.siblings`` runs several); plus, in this process, the delay proxies that give
+the advertised addresses their inter-region latency and spread a region's new
+connections over its balancers. Waits until every
 child reports ready (its SKYMESH_READY line, see skymesh.runtime.procs) and every real replica is
 healthy, prints how to use the mesh, and stops everything (reverse order, by PID) on
 Ctrl-C / SIGTERM. :class:`Mesh` is also what the integration tests drive: they kill and
@@ -70,7 +72,7 @@ class Mesh:
         self.external_timeout_s = external_timeout_s
         self.replicas: dict[str, Child] = {}  # sim replicas by replica id
         self.replica_restarts: dict[str, int] = {}  # by keep_replicas_running
-        self.balancers: dict[str, Child] = {}  # by region
+        self.balancer_members: dict[tuple[str, int], Child] = {}  # by (region, member index)
         self.controller: Child | None = None
         self.dns: Child | None = None
         self.proxies: list[DelayProxy] = []
@@ -132,11 +134,15 @@ class Mesh:
         out.append(("controller HTTP", cfg.controller.http_listen.host, cfg.controller.http_listen.port, False))
         for r in cfg.regions:
             b = r.balancer
-            out.append((f"balancer {r.name} HTTP", b.listen.host, b.listen.port, False))
-            out.append((f"balancer {r.name} gRPC", b.grpc_listen.host, b.grpc_listen.port, False))
-            if b.peer_listen is not None:
-                out.append((f"balancer {r.name} peer listener", b.peer_listen.host, b.peer_listen.port, False))
-            if cfg.emulate_latency:
+            for m in r.balancer_members:
+                who = f"balancer {r.name}" if len(r.balancer_members) == 1 else f"balancer {m.id}"
+                out.append((f"{who} HTTP", m.listen.host, m.listen.port, False))
+                out.append((f"{who} gRPC", m.grpc_listen.host, m.grpc_listen.port, False))
+                if m.peer_listen is not None:
+                    out.append((f"{who} peer listener", m.peer_listen.host, m.peer_listen.port, False))
+            # the delay proxies, which also spread a fleet's connections (then even without
+            # emulate_latency: nothing else serves the region's entry on loopback)
+            if cfg.emulate_latency or len(r.balancer_members) > 1:
                 if b.advertise != b.listen:
                     out.append((f"delay proxy {r.name} HTTP", b.advertise.host, b.advertise.port, False))
                 if b.grpc_advertise != b.grpc_listen:
@@ -185,8 +191,6 @@ class Mesh:
         raise KeyError(rid)
 
     async def start_proxies(self) -> None:
-        if not self.cfg.emulate_latency:
-            return
         for p in proxies_for(self.cfg):
             try:
                 await p.start()
@@ -309,20 +313,41 @@ class Mesh:
         if self.controller is not None:
             await (self.controller.kill() if kill else self.controller.stop())
 
-    async def start_balancer(self, region: str) -> None:
-        old = self.balancers.get(region)
+    @property
+    def balancers(self) -> dict[str, Child]:
+        """Each region's first balancer (member 0: the only one of a region without siblings)."""
+        return {region: child for (region, k), child in self.balancer_members.items() if k == 0}
+
+    def _member_indexes(self, region: str, member: int | None) -> list[int]:
+        members = self.cfg.region(region).balancer_members
+        if member is None:
+            return [m.index for m in members]
+        if not 0 <= member < len(members):
+            raise MeshStartError(f"region {region} has {len(members)} balancer(s), no member {member}")
+        return [member]
+
+    async def start_balancer(self, region: str, member: int | None = None) -> None:
+        """(Re)start the region's balancer ``member`` (None: every one) and wait until ready."""
+        await all_or_first_failure([asyncio.create_task(self._start_member(region, k))
+                                    for k in self._member_indexes(region, member)])
+
+    async def _start_member(self, region: str, member: int) -> None:
+        old = self.balancer_members.get((region, member))
+        members = self.cfg.region(region).balancer_members
+        name = region if len(members) == 1 else members[member].id
         if old is not None and old.running():
-            raise MeshStartError(f"the {region} balancer is already running (pid {old.pid})")
-        child = Child(f"balancer-{region}", skymesh_cmd(
-            "balancer", "--config", str(self.config_path), "--region", region), self.log_dir, env=self.child_env)
+            raise MeshStartError(f"the {name} balancer is already running (pid {old.pid})")
+        child = Child(f"balancer-{name}", skymesh_cmd(
+            "balancer", "--config", str(self.config_path), "--region", region, "--member", str(member)),
+            self.log_dir, env=self.child_env)
         child.start()
-        self.balancers[region] = child
+        self.balancer_members[(region, member)] = child
         await child.wait_ready(within_s=self.health_timeout_s)
 
-    async def stop_balancer(self, region: str, kill: bool = False) -> None:
-        child = self.balancers.get(region)
-        if child is not None:
-            await (child.kill() if kill else child.stop())
+    async def stop_balancer(self, region: str, kill: bool = False, member: int | None = None) -> None:
+        """Stop (SIGTERM, drain) or kill (SIGKILL) the region's balancer ``member`` (None: every one)."""
+        children = [self.balancer_members.get((region, k)) for k in self._member_indexes(region, member)]
+        await asyncio.gather(*((c.kill() if kill else c.stop()) for c in children if c is not None))
 
     def cut_links_into(self, region: str) -> int:
         """Fault injection: the other regions' balancers can no longer reach ``region``'s
@@ -353,7 +378,8 @@ class Mesh:
             await self.start_replicas()
             await self.start_dns()
             await self.start_controller()
-            await all_or_first_failure([asyncio.create_task(self.start_balancer(r.name)) for r in self.cfg.regions])
+            await all_or_first_failure([asyncio.create_task(self._start_member(r.name, m.index))
+                                        for r in self.cfg.regions for m in r.balancer_members])
         except BaseException:
             await self.stop()
             raise
@@ -362,11 +388,11 @@ class Mesh:
         """Every child process, in start order."""
         out: list[Child] = list(self.replicas.values())
         out += [c for c in (self.dns, self.controller) if c is not None]
-        return out + list(self.balancers.values())
+        return out + list(self.balancer_members.values())
 
     async def stop(self) -> None:
         """Reverse start order, by PID: balancers, controller, DNS, replicas, proxies."""
-        await asyncio.gather(*(c.stop() for c in self.balancers.values()))
+        await asyncio.gather(*(c.stop() for c in self.balancer_members.values()))
         for child in (self.controller, self.dns):
             if child is not None:
                 await child.stop()
@@ -396,8 +422,9 @@ class Mesh:
         for r in cfg.regions:
             b = r.balancer
             nets = ", ".join(str(n) for n in r.source_networks)
+            fleet = f"{len(r.balancer_members)} balancers  " if len(r.balancer_members) > 1 else ""
             lines.append(f"  {r.name:<14} {b.advertise_url}  gRPC {b.grpc_advertise}  "
-                         f"{len(r.replicas)} replicas  clients from {nets}")
+                         f"{fleet}{len(r.replicas)} replicas  clients from {nets}")
         lines.append(f"  controller     {cfg.controller.http_listen.http_url}/v1/status")
         if cfg.emulate_latency and self.proxies:
             pairs = ", ".join(f"{a}<->{b} {ms:g}" for (a, b), ms in sorted(cfg.latency_ms.items()))
