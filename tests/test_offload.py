@@ -43,6 +43,22 @@ def test_older_heartbeats_are_ignored() -> None:
     assert beat(r, "eu-west-1", 0.2, avail=0, seq=1, epoch=2)  # a restarted balancer
 
 
+def test_each_balancer_of_a_peer_region_is_ordered_apart_and_any_keeps_it_a_target() -> None:
+    r = router()
+    assert r.update_peer("eu-west-1", now=0.0, balancer_id="eu-b1", epoch=9, seq=3, replicas_total=3,
+                         replicas_available=1)
+    # its sibling started earlier (a lower epoch): its heartbeats are its own sequence
+    assert r.update_peer("eu-west-1", now=0.05, balancer_id="eu-b0", epoch=4, seq=1, replicas_total=3,
+                         replicas_available=2)
+    assert r.peers["eu-west-1"].replicas_available == 2
+    assert not r.update_peer("eu-west-1", now=0.06, balancer_id="eu-b1", epoch=9, seq=2, replicas_total=3)
+    # eu-b1 dies: eu-b0 alone keeps the region fresh
+    for k in range(1, 6):
+        assert r.update_peer("eu-west-1", now=0.1 * k, balancer_id="eu-b0", epoch=4, seq=1 + k,
+                             replicas_total=3, replicas_available=2)
+    assert r.peer_available("eu-west-1", 0.55)
+
+
 def test_forwards_use_up_advertised_replicas_until_next_heartbeat() -> None:
     r = router()
     beat(r, "eu-west-1", 0.0, avail=2)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from skymesh.routing.base import RoutingRequest
@@ -61,9 +61,15 @@ class PeerState:
     # declared dead (heartbeats timed out, its heartbeat stream broke, or the controller
     # said so): no target until its next heartbeat
     down: bool = False
+    # per balancer of the region (a region may run several, each heartbeating the
+    # region's state): the (epoch, seq) of its last heartbeat applied here
+    last_by_sender: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 OffloadTrigger = Literal["predicted_ttft", "saturated"]
+
+# the balancers of one peer region whose heartbeat order is kept (bounds PeerState)
+MAX_SENDERS_PER_PEER = 64
 
 
 def snapshot_trie_max_nodes(trie_max_nodes: int) -> int:
@@ -164,8 +170,15 @@ class OffloadRouter:
         p = self.peers.get(region)
         if p is None:
             p = self.peers[region] = PeerState(region=region)
-        elif (epoch, seq) < (p.epoch, p.seq):
-            return False  # reordered or from a previous incarnation of the balancer
+        last = p.last_by_sender.get(balancer_id)
+        if last is not None and (epoch, seq) < last:
+            return False  # reordered or from a previous incarnation of that balancer
+        if last is None and len(p.last_by_sender) >= MAX_SENDERS_PER_PEER:
+            # a region of many balancers, or many restarts: forget the longest-known one
+            del p.last_by_sender[next(iter(p.last_by_sender))]
+        # each of the region's balancers tells the region's state: the latest one wins,
+        # and one of them dying leaves the others' heartbeats to keep the region a target
+        p.last_by_sender[balancer_id] = (epoch, seq)
         p.balancer_id = balancer_id
         p.epoch, p.seq = epoch, seq
         p.replicas_total = replicas_total
