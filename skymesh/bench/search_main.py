@@ -82,6 +82,8 @@ def search_one(args: argparse.Namespace, system: str, v: dict[str, Any]) -> dict
     at = by_rate.get(s.goodput, {})
     return {"system": system, "variant": v, "goodput_multiplier": s.goodput, "bracket": s.bracket,
             "evaluated": s.evaluated, "prefix_hit_rate": at.get("prefix_hit_rate"), "ttft_p90": at.get("ttft_p90"),
+            # over every rate tried: the most requests pushed to a replica and not admitted yet
+            "max_replica_unadmitted": max((m.get("max_replica_unadmitted", 0) for m in by_rate.values()), default=0),
             "wall_s": round(sum(m["wall_s"] for m in by_rate.values()), 1)}
 
 
