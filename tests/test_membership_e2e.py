@@ -124,9 +124,18 @@ async def test_a_registered_replica_gets_work_and_drains_without_failures(mesh: 
             async with s.post(mesh.controller + "/membership/v1/replicas", headers=AUTH,
                               json={"replica_id": JOINER, "url": mesh.joiner_url, "region": "us-east-1"}) as r:
                 assert r.status == 200, await r.text()
+            registered = time.monotonic()
             # pushed over WatchTopology (the balancer polls nothing), probed on its next round
             await wait_until(lambda: JOINER in b.replicas and b.topology_version > version,
                              "the balancer learned of the new replica")
+            await wait_until(lambda: b.core.replicas[JOINER].healthy, "the new replica probed healthy")
+            eligible = time.monotonic() - registered
+            await wait_until(lambda: b.core.local.dispatches_per_replica.get(JOINER, 0) > 0,
+                             "the balancer sent the new replica a request")
+            # reported, not asserted (no wall-clock bounds in tests): docs/reliability.md
+            print(f"\njoin: the new replica probed healthy (eligible) {eligible:.3f} s and first sent a request "
+                  f"{time.monotonic() - registered:.3f} s after its registration (probe interval "
+                  f"{b.cfg.policy.probe_interval_s} s; the policy picks it when it is the better place)")
             await wait_until(lambda: any(x.replica == JOINER for x in results), "the new replica served requests")
 
             # deregister while requests are in flight on it
