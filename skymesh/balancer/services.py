@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from skymesh.balancer.grpc_streams import answer_stream
 from skymesh.balancer.ports import (
     VERSION,
     ControllerLinkBalancer,
@@ -233,18 +234,9 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             self.refused_streams += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only peer balancers may send heartbeats")
 
-        async def read() -> None:
-            async for hb in request_iterator:
-                self.receive(hb, stream_region, dialed=False)
-
-        reader = asyncio.create_task(read())
-        try:
-            async for hb in self._outgoing():
-                if reader.done():
-                    break
-                yield hb
-        finally:
-            reader.cancel()
+        async for hb in answer_stream(request_iterator, lambda m: self.receive(m, stream_region, dialed=False),
+                                      self._outgoing()):
+            yield hb
 
     async def Siblings(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         if self.sibling_link is None:

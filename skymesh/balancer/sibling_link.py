@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from skymesh.balancer.grpc_streams import answer_stream
 from skymesh.balancer.ports import SiblingLinkBalancer
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.push_shares import ShareState, Unit
@@ -166,18 +167,8 @@ class SiblingLink:
             self.refused_streams += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only this region's balancers are siblings")
 
-        async def read() -> None:
-            async for pb in request_iterator:
-                self.receive(pb, stream_region)
-
-        reader = asyncio.create_task(read())
-        try:
-            async for pb in self._outgoing():
-                if reader.done():
-                    break
-                yield pb
-        finally:
-            reader.cancel()
+        async for pb in answer_stream(request_iterator, lambda m: self.receive(m, stream_region), self._outgoing()):
+            yield pb
 
     async def _dial(self, sibling_id: str) -> None:
         backoff = self.interval
