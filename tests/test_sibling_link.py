@@ -1,8 +1,9 @@
 """Two balancers of one region over the real sibling channel (gRPC on loopback; the
 balancer is the stand-in behind the services' ports with a real region core and the
-real RegionFleet): they split every replica's push budget with no unit held twice, each
-learns what the other placed, a sibling that stops is declared dead and its units taken,
-and a message past its bounds is dropped."""
+real RegionFleet): they split every replica's push budget with no unit held twice over
+one stream, skip messages with nothing new while keepalives keep both alive, each learns
+what the other placed, a sibling that stops is declared dead and its units taken, and a
+message past its bounds is dropped."""
 
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ async def test_two_siblings_split_the_budget_share_placements_and_outlive_each_o
         await until(lambda: units(a) | units(b) == every, "every unit held")
         assert not units(a) & units(b)
         assert units(a) and units(b)  # both hold some: the homes split them
+
+        # quiet: messages with nothing new are skipped, keepalives keep both alive
+        assert ma.sibling_link is not None and mb.sibling_link is not None
+        await until(lambda: ma.sibling_link is not None and ma.sibling_link.skipped_quiet > 20, "quiet ticks skipped")
+        assert units(a) | units(b) == every and not units(a) & units(b)
+        # one stream for the pair: us-a dials us-b, us-b dials nobody
+        assert list(ma.sibling_link._dialing) == ["us-b"] and not mb.sibling_link._dialing
 
         # a places a request: b's routing history learns where it went
         now = asyncio.get_running_loop().time()

@@ -5,9 +5,14 @@ on every sibling stream; what arrives goes to the region core, which moves the p
 units, writes the sibling's placements into its routing history and counts its queue in
 the region's heartbeat.
 
-Each balancer dials every sibling's own gRPC address (``MeshPeer.Siblings``) and answers
-the ones that dial it, so a pair has two streams and a message may arrive twice: the
-region core drops anything not newer than what it heard (epoch, seq). A stream is
+One stream per pair: a balancer dials each sibling whose id sorts after its own
+(``MeshPeer.Siblings`` on the sibling's own gRPC address) and answers the ones that dial
+it; both sides send on that stream. A message with nothing new (no placement, no key
+usage, no claim of its own or of a sibling waiting for its word, the same units, lends,
+wants, queue and loads as the last one sent) is skipped, but one goes out at least every
+``KEEPALIVE_TICKS`` intervals, so a sibling's silence past ``siblings.miss_limit``
+intervals still means it is gone. The region core drops anything not newer than what it
+heard (epoch, seq). A stream is
 accepted only from the mesh identity of this same region (mTLS); without TLS the gRPC
 listener is loopback-only (skymesh/security/pki.py). Sibling messages are bounded before
 they reach the core: a sibling is trusted with the region's budget, not with memory.
@@ -26,6 +31,7 @@ import grpc
 
 from skymesh.balancer.grpc_streams import answer_stream
 from skymesh.balancer.ports import SiblingLinkBalancer
+from skymesh.config.siblings import KEEPALIVE_TICKS
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.push_shares import ShareState, Unit
 from skymesh.routing.siblings import MAX_PLACEMENTS_PER_MESSAGE, Placement, SiblingMessage
@@ -99,6 +105,16 @@ def from_proto(pb: Any, now: float) -> SiblingMessage:
     )
 
 
+def _quiet_state(msg: SiblingMessage) -> tuple[Any, ...] | None:
+    """What a message says that a repeat would say again; None when it carries news that
+    must go out now (placements, key usage, claims)."""
+    sh = msg.shares
+    if msg.placements or msg.key_usage or sh.claims:
+        return None
+    return (sh.held, tuple(sorted(sh.lends.items())), tuple(sorted(sh.wants.items())), sh.queue_length,
+            sh.draining, tuple(sorted((r, n) for r, (_, n) in msg.loads.items())))
+
+
 class SiblingLink:
     """Streams this balancer's state to its siblings and applies theirs."""
 
@@ -115,11 +131,24 @@ class SiblingLink:
         self.messages_out = 0
         self.refused_streams = 0
         self.dropped: dict[str, int] = {}  # incoming messages dropped, by reason
+        self.skipped_quiet = 0  # messages not sent: nothing new since the last one
+        self._last_sent: tuple[Any, ...] | None = None
+        self._ticks_since_sent = 0
+        # per sibling: whether its last message claimed units (it waits for our word)
+        self._claiming: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ sending
 
     def _fan_out(self) -> None:
-        pb = to_proto(self.balancer.sibling_message())
+        msg = self.balancer.sibling_message()
+        quiet = _quiet_state(msg)
+        self._ticks_since_sent += 1
+        if (quiet is not None and quiet == self._last_sent and self._ticks_since_sent < KEEPALIVE_TICKS
+                and not any(self._claiming.values())):
+            self.skipped_quiet += 1
+            return
+        self._last_sent, self._ticks_since_sent = quiet, 0
+        pb = to_proto(msg)
         self.messages_out += 1
         for q in self._streams:
             if q.full():
@@ -152,6 +181,8 @@ class SiblingLink:
         if pb.region != b.region or pb.balancer_id == b.balancer_id:
             self.dropped["not_a_sibling"] = self.dropped.get("not_a_sibling", 0) + 1
             return
+        if pb.balancer_id in self._claiming or len(self._claiming) < MAX_SIBLINGS:
+            self._claiming[pb.balancer_id] = len(pb.claims) > 0
         try:
             msg = from_proto(pb, asyncio.get_running_loop().time())
         except MessageTooLarge:
@@ -191,8 +222,10 @@ class SiblingLink:
             backoff = min(1.0, backoff * 2)
 
     def _sync_dialers(self) -> None:
-        """One dial loop per sibling the balancer knows now (config or controller)."""
-        wanted = set(self.balancer.sibling_addresses())
+        """One dial loop per sibling the balancer knows now (config or controller) whose
+        id sorts after this one's: the other side of each pair dials."""
+        me = self.balancer.balancer_id
+        wanted = {sid for sid in self.balancer.sibling_addresses() if sid > me}
         for sid in [s for s in self._dialing if s not in wanted]:
             self._dialing.pop(sid).cancel()
         for sid in wanted - set(self._dialing):
