@@ -126,8 +126,10 @@ async def run_driver(url: str, *, rate: float, users: int, duration_s: float, ma
 # ----------------------------------------------------------------------------- the region
 
 
-def region_config(balancers: int, time_scale: float, state: Path) -> dict[str, Any]:
-    """us-east-1 of the local mesh (free ports), tiny-test stand-ins, ``balancers`` members."""
+def region_config(balancers: int, time_scale: float, state: Path,
+                  sibling_interval_s: float | None = None) -> dict[str, Any]:
+    """us-east-1 of the local mesh (free ports), tiny-test stand-ins, ``balancers`` members
+    (their sibling channel every ``sibling_interval_s``; None: the default)."""
     data = local_config_free_ports(time_scale=time_scale, siblings=balancers - 1)
     data["regions"] = data["regions"][:1]
     for rep in data["regions"][0]["replicas"]:
@@ -135,6 +137,8 @@ def region_config(balancers: int, time_scale: float, state: Path) -> dict[str, A
     data["latencies"] = []
     data["offload"]["rules"] = []
     data["controller"]["state_path"] = str(state / "controller.sqlite")
+    if sibling_interval_s is not None:
+        data["siblings"] = {"interval_s": sibling_interval_s}
     return data
 
 
@@ -275,6 +279,55 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
     return out
 
 
+async def idle_variant(balancers: int, interval_s: float, idle_s: float, tmp: Path, tag: str) -> dict[str, Any]:
+    """The members' CPU and sibling messages applied per second, no requests at all."""
+    state = tmp / tag
+    state.mkdir(parents=True)
+    mesh = Mesh.from_dict(region_config(balancers, 0.1, state, interval_s), state / "run")
+    try:
+        await mesh.start()
+        await members_ready(mesh)
+        region = mesh.cfg.region(REGION)
+        pids = [c.pid for c in mesh.balancer_members.values() if c.pid is not None]
+
+        async def applied(s: aiohttp.ClientSession) -> list[int]:
+            out = []
+            for m in region.balancer_members:
+                async with s.get(m.listen.http_url + "/admin/status") as r:
+                    out.append(int((await r.json())["siblings"].get("messages_in", 0)))
+            return out
+
+        async with aiohttp.ClientSession(headers=admin_headers(mesh.admin_token),
+                                         timeout=aiohttp.ClientTimeout(total=5)) as s:
+            await asyncio.sleep(1)
+            a, c0, t0 = await applied(s), cpu_of(pids), time.monotonic()
+            await asyncio.sleep(idle_s)
+            b, c1, t1 = await applied(s), cpu_of(pids), time.monotonic()
+        return {"balancers": balancers, "interval_s": interval_s, "tag": tag, "loadavg": loadavg(),
+                "idle_cores_all_members": round((c1 - c0) / (t1 - t0), 3),
+                "messages_applied_per_s_per_member": [round((y - x) / (t1 - t0), 1) for x, y in zip(a, b, strict=True)]}
+    finally:
+        await mesh.stop()
+
+
+async def idle_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--idle-only``: the sibling channel's idle cost, interleaved over the balancer
+    counts and the sibling intervals."""
+    tmp = Path(tempfile.mkdtemp(prefix="skymesh-fleet-idle-"))
+    res: dict[str, Any] = {"loadavg_start": loadavg(), "runs": []}
+    try:
+        for rnd in range(args.rounds):
+            for n in args.variants:
+                for iv in args.sibling_intervals:
+                    r = await idle_variant(n, iv, args.idle_s, tmp, f"r{rnd}-b{n}-i{iv}")
+                    print(json.dumps(r), file=sys.stderr, flush=True)
+                    res["runs"].append(r)
+    finally:
+        res["loadavg_end"] = loadavg()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
 def top_processes() -> list[str]:
     done = subprocess.run(["ps", "-eo", "pid,pcpu,etime,args", "--sort=-pcpu"], capture_output=True, text=True,
                           timeout=10)
@@ -347,6 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=0.1, help="the stand-ins' time scale (tiny-test)")
     p.add_argument("--json", default=None)
+    p.add_argument("--idle-only", action="store_true",
+                   help="only the members' idle CPU and sibling messages, per --sibling-intervals")
+    p.add_argument("--sibling-intervals", type=float, nargs="+", default=[0.02],
+                   help="siblings.interval_s values for --idle-only")
     # the load generator's own process
     p.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     p.add_argument("--source", default=SOURCE, help=argparse.SUPPRESS)
@@ -359,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         res = asyncio.run(drive(args.drive, args.source, args.rate, args.users, args.duration, args.max_requests,
                                 args.max_tokens, args.connections))
         print(json.dumps(res), flush=True)
+        return 0
+    if args.idle_only:
+        idle = asyncio.run(idle_only(args))
+        print(json.dumps(idle, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(idle, indent=2))
         return 0
     if 1 not in args.variants:
         raise SystemExit("--variants must include 1 (the baseline)")
