@@ -208,10 +208,10 @@ async def test_an_origin_not_bound_to_the_senders_certificate_is_refused(
         # once the controller hands eu-west-1 ap-northeast-1's replicas, it may claim that origin
         link = ControllerLink(b)
         link.apply_topology(SimpleNamespace(version=1, balancers=[
-            SimpleNamespace(region=US, alive=True, http_url="", replicas=[
-                SimpleNamespace(replica_id=f"{US}-r0", url=us_replica.url, home_region=US)]),
-            SimpleNamespace(region=EU, alive=True, http_url="", replicas=[
-                SimpleNamespace(replica_id=f"{AP}-r0", url="http://127.0.0.1:9", home_region=AP)]),
+            SimpleNamespace(region=US, alive=True, http_url="", members=[], replicas=[
+                SimpleNamespace(replica_id=f"{US}-r0", url=us_replica.url, home_region=US, draining=False)]),
+            SimpleNamespace(region=EU, alive=True, http_url="", members=[], replicas=[
+                SimpleNamespace(replica_id=f"{AP}-r0", url="http://127.0.0.1:9", home_region=AP, draining=False)]),
         ]))
         assert b.allowed_origins(EU) == {EU, AP}
         status, _ = await forward(b, eu_cert, AP)
