@@ -159,7 +159,7 @@ run "replica_groups_render_membership_aws_per_aws_region" {
   assert {
     condition = yamldecode(output.skymesh_config).membership.aws == [
       {
-        aws_region = "eu-west-1", port = 8001, scheme = "https", poll_interval_s = 10
+        aws_region          = "eu-west-1", port = 8001, scheme = "https", poll_interval_s = 10
         auto_scaling_groups = [{ name = "skymesh-eu-west-1-replica", region = "eu-west-1" }]
       },
       {
