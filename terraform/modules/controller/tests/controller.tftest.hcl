@@ -103,6 +103,10 @@ run "replica_membership_is_off_by_default" {
     condition     = length(aws_iam_role_policy.discovery) == 0
     error_message = "no discovery permissions unless replica_discovery is set"
   }
+  assert {
+    condition     = output.replica_discovery_policy == null
+    error_message = "the output says no discovery policy is attached"
+  }
 }
 
 run "replica_membership_opens_what_it_needs" {
@@ -115,6 +119,10 @@ run "replica_membership_opens_what_it_needs" {
   assert {
     condition     = tolist(jsondecode(aws_iam_role_policy.discovery[0].policy).Statement[0].Action) == tolist(["autoscaling:DescribeAutoScalingGroups", "ec2:DescribeInstances"])
     error_message = "discovery is read-only: the two Describe calls"
+  }
+  assert {
+    condition     = output.replica_discovery_policy == aws_iam_role_policy.discovery[0].policy
+    error_message = "the output is the attached discovery policy"
   }
   assert {
     condition     = length([for r in aws_security_group.this.ingress : r if r.from_port == 7002 && contains(r.cidr_blocks, "10.20.0.0/16")]) == 1
