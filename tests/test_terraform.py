@@ -167,7 +167,7 @@ def test_example_validates_and_plans_with_mock_providers(tf_env: dict[str, str],
     tf(["init", "-backend=false", "-input=false"], ex, tf_env, tmp_path)
     tf(["validate"], ex, tf_env, tmp_path)
     out = tf(["test"], ex, tf_env, tmp_path)
-    assert "3 passed, 0 failed" in out.stdout, out.stdout
+    assert "5 passed, 0 failed" in out.stdout, out.stdout
 
 
 
