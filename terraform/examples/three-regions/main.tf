@@ -203,9 +203,12 @@ module "controller" {
   skymesh_package = var.skymesh_package
   skymesh_config  = module.config.skymesh_config
   credentials     = module.secrets.controller
-  # membership.aws polls the replica groups: the read-only Describe calls, nothing more
-  # (replicas do not register themselves, so replica_cidrs stays empty)
+  # membership.aws polls the replica groups: the read-only Describe calls, in the AWS
+  # regions the config lists them in, nothing more (replicas do not register themselves,
+  # so replica_cidrs stays empty)
   replica_discovery = local.replica_scaling_on
+  # each mesh region is named after its AWS region (the config's aws_region default)
+  replica_discovery_regions = local.replica_scaling_on ? keys(local.regions) : []
 }
 
 module "peer_use1_euw1" {

@@ -196,6 +196,10 @@ run "replica_groups_join_through_the_controller" {
     error_message = "the controller role may list the groups and their instances"
   }
   assert {
+    condition     = jsondecode(module.controller.replica_discovery_policy).Statement[0].Condition.StringEquals["aws:RequestedRegion"] == ["ap-northeast-1", "eu-west-1", "us-east-1"]
+    error_message = "in the AWS regions membership.aws polls, no other"
+  }
+  assert {
     condition     = alltrue([for w in [module.use1.replica_termination_wait_s, module.euw1.replica_termination_wait_s, module.apne1.replica_termination_wait_s] : w > 15 + 30])
     error_message = "a terminated replica waits longer than a poll plus the drain"
   }
