@@ -79,7 +79,7 @@ def test_config_module_terraform_test(tf_env: dict[str, str], tmp_path: Path) ->
     mod = TF_DIR / "modules" / "config"
     tf(["init", "-backend=false", "-input=false"], mod, tf_env, tmp_path)
     out = tf(["test"], mod, tf_env, tmp_path)
-    assert "10 passed, 0 failed" in out.stdout, out.stdout
+    assert "14 passed, 0 failed" in out.stdout, out.stdout
 
 
 @needs_tf
@@ -95,10 +95,15 @@ module "config" {{
   credentials_dir = "/etc/skymesh/pki"
   regions = [
     {{ name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", balancer_public_ip = "3.80.0.10", replica_ips = ["10.10.1.10", "10.10.1.11"] }},
-    {{ name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = ["10.20.1.10"] }},
+    {{ name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = [],
+       replica_asg_names = ["skymesh-eu-west-1-replica"] }},
+    {{ name = "eu-edge", aws_region = "eu-west-1", source_networks = ["10.21.0.0/16"], balancer_private_ip = "10.21.0.10",
+       replica_ips = ["10.21.1.10"], replica_asg_names = ["skymesh-eu-edge-replica"] }},
   ]
-  latencies = [{{ regions = ["us-east-1", "eu-west-1"], one_way_ms = 38 }}]
+  latencies = [{{ regions = ["us-east-1", "eu-west-1"], one_way_ms = 38 }}, {{ regions = ["us-east-1", "eu-edge"], one_way_ms = 40 }},
+               {{ regions = ["eu-west-1", "eu-edge"], one_way_ms = 2 }}]
   autoscaling = {{ interval_s = 30 }}
+  replica_discovery = {{ poll_interval_s = 10, drain_grace_s = 20 }}
 }}
 output "skymesh_config" {{
   value     = module.config.skymesh_config
@@ -109,7 +114,7 @@ output "skymesh_config" {{
     tf(["apply", "-auto-approve", "-input=false"], work, tf_env, tmp_path / "d")
     yaml_text = tf(["output", "-raw", "skymesh_config"], work, tf_env, tmp_path / "d").stdout
     cfg = parse_config(yaml.safe_load(yaml_text))
-    assert [r.name for r in cfg.regions] == ["us-east-1", "eu-west-1"]
+    assert [r.name for r in cfg.regions] == ["us-east-1", "eu-west-1", "eu-edge"]
     # the balancers publish the signal the region module's replica scaling policy tracks
     # (its autoscaling_metric defaults: SkyMesh / PendingPrefillSecondsPerReplica)
     cw = cfg.autoscaling.cloudwatch
@@ -127,6 +132,16 @@ output "skymesh_config" {{
     assert cfg.tls.balancers["eu-west-1"].key == "/etc/skymesh/pki/balancer-eu-west-1.key"
     assert cfg.tls.controller.cert == "/etc/skymesh/pki/controller.crt"
     assert cfg.admin.token_file == "/etc/skymesh/pki/admin-token" and cfg.peer_token is None
+    # the replica groups: one AWS source for eu-west-1 (both mesh regions there), each
+    # group's instances replicas of their own mesh region; eu-west-1 lists no static
+    # replica, which the config accepts because its group adds some
+    m = cfg.membership
+    assert m.drain_grace_s == 20 and not m.registration.enabled and len(m.aws) == 1
+    src = m.aws[0]
+    assert (src.aws_region, src.port, src.scheme, src.poll_interval_s, src.tag_key) == ("eu-west-1", 8000, "http", 10.0, None)
+    assert [(g.name, g.region) for g in src.auto_scaling_groups] == [
+        ("skymesh-eu-west-1-replica", "eu-west-1"), ("skymesh-eu-edge-replica", "eu-edge")]
+    assert cfg.regions[1].replicas == () and m.can_add_to("eu-west-1") and not m.can_add_to("us-east-1")
 
 
 @needs_tf
@@ -152,7 +167,7 @@ def test_example_validates_and_plans_with_mock_providers(tf_env: dict[str, str],
     tf(["init", "-backend=false", "-input=false"], ex, tf_env, tmp_path)
     tf(["validate"], ex, tf_env, tmp_path)
     out = tf(["test"], ex, tf_env, tmp_path)
-    assert "3 passed, 0 failed" in out.stdout, out.stdout
+    assert "5 passed, 0 failed" in out.stdout, out.stdout
 
 
 

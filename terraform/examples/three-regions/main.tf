@@ -88,6 +88,8 @@ module "config" {
     balancer_private_ip = local.balancer_ip[k]
     balancer_public_ip  = local.balancer_public_ip[k]
     replica_ips         = local.replica_ips[k]
+    # the controller lists the scaling pool's InService instances (membership.aws)
+    replica_asg_names = local.replica_scaling_on ? [local.replica_asg_name[k]] : []
   }]
   latencies     = local.latencies
   policy        = { name = var.policy }
@@ -98,11 +100,26 @@ module "config" {
   # reaches the balancers in their environment, so the config (user data) holds no secret
   credentials_dir = module.secrets.host_dir
   # every balancer publishes the autoscaling signal the replicas' scaling policy tracks
-  autoscaling = { namespace = local.autoscaling_metric.namespace, metric_name = local.autoscaling_metric.name }
+  autoscaling       = { namespace = local.autoscaling_metric.namespace, metric_name = local.autoscaling_metric.name }
+  replica_discovery = local.replica_discovery
 }
 
+# The scaling pool of replicas is on when its group may launch any (max_size > 0): then the
+# config names each region's group (a fixed name, known at plan), the controller polls
+# them and may call the two read-only Describe APIs, and an instance the group terminates
+# waits out the controller's poll and the drain before it stops.
 locals {
   autoscaling_metric = { namespace = "SkyMesh", name = "PendingPrefillSecondsPerReplica" }
+  replica_scaling_on = var.replica_scaling.max_size > 0
+  replica_asg_name = {
+    "us-east-1"      = module.use1.replica_asg_name
+    "eu-west-1"      = module.euw1.replica_asg_name
+    "ap-northeast-1" = module.apne1.replica_asg_name
+  }
+  replica_discovery = { port = 8000, scheme = "http", poll_interval_s = 15, drain_grace_s = 30 }
+  replica_scaling = merge(var.replica_scaling, {
+    termination_wait_s = local.replica_discovery.poll_interval_s + local.replica_discovery.drain_grace_s + 15
+  })
 }
 
 module "use1" {
@@ -113,7 +130,7 @@ module "use1" {
   availability_zones  = local.regions["us-east-1"].azs
   ami_id              = local.regions["us-east-1"].ami
   replica_private_ips = local.replica_ips["us-east-1"]
-  replica_scaling     = var.replica_scaling
+  replica_scaling     = local.replica_scaling
   balancer_scaling    = var.balancer_scaling
   autoscaling_metric  = local.autoscaling_metric
   peer_cidrs          = local.all_cidrs
@@ -132,7 +149,7 @@ module "euw1" {
   availability_zones  = local.regions["eu-west-1"].azs
   ami_id              = local.regions["eu-west-1"].ami
   replica_private_ips = local.replica_ips["eu-west-1"]
-  replica_scaling     = var.replica_scaling
+  replica_scaling     = local.replica_scaling
   balancer_scaling    = var.balancer_scaling
   autoscaling_metric  = local.autoscaling_metric
   peer_cidrs          = local.all_cidrs
@@ -151,7 +168,7 @@ module "apne1" {
   availability_zones  = local.regions["ap-northeast-1"].azs
   ami_id              = local.regions["ap-northeast-1"].ami
   replica_private_ips = local.replica_ips["ap-northeast-1"]
-  replica_scaling     = var.replica_scaling
+  replica_scaling     = local.replica_scaling
   balancer_scaling    = var.balancer_scaling
   autoscaling_metric  = local.autoscaling_metric
   peer_cidrs          = local.all_cidrs
@@ -186,6 +203,12 @@ module "controller" {
   skymesh_package = var.skymesh_package
   skymesh_config  = module.config.skymesh_config
   credentials     = module.secrets.controller
+  # membership.aws polls the replica groups: the read-only Describe calls, in the AWS
+  # regions the config lists them in, nothing more (replicas do not register themselves,
+  # so replica_cidrs stays empty)
+  replica_discovery = local.replica_scaling_on
+  # each mesh region is named after its AWS region (the config's aws_region default)
+  replica_discovery_regions = local.replica_scaling_on ? keys(local.regions) : []
 }
 
 module "peer_use1_euw1" {

@@ -26,6 +26,23 @@ locals {
       interval_s  = var.autoscaling.interval_s
     } }
   }
+  # membership.aws: per AWS region (a region's aws_region, default its name), the replica
+  # Auto Scaling groups of the mesh regions there, each group's replicas in its region
+  asg_aws_regions = sort(distinct([for r in var.regions : coalesce(r.aws_region, r.name) if length(r.replica_asg_names) > 0]))
+  membership = length(local.asg_aws_regions) == 0 ? {} : {
+    membership = {
+      drain_grace_s = var.replica_discovery.drain_grace_s
+      aws = [for aws_region in local.asg_aws_regions : {
+        aws_region      = aws_region
+        port            = var.replica_discovery.port
+        scheme          = var.replica_discovery.scheme
+        poll_interval_s = var.replica_discovery.poll_interval_s
+        auto_scaling_groups = flatten([for r in var.regions : [
+          for n in r.replica_asg_names : { name = n, region = r.name }
+        ] if coalesce(r.aws_region, r.name) == aws_region])
+      }]
+    }
+  }
   config = merge({
     model = var.model
     regions = [for r in var.regions : merge(
@@ -74,5 +91,5 @@ locals {
       enabled = true
       rules   = var.offload_rules
     }
-  }, var.peer_token == null ? {} : { peer_token = var.peer_token }, local.credentials, local.autoscaling)
+  }, var.peer_token == null ? {} : { peer_token = var.peer_token }, local.credentials, local.autoscaling, local.membership)
 }

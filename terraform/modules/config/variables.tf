@@ -14,9 +14,12 @@ variable "regions" {
     balancer_public_ip  = optional(string)
     replica_ips         = list(string)
     replica_port        = optional(number, 8000)
-    balancer_port       = optional(number, 8000)
-    grpc_port           = optional(number, 9000)
-    peer_port           = optional(number, 8443) # forwards from peer balancers (mTLS)
+    # Auto Scaling groups whose InService instances are replicas of this region (the
+    # region module's replica_asg_name): the controller lists them (membership.aws)
+    replica_asg_names = optional(list(string), [])
+    balancer_port     = optional(number, 8000)
+    grpc_port         = optional(number, 9000)
+    peer_port         = optional(number, 8443) # forwards from peer balancers (mTLS)
   }))
 
   validation {
@@ -32,8 +35,16 @@ variable "regions" {
     error_message = "regions[].name values must be unique."
   }
   validation {
-    condition     = alltrue([for r in var.regions : length(r.replica_ips) > 0])
-    error_message = "Every region needs at least one replica (regions[].replica_ips is empty)."
+    condition     = alltrue([for r in var.regions : length(r.replica_ips) > 0 || length(r.replica_asg_names) > 0])
+    error_message = "Every region needs replicas: regions[].replica_ips, or an Auto Scaling group of them in regions[].replica_asg_names."
+  }
+  validation {
+    condition     = length(flatten(var.regions[*].replica_asg_names)) == length(distinct(flatten(var.regions[*].replica_asg_names)))
+    error_message = "An Auto Scaling group's replicas belong to one region: regions[].replica_asg_names must not repeat a group."
+  }
+  validation {
+    condition     = alltrue([for n in flatten(var.regions[*].replica_asg_names) : length(n) >= 1 && length(n) <= 255])
+    error_message = "regions[].replica_asg_names must be Auto Scaling group names (1 to 255 characters)."
   }
   validation {
     condition     = alltrue(flatten([for r in var.regions : [for n in r.source_networks : can(cidrhost(n, 0))]]))
@@ -143,5 +154,33 @@ variable "autoscaling" {
   validation {
     condition     = var.autoscaling == null || try(var.autoscaling.interval_s >= 1 && var.autoscaling.interval_s <= 3600, false)
     error_message = "autoscaling.interval_s must be between 1 and 3600 seconds."
+  }
+}
+
+variable "replica_discovery" {
+  description = "How the controller lists the replicas of the Auto Scaling groups in regions[].replica_asg_names (the config's membership section, one membership.aws entry per AWS region): the replicas' vLLM port and scheme, seconds between polls, and how long a replica that leaves drains (membership.drain_grace_s). Rendered only when a region names a group."
+  type = object({
+    port            = optional(number, 8000)
+    scheme          = optional(string, "http")
+    poll_interval_s = optional(number, 15)
+    drain_grace_s   = optional(number, 30)
+  })
+  default = {}
+
+  validation {
+    condition     = var.replica_discovery.port >= 1 && var.replica_discovery.port <= 65535 && floor(var.replica_discovery.port) == var.replica_discovery.port
+    error_message = "replica_discovery.port must be a TCP port (1 to 65535)."
+  }
+  validation {
+    condition     = contains(["http", "https"], var.replica_discovery.scheme)
+    error_message = "replica_discovery.scheme must be http or https."
+  }
+  validation {
+    condition     = var.replica_discovery.poll_interval_s >= 0.1 && var.replica_discovery.poll_interval_s <= 3600
+    error_message = "replica_discovery.poll_interval_s must be between 0.1 and 3600 seconds."
+  }
+  validation {
+    condition     = var.replica_discovery.drain_grace_s >= 0 && var.replica_discovery.drain_grace_s <= 3600
+    error_message = "replica_discovery.drain_grace_s must be between 0 and 3600 seconds."
   }
 }

@@ -55,19 +55,25 @@ resource "aws_iam_role_policy" "route53" {
 }
 
 # membership.aws: the controller lists the replicas' Auto Scaling groups and instances.
-# Read-only; these Describe APIs have no resource-level permissions (AWS only accepts "*").
+# Read-only; these Describe APIs have no resource-level permissions (AWS only accepts "*"),
+# so the bound is the AWS regions they may be called in (replica_discovery_regions).
 resource "aws_iam_role_policy" "discovery" {
   count = var.replica_discovery ? 1 : 0
   name  = "${var.name}-replica-discovery"
   role  = aws_iam_role.this.id
   policy = jsonencode({
     Version = "2012-10-17"
-    Statement = [{
-      Sid      = "ListReplicasReadOnly"
-      Effect   = "Allow"
-      Action   = ["autoscaling:DescribeAutoScalingGroups", "ec2:DescribeInstances"]
-      Resource = "*"
-    }]
+    Statement = [merge(
+      {
+        Sid      = "ListReplicasReadOnly"
+        Effect   = "Allow"
+        Action   = ["autoscaling:DescribeAutoScalingGroups", "ec2:DescribeInstances"]
+        Resource = "*"
+      },
+      length(var.replica_discovery_regions) == 0 ? {} : {
+        Condition = { StringEquals = { "aws:RequestedRegion" = sort(distinct(var.replica_discovery_regions)) } }
+      },
+    )]
   })
 }
 

@@ -12,3 +12,8 @@ output "credentials_policy" {
   description = "The controller role's credentials policy (JSON): what it may read from Secrets Manager (and decrypt with KMS)."
   value       = local.credentials_policy
 }
+
+output "replica_discovery_policy" {
+  description = "The controller role's replica discovery policy (JSON; membership.aws), null unless replica_discovery is set."
+  value       = one(aws_iam_role_policy.discovery[*].policy)
+}

@@ -69,6 +69,17 @@ variable "replica_discovery" {
   default     = false
 }
 
+variable "replica_discovery_regions" {
+  description = "AWS regions the controller may list replicas in (the config's membership.aws[].aws_region): the discovery policy's aws:RequestedRegion condition; empty: any region."
+  type        = list(string)
+  default     = []
+
+  validation {
+    condition     = alltrue([for r in var.replica_discovery_regions : can(regex("^[a-z]{2}(-[a-z]+)+-[0-9]+$", r))])
+    error_message = "replica_discovery_regions must be AWS region names like eu-west-1."
+  }
+}
+
 variable "admin_cidrs" {
   description = "Networks allowed to read the status API (7002) for `skymesh status`."
   type        = list(string)

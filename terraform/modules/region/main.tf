@@ -233,7 +233,9 @@ resource "aws_launch_template" "replica" {
 }
 
 resource "aws_autoscaling_group" "replica" {
-  name_prefix         = "skymesh-${var.name}-replica-"
+  # a fixed name, known at plan: the config (membership.aws) names the group, and every
+  # instance gets that config at boot
+  name                = "skymesh-${var.name}-replica"
   min_size            = var.replica_scaling.min_size
   max_size            = var.replica_scaling.max_size
   desired_capacity    = var.replica_scaling.desired_capacity
@@ -258,6 +260,18 @@ resource "aws_autoscaling_group" "replica" {
     # the scaling policy owns the size once the group exists
     ignore_changes = [desired_capacity]
   }
+}
+
+# Scale-in drains: an instance the group terminates waits in Terminating:Wait (no longer
+# InService, so the controller's next membership.aws poll drops it and its balancer
+# drains it) for termination_wait_s, then stops (CONTINUE: nothing has to complete the
+# action).
+resource "aws_autoscaling_lifecycle_hook" "replica_drain" {
+  name                   = "skymesh-${var.name}-replica-drain"
+  autoscaling_group_name = aws_autoscaling_group.replica.name
+  lifecycle_transition   = "autoscaling:EC2_INSTANCE_TERMINATING"
+  default_result         = "CONTINUE"
+  heartbeat_timeout      = var.replica_scaling.termination_wait_s
 }
 
 # Keep the predicted seconds of prefill work waiting per healthy replica at the target:

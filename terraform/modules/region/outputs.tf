@@ -34,8 +34,13 @@ output "balancer_asg_name" {
 }
 
 output "replica_asg_name" {
-  description = "Auto Scaling group of the scaling pool of replicas (tagged skymesh:role = replica, skymesh:region = name)."
+  description = "Auto Scaling group of the scaling pool of replicas (tagged skymesh:role = replica, skymesh:region = name): skymesh-<name>-replica, known at plan (the config module's regions[].replica_asg_names)."
   value       = aws_autoscaling_group.replica.name
+}
+
+output "replica_termination_wait_s" {
+  description = "Seconds an instance the replica group terminates waits (its termination lifecycle hook) before it stops, to drain."
+  value       = aws_autoscaling_lifecycle_hook.replica_drain.heartbeat_timeout
 }
 
 output "replica_private_ips" {

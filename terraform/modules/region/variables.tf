@@ -35,12 +35,16 @@ variable "ami_id" {
 }
 
 variable "replica_scaling" {
-  description = "The scaling pool of replicas (an Auto Scaling group): its bounds, its first size, and the target of its tracking policy, in predicted seconds of prefill work waiting per healthy replica (the balancers' autoscaling signal)."
+  description = "The scaling pool of replicas (an Auto Scaling group): its bounds, its first size, the target of its tracking policy, in predicted seconds of prefill work waiting per healthy replica (the balancers' autoscaling signal), and how long a terminated instance waits to drain (termination_wait_s)."
   type = object({
     min_size                 = optional(number, 0)
     max_size                 = optional(number, 8)
     desired_capacity         = optional(number, 0)
     target_pending_prefill_s = optional(number, 2)
+    # seconds an instance the group terminates waits (a termination lifecycle hook) out of
+    # service before it stops: longer than the controller's membership.aws poll interval
+    # plus membership.drain_grace_s, so it is seen gone and drained first
+    termination_wait_s = optional(number, 60)
   })
   default = {}
 
@@ -51,6 +55,10 @@ variable "replica_scaling" {
   validation {
     condition     = var.replica_scaling.target_pending_prefill_s > 0
     error_message = "replica_scaling.target_pending_prefill_s must be positive."
+  }
+  validation {
+    condition     = var.replica_scaling.termination_wait_s >= 30 && var.replica_scaling.termination_wait_s <= 7200 && floor(var.replica_scaling.termination_wait_s) == var.replica_scaling.termination_wait_s
+    error_message = "replica_scaling.termination_wait_s must be whole seconds between 30 and 7200 (a lifecycle hook's heartbeat timeout)."
   }
 }
 

@@ -168,3 +168,55 @@ run "config_points_tls_at_the_fetched_files_and_holds_no_secret" {
     error_message = "no credential in the config every instance receives in its user data"
   }
 }
+
+# The scaling pool's replicas join through the controller: the config names every
+# region's replica group (the name each region module creates, known at plan), the
+# controller may list them, and a terminated instance waits out a poll and the drain.
+run "replica_groups_join_through_the_controller" {
+  command = plan
+
+  assert {
+    condition = { for s in yamldecode(output.skymesh_config).membership.aws : s.aws_region => s.auto_scaling_groups } == {
+      "us-east-1"      = [{ name = module.use1.replica_asg_name, region = "us-east-1" }]
+      "eu-west-1"      = [{ name = module.euw1.replica_asg_name, region = "eu-west-1" }]
+      "ap-northeast-1" = [{ name = module.apne1.replica_asg_name, region = "ap-northeast-1" }]
+    }
+    error_message = "membership.aws lists each region's replica group, in its AWS region, as that region's replicas"
+  }
+  assert {
+    condition     = [module.use1.replica_asg_name, module.euw1.replica_asg_name, module.apne1.replica_asg_name] == ["skymesh-us-east-1-replica", "skymesh-eu-west-1-replica", "skymesh-ap-northeast-1-replica"] && output.autoscaling_groups["eu-west-1"].replicas == "skymesh-eu-west-1-replica"
+    error_message = "the groups the config names are the ones the region modules create"
+  }
+  assert {
+    condition     = alltrue([for s in yamldecode(output.skymesh_config).membership.aws : s.port == 8000 && s.scheme == "http" && s.poll_interval_s == 15]) && yamldecode(output.skymesh_config).membership.drain_grace_s == 30
+    error_message = "the controller polls every 15 s for replicas serving vLLM on http port 8000 and drains a leaving one for 30 s"
+  }
+  assert {
+    condition     = tolist(jsondecode(module.controller.replica_discovery_policy).Statement[0].Action) == tolist(["autoscaling:DescribeAutoScalingGroups", "ec2:DescribeInstances"])
+    error_message = "the controller role may list the groups and their instances"
+  }
+  assert {
+    condition     = jsondecode(module.controller.replica_discovery_policy).Statement[0].Condition.StringEquals["aws:RequestedRegion"] == ["ap-northeast-1", "eu-west-1", "us-east-1"]
+    error_message = "in the AWS regions membership.aws polls, no other"
+  }
+  assert {
+    condition     = alltrue([for w in [module.use1.replica_termination_wait_s, module.euw1.replica_termination_wait_s, module.apne1.replica_termination_wait_s] : w > 15 + 30])
+    error_message = "a terminated replica waits longer than a poll plus the drain"
+  }
+}
+
+run "no_replica_scaling_no_discovery" {
+  command = plan
+  variables {
+    replica_scaling = { min_size = 0, desired_capacity = 0, max_size = 0 }
+  }
+
+  assert {
+    condition     = !contains(keys(yamldecode(output.skymesh_config)), "membership")
+    error_message = "a scaling pool that never launches is not polled"
+  }
+  assert {
+    condition     = module.controller.replica_discovery_policy == null
+    error_message = "and the controller role gets no Describe permissions"
+  }
+}

@@ -130,3 +130,69 @@ run "rejects_a_zero_interval" {
   }
   expect_failures = [var.autoscaling]
 }
+
+run "no_replica_groups_no_membership_section" {
+  command = plan
+
+  assert {
+    condition     = !contains(keys(yamldecode(output.skymesh_config)), "membership")
+    error_message = "without replica Auto Scaling groups the controller discovers nothing"
+  }
+}
+
+run "replica_groups_render_membership_aws_per_aws_region" {
+  command = plan
+  variables {
+    regions = [
+      { name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", replica_ips = ["10.10.1.10"], replica_asg_names = ["skymesh-us-east-1-replica"] },
+      { name = "us-east-1-edge", aws_region = "us-east-1", source_networks = ["10.11.0.0/16"], balancer_private_ip = "10.11.0.10", replica_ips = [], replica_asg_names = ["skymesh-us-east-1-edge-replica"] },
+      { name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = [], replica_asg_names = ["skymesh-eu-west-1-replica"] },
+      { name = "ap-northeast-1", source_networks = ["10.30.0.0/16"], balancer_private_ip = "10.30.0.10", replica_ips = ["10.30.1.10"] },
+    ]
+    replica_discovery = { port = 8001, scheme = "https", poll_interval_s = 10, drain_grace_s = 45 }
+  }
+
+  assert {
+    condition     = yamldecode(output.skymesh_config).membership.drain_grace_s == 45
+    error_message = "a replica its group drops drains for replica_discovery.drain_grace_s"
+  }
+  assert {
+    condition = yamldecode(output.skymesh_config).membership.aws == [
+      {
+        aws_region          = "eu-west-1", port = 8001, scheme = "https", poll_interval_s = 10
+        auto_scaling_groups = [{ name = "skymesh-eu-west-1-replica", region = "eu-west-1" }]
+      },
+      {
+        aws_region = "us-east-1", port = 8001, scheme = "https", poll_interval_s = 10
+        auto_scaling_groups = [
+          { name = "skymesh-us-east-1-replica", region = "us-east-1" },
+          { name = "skymesh-us-east-1-edge-replica", region = "us-east-1-edge" },
+        ]
+      },
+    ]
+    error_message = "one membership.aws entry per AWS region with groups, listing each group with the mesh region its replicas serve"
+  }
+  assert {
+    condition     = [for r in yamldecode(output.skymesh_config).regions : length(r.replicas)] == [1, 0, 0, 1]
+    error_message = "a region with a replica group may list no static replicas"
+  }
+}
+
+run "rejects_a_group_in_two_regions" {
+  command = plan
+  variables {
+    regions = [
+      { name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", replica_ips = ["10.10.1.10"], replica_asg_names = ["skymesh-replica"] },
+      { name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = ["10.20.1.10"], replica_asg_names = ["skymesh-replica"] },
+    ]
+  }
+  expect_failures = [var.regions]
+}
+
+run "rejects_a_bad_replica_scheme_and_poll_interval" {
+  command = plan
+  variables {
+    replica_discovery = { scheme = "grpc", poll_interval_s = 0 }
+  }
+  expect_failures = [var.replica_discovery]
+}

@@ -103,6 +103,10 @@ run "replica_membership_is_off_by_default" {
     condition     = length(aws_iam_role_policy.discovery) == 0
     error_message = "no discovery permissions unless replica_discovery is set"
   }
+  assert {
+    condition     = output.replica_discovery_policy == null
+    error_message = "the output says no discovery policy is attached"
+  }
 }
 
 run "replica_membership_opens_what_it_needs" {
@@ -117,7 +121,41 @@ run "replica_membership_opens_what_it_needs" {
     error_message = "discovery is read-only: the two Describe calls"
   }
   assert {
+    condition     = output.replica_discovery_policy == aws_iam_role_policy.discovery[0].policy
+    error_message = "the output is the attached discovery policy"
+  }
+  assert {
+    condition     = !contains(keys(jsondecode(output.replica_discovery_policy).Statement[0]), "Condition")
+    error_message = "without replica_discovery_regions, any region"
+  }
+  assert {
     condition     = length([for r in aws_security_group.this.ingress : r if r.from_port == 7002 && contains(r.cidr_blocks, "10.20.0.0/16")]) == 1
     error_message = "the registration API opens to the replicas' networks"
   }
+}
+
+run "replica_discovery_only_in_the_replicas_regions" {
+  command = plan
+  variables {
+    replica_discovery         = true
+    replica_discovery_regions = ["us-east-1", "eu-west-1", "us-east-1"]
+  }
+
+  assert {
+    condition     = jsondecode(output.replica_discovery_policy).Statement[0].Condition == { StringEquals = { "aws:RequestedRegion" = ["eu-west-1", "us-east-1"] } }
+    error_message = "the Describe calls are allowed in the replicas' AWS regions only"
+  }
+  assert {
+    condition     = jsondecode(output.replica_discovery_policy).Statement[0].Resource == "*"
+    error_message = "the Describe APIs take no resource-level permissions"
+  }
+}
+
+run "rejects_a_discovery_region_that_is_not_an_aws_region" {
+  command = plan
+  variables {
+    replica_discovery         = true
+    replica_discovery_regions = ["europe"]
+  }
+  expect_failures = [var.replica_discovery_regions]
 }

@@ -340,3 +340,38 @@ run "security_group_rule_descriptions_use_the_characters_aws_accepts" {
     error_message = "a security group rule description holds a character EC2 rejects"
   }
 }
+
+run "replica_group_name_is_known_at_plan" {
+  command = plan
+
+  assert {
+    condition     = output.replica_asg_name == "skymesh-eu-west-1-replica"
+    error_message = "the config names the replica group before apply: its name is fixed"
+  }
+}
+
+run "scale_in_waits_for_the_drain" {
+  command = plan
+  variables {
+    replica_scaling = { termination_wait_s = 90 }
+  }
+
+  assert {
+    condition = (aws_autoscaling_lifecycle_hook.replica_drain.autoscaling_group_name == "skymesh-eu-west-1-replica"
+      && aws_autoscaling_lifecycle_hook.replica_drain.lifecycle_transition == "autoscaling:EC2_INSTANCE_TERMINATING"
+    && aws_autoscaling_lifecycle_hook.replica_drain.default_result == "CONTINUE")
+    error_message = "a termination hook on the replica group that lets the instance go by itself"
+  }
+  assert {
+    condition     = aws_autoscaling_lifecycle_hook.replica_drain.heartbeat_timeout == 90 && output.replica_termination_wait_s == 90
+    error_message = "the instance waits replica_scaling.termination_wait_s before it stops"
+  }
+}
+
+run "rejects_a_termination_wait_aws_refuses" {
+  command = plan
+  variables {
+    replica_scaling = { termination_wait_s = 10 }
+  }
+  expect_failures = [var.replica_scaling]
+}
