@@ -7,11 +7,11 @@ the region's heartbeat.
 
 One stream per pair: a balancer dials each sibling whose id sorts after its own
 (``MeshPeer.Siblings`` on the sibling's own gRPC address) and answers the ones that dial
-it; both sides send on that stream. A message with nothing new (no placement, no key
-usage, no claim of its own or of a sibling waiting for its word, the same units, lends,
-wants, queue and loads as the last one sent) is skipped, but one goes out at least every
-``KEEPALIVE_TICKS`` intervals, so a sibling's silence past ``siblings.miss_limit``
-intervals still means it is gone. The region core drops anything not newer than what it
+it; both sides send on that stream. A message goes out at once when the push-budget
+protocol moved (units, lends, the replicas wanted, a claim of its own or of a sibling
+waiting for its word); otherwise at least every ``KEEPALIVE_TICKS`` intervals, carrying
+the placements, key usage and loads gathered since, so a sibling's silence past
+``siblings.miss_limit`` intervals still means it is gone. The region core drops anything not newer than what it
 heard (epoch, seq). A stream is
 accepted only from the mesh identity of this same region (mTLS); without TLS the gRPC
 listener is loopback-only (skymesh/security/pki.py). Sibling messages are bounded before
@@ -106,13 +106,16 @@ def from_proto(pb: Any, now: float) -> SiblingMessage:
 
 
 def _quiet_state(msg: SiblingMessage) -> tuple[Any, ...] | None:
-    """What a message says that a repeat would say again; None when it carries news that
-    must go out now (placements, key usage, claims)."""
+    """What of a message must reach the siblings at once when it changes: the push-budget
+    protocol's units, lends, the replicas wanted and draining (None: a claim, which waits
+    for the siblings' word). Placements, key usage, loads, queue length and want counts
+    ride the next message sent, a keepalive at the latest: they are hints and a budget
+    that tolerates an interval's slack, and sending them every 20 ms under load is what
+    the channel's CPU went to (docs/benchmarks.md, "A region is a fleet (live)")."""
     sh = msg.shares
-    if msg.placements or msg.key_usage or sh.claims:
+    if sh.claims:
         return None
-    return (sh.held, tuple(sorted(sh.lends.items())), tuple(sorted(sh.wants.items())), sh.queue_length,
-            sh.draining, tuple(sorted((r, n) for r, (_, n) in msg.loads.items())))
+    return (sh.held, tuple(sorted(sh.lends.items())), tuple(sorted(sh.wants)), sh.draining)
 
 
 class SiblingLink:
