@@ -507,7 +507,7 @@ async def one_completion(session: aiohttp.ClientSession, url: str, prompt: str, 
     """One completion on ``session`` (whatever connection it picks): its status (0: the
     connection failed or broke) and whether the answer is complete ([DONE] for a stream,
     a choice with text otherwise)."""
-    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": 16, "stream": stream}
+    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": 64 if stream else 16, "stream": stream}
     try:
         async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
             data = await r.read()
@@ -572,10 +572,13 @@ async def test_a_rolling_restart_of_the_region_loses_no_request(tmp_path: Path) 
         try:
             await eventually(lambda: len(results) >= 8, "the load running")
             carried_after_restart: dict[tuple[str, int], int] = {}
-            served_before: list[int] = []
+            open_at_sigterm: list[int] = []  # connections each member carried when it was told to stop
             for k, member in enumerate(region.balancer_members):
                 target = (member.listen.host, member.listen.port)
-                served_before.append(len(results))
+                # SIGTERM while it carries requests: those must finish, not break
+                await eventually(lambda: entry.open_connections_to(target) >= 2,  # noqa: B023 (awaited here)
+                                 f"requests in flight on {member.id}")
+                open_at_sigterm.append(entry.open_connections_to(target))
                 await mesh.stop_balancer(US, member=k)  # SIGTERM: deregister, drain, exit
                 assert not mesh.balancer_members[(US, k)].running()
                 assert mesh.balancer_members[(US, k)].returncode == 0
@@ -595,5 +598,5 @@ async def test_a_rolling_restart_of_the_region_loses_no_request(tmp_path: Path) 
         grown = {t: entry.connections_by_target[t] - n for t, n in carried_after_restart.items()}
         assert all(g >= 1 for g in grown.values()), grown
         report_figures("fleet_rolling_restart", requests=len(results), failed=len(failed),
-                       keep_alive_requests=len(keep_alive),
+                       keep_alive_requests=len(keep_alive), open_at_sigterm=open_at_sigterm,
                        connections_after_restart={f"{h}:{p}": g for (h, p), g in grown.items()})
