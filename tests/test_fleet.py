@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -600,3 +601,55 @@ async def test_a_rolling_restart_of_the_region_loses_no_request(tmp_path: Path) 
         report_figures("fleet_rolling_restart", requests=len(results), failed=len(failed),
                        keep_alive_requests=len(keep_alive), open_at_sigterm=open_at_sigterm,
                        connections_after_restart={f"{h}:{p}": g for (h, p), g in grown.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.timeout(240)
+async def test_a_draining_member_answers_a_kept_alive_connection_with_connection_close(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as mesh:
+        member = mesh.cfg.region(US).balancer_members[1]
+        url = member.listen.http_url
+        child = mesh.balancer_members[(US, 1)]
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(SOURCE, 0), limit=2)) as s:
+            # a long stream on one connection keeps the member draining; a second connection
+            # stays open and idle in the session's pool
+            long_stream = asyncio.create_task(one_completion_of(s, url, "a long one", 3000))
+            first = await one_completion(s, url, "first", stream=False)
+            assert first["status"] == 200 and first["complete"]
+            assert not long_stream.done()
+            assert child.running()
+            child.signal_group(signal.SIGTERM)  # drain: the listener closes, the stream goes on
+
+            async def refused() -> bool:
+                with contextlib.suppress(OSError):
+                    _, w = await asyncio.open_connection(member.listen.host, member.listen.port)
+                    w.close()
+                    return False
+                return True
+
+            for _ in range(300):  # hang guard
+                if await refused():
+                    break
+                await asyncio.sleep(0.02)
+            assert await refused()
+            assert not long_stream.done()
+            # the next request on the session reuses the idle kept-alive connection: served,
+            # and told to close it, so the session's next connection goes elsewhere
+            body = {"model": "skymesh-sim", "prompt": "during the drain", "max_tokens": 8}
+            async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                during = (r.status, r.headers.get("Connection", "").lower(), bool((await r.json())["choices"][0]["text"]))
+            assert during == (200, "close", True), during
+            assert await long_stream == {"status": 200, "complete": True}
+        if child.proc is not None:
+            await asyncio.to_thread(child.proc.wait)  # the drain ends with the stream
+        assert child.returncode == 0
+
+
+async def one_completion_of(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A stream of ``max_tokens`` on ``session``: its status and whether it ended with [DONE]."""
+    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        data = await r.read()
+        return {"status": r.status, "complete": data.rstrip().endswith(b"data: [DONE]")}
