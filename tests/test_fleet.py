@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -394,6 +396,9 @@ async def test_a_killed_member_fails_only_its_open_streams_and_its_sibling_serve
                     in_flight.discard(client)
                 results.append((client, after, res))
 
+        def carries_again(target: tuple[str, int], count: int, carried: int) -> bool:
+            return len(results) >= count + 8 and entry.connections_by_target[target] > carried
+
         load = asyncio.gather(*(user(k, 12) for k in range(4)))
         await eventually(lambda: entry.open_connections_to(victim_target) >= 1 and len(results) >= 4,
                          "requests streaming through both members")
@@ -494,3 +499,157 @@ async def test_a_draining_member_deregisters_alone_and_the_region_keeps_serving(
         # it comes back: registered again, alive again
         await mesh.start_balancer(US, member=1)
         await wait_members([(True, False), (True, False)], "the restarted member back")
+
+
+# ----------------------------------------------------------------------------- a rolling restart
+
+
+async def one_completion(session: aiohttp.ClientSession, url: str, prompt: str, stream: bool) -> dict[str, Any]:
+    """One completion on ``session`` (whatever connection it picks): its status (0: the
+    connection failed or broke) and whether the answer is complete ([DONE] for a stream,
+    a choice with text otherwise)."""
+    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": 64 if stream else 16, "stream": stream}
+    try:
+        async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
+            data = await r.read()
+            if r.status != 200:
+                return {"status": r.status, "complete": False, "body": data[:200].decode(errors="replace")}
+            if stream:
+                return {"status": 200, "complete": data.rstrip().endswith(b"data: [DONE]")}
+            choices = (await r.json()).get("choices") or [{}]
+            return {"status": 200, "complete": bool(choices[0].get("text"))}
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+        return {"status": 0, "complete": False, "error": type(e).__name__}
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.timeout(420)
+async def test_a_rolling_restart_of_the_region_loses_no_request(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as mesh:
+        region = mesh.cfg.region(US)
+        entry = http_entry(mesh)
+        url = region.balancer.advertise_url
+
+        def alive_members(st: dict[str, Any] | None) -> list[bool] | None:
+            if st is None:
+                return None
+            us = next(r for r in st["regions"] if r["region"] == US)
+            return [m["alive"] and not m["draining"] for m in us["balancers"]]
+
+        async def both_alive() -> None:
+            for _ in range(300):  # hang guard
+                if alive_members(await controller_status(mesh)) == [True, True]:
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"never both alive: {alive_members(await controller_status(mesh))}")
+
+        await both_alive()
+        stop = asyncio.Event()
+        results: list[tuple[str, dict[str, Any]]] = []  # (user, result)
+
+        async def new_connection_user(k: int) -> None:
+            i = 0
+            while not stop.is_set():
+                connector = aiohttp.TCPConnector(local_addr=(SOURCE, 0), force_close=True)
+                async with aiohttp.ClientSession(connector=connector) as s:
+                    results.append((f"user {k}", await one_completion(s, url, f"user {k} asks {i}", i % 2 == 0)))
+                i += 1
+                await asyncio.sleep(0.05)
+
+        async def keep_alive_user() -> None:
+            i = 0
+            connector = aiohttp.TCPConnector(local_addr=(SOURCE, 0), limit=1)
+            async with aiohttp.ClientSession(connector=connector) as s:
+                while not stop.is_set():
+                    results.append(("keep-alive", await one_completion(s, url, f"session asks {i}", i % 2 == 1)))
+                    i += 1
+                    await asyncio.sleep(0.05)
+
+        def carries_again(target: tuple[str, int], count: int, carried: int) -> bool:
+            return len(results) >= count + 8 and entry.connections_by_target[target] > carried
+
+        load = asyncio.gather(*(new_connection_user(k) for k in range(3)), keep_alive_user())
+        try:
+            await eventually(lambda: len(results) >= 8, "the load running")
+            carried_after_restart: dict[tuple[str, int], int] = {}
+            open_at_sigterm: list[int] = []  # connections each member carried when it was told to stop
+            for k, member in enumerate(region.balancer_members):
+                target = (member.listen.host, member.listen.port)
+                # SIGTERM while it carries requests: those must finish, not break
+                await eventually(lambda: entry.open_connections_to(target) >= 2,  # noqa: B023 (awaited here)
+                                 f"requests in flight on {member.id}")
+                open_at_sigterm.append(entry.open_connections_to(target))
+                await mesh.stop_balancer(US, member=k)  # SIGTERM: deregister, drain, exit
+                assert not mesh.balancer_members[(US, k)].running()
+                assert mesh.balancer_members[(US, k)].returncode == 0
+                await mesh.start_balancer(US, member=k)  # ready on return
+                await both_alive()
+                carried_after_restart[target] = entry.connections_by_target[target]
+                await eventually(partial(carries_again, target, len(results), entry.connections_by_target[target]),
+                                 f"the restarted {member.id} carrying connections again")
+        finally:
+            stop.set()
+            await load
+        failed = [(who, res) for who, res in results if not (res["status"] == 200 and res["complete"])]
+        assert not failed, failed
+        keep_alive = [res for who, res in results if who == "keep-alive"]
+        assert len(keep_alive) >= 4
+        # each member carried connections again after its restart
+        grown = {t: entry.connections_by_target[t] - n for t, n in carried_after_restart.items()}
+        assert all(g >= 1 for g in grown.values()), grown
+        report_figures("fleet_rolling_restart", requests=len(results), failed=len(failed),
+                       keep_alive_requests=len(keep_alive), open_at_sigterm=open_at_sigterm,
+                       connections_after_restart={f"{h}:{p}": g for (h, p), g in grown.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.timeout(240)
+async def test_a_draining_member_answers_a_kept_alive_connection_with_connection_close(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as mesh:
+        member = mesh.cfg.region(US).balancer_members[1]
+        url = member.listen.http_url
+        child = mesh.balancer_members[(US, 1)]
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(SOURCE, 0), limit=2)) as s:
+            # a long stream on one connection keeps the member draining; a second connection
+            # stays open and idle in the session's pool
+            long_stream = asyncio.create_task(one_completion_of(s, url, "a long one", 3000))
+            first = await one_completion(s, url, "first", stream=False)
+            assert first["status"] == 200 and first["complete"]
+            assert not long_stream.done()
+            assert child.running()
+            child.signal_group(signal.SIGTERM)  # drain: the listener closes, the stream goes on
+
+            async def refused() -> bool:
+                with contextlib.suppress(OSError):
+                    _, w = await asyncio.open_connection(member.listen.host, member.listen.port)
+                    w.close()
+                    return False
+                return True
+
+            for _ in range(300):  # hang guard
+                if await refused():
+                    break
+                await asyncio.sleep(0.02)
+            assert await refused()
+            assert not long_stream.done()
+            # the next request on the session reuses the idle kept-alive connection: served,
+            # and told to close it, so the session's next connection goes elsewhere
+            body = {"model": "skymesh-sim", "prompt": "during the drain", "max_tokens": 8}
+            async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                during = (r.status, r.headers.get("Connection", "").lower(), bool((await r.json())["choices"][0]["text"]))
+            assert during == (200, "close", True), during
+            assert await long_stream == {"status": 200, "complete": True}
+        if child.proc is not None:
+            await asyncio.to_thread(child.proc.wait)  # the drain ends with the stream
+        assert child.returncode == 0
+
+
+async def one_completion_of(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A stream of ``max_tokens`` on ``session``: its status and whether it ended with [DONE]."""
+    body = {"model": "skymesh-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        data = await r.read()
+        return {"status": r.status, "complete": data.rstrip().endswith(b"data: [DONE]")}

@@ -34,7 +34,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from skymesh.assembly import region_settings
 from skymesh.balancer.auth import ClientKeyring
@@ -414,14 +414,26 @@ class Balancer:
     # ------------------------------------------------------------------ lifecycle
 
     def make_app(self) -> web.Application:
-        return self.http.client_app()
+        app = self.http.client_app()
+        app.on_response_prepare.append(self._close_when_stopping)
+        return app
 
     def make_peer_app(self) -> web.Application:
         """The peer listener's app: forwarded requests only (peer_listener.py)."""
-        return self.http.peer_app(make_binding_middleware(
+        app = self.http.peer_app(make_binding_middleware(
             tls=self.peer_tls is not None, peers=lambda: frozenset(self.peers),
             allowed_origins=self.allowed_origins, origin_header=ORIGIN_HEADER,
             on_refused=self._count_refused_forward))
+        app.on_response_prepare.append(self._close_when_stopping)
+        return app
+
+    async def _close_when_stopping(self, _request: web.Request, response: web.StreamResponse) -> None:
+        """While draining, a request that came on a kept-alive connection is answered with
+        ``Connection: close``: its client opens its next connection to a balancer that still
+        listens instead of reusing one to a balancer about to exit."""
+        if self._stopping:
+            response.force_close()  # the server closes the connection after this response
+            response.headers[hdrs.CONNECTION] = "close"  # (the headers were prepared already)
 
     def _make_runner(self, app: web.Application) -> EdgeAppRunner:
         # handler_cancellation: a client that goes away frees its queue slot or replica at once;
