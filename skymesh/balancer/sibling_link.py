@@ -21,6 +21,7 @@ they reach the core: a sibling is trusted with the region's budget, not with mem
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -139,17 +140,34 @@ class SiblingLink:
         self._ticks_since_sent = 0
         # per sibling: whether its last message claimed units (it waits for our word)
         self._claiming: dict[str, bool] = {}
+        # gathered for messages that were skipped: sent with the next one
+        self._carried_placements: list[Placement] = []
+        self._carried_usage: dict[str, tuple[float, float]] = {}
+
+    def _with_carried(self, msg: SiblingMessage) -> SiblingMessage:
+        if not self._carried_placements and not self._carried_usage:
+            return msg
+        usage = dict(self._carried_usage)
+        for key, (r, t) in msg.key_usage.items():
+            r0, t0 = usage.get(key, (0.0, 0.0))
+            usage[key] = (r0 + r, t0 + t)
+        placements = (*self._carried_placements, *msg.placements)[-MAX_PLACEMENTS_PER_MESSAGE:]
+        return dataclasses.replace(msg, placements=placements, key_usage=usage)
 
     # ------------------------------------------------------------------ sending
 
     def _fan_out(self) -> None:
-        msg = self.balancer.sibling_message()
+        msg = self._with_carried(self.balancer.sibling_message())
         quiet = _quiet_state(msg)
         self._ticks_since_sent += 1
         if (quiet is not None and quiet == self._last_sent and self._ticks_since_sent < KEEPALIVE_TICKS
                 and not any(self._claiming.values())):
+            # what it gathered (placements, key usage) goes with the next one sent
+            self._carried_placements = list(msg.placements[-MAX_PLACEMENTS_PER_MESSAGE:])
+            self._carried_usage = dict(msg.key_usage)
             self.skipped_quiet += 1
             return
+        self._carried_placements, self._carried_usage = [], {}
         self._last_sent, self._ticks_since_sent = quiet, 0
         pb = to_proto(msg)
         self.messages_out += 1
