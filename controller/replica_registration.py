@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,7 +30,7 @@ from controller.membership import Membership, MembershipRefused
 from skymesh.config import REPLICA_ID_RE, MeshConfig
 from skymesh.edge.body import BodyLimits, read_body_or_reject
 from skymesh.edge.openai_errors import error_response
-from skymesh.security.admin_auth import bearer_of, token_matches
+from skymesh.security.admin_auth import bearer_of, token_from, token_matches
 
 PATH = "/membership/v1/replicas"
 MAX_URL_CHARS = 2048
@@ -51,16 +49,7 @@ class BadRegistration(Exception):
 def resolve_registration_token(cfg: MeshConfig) -> str | None:
     """The registration token: ``registration.token_env``, then ``registration.token_file``."""
     reg = cfg.membership.registration
-    token = os.environ.get(reg.token_env, "").strip()
-    if token:
-        return token
-    if reg.token_file is not None:
-        try:
-            found = Path(reg.token_file).expanduser().read_text().strip()
-        except OSError:
-            return None
-        return found or None
-    return None
+    return token_from(reg.token_env, reg.token_file)
 
 
 def normalize_url(value: Any, cfg: MeshConfig) -> str:

@@ -40,15 +40,21 @@ def _read_token(path: Path) -> str | None:
     return token or None
 
 
-def resolve_admin_token(cfg: MeshConfig, state_dir: Path | None = DEFAULT_STATE_DIR) -> str | None:
-    """The admin token from the env var, the configured file, or the local state dir."""
-    token = os.environ.get(cfg.admin.token_env, "").strip()
+def token_from(env_var: str, token_file: str | None) -> str | None:
+    """A secret from the environment variable ``env_var``, else from ``token_file``."""
+    token = os.environ.get(env_var, "").strip()
     if token:
         return token
-    if cfg.admin.token_file is not None:
-        found = _read_token(Path(cfg.admin.token_file).expanduser())
-        if found:
-            return found
+    if token_file is not None:
+        return _read_token(Path(token_file).expanduser())
+    return None
+
+
+def resolve_admin_token(cfg: MeshConfig, state_dir: Path | None = DEFAULT_STATE_DIR) -> str | None:
+    """The admin token from the env var, the configured file, or the local state dir."""
+    token = token_from(cfg.admin.token_env, cfg.admin.token_file)
+    if token:
+        return token
     if state_dir is not None:
         return _read_token(Path(state_dir) / LOCAL_TOKEN_FILE)
     return None
