@@ -52,6 +52,8 @@ class RegionFleet:
             self.core.attach_siblings(RegionSiblings(
                 self.region, self.balancer_id, self.core.settings.dispatch_budget, epoch=self.epoch,
                 dead_after_s=self.dead_after_s, started_at=now))
+        if self.core.siblings is not None:
+            self.core.siblings.expect(self.addresses())
 
     def message(self, now: float) -> SiblingMessage:
         return self.core.sibling_message(now)

@@ -65,8 +65,10 @@ class SimRegion:
             core = build_region_core(sim_region_assembly(cfg, name, seed))
             core.set_replicas(self.replica_ids, 0.0)
             if n > 1:
-                core.attach_siblings(RegionSiblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
-                                                    dead_after_s=cfg.routing.siblings.dead_after_s))
+                siblings = RegionSiblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
+                                          dead_after_s=cfg.routing.siblings.dead_after_s)
+                siblings.expect(f"{name}-b{j}" for j in range(n))
+                core.attach_siblings(siblings)
             if core.kv_indexes is not None:
                 # the subscriptions are up from the start: every (empty) cache is known
                 for rid in self.replica_ids:

@@ -26,6 +26,9 @@ are.
   unit up once it is unused (its unseen pushes there fit in the units it keeps). Every
   message is the sender's whole state, so the rule needs no ordering beyond one stream's
   (gRPC streams are ordered) and survives any lost message: the next one repeats it.
+- **Start.** For ``dead_after_s`` after it starts, a balancer counts every sibling it
+  expects (config, controller) as live even unheard: a claim holds only once each has
+  answered (a sibling heard by some but not yet by this one may hold units).
 - **Death.** A sibling not heard from for ``dead_after_s`` leaves the live set: the
   units it held are claimed again without its answer. Its pushes in transit may then
   overlap a new holder's for one probe interval (the replica's page shows them at the
@@ -96,6 +99,8 @@ class PushShares:
     # when this balancer started: until dead_after_s later it holds nothing without
     # hearing its siblings (one may be up and holding units it has not heard of yet)
     started_at: float = 0.0
+    # the siblings this balancer knows of (config, controller), heard from or not
+    expected: frozenset[str] = frozenset()
     _held_on: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,13 +114,14 @@ class PushShares:
         return self._held_on.get(replica_id, 0)
 
     def live_ids(self, now: float) -> list[str]:
-        """This balancer and every sibling heard from within ``dead_after_s``, by id."""
-        ids = [self.balancer_id]
-        ids += [sid for sid, s in self.siblings.items() if now - s.heard_at <= self.dead_after_s]
+        """This balancer and every sibling heard from within ``dead_after_s``, by id; until
+        ``dead_after_s`` after this balancer started, also every expected sibling not
+        heard yet (it may be up and holding units: it must answer before a claim holds)."""
+        ids = {self.balancer_id}
+        ids.update(sid for sid, s in self.siblings.items() if now - s.heard_at <= self.dead_after_s)
+        if now - self.started_at <= self.dead_after_s:
+            ids.update(self.expected)
         return sorted(ids)
-
-    def home_of(self, unit: Unit, now: float) -> str:
-        return self._home(unit, self._homes(now))
 
     def _homes(self, now: float) -> list[str]:
         """The balancers units have homes at: the live ones not draining, by id."""
@@ -126,10 +132,6 @@ class PushShares:
     @staticmethod
     def _home(unit: Unit, homes: list[str]) -> str:
         return homes[(_replica_offset(unit.replica_id) + unit.index) % len(homes)]
-
-    def sibling_queue_lengths(self, now: float) -> dict[str, int]:
-        return {sid: s.state.queue_length for sid, s in self.siblings.items()
-                if now - s.heard_at <= self.dead_after_s}
 
     # ------------------------------------------------------------------ events in
 
@@ -260,7 +262,10 @@ class PushShares:
         for sid in live:
             if sid == self.balancer_id:
                 continue
-            st = self.siblings[sid].state
+            heard = self.siblings.get(sid)
+            if heard is None:  # expected, not heard yet: no word from it
+                return False
+            st = heard.state
             if st.seen.get(self.balancer_id, (0, 0)) < (self.epoch, claimed_at):
                 return False
             if unit in st.held or (unit in st.claims and sid < self.balancer_id):

@@ -11,7 +11,7 @@ and :meth:`RegionCore.sibling_state`; nothing here reads a clock or touches I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from skymesh.routing.push_shares import PushShares, ShareState
@@ -69,6 +69,10 @@ class RegionSiblings:
     def balancer_id(self) -> str:
         return self.shares.balancer_id
 
+    def expect(self, sibling_ids: Iterable[str]) -> None:
+        """The siblings this balancer knows of (config, controller), heard from or not."""
+        self.shares.expected = frozenset(sid for sid in sibling_ids if sid != self.balancer_id)
+
     def live(self, now: float) -> dict[str, SiblingMessage]:
         """The last message of every sibling heard from within ``dead_after_s``."""
         horizon = self.shares.dead_after_s
@@ -95,16 +99,13 @@ class RegionSiblings:
     def step(self, now: float, unseen_pushes: Mapping[str, int], wants: Mapping[str, int]) -> None:
         """Move the push-budget units (:meth:`PushShares.step`) and take note of who is
         live, from everything heard by ``now``."""
+        self.forget_dead(now)
         self._live = self.live(now)
         self.shares.step(now, unseen_pushes, wants)
 
-    def in_flight_on(self, replica_id: str) -> int:
-        """The live siblings' requests on ``replica_id`` (their last word on it, as of
-        the last step)."""
-        return sum(m.loads.get(replica_id, (0, 0))[0] for m in self._live.values())
-
     def unstarted_on(self, replica_id: str) -> int:
-        """Of those, the ones without a first token yet (their unseen pushes, at most)."""
+        """The live siblings' requests on ``replica_id`` without a first token yet (their
+        last word on it, as of the last step: their unseen pushes, at most)."""
         return sum(m.loads.get(replica_id, (0, 0))[1] for m in self._live.values())
 
     def pending_prefill_tokens_as_of_step(self) -> int:
