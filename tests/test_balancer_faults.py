@@ -5,6 +5,7 @@ the first-byte deadline; a background loop that raises is restarted and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -279,6 +280,40 @@ async def test_sigterm_drain_finishes_accepted_requests_and_refuses_new_ones(fak
         assert await asyncio.gather(*accepted) == [(200, "slow")] * 3
         await asyncio.wait_for(stopping, 30)
     assert b.core.active_requests == 0
+
+
+async def test_a_draining_balancer_fails_its_health_check_while_it_still_serves_new_connections(
+        fakes: list[FakeReplica]) -> None:
+    """With drain_listen_s, SIGTERM first turns /health to 503 (the entry in front takes the
+    balancer out) while new connections are still served, each told to close."""
+    fakes.append(FakeReplica("a"))
+    await fakes[0].start()
+    b = await start_balancer(fakes)
+    url = f"http://127.0.0.1:{b.bound_port}"
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            async with s.get(url + "/health") as r:
+                assert r.status == 200
+            # a listen window longer than the test: it ends when the test stops the balancer
+            stopping = asyncio.create_task(b.stop(drain_timeout_s=60, drain_listen_s=3600))
+            for _ in range(200):
+                async with s.get(url + "/health") as r:
+                    health = (r.status, await r.text())
+                if health[0] == 503:
+                    break
+                await asyncio.sleep(0.02)
+            assert health == (503, "draining")
+            status, replica = await post(s, b, 1)  # a new connection, still accepted and served
+            assert (status, replica) == (200, "a")
+            body = {"model": "skymesh-sim", "prompt": "during the drain", "max_tokens": 4}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers.get("Connection", "").lower() == "close"
+            assert not stopping.done()
+            stopping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopping
+    finally:
+        await b.stop()
 
 
 async def test_a_burst_of_ten_times_capacity_gets_only_fast_429s_with_retry_after(

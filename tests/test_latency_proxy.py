@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import yaml
+from aiohttp import web
 
 from skymesh.config import parse_config
 from skymesh.operations.latency_proxy import (
     DelayProxy,
+    MemberHealth,
     _DelayLine,
     delay_for,
     proxies_for,
@@ -398,6 +400,93 @@ async def test_a_dead_member_gets_no_new_connections_and_no_client_sees_a_refusa
         with contextlib.suppress(ConnectionError):
             assert await r.read() == b""
         w.close()
+
+
+class HealthAnswers:
+    """A /health endpoint per member name, answering 200 or 503 as told."""
+
+    def __init__(self) -> None:
+        self.passing = {"b0": True, "b1": True}
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(status=200 if self.passing[request.match_info["name"]] else 503)
+
+        app = web.Application()
+        app.router.add_get("/{name}/health", health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}/health"
+
+
+async def test_a_member_failing_its_health_check_gets_no_new_connections_until_it_passes_again(
+        two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:
+    """A draining member fails /health while it still listens: the entry stops sending it
+    new connections (so none reaches it as its listener closes), and fails open when no
+    member passes."""
+    _, port_a, _, port_b = two_members
+    answers = HealthAnswers()
+    await answers.start()
+    assert answers.runner is not None
+    health = MemberHealth([answers.url("b0"), answers.url("b1")])
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.0,
+                       more_targets=[("127.0.0.1", port_b)], health=health)
+
+    async def names(n: int) -> list[bytes]:
+        out = []
+        for _ in range(n):
+            name, _, w = await greeting(proxy.port)
+            out.append(name)
+            w.close()
+        return out
+
+    def rounds_from_now(k: int) -> Callable[[], bool]:
+        start = health.checks
+        return lambda: health.checks >= start + k
+
+    try:
+        async with running(proxy):
+            assert await names(4) == [b"b0", b"b1"] * 2
+            answers.passing["b1"] = False
+            await until(lambda: not health.healthy[answers.url("b1")])
+            assert await names(4) == [b"b0"] * 4  # b1 still listens, yet gets nothing new
+            answers.passing["b0"] = False  # none passes: fail open, spread over all
+            await until(lambda: not health.healthy[answers.url("b0")])
+            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+            answers.passing.update(b0=True, b1=True)
+            await until(lambda: all(health.healthy.values()))
+            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+            # one failed check is not enough to take a member out
+            answers.passing["b1"] = False
+            await until(rounds_from_now(1))
+            answers.passing["b1"] = True
+            await until(rounds_from_now(3))
+            assert health.healthy[answers.url("b1")]
+    finally:
+        await answers.runner.cleanup()
+    assert health._task is None  # the checks stop with the last proxy using them
+
+
+def test_member_health_needs_consecutive_failures_to_go_out_and_passes_to_come_back() -> None:
+    h = MemberHealth(["u"])
+    h.note("u", False)
+    assert h.healthy["u"]
+    h.note("u", True)
+    h.note("u", False)
+    assert h.healthy["u"]  # not in a row
+    h.note("u", False)
+    assert not h.healthy["u"]
+    h.note("u", True)
+    assert not h.healthy["u"]
+    h.note("u", True)
+    assert h.healthy["u"]
 
 
 async def test_spreading_keeps_the_links_delay(two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:

@@ -18,8 +18,10 @@ from skymesh.balancer.request_intake import RequestIntake
 
 class HttpSurface:
     def __init__(self, *, intake: RequestIntake, gate: ClientGate, metrics: BalancerMetrics,
-                 max_body_bytes: int, model: Callable[[], str], admin_status: Callable[[], dict[str, Any]]) -> None:
+                 max_body_bytes: int, model: Callable[[], str], admin_status: Callable[[], dict[str, Any]],
+                 draining: Callable[[], bool] = lambda: False) -> None:
         self.intake = intake
+        self._draining = draining
         self.gate = gate
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
@@ -62,6 +64,11 @@ class HttpSurface:
         )
 
     async def _health(self, request: web.Request) -> web.Response:
+        # a draining balancer fails its health check while it still serves: the load
+        # balancer in front (an NLB's target group, the local entry) stops sending it new
+        # connections before its listener closes (Balancer.stop, drain_listen_s)
+        if self._draining():
+            return web.Response(status=503, text="draining")
         return web.Response(text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:

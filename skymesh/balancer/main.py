@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " of the config's peer_listen port (0: any free one, reported)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: stop accepting, let accepted requests finish for at most this long")
+    p.add_argument("--drain-listen-s", type=float, default=0.0,
+                   help="on SIGTERM/SIGINT: first fail /health while still serving new connections this long,"
+                        " so a load balancer in front stops sending them (at least its health-check interval"
+                        " times its unhealthy threshold); then stop accepting (default 0)")
     p.add_argument("--log-level", default="INFO")
     p.description = ("SIGHUP reloads the config file: client keys and limits, the admin token, timeouts, "
                      "health, queue and retry bounds, offload rules (and the replica list with "
@@ -132,7 +136,7 @@ async def serve(args: argparse.Namespace) -> int:
         report_ready(ports)
 
     async def stop() -> None:
-        await balancer.stop(drain_timeout_s=args.drain_timeout_s)
+        await balancer.stop(drain_timeout_s=args.drain_timeout_s, drain_listen_s=args.drain_listen_s)
 
     async def reload() -> None:  # SIGHUP; without a controller the file's replica list is ours
         await reload_balancer(balancer, args.config, prepare, own_replicas=args.no_controller)

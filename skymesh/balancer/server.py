@@ -174,7 +174,7 @@ class Balancer:
                                    peers=self.peers.keys, on_request_end=self._request_ended)
         self.http = HttpSurface(intake=self.intake, gate=self.gate, metrics=self.metrics,
                                 max_body_bytes=cfg.policy.max_body_bytes, model=lambda: self.cfg.model,
-                                admin_status=lambda: self.admin_status())
+                                admin_status=lambda: self.admin_status(), draining=lambda: self._stopping)
 
     # ------------------------------------------------------------------ membership
 
@@ -494,11 +494,14 @@ class Balancer:
         """The port of the peer listener (None: none configured)."""
         return None if self._peer_site is None else site_port(self._peer_site)
 
-    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+    async def stop(self, drain_timeout_s: float = 0.0, drain_listen_s: float = 0.0) -> None:
         """Stop; with ``drain_timeout_s`` > 0 (SIGTERM), drain first: deregister from the
-        controller (DNS and this region's replicas move now), stop accepting new
-        connections, keep probing and dispatching so every accepted request (queued or in
-        flight) can finish, for at most that long; then stop the rest."""
+        controller (DNS and this region's replicas move now), fail ``/health`` while still
+        serving new connections for ``drain_listen_s`` (so a load balancer in front, whose
+        health checks need that long to see it, stops sending it connections before its
+        listener closes: a connection the kernel accepted just before the close would be
+        reset), stop accepting, keep probing and dispatching so every accepted request
+        (queued or in flight) can finish, for at most ``drain_timeout_s``; then stop the rest."""
         self._stopping = True
         if drain_timeout_s > 0 and self._runner is not None:
             # deregister first: the controller moves DNS and this region's replicas to the
@@ -510,10 +513,15 @@ class Balancer:
                         await prepare()
                     except Exception:  # a bug there must not stop the drain itself
                         log.exception("preparing the drain failed", extra={"region": self.region})
+            if drain_listen_s > 0:
+                # /health answers 503 from now on; new connections are still served (with
+                # Connection: close) until the entry has taken this balancer out
+                await asyncio.sleep(drain_listen_s)
             for site in list(self._runner.sites):
                 await site.stop()  # the listening socket closes: new clients go elsewhere
             if self._peer_site is not None:
                 await self._peer_site.stop()  # and peers forward elsewhere
+            self._drained.clear()  # a request that ended during drain_listen_s set it
             if self.core.active_requests:
                 await wait_event(self._drained, drain_timeout_s)  # set by the last handler out
             log.info("drained", extra={"region": self.region, "left": self.core.active_requests})

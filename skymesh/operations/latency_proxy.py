@@ -13,7 +13,12 @@ A region of several balancers (``balancer.siblings``) has one proxy per advertis
 in front of all of them: like an NLB, it spreads new connections round robin over the
 members' listeners, and a member that does not accept (dead, or draining after SIGTERM) is
 skipped for that connection and the next one tried, so clients see a member die only on
-the connections they had open to it.
+the connections they had open to it. With ``health`` (a :class:`MemberHealth`) it also checks each member's
+HTTP ``/health`` like an NLB target group (every ``HEALTH_INTERVAL_S``, out after
+``UNHEALTHY_THRESHOLD`` failures in a row, back after ``HEALTHY_THRESHOLD`` answers) and
+sends new connections only to healthy members (to all when none is, failing open as an
+NLB does): a draining member fails its health check while it still serves, so no new
+connection reaches it in the instant its listener closes.
 
 Each direction is a queue of (release time, bytes): chunks leave in order at arrival +
 delay, so delays never add up along a stream (no sleep-per-chunk serialisation). The
@@ -29,12 +34,22 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 
+import aiohttp
+
 from skymesh.config import MeshConfig, region_of_address
 
 log = logging.getLogger("skymesh.operations.latency_proxy")
 _CHUNK = 64 * 1024
 # per direction; at 110 ms one way this still carries ~38 MB/s (bandwidth-delay product)
 DEFAULT_MAX_BUFFERED = 4 * 1024 * 1024
+# the entry's health checks of a fleet's members (an NLB's are 10 s, 2 down, 2 up); a
+# member's drain_listen_s must cover HEALTH_INTERVAL_S * UNHEALTHY_THRESHOLD and a check's time
+HEALTH_INTERVAL_S = 0.25
+HEALTH_TIMEOUT_S = 0.5
+UNHEALTHY_THRESHOLD = 2
+HEALTHY_THRESHOLD = 2
+# what `skymesh up` gives a fleet's members: the checks above with room for a slow loop
+LOCAL_DRAIN_LISTEN_S = 2.0
 
 
 def delay_for(cfg: MeshConfig, region: str) -> Callable[[str], float]:
@@ -116,6 +131,63 @@ class _DelayLine:
                 self.room.set()
 
 
+class MemberHealth:
+    """The health of a fleet's members as an NLB target group sees it: each member's HTTP
+    ``/health`` checked every HEALTH_INTERVAL_S; out after UNHEALTHY_THRESHOLD failures in a
+    row (an error, a timeout or a non-200 answer), back after HEALTHY_THRESHOLD passes.
+    Members start healthy (a refused connect is skipped anyway). One per region, shared by
+    its proxies; it checks while any of them runs."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = tuple(urls)
+        self.healthy: dict[str, bool] = dict.fromkeys(self.urls, True)
+        self.checks = 0  # rounds done
+        self._streak: dict[str, int] = dict.fromkeys(self.urls, 0)  # + passes, - failures in a row
+        self._users = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def note(self, url: str, passed: bool) -> None:
+        """One check's outcome."""
+        streak = self._streak[url]
+        streak = max(streak, 0) + 1 if passed else min(streak, 0) - 1
+        self._streak[url] = streak
+        if streak >= HEALTHY_THRESHOLD:
+            self.healthy[url] = True
+        elif -streak >= UNHEALTHY_THRESHOLD:
+            self.healthy[url] = False
+
+    def acquire(self) -> None:
+        self._users += 1
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def release(self) -> None:
+        self._users -= 1
+        if self._users == 0 and self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as s:
+            async def check(url: str) -> None:
+                try:
+                    async with s.get(url) as r:
+                        passed = r.status == 200
+                except (TimeoutError, aiohttp.ClientError, OSError):
+                    passed = False
+                self.note(url, passed)
+
+            loop = asyncio.get_running_loop()
+            while True:
+                started = loop.time()
+                await asyncio.gather(*(check(u) for u in self.urls))
+                self.checks += 1
+                await asyncio.sleep(max(0.0, HEALTH_INTERVAL_S - (loop.time() - started)))
+
+
 class DelayProxy:
     """Listen on ``listen``, forward to ``target`` (and, with ``more_targets``, spread new
     connections round robin over all of them, skipping one that refuses), delay by
@@ -125,7 +197,8 @@ class DelayProxy:
     def __init__(self, listen: tuple[str, int], target: tuple[str, int], delay: Callable[[str], float],
                  name: str = "", max_buffered: int = DEFAULT_MAX_BUFFERED,
                  upstream_source: str | None = None, region: str = "", kind: str = "",
-                 preserve_client_ip: bool = False, more_targets: Sequence[tuple[str, int]] = ()) -> None:
+                 preserve_client_ip: bool = False, more_targets: Sequence[tuple[str, int]] = (),
+                 health: MemberHealth | None = None) -> None:
         self.listen = listen
         # what it stands in front of (e.g. "eu-west-1", "grpc"), for fault injection
         self.region = region
@@ -137,6 +210,13 @@ class DelayProxy:
         self._next_target = 0
         # connections carried to each target (a refused connect does not count)
         self.connections_by_target: dict[tuple[str, int], int] = dict.fromkeys(self.targets, 0)
+        # NLB-like health checks of the members behind this address (shared by a region's
+        # proxies); ``health_of[target]`` names the member a target belongs to
+        if health is not None and len(health.urls) != len(self.targets):
+            raise ValueError("one health-checked member per target")
+        self.health = health
+        self.health_of: dict[tuple[str, int], str] = (
+            dict(zip(self.targets, health.urls, strict=True)) if health is not None else {})
         # bind the upstream side to this source address (an egress forwarder, below)
         self.upstream_source = upstream_source
         # connect upstream from the client's own address (as an AWS NLB preserves client
@@ -157,10 +237,15 @@ class DelayProxy:
         return self.targets[0]
 
     def _targets_in_turn(self) -> list[tuple[str, int]]:
-        """Every target, starting with the one whose turn it is (round robin)."""
+        """Every healthy target (every one when none is), starting with the one whose turn
+        it is (round robin)."""
         first = self._next_target
         self._next_target = (first + 1) % len(self.targets)
-        return [*self.targets[first:], *self.targets[:first]]
+        in_turn = [*self.targets[first:], *self.targets[:first]]
+        if self.health is None:
+            return in_turn
+        healthy = [t for t in in_turn if self.health.healthy[self.health_of[t]]]
+        return healthy or in_turn
 
     async def _connect_upstream(
             self, source: str | None) -> tuple[tuple[str, int], asyncio.StreamReader, asyncio.StreamWriter] | None:
@@ -228,10 +313,14 @@ class DelayProxy:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.listen[0], self.listen[1], reuse_address=True)
+        if self.health is not None:
+            self.health.acquire()
         log.debug("delay proxy listening", extra={
             "proxy": self.name, "targets": ", ".join(f"{h}:{p}" for h, p in self.targets)})
 
     async def stop(self) -> None:
+        if self.health is not None and self._server is not None:
+            await self.health.release()
         if self._server is not None:
             self._server.close()
         # closing the sockets ends every pipe on its own (cancelling stream handler
@@ -307,14 +396,18 @@ def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
         if not cfg.emulate_latency and len(members) == 1:
             continue
         d = delay_for(cfg, r.name) if cfg.emulate_latency else _no_delay
+        # like an NLB's target groups, every listener's group checks the members' HTTP /health
+        health = MemberHealth([m.listen.http_url + "/health" for m in members]) if len(members) > 1 else None
         if b.advertise != b.listen:
             http = [(m.listen.host, m.listen.port) for m in members]
             out.append(DelayProxy((b.advertise.host, b.advertise.port), http[0], d, more_targets=http[1:],
+                                  health=health,
                                   name=f"{r.name} http {b.advertise}", region=r.name, kind="http",
                                   preserve_client_ip=True))
         if b.grpc_advertise != b.grpc_listen:
             grpc = [(m.grpc_listen.host, m.grpc_listen.port) for m in members]
             out.append(DelayProxy((b.grpc_advertise.host, b.grpc_advertise.port), grpc[0], d, more_targets=grpc[1:],
+                                  health=health,
                                   name=f"{r.name} grpc {b.grpc_advertise}", region=r.name, kind="grpc",
                                   preserve_client_ip=True))
         if b.peer_listen is not None and b.peer_advertise is not None and b.peer_advertise != b.peer_listen:
@@ -322,6 +415,7 @@ def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
             # config gives every member a peer listener when the first has one
             peer = [(m.peer_listen.host, m.peer_listen.port) for m in members if m.peer_listen is not None]
             out.append(DelayProxy((b.peer_advertise.host, b.peer_advertise.port), peer[0], d, more_targets=peer[1:],
+                                  health=health,
                                   name=f"{r.name} peer {b.peer_advertise}", region=r.name, kind="peer",
                                   preserve_client_ip=True))
     return out

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
-from skymesh.operations.latency_proxy import DelayProxy, proxies_for
+from skymesh.operations.latency_proxy import LOCAL_DRAIN_LISTEN_S, DelayProxy, proxies_for
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import (
     Child,
@@ -337,9 +337,12 @@ class Mesh:
         name = region if len(members) == 1 else members[member].id
         if old is not None and old.running():
             raise MeshStartError(f"the {name} balancer is already running (pid {old.pid})")
+        # a fleet's member fails its health check for a while before its listener closes, so
+        # the region's entry (which checks it) sends a new connection to a sibling instead
+        drain_listen = ("--drain-listen-s", str(LOCAL_DRAIN_LISTEN_S)) if len(members) > 1 else ()
         child = Child(f"balancer-{name}", skymesh_cmd(
-            "balancer", "--config", str(self.config_path), "--region", region, "--member", str(member)),
-            self.log_dir, env=self.child_env)
+            "balancer", "--config", str(self.config_path), "--region", region, "--member", str(member),
+            *drain_listen), self.log_dir, env=self.child_env)
         child.start()
         self.balancer_members[(region, member)] = child
         await child.wait_ready(within_s=self.health_timeout_s)

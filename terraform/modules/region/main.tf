@@ -384,11 +384,13 @@ locals {
           # Secrets Manager, on every start (a restart picks up rotated values)
           ExecStartPre=/usr/local/sbin/skymesh-fetch-credentials
           EnvironmentFile=-${var.credentials_dir}/peer-token.env
-          ExecStart=/opt/skymesh/bin/skymesh balancer --config /etc/skymesh/mesh.yaml --region ${var.name}
+          ExecStart=/opt/skymesh/bin/skymesh balancer --config /etc/skymesh/mesh.yaml --region ${var.name} --drain-listen-s ${local.balancer_drain_listen_s} --drain-timeout-s ${local.balancer_drain_timeout_s}
           ExecReload=/bin/kill -HUP $MAINPID
-          # SIGTERM drains: deregister (DNS moves), then finish accepted requests within
-          # --drain-timeout-s (30 s); systemd must not SIGKILL the drain before that
-          TimeoutStopSec=45
+          # SIGTERM drains: deregister (DNS moves), fail /health while still serving for
+          # --drain-listen-s (the target groups' checks take the instance out meanwhile), close
+          # the listeners, finish accepted requests within --drain-timeout-s; systemd must
+          # not SIGKILL the drain before that
+          TimeoutStopSec=${local.balancer_drain_listen_s + local.balancer_drain_timeout_s + 10}
           KillSignal=SIGTERM
           Restart=always
           RestartSec=2
@@ -537,10 +539,20 @@ resource "aws_lb" "mesh" {
   # checkov:skip=CKV_AWS_150:the example is torn down with terraform destroy; enable deletion protection per deployment
 }
 
+locals {
+  # the target groups' health checks of the balancers, and the drain they set: a draining
+  # balancer fails /health but keeps serving until the checks have taken it out (interval x
+  # unhealthy threshold, plus a margin), so no new connection meets its closing listener
+  balancer_health_interval_s   = 10
+  balancer_unhealthy_threshold = 2
+  balancer_drain_listen_s      = local.balancer_health_interval_s * local.balancer_unhealthy_threshold + 5
+  balancer_drain_timeout_s     = 30
+}
+
 # One target group per listener (a network load balancer's target group serves one load
 # balancer); every balancer of the group registers in all four. Each checks the
-# balancer's /health over HTTP; a draining balancer closes its listeners first, so it
-# leaves every listener together.
+# balancer's /health over HTTP; a draining balancer fails it first, so it leaves every
+# listener together, before its listeners close.
 resource "aws_lb_target_group" "balancer" {
   for_each             = local.listeners
   name                 = "skymesh-${substr(var.name, 0, 13)}-${replace(each.key, "_", "-")}"
@@ -558,9 +570,9 @@ resource "aws_lb_target_group" "balancer" {
     port                = tostring(var.ports.http)
     path                = "/health"
     matcher             = "200"
-    interval            = 10
+    interval            = local.balancer_health_interval_s
     healthy_threshold   = 2
-    unhealthy_threshold = 2
+    unhealthy_threshold = local.balancer_unhealthy_threshold
   }
 }
 

@@ -80,8 +80,8 @@ run "hardened_instances_and_vllm_with_prefix_caching" {
     error_message = "systemctl reload skymesh-balancer sends SIGHUP (a config reload)"
   }
   assert {
-    condition     = strcontains(base64decode(aws_launch_template.balancer.user_data), "TimeoutStopSec=45")
-    error_message = "systemd gives the SIGTERM drain (30 s) time before SIGKILL"
+    condition     = strcontains(base64decode(aws_launch_template.balancer.user_data), "--drain-listen-s 25 --drain-timeout-s 30") && strcontains(base64decode(aws_launch_template.balancer.user_data), "TimeoutStopSec=65")
+    error_message = "a draining balancer serves while the target groups' checks (2 x 10 s) take it out, then drains (30 s); systemd gives it both before SIGKILL"
   }
 }
 
