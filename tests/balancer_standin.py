@@ -5,7 +5,7 @@ ControllerLink run against it over real gRPC."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,9 @@ class StandInBalancer:
     sibling_ports: dict[str, int] = field(default_factory=dict)
     sibling_dead_after_s: float = 0.3
     fleet: RegionFleet = field(init=False)
+    # called after every "dispatch round" (here: every applied sibling message, as the
+    # balancer's wake-up after one ends in a dispatch round)
+    dispatch_listeners: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.core = region_core(self.region)
@@ -106,10 +109,20 @@ class StandInBalancer:
         return self.fleet.message(asyncio.get_running_loop().time())
 
     def apply_sibling_message(self, msg: SiblingMessage) -> bool:
-        return self.fleet.apply(msg, asyncio.get_running_loop().time())
+        applied = self.fleet.apply(msg, asyncio.get_running_loop().time())
+        if applied:
+            for listener in self.dispatch_listeners:
+                listener()
+        return applied
 
     def sibling_interval_s(self) -> float:
         return self.interval_s
+
+    def sibling_keepalive_s(self) -> float:
+        return 4 * self.interval_s
+
+    def on_dispatch_round(self, listener: Callable[[], None]) -> None:
+        self.dispatch_listeners.append(listener)
 
     def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
                              balancer_id: str, epoch: int, seq: int) -> None:

@@ -16,6 +16,8 @@ from aiohttp import web
 
 from skymesh.config import parse_config
 from skymesh.operations.latency_proxy import (
+    HEALTHY_THRESHOLD,
+    UNHEALTHY_THRESHOLD,
     DelayProxy,
     MemberHealth,
     _DelayLine,
@@ -447,9 +449,9 @@ async def test_a_member_failing_its_health_check_gets_no_new_connections_until_i
             w.close()
         return out
 
-    def rounds_from_now(k: int) -> Callable[[], bool]:
-        start = health.checks
-        return lambda: health.checks >= start + k
+    def checks_of_b1_from_now(k: int) -> Callable[[], bool]:
+        start = health.checks[answers.url("b1")]
+        return lambda: health.checks[answers.url("b1")] >= start + k
 
     try:
         async with running(proxy):
@@ -463,11 +465,11 @@ async def test_a_member_failing_its_health_check_gets_no_new_connections_until_i
             answers.passing.update(b0=True, b1=True)
             await until(lambda: all(health.healthy.values()))
             assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
-            # one failed check is not enough to take a member out
+            # fewer failed checks in a row than the threshold do not take a member out
             answers.passing["b1"] = False
-            await until(rounds_from_now(1))
+            await until(checks_of_b1_from_now(UNHEALTHY_THRESHOLD - 1))
             answers.passing["b1"] = True
-            await until(rounds_from_now(3))
+            await until(checks_of_b1_from_now(3))
             assert health.healthy[answers.url("b1")]
     finally:
         await answers.runner.cleanup()
@@ -476,14 +478,17 @@ async def test_a_member_failing_its_health_check_gets_no_new_connections_until_i
 
 def test_member_health_needs_consecutive_failures_to_go_out_and_passes_to_come_back() -> None:
     h = MemberHealth(["u"])
-    h.note("u", False)
+    for _ in range(UNHEALTHY_THRESHOLD - 1):
+        h.note("u", False)
     assert h.healthy["u"]
     h.note("u", True)
-    h.note("u", False)
-    assert h.healthy["u"]  # not in a row
+    for _ in range(UNHEALTHY_THRESHOLD - 1):
+        h.note("u", False)
+    assert h.healthy["u"]  # not enough in a row
     h.note("u", False)
     assert not h.healthy["u"]
-    h.note("u", True)
+    for _ in range(HEALTHY_THRESHOLD - 1):
+        h.note("u", True)
     assert not h.healthy["u"]
     h.note("u", True)
     assert h.healthy["u"]

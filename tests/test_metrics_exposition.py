@@ -80,7 +80,7 @@ ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transiti
                            "skymesh_internal_errors", "skymesh_rejected_peer_calls", "skymesh_config_reloads",
                            "skymesh_cache_predictions", "skymesh_slo_requests", "skymesh_slo_outcomes",
                            "skymesh_slo_target_misses", "skymesh_http_connections",
-                           "skymesh_autoscaling_pending_prefill_seconds_per_replica")
+                           "skymesh_autoscaling_pending_prefill_seconds_per_replica", "skymesh_sibling_")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -104,6 +104,8 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         peers=[PeerHealth("us-east", 0.5, True), PeerHealth("eu-west", float("inf"), False)],
         transitions={("queued", "placed"): 4}, loop_restarts={"probe": 1}, ejected_replicas=1,
         rejected_peer_calls={"wrong_region": 2}, pending_prefill_s_per_replica=0.75,
+        sibling_link={"sent": 7, "applied": 5, "looks": 9, "quiet_looks": 2, "refused_streams": 0,
+                      "dropped_too_large": 1},
     )
     m = BalancerMetrics("us-west", lambda: snapshot)
     m.decision_seconds.observe(3e-5)
@@ -130,6 +132,11 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_config_reloads_total{result="error"}': 0.0,
         "skymesh_http_connections_open": 0.0,
         'skymesh_autoscaling_pending_prefill_seconds_per_replica{region="us-west"}': 0.75,
+        'skymesh_sibling_messages_total{direction="sent"}': 7.0,
+        'skymesh_sibling_messages_total{direction="applied"}': 5.0,
+        'skymesh_sibling_messages_dropped_total{reason="too_large"}': 1.0,
+        'skymesh_sibling_state_looks_total{outcome="sent"}': 7.0,
+        'skymesh_sibling_state_looks_total{outcome="quiet"}': 2.0,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added
@@ -155,7 +162,8 @@ async def test_balancer_snapshot_reads_the_balancers_load() -> None:
     now = asyncio.get_running_loop().time()
     core.peer_heartbeat("eu", HeartbeatSnapshot(2, 0, 0, 0), now, epoch=1, seq=1)
     b = SimpleNamespace(core=core, offload=core.offload, prefix_hit_ratio=lambda: 0.5,
-                        loop_restart_counts=lambda: {"probe": 2}, rejected_peer_calls=lambda: {})
+                        loop_restart_counts=lambda: {"probe": 2}, rejected_peer_calls=lambda: {},
+                        sibling_link_counts=lambda: {"sent": 3})
     snap = balancer_snapshot(b)  # type: ignore[arg-type]
     assert (snap.queue_length, snap.in_flight, snap.replicas_available, snap.prefix_hit_ratio) == (0, 1, 1, 0.5)
     assert snap.replicas == [ReplicaLoad("r0", 1, 64)]
@@ -163,6 +171,7 @@ async def test_balancer_snapshot_reads_the_balancers_load() -> None:
     assert peer.region == "eu" and not peer.available and 0 <= peer.staleness_s < 60
     assert snap.transitions == {("new", "queued"): 1, ("queued", "placed"): 1}
     assert snap.loop_restarts == {"probe": 2} and snap.ejected_replicas == 0
+    assert snap.sibling_link == {"sent": 3}
 
 
 def test_parse_samples_sums_label_sets_and_skips_comments() -> None:

@@ -60,6 +60,8 @@ class BalancerSnapshot:
     rejected_peer_calls: Mapping[str, int] = field(default_factory=dict)
     # the autoscaling signal: predicted seconds of prefill waiting per healthy replica
     pending_prefill_s_per_replica: float = 0.0
+    # the sibling channel's counters (SiblingLink.counts; empty in a region of one)
+    sibling_link: Mapping[str, int] = field(default_factory=dict)
 
 
 class SnapshotSource(Protocol):
@@ -76,6 +78,8 @@ class SnapshotSource(Protocol):
     def loop_restart_counts(self) -> dict[str, int]: ...
 
     def rejected_peer_calls(self) -> dict[str, int]: ...
+
+    def sibling_link_counts(self) -> dict[str, int]: ...
 
 
 def balancer_snapshot(b: SnapshotSource) -> BalancerSnapshot:
@@ -95,6 +99,7 @@ def balancer_snapshot(b: SnapshotSource) -> BalancerSnapshot:
         ejected_replicas=b.core.ejected_count(),
         rejected_peer_calls=b.rejected_peer_calls(),
         pending_prefill_s_per_replica=pending_prefill_s_per_replica(b.core),
+        sibling_link=b.sibling_link_counts(),
     )
 
 
@@ -150,6 +155,27 @@ class _LoadCollector:
         for reason, n in sorted(s.rejected_peer_calls.items()):
             refused.add_metric((reason,), n)
         yield refused
+        sib = s.sibling_link
+        messages = CounterMetricFamily(
+            "skymesh_sibling_messages", "Sibling channel messages: sent (one per fan-out to every sibling stream) "
+            "and applied (received and newer than what was heard).", labels=("direction",))
+        dropped = CounterMetricFamily(
+            "skymesh_sibling_messages_dropped", "Sibling messages dropped before the core, by reason.",
+            labels=("reason",))
+        looks = CounterMetricFamily(
+            "skymesh_sibling_state_looks", "Times the balancer looked at its state for its siblings, and of those "
+            "the ones that sent nothing (quiet).", labels=("outcome",))
+        if sib:
+            messages.add_metric(("sent",), sib.get("sent", 0))
+            messages.add_metric(("applied",), sib.get("applied", 0))
+            looks.add_metric(("sent",), sib.get("looks", 0) - sib.get("quiet_looks", 0))
+            looks.add_metric(("quiet",), sib.get("quiet_looks", 0))
+            for key, n in sorted(sib.items()):
+                if key.startswith("dropped_"):
+                    dropped.add_metric((key.removeprefix("dropped_"),), n)
+        yield messages
+        yield dropped
+        yield looks
         restarts = CounterMetricFamily(
             "skymesh_loop_restarts", "Background loops restarted after an exception.", labels=("loop",))
         for loop, n in sorted(s.loop_restarts.items()):

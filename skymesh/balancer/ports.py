@@ -9,7 +9,7 @@ import the server module, and a test can stand in a small object for the balance
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -98,7 +98,17 @@ class SiblingLinkBalancer(MeshMember, Protocol):
         """A sibling's state (the region core's ``sibling_state``); False: ignored."""
         ...
 
-    def sibling_interval_s(self) -> float: ...
+    def sibling_interval_s(self) -> float:
+        """The most often the protocol's moves go out (siblings.interval_s)."""
+        ...
+
+    def sibling_keepalive_s(self) -> float:
+        """How often a balancer with nothing new still speaks (siblings.keepalive_s)."""
+        ...
+
+    def on_dispatch_round(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every dispatch round (on the event loop)."""
+        ...
 
 
 class PeerMeshBalancer(SiblingLinkBalancer, Protocol):

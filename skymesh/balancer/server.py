@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -57,7 +57,7 @@ from skymesh.balancer.request_flow import (
     replica_target,
 )
 from skymesh.balancer.request_intake import RequestIntake
-from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls
+from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls, sibling_link_counts
 from skymesh.balancer.status_report import build_status_report
 from skymesh.balancer.wiring import build_encoder, build_region_core, upstream_timeouts
 from skymesh.config import (
@@ -158,6 +158,7 @@ class Balancer:
         self._egress: aiohttp.ClientSession | None = None
         self._stopping = False
         self.extra_services: list[Any] = []  # peer mesh / controller link (started by main)
+        self._dispatch_listeners: list[Callable[[], None]] = []  # called after every dispatch round
         self._loops: list[SupervisedLoop] = []  # probe and dispatch (they count their restarts)
         self._drained = asyncio.Event()  # set when stopping and the last request ended
         # trust: client keys and limits, the admin token, slow-client bounds (gate.py)
@@ -270,6 +271,10 @@ class Balancer:
         and those whose replicas the controller gave it."""
         return frozenset((peer_region,)) | self.peer_adoptions.get(peer_region, frozenset())
 
+    def sibling_link_counts(self) -> dict[str, int]:
+        """The sibling channel's counters (sent, applied, looks, dropped_<reason>, ...)."""
+        return sibling_link_counts(self.extra_services)
+
     def loop_restart_counts(self) -> dict[str, int]:
         """Restarts of this balancer's supervised loops and its services' (by loop name)."""
         counts = {loop.name: loop.restarts for loop in self._loops if loop.restarts}
@@ -324,6 +329,12 @@ class Balancer:
 
     def sibling_interval_s(self) -> float:
         return self.cfg.siblings.interval_s
+
+    def sibling_keepalive_s(self) -> float:
+        return self.cfg.siblings.keepalive_s
+
+    def on_dispatch_round(self, listener: Callable[[], None]) -> None:
+        self._dispatch_listeners.append(listener)
 
     def peer_regions(self) -> Collection[str]:
         return self.peers.keys()
@@ -584,6 +595,8 @@ class Balancer:
         if placed:
             self.metrics.decision_seconds.observe((time.perf_counter() - t0) / placed)
         self._apply(actions)
+        for listener in self._dispatch_listeners:
+            listener()
 
     def _apply(self, actions: list[Action]) -> None:
         """Carry out the core's actions (RequestFlow.apply: wake the waiting handlers)."""
@@ -604,7 +617,7 @@ class Balancer:
             config={"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
                     "last_reload": self.reload_status.as_json()},
             control={"controller_connected": self.controller_connected,
-                     "topology_version": self.topology_version, "siblings": self.fleet.status()},
+                     "topology_version": self.topology_version, "siblings": {**self.fleet.status(), "channel": self.sibling_link_counts()}},
             kv_events=self.kv_events_status(),
         )
 

@@ -78,6 +78,15 @@ def rejected_peer_calls(services: Iterable[object]) -> dict[str, int]:
     return out
 
 
+def sibling_link_counts(services: Iterable[object]) -> dict[str, int]:
+    """The sibling channel's counters (SiblingLink.counts) of ``services``' PeerMesh; empty
+    without one."""
+    for svc in services:
+        if isinstance(svc, PeerMesh) and svc.sibling_link is not None:
+            return svc.sibling_link.counts()
+    return {}
+
+
 def loop_restart_counts(services: Iterable[object]) -> dict[str, int]:
     """Restart counts of all supervised loops of ``services`` (e.g. a balancer's
     ``extra_services``), by loop name: the values of skymesh_loop_restarts_total{loop}."""

@@ -1,21 +1,28 @@
 """The sibling channel: the balancers of one region stream their state to each other
-(docs/routing.md, "A region is a fleet"): every ``siblings.interval_s`` one
-:class:`~skymesh.routing.siblings.SiblingMessage` is built from the region core and sent
-on every sibling stream; what arrives goes to the region core, which moves the push-budget
-units, writes the sibling's placements into its routing history and counts its queue in
-the region's heartbeat.
+(docs/routing.md, "A region is a fleet"): a
+:class:`~skymesh.routing.siblings.SiblingMessage` built from the region core goes on every
+sibling stream; what arrives goes to the region core, which moves the push-budget units,
+writes the sibling's placements into its routing history and counts its queue in the
+region's heartbeat.
 
 One stream per pair: a balancer dials each sibling whose id sorts after its own
 (``MeshPeer.Siblings`` on the sibling's own gRPC address) and answers the ones that dial
-it; both sides send on that stream. A message goes out at once when the push-budget
-protocol moved (units, lends, the replicas wanted, a claim of its own or of a sibling
-waiting for its word); otherwise at least every ``KEEPALIVE_TICKS`` intervals, carrying
-the placements, key usage and loads gathered since, so a sibling's silence past
-``siblings.miss_limit`` intervals still means it is gone. The region core drops anything not newer than what it
-heard (epoch, seq). A stream is
-accepted only from the mesh identity of this same region (mTLS); without TLS the gRPC
-listener is loopback-only (skymesh/security/pki.py). Sibling messages are bounded before
-they reach the core: a sibling is trusted with the region's budget, not with memory.
+it; both sides send on that stream.
+
+When a message goes: the balancer looks at its state after a dispatch round (every
+arrival, probe, completion and applied sibling message ends in one), at most once per
+``siblings.interval_s``, and sends at once when the push-budget protocol moved (units,
+lends, the replicas wanted, a claim of its own or of a sibling waiting for its word);
+otherwise every ``siblings.keepalive_s``, carrying the placements, key usage and loads
+gathered since, so a sibling's silence past ``siblings.miss_limit`` keepalives still means
+it is gone. Nothing wakes the event loop just to look: on this machine a wake-up
+costs about as much CPU as building and sending a message (docs/benchmarks.md, "A region
+is a fleet (live)"), so an idle balancer wakes only for its keepalives. The region core
+drops anything not newer than what it heard (epoch, seq).
+
+A stream is accepted only from the mesh identity of this same region (mTLS); without TLS
+the gRPC listener is loopback-only (skymesh/security/pki.py). Sibling messages are bounded
+before they reach the core: a sibling is trusted with the region's budget, not with memory.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import grpc
 
 from skymesh.balancer.grpc_streams import answer_stream
 from skymesh.balancer.ports import SiblingLinkBalancer
-from skymesh.config.siblings import KEEPALIVE_TICKS
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.push_shares import ShareState, Unit
 from skymesh.routing.siblings import MAX_PLACEMENTS_PER_MESSAGE, Placement, SiblingMessage
@@ -135,9 +141,13 @@ class SiblingLink:
         self.messages_out = 0
         self.refused_streams = 0
         self.dropped: dict[str, int] = {}  # incoming messages dropped, by reason
-        self.skipped_quiet = 0  # messages not sent: nothing new since the last one
+        self.skipped_quiet = 0  # looks that sent nothing: nothing new since the last message
+        self.looks = 0  # times the state was looked at (a message built)
         self._last_sent: tuple[Any, ...] | None = None
-        self._ticks_since_sent = 0
+        self._keepalive_s = balancer.sibling_keepalive_s()
+        self._last_sent_at = float("-inf")
+        self._last_look_at = float("-inf")
+        self._look_scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
         # per sibling: whether its last message claimed units (it waits for our word)
         self._claiming: dict[str, bool] = {}
         # gathered for messages that were skipped: sent with the next one
@@ -154,13 +164,38 @@ class SiblingLink:
         placements = (*self._carried_placements, *msg.placements)[-MAX_PLACEMENTS_PER_MESSAGE:]
         return dataclasses.replace(msg, placements=placements, key_usage=usage)
 
+    def counts(self) -> dict[str, int]:
+        """What the channel did since start: messages sent (one per fan-out, whatever the
+        streams), applied, looks at the state, looks that sent nothing, incoming messages
+        dropped by reason, streams refused."""
+        out = {"sent": self.messages_out, "applied": self.messages_in, "looks": self.looks,
+               "quiet_looks": self.skipped_quiet, "refused_streams": self.refused_streams}
+        out.update({f"dropped_{reason}": n for reason, n in self.dropped.items()})
+        return out
+
     # ------------------------------------------------------------------ sending
 
-    def _fan_out(self) -> None:
+    def poke(self) -> None:
+        """Something happened here (a dispatch round ran): look at the state now, or when
+        an interval has passed since the last look (one look however many pokes)."""
+        if self._look_scheduled is not None or not self.balancer.has_siblings():
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._last_look_at + self.interval - loop.time()
+        # now: at the end of this loop iteration (no wake-up of its own)
+        self._look_scheduled = loop.call_soon(self._look) if wait <= 0 else loop.call_later(wait, self._look)
+
+    def _look(self) -> None:
+        self._look_scheduled = None
+        if self.balancer.has_siblings():
+            self._fan_out(asyncio.get_running_loop().time())
+
+    def _fan_out(self, now: float) -> None:
+        self._last_look_at = now
+        self.looks += 1
         msg = self._with_carried(self.balancer.sibling_message())
         quiet = _quiet_state(msg)
-        self._ticks_since_sent += 1
-        if (quiet is not None and quiet == self._last_sent and self._ticks_since_sent < KEEPALIVE_TICKS
+        if (quiet is not None and quiet == self._last_sent and now - self._last_sent_at < self._keepalive_s
                 and not any(self._claiming.values())):
             # what it gathered (placements, key usage) goes with the next one sent
             self._carried_placements = list(msg.placements[-MAX_PLACEMENTS_PER_MESSAGE:])
@@ -168,7 +203,7 @@ class SiblingLink:
             self.skipped_quiet += 1
             return
         self._carried_placements, self._carried_usage = [], {}
-        self._last_sent, self._ticks_since_sent = quiet, 0
+        self._last_sent, self._last_sent_at = quiet, now
         pb = to_proto(msg)
         self.messages_out += 1
         for q in self._streams:
@@ -176,12 +211,17 @@ class SiblingLink:
                 q.get_nowait()  # a slow stream loses its oldest (the next one repeats the state)
             q.put_nowait(pb)
 
-    async def _ticker(self) -> None:
+    async def _keepalive(self) -> None:
+        """The keepalive (when nothing else sent a message for ``keepalive_s``)
+        and the dial loops; sleeps until the next keepalive is due."""
+        loop = asyncio.get_running_loop()
         while True:
-            if self.balancer.has_siblings():
-                self._fan_out()
+            now = loop.time()
+            if self.balancer.has_siblings() and now - self._last_sent_at >= self._keepalive_s:
+                self._fan_out(now)
             self._sync_dialers()
-            await asyncio.sleep(self.interval)
+            due = self._last_sent_at + self._keepalive_s if self.balancer.has_siblings() else now + self._keepalive_s
+            await asyncio.sleep(max(self.interval, due - loop.time()))
 
     async def _outgoing(self) -> AsyncIterator[Any]:
         q: asyncio.Queue[Any] = asyncio.Queue(STREAM_BACKLOG)
@@ -253,8 +293,12 @@ class SiblingLink:
             self._dialing[sid] = self._supervise(f"sibling-{sid}", functools.partial(self._dial, sid))
 
     async def start(self) -> None:
-        self._tasks.append(self._supervise("sibling-ticker", self._ticker))
+        self.balancer.on_dispatch_round(self.poke)
+        self._tasks.append(self._supervise("sibling-keepalive", self._keepalive))
 
     async def stop(self) -> None:
+        if self._look_scheduled is not None:
+            self._look_scheduled.cancel()
+            self._look_scheduled = None
         await cancel_tasks([*self._tasks, *self._dialing.values()])
         self._dialing.clear()

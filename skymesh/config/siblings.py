@@ -1,27 +1,35 @@
-"""How the balancers of one region talk to each other (``siblings:``): the interval of
-their state messages and how many a sibling may miss before it counts as gone
+"""How the balancers of one region talk to each other (``siblings:``): how soon a move of
+the push-budget protocol goes out, how often a quiet balancer still speaks, and how many
+keepalives a sibling may miss before it counts as gone
 (docs/routing.md, "A region is a fleet"). A region of one balancer sends none."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from skymesh.config.base import ConfigModel, Float, Int
-
-# a balancer whose state did not change still sends it this often (in intervals;
-# skymesh/balancer/sibling_link.py): a silence of miss_limit intervals spans two at least
-KEEPALIVE_TICKS = 4
+from skymesh.config.base import ConfigError, ConfigModel, Float, Int
 
 
 class SiblingsConfig(ConfigModel):
-    # each balancer's state (push-budget units, loads, placements, key usage) this often,
-    # when it changed (at least every KEEPALIVE_TICKS intervals)
+    # a move of the push-budget protocol (units, lends, wants, a claim and its answers)
+    # reaches the siblings at most this late; looked for after dispatch rounds, never more
+    # often than this (skymesh/balancer/sibling_link.py)
     interval_s: Annotated[Float, Field(ge=0.005, le=5)] = 0.02
-    # silent for this many intervals: gone (its units are claimed again without its word)
-    miss_limit: Annotated[Int, Field(ge=2 * KEEPALIVE_TICKS + 1, le=100)] = 15
+    # a balancer with nothing new still sends its state this often (placements, key usage
+    # and loads gathered since ride along): what says it is alive
+    keepalive_s: Annotated[Float, Field(ge=0.005, le=30)] = 0.25
+    # silent for this many keepalives: gone (its units are claimed again without its word);
+    # at least 2, so one lost or late keepalive never kills a live sibling
+    miss_limit: Annotated[Int, Field(ge=2, le=100)] = 4
+
+    @model_validator(mode="after")
+    def _keepalive_not_before_interval(self) -> SiblingsConfig:
+        if self.keepalive_s < self.interval_s:
+            raise ConfigError("keepalive_s", f"must be at least interval_s ({self.interval_s})")
+        return self
 
     @property
     def dead_after_s(self) -> float:
-        return self.interval_s * self.miss_limit
+        return self.keepalive_s * self.miss_limit

@@ -43,10 +43,12 @@ _CHUNK = 64 * 1024
 # per direction; at 110 ms one way this still carries ~38 MB/s (bandwidth-delay product)
 DEFAULT_MAX_BUFFERED = 4 * 1024 * 1024
 # the entry's health checks of a fleet's members (an NLB's are 10 s, 2 down, 2 up); a
-# member's drain_listen_s must cover HEALTH_INTERVAL_S * UNHEALTHY_THRESHOLD and a check's time
+# draining member answers 503 at once, so it is out after UNHEALTHY_THRESHOLD checks
+# (0.75 s here), well within LOCAL_DRAIN_LISTEN_S; a slow answer (a busy machine) is given
+# HEALTH_TIMEOUT_S before it counts as a failure, and 3 failures in a row take a member out
 HEALTH_INTERVAL_S = 0.25
-HEALTH_TIMEOUT_S = 0.5
-UNHEALTHY_THRESHOLD = 2
+HEALTH_TIMEOUT_S = 2.0
+UNHEALTHY_THRESHOLD = 3
 HEALTHY_THRESHOLD = 2
 # what `skymesh up` gives a fleet's members: the checks above with room for a slow loop
 LOCAL_DRAIN_LISTEN_S = 2.0
@@ -133,15 +135,16 @@ class _DelayLine:
 
 class MemberHealth:
     """The health of a fleet's members as an NLB target group sees it: each member's HTTP
-    ``/health`` checked every HEALTH_INTERVAL_S; out after UNHEALTHY_THRESHOLD failures in a
-    row (an error, a timeout or a non-200 answer), back after HEALTHY_THRESHOLD passes.
+    ``/health`` checked every HEALTH_INTERVAL_S, each member on its own cadence; out after
+    UNHEALTHY_THRESHOLD failures in a row (an error, a timeout or a non-200 answer), back
+    after HEALTHY_THRESHOLD passes.
     Members start healthy (a refused connect is skipped anyway). One per region, shared by
     its proxies; it checks while any of them runs."""
 
     def __init__(self, urls: Sequence[str]) -> None:
         self.urls = tuple(urls)
         self.healthy: dict[str, bool] = dict.fromkeys(self.urls, True)
-        self.checks = 0  # rounds done
+        self.checks: dict[str, int] = dict.fromkeys(self.urls, 0)  # checks done, per member
         self._streak: dict[str, int] = dict.fromkeys(self.urls, 0)  # + passes, - failures in a row
         self._users = 0
         self._task: asyncio.Task[None] | None = None
@@ -172,20 +175,21 @@ class MemberHealth:
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as s:
-            async def check(url: str) -> None:
-                try:
-                    async with s.get(url) as r:
-                        passed = r.status == 200
-                except (TimeoutError, aiohttp.ClientError, OSError):
-                    passed = False
-                self.note(url, passed)
+            # each member on its own cadence: a slow one never delays another's checks
+            await asyncio.gather(*(self._check_every_interval(s, url) for url in self.urls))
 
-            loop = asyncio.get_running_loop()
-            while True:
-                started = loop.time()
-                await asyncio.gather(*(check(u) for u in self.urls))
-                self.checks += 1
-                await asyncio.sleep(max(0.0, HEALTH_INTERVAL_S - (loop.time() - started)))
+    async def _check_every_interval(self, session: aiohttp.ClientSession, url: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                async with session.get(url) as r:
+                    passed = r.status == 200
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                passed = False
+            self.note(url, passed)
+            self.checks[url] += 1
+            await asyncio.sleep(max(0.0, HEALTH_INTERVAL_S - (loop.time() - started)))
 
 
 class DelayProxy:
