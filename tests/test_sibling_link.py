@@ -8,6 +8,7 @@ message past its bounds is dropped."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -101,3 +102,22 @@ def test_a_sibling_message_past_its_bounds_is_refused_before_it_reaches_the_core
                                placements=[mesh_pb2.PlacementRecord(replica_id="r0", chunk_hashes=[1, 2], age_s=0.5)])
     msg = from_proto(ok, 10.0)
     assert msg.placements[0].at == pytest.approx(9.5) and msg.placements[0].chunk_hashes == (1, 2)
+
+
+def test_a_message_goes_at_once_only_for_what_a_sibling_waits_for() -> None:
+    from skymesh.balancer.sibling_link import _Sent, _why_now
+
+    u0, u1 = Unit("r0", 0), Unit("r0", 1)
+    sent = _Sent(held=frozenset({u0}), claims=frozenset({u1}), lends=(), wants=frozenset({"r1"}), draining=False)
+    assert _why_now(sent, None, False) == "first"
+    assert _why_now(sent, sent, False) is None
+    assert _why_now(sent, sent, True) == "answer"  # a sibling's claim heard since: our word
+    # the claim already went out: it rides later messages, no message of its own
+    held_more = dataclasses.replace(sent, held=frozenset({u0, u1}), claims=frozenset())
+    assert _why_now(held_more, sent, False) is None  # a unit taken: nobody waits for it
+    assert _why_now(dataclasses.replace(sent, claims=frozenset({u1, Unit("r1", 0)})), sent, False) == "claim"
+    assert _why_now(dataclasses.replace(sent, held=frozenset()), sent, False) == "gave_up"
+    assert _why_now(dataclasses.replace(sent, lends=((u0, "b"),)), sent, False) == "lends"
+    assert _why_now(dataclasses.replace(sent, wants=frozenset({"r1", "r2"})), sent, False) == "wants"
+    assert _why_now(dataclasses.replace(sent, wants=frozenset()), sent, False) is None  # a want gone
+    assert _why_now(dataclasses.replace(sent, draining=True), sent, False) == "draining"

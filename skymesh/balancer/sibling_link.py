@@ -112,17 +112,40 @@ def from_proto(pb: Any, now: float) -> SiblingMessage:
     )
 
 
-def _quiet_state(msg: SiblingMessage) -> tuple[Any, ...] | None:
-    """What of a message must reach the siblings at once when it changes: the push-budget
-    protocol's units, lends, the replicas wanted and draining (None: a claim, which waits
-    for the siblings' word). Placements, key usage, loads, queue length and want counts
-    ride the next message sent, a keepalive at the latest: they are hints and a budget
-    that tolerates an interval's slack, and sending them every 20 ms under load is what
-    the channel's CPU went to (docs/benchmarks.md, "A region is a fleet (live)")."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sent:
+    """What the siblings were last told of the push-budget protocol."""
+
+    held: frozenset[Unit]
+    claims: frozenset[Unit]
+    lends: tuple[tuple[Unit, str], ...]
+    wants: frozenset[str]
+    draining: bool
+
+
+def _protocol_state(msg: SiblingMessage) -> _Sent:
     sh = msg.shares
-    if sh.claims:
-        return None
-    return (sh.held, tuple(sorted(sh.lends.items())), tuple(sorted(sh.wants)), sh.draining)
+    return _Sent(sh.held, sh.claims, tuple(sorted(sh.lends.items())), frozenset(sh.wants), sh.draining)
+
+
+def _why_now(now_state: _Sent, sent: _Sent | None, unanswered_claim: bool) -> str | None:
+    """Why a sibling may be waiting for what changed since the last message (None: nothing
+    it waits for): a new claim of ours (one already sent waits for the answers, and rides
+    every later message), a sibling's claim heard since our last message (our next one
+    answers it: it shows what we hold and claim, having seen the claim), a unit given up
+    (its home or borrower may claim it), a lend made or taken back, a replica newly wanted
+    (a home may lend), draining. A unit taken, a want gone, placements, key usage, loads
+    and queue length wait for the next keepalive: no sibling waits for them. Safety never
+    depends on when a message goes (tests/test_push_shares.py delays and drops them at
+    will), only how soon a unit moves."""
+    if sent is None:
+        return "first"
+    for why, changed in (("claim", bool(now_state.claims - sent.claims)), ("answer", unanswered_claim),
+                         ("gave_up", bool(sent.held - now_state.held)), ("lends", now_state.lends != sent.lends),
+                         ("wants", bool(now_state.wants - sent.wants)), ("draining", now_state.draining != sent.draining)):
+        if changed:
+            return why
+    return None
 
 
 class SiblingLink:
@@ -143,13 +166,15 @@ class SiblingLink:
         self.dropped: dict[str, int] = {}  # incoming messages dropped, by reason
         self.skipped_quiet = 0  # looks that sent nothing: nothing new since the last message
         self.looks = 0  # times the state was looked at (a message built)
-        self._last_sent: tuple[Any, ...] | None = None
+        self.sent_because: dict[str, int] = {}  # messages sent, by the first reason (_why_now)
+        self._last_sent: _Sent | None = None
         self._keepalive_s = balancer.sibling_keepalive_s()
         self._last_sent_at = float("-inf")
         self._last_look_at = float("-inf")
         self._look_scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
-        # per sibling: whether its last message claimed units (it waits for our word)
-        self._claiming: dict[str, bool] = {}
+        # siblings that claimed units in a message heard since our last one (they wait
+        # for our word: the next message answers them)
+        self._unanswered: set[str] = set()
         # gathered for messages that were skipped: sent with the next one
         self._carried_placements: list[Placement] = []
         self._carried_usage: dict[str, tuple[float, float]] = {}
@@ -171,6 +196,7 @@ class SiblingLink:
         out = {"sent": self.messages_out, "applied": self.messages_in, "looks": self.looks,
                "quiet_looks": self.skipped_quiet, "refused_streams": self.refused_streams}
         out.update({f"dropped_{reason}": n for reason, n in self.dropped.items()})
+        out.update({f"sent_{why}": n for why, n in self.sent_because.items()})
         return out
 
     # ------------------------------------------------------------------ sending
@@ -194,16 +220,19 @@ class SiblingLink:
         self._last_look_at = now
         self.looks += 1
         msg = self._with_carried(self.balancer.sibling_message())
-        quiet = _quiet_state(msg)
-        if (quiet is not None and quiet == self._last_sent and now - self._last_sent_at < self._keepalive_s
-                and not any(self._claiming.values())):
+        state = _protocol_state(msg)
+        why = _why_now(state, self._last_sent, bool(self._unanswered))
+        if why is None and now - self._last_sent_at < self._keepalive_s:
             # what it gathered (placements, key usage) goes with the next one sent
             self._carried_placements = list(msg.placements[-MAX_PLACEMENTS_PER_MESSAGE:])
             self._carried_usage = dict(msg.key_usage)
             self.skipped_quiet += 1
             return
         self._carried_placements, self._carried_usage = [], {}
-        self._last_sent, self._last_sent_at = quiet, now
+        self._last_sent, self._last_sent_at = state, now
+        self._unanswered.clear()  # this message has seen every claim heard so far
+        why = why or "keepalive"
+        self.sent_because[why] = self.sent_because.get(why, 0) + 1
         pb = to_proto(msg)
         self.messages_out += 1
         for q in self._streams:
@@ -242,8 +271,8 @@ class SiblingLink:
         if pb.region != b.region or pb.balancer_id == b.balancer_id:
             self.dropped["not_a_sibling"] = self.dropped.get("not_a_sibling", 0) + 1
             return
-        if pb.balancer_id in self._claiming or len(self._claiming) < MAX_SIBLINGS:
-            self._claiming[pb.balancer_id] = len(pb.claims) > 0
+        if len(pb.claims) > 0 and (pb.balancer_id in self._unanswered or len(self._unanswered) < MAX_SIBLINGS):
+            self._unanswered.add(pb.balancer_id)
         try:
             msg = from_proto(pb, asyncio.get_running_loop().time())
         except MessageTooLarge:
