@@ -36,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from skymesh.bench.loadgen import ReplicaWaitingSampler as WaitingSampler
 from skymesh.bench.proxy_cost import cpu_seconds
 from skymesh.operations.up import Mesh
 from skymesh.security.admin_auth import admin_headers
@@ -149,43 +150,6 @@ def loadavg() -> str:
 def self_cpu() -> float:
     t = os.times()
     return t.user + t.system
-
-
-class WaitingSampler:
-    """Max of every replica's ``vllm:num_requests_waiting`` while it runs (every 50 ms)."""
-
-    def __init__(self, urls: list[str]) -> None:
-        self.urls = urls
-        self.max_waiting: dict[str, float] = dict.fromkeys(urls, 0.0)
-        self.samples = 0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _loop(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
-            while True:
-                for u in self.urls:
-                    with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
-                        async with s.get(u + "/metrics") as r:
-                            for line in (await r.text()).splitlines():
-                                if line.startswith("vllm:num_requests_waiting"):
-                                    self.max_waiting[u] = max(self.max_waiting[u], float(line.split()[-1]))
-                                    self.samples += 1
-                await asyncio.sleep(0.05)
-
-    def take(self) -> float:
-        """The max over every replica since the last take (then start afresh)."""
-        top = max(self.max_waiting.values())
-        self.max_waiting = dict.fromkeys(self.urls, 0.0)
-        return top
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
 
 async def members_ready(mesh: Mesh, within_s: float = 60.0) -> None:

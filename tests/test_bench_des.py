@@ -99,6 +99,12 @@ def test_system_suffixes_pick_offload_and_its_trigger_in_both_modes(tmp_path: Pa
     default = parse_config(geo_mesh_config("dualmap", 1, "tiny-test", 1.0, 2.0, True, tmp_path))
     assert default.offload.trigger == "predicted_ttft"
     assert not default.offload.allowed("eu-west-1", "us-east-1")
+    assert all(len(r.balancer_members) == 1 for r in default.regions)
+    # --balancers-per-region: that many members behind every region's entry
+    fleet = parse_config(geo_mesh_config("dualmap", 1, "tiny-test", 1.0, 2.0, True, tmp_path,
+                                         balancers_per_region=3))
+    assert all(len(r.balancer_members) == 3 for r in fleet.regions)
+    assert all(r.balancer.advertise != m.listen for r in fleet.regions for m in r.balancer_members)
 
 
 def test_sim_cli_writes_report(tmp_path: Path) -> None:

@@ -101,8 +101,9 @@ async def run_geo_system(system: str, trace: list[TraceRequest], args: argparse.
         print(f"skipping {system}: the peer routers have no multi-region mode", file=sys.stderr)
         return None
     with tqdm(total=len(trace), desc=system, unit="req", leave=False, mininterval=1.0) as bar:
-        results, hit, samples = await run_mesh_system(system, trace, args, tmp, on_done=lambda: bar.update(1))
-    return _metrics(results, args, hit, samples), results, samples
+        results, hit, samples, max_waiting = await run_mesh_system(system, trace, args, tmp,
+                                                                   on_done=lambda: bar.update(1))
+    return {**_metrics(results, args, hit, samples), "max_replica_waiting": max_waiting}, results, samples
 
 
 async def run_system(system: str, trace: list[TraceRequest], args: argparse.Namespace,
@@ -170,6 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
     p.add_argument("--no-eu-rule", action="store_true", help="3 regions: let eu-* regions offload anywhere")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--balancers-per-region", type=int, default=1,
+                   help="3 regions: active-active balancers per region behind its entry (balancer.siblings)")
     add_class_arguments(p)
     p.add_argument("--load-sample-s", type=float, default=1.0,
                    help="trace seconds between samples of the balancers' per-replica load")

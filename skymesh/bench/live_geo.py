@@ -32,7 +32,13 @@ from typing import Any
 
 import yaml
 
-from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
+from skymesh.bench.loadgen import (
+    LiveResult,
+    LoadSampler,
+    ReplicaWaitingSampler,
+    prefix_hit_rate,
+    replay,
+)
 from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
 from skymesh.bench.sim_main import split_system
 from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
@@ -47,10 +53,11 @@ def local_default() -> dict[str, Any]:
 
 def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_scale: float, slo_s: float,
                     offload: bool, state_dir: Path, trigger: str = "predicted_ttft",
-                    residency: bool = True) -> dict[str, Any]:
+                    residency: bool = True, balancers_per_region: int = 1) -> dict[str, Any]:
     """The embedded 3-region default with ``replicas_per_region`` stand-ins per region,
     every port free, and every duration (latencies, probes, heartbeats, SLO) scaled;
-    ``residency`` False drops its EU-stays-in-EU rule."""
+    ``residency`` False drops its EU-stays-in-EU rule; ``balancers_per_region`` > 1 runs
+    that many active-active balancers in each region behind its entry (balancer.siblings)."""
     data = local_default()
     for r in data["regions"]:
         b = r["balancer"]
@@ -60,6 +67,8 @@ def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_sc
         for key in ("advertise", "grpc_advertise", "peer_advertise"):
             host = b[key].rsplit(":", 1)[0]
             b[key] = f"{host}:{free_port(host)}"
+        b["siblings"] = [{"listen": f"127.0.0.1:{free_port()}", "grpc_listen": f"127.0.0.1:{free_port()}",
+                          "peer_listen": f"127.0.0.1:{free_port()}"} for _ in range(balancers_per_region - 1)]
         prefix = r["replicas"][0]["id"].rsplit("-", 1)[0]
         r["replicas"] = [{"id": f"{prefix}-r{i}", "sim": {"profile": profile, "port": free_port(),
                                                          "time_scale": time_scale}}
@@ -107,24 +116,32 @@ def geo_trace(base: Sequence[TraceRequest], skew: float, period_s: float, amplit
 
 async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argparse.Namespace,
                           tmp: Path, on_done: Any = None
-                          ) -> tuple[list[LiveResult], float | None, list[tuple[float, dict[str, int]]]]:
+                          ) -> tuple[list[LiveResult], float | None, list[tuple[float, dict[str, int]]], float]:
     """One system over a fresh 3-region mesh; returns the results, the replicas' prefix
-    cache hit rate (read before the mesh stops) and the balancers' per-replica load samples."""
+    cache hit rate (read before the mesh stops), the balancers' per-replica load samples
+    and the most requests any replica had waiting in its own queue
+    (``vllm:num_requests_waiting``, sampled every 50 ms)."""
     policy, offload, trigger = split_system(system, "predicted_ttft")
     state = tmp / f"mesh-{system.replace('@', '-')}-{uuid.uuid4().hex[:8]}"
     data = geo_mesh_config(policy, args.replicas, args.profile, args.time_scale, args.slo * args.time_scale,
-                           offload=offload, state_dir=state, trigger=trigger, residency=not args.no_eu_rule)
+                           offload=offload, state_dir=state, trigger=trigger, residency=not args.no_eu_rule,
+                           balancers_per_region=args.balancers_per_region)
     mesh = Mesh.from_dict(data, state, time_scale=args.time_scale)
     await mesh.start()
     try:
         entry = {r.name: r.balancer.advertise_url for r in mesh.cfg.regions}
         source = client_sources(mesh.cfg.regions)
-        status = [r.balancer.listen.http_url + "/admin/status" for r in mesh.cfg.regions]
-        async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale,
-                               admin_token=mesh.admin_token) as sampler:
-            results = await replay(trace, lambda r: entry[r.region], args.timeout_s, on_done=on_done,
-                                   source_for=lambda r: source[r.region])
+        status = [m.listen.http_url + "/admin/status" for r in mesh.cfg.regions for m in r.balancer_members]
+        waiting = ReplicaWaitingSampler([rep.url.rstrip("/") for r in mesh.cfg.regions for rep in r.replicas])
+        waiting.start()
+        try:
+            async with LoadSampler(status, args.load_sample_s * args.time_scale, args.time_scale,
+                                   admin_token=mesh.admin_token) as sampler:
+                results = await replay(trace, lambda r: entry[r.region], args.timeout_s, on_done=on_done,
+                                       source_for=lambda r: source[r.region])
+        finally:
+            await waiting.stop()
         hit = await prefix_hit_rate([rep.url for r in mesh.cfg.regions for rep in r.replicas])
-        return results, hit, sampler.samples
+        return results, hit, sampler.samples, waiting.take()
     finally:
         await mesh.stop()

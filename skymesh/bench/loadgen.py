@@ -208,11 +208,50 @@ class LoadSampler:
                     except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
                         continue  # a balancer that does not answer this round: no sample from it
                     for rid, v in doc.get("replicas", {}).items():
-                        snap[rid] = int(v.get("pending_prefill_tokens", 0))
+                        # a region of several balancers: each says what it sent the replica
+                        snap[rid] = snap.get(rid, 0) + int(v.get("pending_prefill_tokens", 0))
                 if snap:
                     self.samples.append(((loop.time() - t0) / self.time_scale, snap))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.every_s)
+
+
+class ReplicaWaitingSampler:
+    """Max of every replica's ``vllm:num_requests_waiting`` while it runs (every 50 ms):
+    what selective pushing bounds (a fleet of balancers must keep it within one budget)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.max_waiting: dict[str, float] = dict.fromkeys(urls, 0.0)
+        self.samples = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+            while True:
+                for u in self.urls:
+                    with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+                        async with s.get(u + "/metrics") as r:
+                            for line in (await r.text()).splitlines():
+                                if line.startswith("vllm:num_requests_waiting"):
+                                    self.max_waiting[u] = max(self.max_waiting[u], float(line.split()[-1]))
+                                    self.samples += 1
+                await asyncio.sleep(0.05)
+
+    def take(self) -> float:
+        """The max over every replica since the last take (then start afresh)."""
+        top = max(self.max_waiting.values())
+        self.max_waiting = dict.fromkeys(self.urls, 0.0)
+        return top
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
 async def prefix_hit_rate(urls: list[str]) -> float | None:
