@@ -182,7 +182,9 @@ def test_policy_options_from_the_command_line_arrive_typed() -> None:
 
 def test_history_view_results_are_unchanged() -> None:
     # pinned from the simulator before the "events" cache view existed (main at 1ef2763):
-    # the default view must not move a single result
+    # the default view must not move a single result. Re-pinned when a lone balancer
+    # stopped returning a unit twice (BalancerCore._unit_back; docs/benchmarks.md):
+    # TTFT sum 7.5724 -> 7.5644, E2E sum 45.7193 -> 45.7210, hit rate and events unchanged
     reqs = hot_prefix_workload(300, 40.0, n_prompts=4, prompt_blocks=1, hot_share=0.9, user_blocks=1,
                                output_len=40, seed=5)
     trace = [TraceRequest(r.arrival_s, 900, r.output_len, r.hash_ids, session=r.session) for r in reqs]
@@ -190,8 +192,8 @@ def test_history_view_results_are_unchanged() -> None:
                     routing=RoutingConfig(policy=simulated_policy("prefix_tree", ttft_slo_s=1.0)))
     assert cfg.cache_view == "history"
     res = Simulator(cfg).run(trace)
-    assert float(np.nansum(res.ttft)) == pytest.approx(7.572411284772665, rel=1e-12)
-    assert float(np.nansum(res.e2e)) == pytest.approx(45.7193489225027, rel=1e-12)
+    assert float(np.nansum(res.ttft)) == pytest.approx(7.564440315023036, rel=1e-12)
+    assert float(np.nansum(res.e2e)) == pytest.approx(45.72103450174306, rel=1e-12)
     assert res.prefix_hit_rate == pytest.approx(0.44882962962962963, rel=1e-12)
     assert res.events == 1460
 

@@ -53,12 +53,35 @@ def test_pushed_requests_a_probe_does_not_show_stay_charged_to_the_budget() -> N
     # one of them shows: one unit of budget back
     c.update_replica("r0", healthy=True, num_running=1, num_waiting=0)
     assert len(c.dispatch(0.2)) == 1
-    # a pushed request that fails before its first token gives its unit back too
-    placed = c.dispatch(0.2)
-    assert placed == []
-    failed = next(iter(c._in_flight))
-    c.on_complete(failed, False, 0.3)
-    assert len(c.dispatch(0.3)) == 1
+    assert c.dispatch(0.2) == []
+    # the oldest, which the page showed, fails before its first token: its unit was
+    # given back by the page already, so nothing more comes back (two unseen pushes left)
+    first, second, _ = c._in_flight
+    c.on_complete(first, False, 0.3)
+    assert c.dispatch(0.3) == []
+    # one the page did not show fails too: its unit comes back
+    c.on_complete(second, False, 0.4)
+    assert len(c.dispatch(0.4)) == 1
+
+
+def test_a_first_token_of_a_request_the_page_showed_gives_no_second_unit_back() -> None:
+    """The page's credit and the first token would both return the same unit: a lone
+    balancer could then push past its budget onto a full replica."""
+    c = core(n=1, budget=2)
+    probe_all(c)
+    for i in range(6):
+        c.submit(req(i))
+    first_two = [r.request_id for r, _ in c.dispatch(0.0)]
+    assert len(first_two) == 2
+    probe_all(c)  # the page shows both running: their units come back
+    assert len(c.dispatch(0.1)) == 2  # two more pushed, not on the page yet
+    c.on_first_token(first_two[0], 0.2)  # one of those the page showed starts
+    assert c.dispatch(0.2) == []  # still two unseen pushes: the budget
+    c.on_first_token(first_two[1], 0.3)
+    assert c.dispatch(0.3) == []
+    unseen = [rid for rid in c._in_flight if rid not in first_two]
+    c.on_first_token(unseen[0], 0.4)  # an unseen one starts: one unit back
+    assert len(c.dispatch(0.4)) == 1
 
 
 def test_replica_with_waiting_requests_is_not_available() -> None:

@@ -471,13 +471,14 @@ class BalancerCore:
         if f is None or f.first_token_at is not None:
             return None
         f.first_token_at = now
-        self._forget_unstarted(f.replica_id)
         view = self.replicas.get(f.replica_id)
         if view is not None:
             view.pending_prefill_tokens -= f.prefill_tokens
-            # the replica admitted it: one unit of dispatch budget comes back early
-            self._since_probe[f.replica_id] = max(0, self._since_probe[f.replica_id] - 1)
+            # the replica admitted it: its unit of dispatch budget comes back early
+            self._unit_back(f.replica_id)
             self._refresh_available(view)
+        else:
+            self._forget_unstarted(f.replica_id)
         ttft = now - f.dispatched_at
         if observe:
             self.policy.on_first_token(f.req, f.replica_id, ttft, now)
@@ -538,9 +539,22 @@ class BalancerCore:
         if f.first_token_at is None:
             view.pending_prefill_tokens -= f.prefill_tokens
             # it left before its first token gave the budget back: give it back now
-            self._since_probe[f.replica_id] = max(0, self._since_probe[f.replica_id] - 1)
-            self._forget_unstarted(f.replica_id)
+            self._unit_back(f.replica_id)
         self._refresh_available(view)
+
+    def _unit_back(self, replica_id: str) -> None:
+        """A request pushed to ``replica_id`` got its first token, or left before one: its
+        unit of budget comes back, unless the last probe's page already showed it (the
+        page's credit took it off the budget then; giving it back twice would let one push
+        more than the budget past the page). Which of the unstarted requests the page
+        showed is not known: the oldest, as the replica admits in arrival order, so while
+        the page showed any, the one leaving is taken as one of them. A held replica (more
+        charged than unstarted) gives one back, as before."""
+        unstarted = self._unstarted.get(replica_id, 0)
+        charged = self._since_probe[replica_id]
+        self._forget_unstarted(replica_id)
+        if charged >= unstarted:  # none shown by the page (or held): its unit comes back
+            self._since_probe[replica_id] = max(0, charged - 1)
 
     def _forget_unstarted(self, replica_id: str) -> None:
         # clamped: a request may outlive its replica's removal and re-adding under one id
