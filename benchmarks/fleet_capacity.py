@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.bench.loadgen import ReplicaWaitingSampler as WaitingSampler
+from skymesh.bench.loadgen import ReplicaWaitingSampler
 from skymesh.bench.proxy_cost import cpu_seconds
 from skymesh.operations.up import Mesh
 from skymesh.security.admin_auth import admin_headers
@@ -186,7 +186,7 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
     state.mkdir(parents=True)
     mesh = Mesh.from_dict(region_config(balancers, args.time_scale, state), state / "run")
     out: dict[str, Any] = {"balancers": balancers, "tag": tag}
-    sampler: WaitingSampler | None = None
+    sampler: ReplicaWaitingSampler | None = None
     try:
         await mesh.start()
         await members_ready(mesh)
@@ -195,7 +195,7 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
         members = [c.pid for c in mesh.balancer_members.values() if c.pid is not None]
         replicas = [c.pid for c in mesh.replicas.values() if c.pid is not None]
         others = [c.pid for c in (mesh.controller, mesh.dns) if c is not None and c.pid is not None]
-        sampler = WaitingSampler([rep.url.rstrip("/") for rep in region.replicas])
+        sampler = ReplicaWaitingSampler([rep.url.rstrip("/") for rep in region.replicas])
         sampler.start()
         # warm up (connections, first dispatches), then the idle cost
         await run_driver(entry, rate=args.rate, users=0, duration_s=2, max_requests=int(2 * args.rate),
