@@ -148,6 +148,17 @@ class MemberHealth:
         self._streak: dict[str, int] = dict.fromkeys(self.urls, 0)  # + passes, - failures in a row
         self._users = 0
         self._task: asyncio.Task[None] | None = None
+        self._checked = asyncio.Event()  # set after every check
+
+    async def until_passing(self, url: str) -> None:
+        """Until a check begun after this call found ``url`` passing and the member is in
+        (a member just started: the entry sends it new connections from then on, as an
+        NLB target leaves its initial state). Returns at once while nothing checks."""
+        start = self.checks[url]
+        # + 2: a check already in flight at the call may have begun before the member was up
+        while self._task is not None and not (self.checks[url] >= start + 2 and self.healthy[url]):
+            self._checked.clear()
+            await self._checked.wait()
 
     def note(self, url: str, passed: bool) -> None:
         """One check's outcome."""
@@ -189,6 +200,7 @@ class MemberHealth:
                 passed = False
             self.note(url, passed)
             self.checks[url] += 1
+            self._checked.set()
             await asyncio.sleep(max(0.0, HEALTH_INTERVAL_S - (loop.time() - started)))
 
 

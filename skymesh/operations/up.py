@@ -346,6 +346,12 @@ class Mesh:
         child.start()
         self.balancer_members[(region, member)] = child
         await child.wait_ready(within_s=self.health_timeout_s)
+        # ready means the region's entry sends it connections too: its health checks must
+        # have seen the member pass (they took it out while it was down)
+        url = members[member].listen.http_url + "/health"
+        checks = {id(p.health): p.health for p in self.proxies if p.health is not None and url in p.health.healthy}
+        await asyncio.wait_for(asyncio.gather(*(h.until_passing(url) for h in checks.values())),
+                               timeout=self.health_timeout_s)
 
     async def stop_balancer(self, region: str, kill: bool = False, member: int | None = None) -> None:
         """Stop (SIGTERM, drain) or kill (SIGKILL) the region's balancer ``member`` (None: every one)."""
