@@ -70,16 +70,19 @@ def test_up_then_status_shows_three_healthy_regions(tmp_path: Path) -> None:
             assert up.poll() is None, (tmp_path / "up.log").read_text()
             assert time.monotonic() < deadline, "mesh did not come up"
             time.sleep(0.2)
-        for _ in range(50):  # reports reach the controller once a second
+        # Reports reach the controller once a second. Until every balancer has registered, the
+        # controller hands a missing region's replicas to the nearest live one (failover), so a
+        # first report can list 0 or 6 replicas: wait for the settled state, not the first report.
+        for _ in range(50):
             out = subprocess.run(skymesh("status", "--config", str(path), "--json"), capture_output=True,
                                  text=True, cwd=ROOT, timeout=60)
             st = json.loads(out.stdout)
-            if all(r.get("report") for r in st["regions"]):
+            if all(r.get("report") and len(r["report"]["replicas"]) == 3 for r in st["regions"]):
                 break
             time.sleep(0.3)
         assert st["source"] == "controller"
         assert [r["balancer_alive"] for r in st["regions"]] == [True, True, True]
-        assert all(len(r["report"]["replicas"]) == 3 for r in st["regions"])
+        assert all(len(r["report"]["replicas"]) == 3 for r in st["regions"]), st
         table = subprocess.run(skymesh("status", "--config", str(path)), capture_output=True, text=True,
                                cwd=ROOT, timeout=60).stdout
         assert "regions: 3/3 healthy" in table
