@@ -104,6 +104,20 @@ def test_a_sibling_message_past_its_bounds_is_refused_before_it_reaches_the_core
     assert msg.placements[0].at == pytest.approx(9.5) and msg.placements[0].chunk_hashes == (1, 2)
 
 
+def test_a_replica_s_load_crosses_the_wire_whole() -> None:
+    from skymesh.balancer.sibling_link import to_proto
+    from skymesh.routing.push_shares import ShareState
+    from skymesh.routing.siblings import SiblingLoad, SiblingMessage
+
+    shares = ShareState(balancer_id="us-b1", epoch=2, seq=7, queue_length=1, wants={"r1": 2}, held=frozenset(),
+                        claims=frozenset(), lends={}, seen={})
+    loads = {"r0": SiblingLoad(3, 1, 4096), "r1": SiblingLoad(0, 0, 0)}
+    sent = SiblingMessage(region="us", shares=shares, sent_at=0.0, pending_prefill_tokens=4096,
+                          placements_per_s=0.0, loads=loads, placements=())
+    got = from_proto(mesh_pb2.SiblingState.FromString(to_proto(sent).SerializeToString()), 1.0)
+    assert got.loads == loads and got.shares.wants == {"r1": 2}
+
+
 def test_a_message_goes_at_once_only_for_what_a_sibling_waits_for() -> None:
     from skymesh.balancer.sibling_link import _Sent, _why_now
 

@@ -16,12 +16,13 @@ from skymesh.routing.siblings import RegionSiblings, SiblingMessage
 
 class RegionFleet:
     def __init__(self, region: str, balancer_id: str, epoch: int, core: RegionCore, *,
-                 static_members: Mapping[str, str], dead_after_s: float) -> None:
+                 static_members: Mapping[str, str], dead_after_s: float, page_lag_s: float = 0.25) -> None:
         self.region = region
         self.balancer_id = balancer_id
         self.epoch = epoch
         self.core = core
         self.dead_after_s = dead_after_s
+        self.page_lag_s = page_lag_s
         # sibling id -> its own gRPC address, from the config and from the controller
         self.static = {sid: addr for sid, addr in static_members.items() if sid != balancer_id}
         self.from_topology: dict[str, str] = {}
@@ -51,7 +52,7 @@ class RegionFleet:
         if self.core.siblings is None and self.has_siblings():
             self.core.attach_siblings(RegionSiblings(
                 self.region, self.balancer_id, self.core.settings.dispatch_budget, epoch=self.epoch,
-                dead_after_s=self.dead_after_s, started_at=now))
+                dead_after_s=self.dead_after_s, started_at=now, page_lag_s=self.page_lag_s))
         if self.core.siblings is not None:
             self.core.siblings.expect(self.addresses())
 

@@ -91,7 +91,8 @@ def balancer_snapshot(b: SnapshotSource) -> BalancerSnapshot:
         in_flight=b.core.in_flight_count,
         replicas_available=b.core.available_count(),
         prefix_hit_ratio=b.prefix_hit_ratio(),
-        replicas=[ReplicaLoad(rid, r.in_flight, r.pending_prefill_tokens) for rid, r in b.core.replicas.items()],
+        # this balancer's own (a region of several: the members' figures add up)
+        replicas=[ReplicaLoad(rid, r.in_flight, b.core.own_pending_prefill(rid)) for rid, r in b.core.replicas.items()],
         peers=[PeerHealth(region, b.offload.staleness_s(region, now), b.offload.peer_available(region, now))
                for region in b.offload.peers],
         transitions=dict(b.core.transitions),

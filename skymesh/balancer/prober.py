@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import aiohttp
 
+from skymesh.runtime.clock import loop_clock
 from skymesh.runtime.prom_text import parse_sample_counts
 
 WAITING = "vllm:num_requests_waiting"
@@ -31,6 +32,7 @@ class ProbeResult:
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     error: str = ""
+    sent_at: float | None = None  # the event loop's clock when the scrape was sent
 
 
 def parse_probe(text: str) -> ProbeResult:
@@ -80,7 +82,10 @@ async def probe_rounds(session: aiohttp.ClientSession, interval_s: float,
     timeout = max(0.5, interval_s * 5)
     while True:
         started = loop.time()
+        sent_at = loop_clock()  # the balancer's clock (the region core's `now`)
         round_targets = list(targets())
         results = await asyncio.gather(*(probe_replica(session, url, timeout) for _, url in round_targets))
+        for res in results:
+            res.sent_at = sent_at
         on_results([(key, res) for (key, _), res in zip(round_targets, results, strict=True)])
         await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))

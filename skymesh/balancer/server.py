@@ -114,7 +114,8 @@ class Balancer:
         self.offload = self.core.offload
         # the region's other balancers (config or controller) and the budgets shared with them
         self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core,
-                                 static_members=static_siblings or {}, dead_after_s=cfg.siblings.dead_after_s)
+                                 static_members=static_siblings or {}, dead_after_s=cfg.siblings.dead_after_s,
+                                 page_lag_s=cfg.siblings.page_lag_s)
         self.fleet.attach_if_needed(loop_clock())
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
@@ -567,7 +568,8 @@ class Balancer:
             return  # membership changed while probing
         info.note_probe(res)
         sample = (
-            ProbeSample(num_running=res.num_running, num_waiting=res.num_waiting, kv_usage=res.kv_usage)
+            ProbeSample(num_running=res.num_running, num_waiting=res.num_waiting, kv_usage=res.kv_usage,
+                        sent_at=res.sent_at)
             if res.healthy
             else None
         )

@@ -41,7 +41,12 @@ from skymesh.balancer.grpc_streams import answer_stream
 from skymesh.balancer.ports import SiblingLinkBalancer
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.push_shares import ShareState, Unit
-from skymesh.routing.siblings import MAX_PLACEMENTS_PER_MESSAGE, Placement, SiblingMessage
+from skymesh.routing.siblings import (
+    MAX_PLACEMENTS_PER_MESSAGE,
+    Placement,
+    SiblingLoad,
+    SiblingMessage,
+)
 from skymesh.runtime.procs import cancel_tasks
 from skymesh.security.pki import (
     balancer_server_name,
@@ -76,8 +81,9 @@ def to_proto(msg: SiblingMessage) -> Any:
         held=[mesh_pb2.PushUnit(replica_id=u.replica_id, unit=u.index) for u in sorted(sh.held)],
         claims=[mesh_pb2.PushUnit(replica_id=u.replica_id, unit=u.index) for u in sorted(sh.claims)],
         lends=[mesh_pb2.UnitLend(replica_id=u.replica_id, unit=u.index, borrower=b) for u, b in sh.lends.items()],
-        loads=[mesh_pb2.ReplicaLoad(replica_id=r, in_flight=f, unstarted=n, wanted=sh.wants.get(r, 0))
-               for r, (f, n) in msg.loads.items()],
+        loads=[mesh_pb2.ReplicaLoad(replica_id=r, in_flight=ld.in_flight, unseen=ld.unseen,
+                                    wanted=sh.wants.get(r, 0), pending_prefill_tokens=ld.pending_prefill_tokens)
+               for r, ld in msg.loads.items()],
         placements=[mesh_pb2.PlacementRecord(replica_id=p.replica_id, chunk_hashes=p.chunk_hashes,
                                              age_s=max(0.0, msg.sent_at - p.at)) for p in msg.placements],
         key_usage=[mesh_pb2.KeyUsage(key_name=k, requests=r, prompt_tokens=t) for k, (r, t) in msg.key_usage.items()],
@@ -105,7 +111,7 @@ def from_proto(pb: Any, now: float) -> SiblingMessage:
     return SiblingMessage(
         region=pb.region, shares=shares, sent_at=now, pending_prefill_tokens=pb.pending_prefill_tokens,
         placements_per_s=pb.placements_per_s,
-        loads={ld.replica_id: (ld.in_flight, ld.unstarted) for ld in pb.loads},
+        loads={ld.replica_id: SiblingLoad(ld.in_flight, ld.unseen, ld.pending_prefill_tokens) for ld in pb.loads},
         placements=tuple(Placement(p.replica_id, tuple(p.chunk_hashes), now - max(0.0, p.age_s))
                          for p in pb.placements),
         key_usage={k.key_name: (k.requests, k.prompt_tokens) for k in pb.key_usage},

@@ -341,7 +341,7 @@ class Simulator:
             if e.num_waiting and e.num_waiting_never_admitted > self.max_replica_unadmitted:
                 self.max_replica_unadmitted = e.num_waiting_never_admitted
             core.probe(rid, ProbeSample(num_running=e.num_running, num_waiting=e.num_waiting,
-                                        kv_usage=e.kv_cache_usage), t)
+                                        kv_usage=e.kv_cache_usage, sent_at=t), t)
         self._dispatch(reg, k, t)
 
     def _heartbeat(self, reg: SimRegion, k: int, t: float) -> None:

@@ -66,7 +66,8 @@ class SimRegion:
             core.set_replicas(self.replica_ids, 0.0)
             if n > 1:
                 siblings = RegionSiblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
-                                          dead_after_s=cfg.routing.siblings.dead_after_s)
+                                          dead_after_s=cfg.routing.siblings.dead_after_s,
+                                          page_lag_s=cfg.routing.siblings.page_lag_s)
                 siblings.expect(f"{name}-b{j}" for j in range(n))
                 core.attach_siblings(siblings)
             if core.kv_indexes is not None:

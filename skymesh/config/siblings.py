@@ -23,6 +23,12 @@ class SiblingsConfig(ConfigModel):
     # silent for this many keepalives: gone (its units are claimed again without its word);
     # at least 2, so one lost or late keepalive never kills a live sibling
     miss_limit: Annotated[Int, Field(ge=2, le=100)] = 4
+    # a push shows on the replica's metrics page (running or waiting) within this long:
+    # the proxy's send, the server's tokenizing, one engine step. A balancer of several
+    # counts its push as seen by a probe sent this long after it (its unit comes back
+    # then, not only at the first token): too short lets the region push past the
+    # replica's budget while a step hides its queue; too long holds units longer
+    page_lag_s: Annotated[Float, Field(ge=0, le=30)] = 0.25
 
     @model_validator(mode="after")
     def _keepalive_not_before_interval(self) -> SiblingsConfig:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15skymesh/v1/mesh.proto\x12\nskymesh.v1\"\xa8\x02\n\rPeerHeartbeat\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x16\n\x0ereplicas_total\x18\x05 \x01(\r\x12\x1a\n\x12replicas_available\x18\x06 \x01(\r\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x14\n\x0csent_unix_ms\x18\n \x01(\x03\x12\x15\n\roffloaded_out\x18\x0b \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x0c \x01(\x04\x12\x18\n\x10placements_per_s\x18\r \x01(\x01\",\n\x08PushUnit\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04unit\x18\x02 \x01(\r\">\n\x08UnitLend\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04unit\x18\x02 \x01(\r\x12\x10\n\x08\x62orrower\x18\x03 \x01(\t\">\n\x0bSiblingSeen\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"W\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x11\n\tunstarted\x18\x03 \x01(\r\x12\x0e\n\x06wanted\x18\x04 \x01(\r\"J\n\x0fPlacementRecord\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x04\x12\r\n\x05\x61ge_s\x18\x03 \x01(\x01\"E\n\x08KeyUsage\x12\x10\n\x08key_name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x01\"\xdf\x03\n\x0cSiblingState\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x05 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x06 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x07 \x01(\x04\x12\x18\n\x10placements_per_s\x18\x08 \x01(\x01\x12%\n\x04seen\x18\t \x03(\x0b\x32\x17.skymesh.v1.SiblingSeen\x12\"\n\x04held\x18\n \x03(\x0b\x32\x14.skymesh.v1.PushUnit\x12$\n\x06\x63laims\x18\x0b \x03(\x0b\x32\x14.skymesh.v1.PushUnit\x12#\n\x05lends\x18\x0c \x03(\x0b\x32\x14.skymesh.v1.UnitLend\x12&\n\x05loads\x18\r \x03(\x0b\x32\x17.skymesh.v1.ReplicaLoad\x12/\n\nplacements\x18\x0e \x03(\x0b\x32\x1b.skymesh.v1.PlacementRecord\x12\'\n\tkey_usage\x18\x0f \x03(\x0b\x32\x14.skymesh.v1.KeyUsage\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\"[\n\x11ReplicaAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\x86\x01\n\x0e\x42\x61lancerMember\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x06 \x01(\x03\"\xce\x01\n\x12\x42\x61lancerAssignment\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12/\n\x08replicas\x18\x06 \x03(\x0b\x32\x1d.skymesh.v1.ReplicaAssignment\x12+\n\x07members\x18\x07 \x03(\x0b\x32\x1a.skymesh.v1.BalancerMember\"^\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x31\n\tbalancers\x18\x03 \x03(\x0b\x32\x1e.skymesh.v1.BalancerAssignment\"\x9b\x01\n\x0fRegisterRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x1b\n\x13member_grpc_address\x18\x07 \x01(\t\"h\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x08topology\x18\x03 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xac\x01\n\rReplicaReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x14\n\x0cowner_region\x18\x08 \x01(\t\"\xe2\x01\n\x0e\x42\x61lancerReport\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x15\n\roffloaded_out\x18\x05 \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x06 \x01(\x04\x12\x18\n\x10prefix_hit_ratio\x18\x07 \x01(\x01\x12+\n\x08replicas\x18\x08 \x03(\x0b\x32\x19.skymesh.v1.ReplicaReport\x12\x12\n\nadmin_json\x18\t \x01(\t\"\'\n\x0bReportReply\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"W\n\x11\x44\x65registerRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"M\n\x0f\x44\x65registerReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10topology_version\x18\x03 \x01(\x04\"3\n\x0cWatchRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\xc4\x01\n\x0cRegionStatus\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61lancer_alive\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61lancer_id\x18\x03 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x04 \x01(\x03\x12/\n\x0blast_report\x18\x05 \x01(\x0b\x32\x1a.skymesh.v1.BalancerReport\x12+\n\x07members\x18\x06 \x03(\x0b\x32\x1a.skymesh.v1.BalancerMember\"\x9a\x01\n\nMeshStatus\x12&\n\x08topology\x18\x01 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.skymesh.v1.RegionStatus\x12\"\n\x1a\x63ontroller_started_unix_ms\x18\x03 \x01(\x03\x12\x15\n\rstate_version\x18\x04 \x01(\x04\x32\x95\x01\n\x08MeshPeer\x12\x45\n\tHeartbeat\x12\x19.skymesh.v1.PeerHeartbeat\x1a\x19.skymesh.v1.PeerHeartbeat(\x01\x30\x01\x12\x42\n\x08Siblings\x12\x18.skymesh.v1.SiblingState\x1a\x18.skymesh.v1.SiblingState(\x01\x30\x01\x32\xdc\x02\n\nController\x12\x42\n\x08Register\x12\x1b.skymesh.v1.RegisterRequest\x1a\x19.skymesh.v1.RegisterReply\x12=\n\x06Report\x12\x1a.skymesh.v1.BalancerReport\x1a\x17.skymesh.v1.ReportReply\x12H\n\nDeregister\x12\x1d.skymesh.v1.DeregisterRequest\x1a\x1b.skymesh.v1.DeregisterReply\x12\x41\n\rWatchTopology\x12\x18.skymesh.v1.WatchRequest\x1a\x14.skymesh.v1.Topology0\x01\x12>\n\tGetStatus\x12\x19.skymesh.v1.StatusRequest\x1a\x16.skymesh.v1.MeshStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15skymesh/v1/mesh.proto\x12\nskymesh.v1\"\xa8\x02\n\rPeerHeartbeat\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x16\n\x0ereplicas_total\x18\x05 \x01(\r\x12\x1a\n\x12replicas_available\x18\x06 \x01(\r\x12\x14\n\x0cqueue_length\x18\x07 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x14\n\x0csent_unix_ms\x18\n \x01(\x03\x12\x15\n\roffloaded_out\x18\x0b \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x0c \x01(\x04\x12\x18\n\x10placements_per_s\x18\r \x01(\x01\",\n\x08PushUnit\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04unit\x18\x02 \x01(\r\">\n\x08UnitLend\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04unit\x18\x02 \x01(\r\x12\x10\n\x08\x62orrower\x18\x03 \x01(\t\">\n\x0bSiblingSeen\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"t\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x0e\n\x06unseen\x18\x03 \x01(\r\x12\x0e\n\x06wanted\x18\x04 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x05 \x01(\x04\"J\n\x0fPlacementRecord\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_hashes\x18\x02 \x03(\x04\x12\r\n\x05\x61ge_s\x18\x03 \x01(\x01\"E\n\x08KeyUsage\x12\x10\n\x08key_name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x01\"\xdf\x03\n\x0cSiblingState\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x05 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x06 \x01(\r\x12\x1e\n\x16pending_prefill_tokens\x18\x07 \x01(\x04\x12\x18\n\x10placements_per_s\x18\x08 \x01(\x01\x12%\n\x04seen\x18\t \x03(\x0b\x32\x17.skymesh.v1.SiblingSeen\x12\"\n\x04held\x18\n \x03(\x0b\x32\x14.skymesh.v1.PushUnit\x12$\n\x06\x63laims\x18\x0b \x03(\x0b\x32\x14.skymesh.v1.PushUnit\x12#\n\x05lends\x18\x0c \x03(\x0b\x32\x14.skymesh.v1.UnitLend\x12&\n\x05loads\x18\r \x03(\x0b\x32\x17.skymesh.v1.ReplicaLoad\x12/\n\nplacements\x18\x0e \x03(\x0b\x32\x1b.skymesh.v1.PlacementRecord\x12\'\n\tkey_usage\x18\x0f \x03(\x0b\x32\x14.skymesh.v1.KeyUsage\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\"[\n\x11ReplicaAssignment\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bhome_region\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\x86\x01\n\x0e\x42\x61lancerMember\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x06 \x01(\x03\"\xce\x01\n\x12\x42\x61lancerAssignment\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12/\n\x08replicas\x18\x06 \x03(\x0b\x32\x1d.skymesh.v1.ReplicaAssignment\x12+\n\x07members\x18\x07 \x03(\x0b\x32\x1a.skymesh.v1.BalancerMember\"^\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x31\n\tbalancers\x18\x03 \x03(\x0b\x32\x1e.skymesh.v1.BalancerAssignment\"\x9b\x01\n\x0fRegisterRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x1b\n\x13member_grpc_address\x18\x07 \x01(\t\"h\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x08topology\x18\x03 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xac\x01\n\rReplicaReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x14\n\x0cowner_region\x18\x08 \x01(\t\"\xe2\x01\n\x0e\x42\x61lancerReport\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x15\n\roffloaded_out\x18\x05 \x01(\x04\x12\x14\n\x0coffloaded_in\x18\x06 \x01(\x04\x12\x18\n\x10prefix_hit_ratio\x18\x07 \x01(\x01\x12+\n\x08replicas\x18\x08 \x03(\x0b\x32\x19.skymesh.v1.ReplicaReport\x12\x12\n\nadmin_json\x18\t \x01(\t\"\'\n\x0bReportReply\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"W\n\x11\x44\x65registerRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"M\n\x0f\x44\x65registerReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10topology_version\x18\x03 \x01(\x04\"3\n\x0cWatchRequest\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\xc4\x01\n\x0cRegionStatus\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61lancer_alive\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61lancer_id\x18\x03 \x01(\t\x12\x19\n\x11last_seen_unix_ms\x18\x04 \x01(\x03\x12/\n\x0blast_report\x18\x05 \x01(\x0b\x32\x1a.skymesh.v1.BalancerReport\x12+\n\x07members\x18\x06 \x03(\x0b\x32\x1a.skymesh.v1.BalancerMember\"\x9a\x01\n\nMeshStatus\x12&\n\x08topology\x18\x01 \x01(\x0b\x32\x14.skymesh.v1.Topology\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.skymesh.v1.RegionStatus\x12\"\n\x1a\x63ontroller_started_unix_ms\x18\x03 \x01(\x03\x12\x15\n\rstate_version\x18\x04 \x01(\x04\x32\x95\x01\n\x08MeshPeer\x12\x45\n\tHeartbeat\x12\x19.skymesh.v1.PeerHeartbeat\x1a\x19.skymesh.v1.PeerHeartbeat(\x01\x30\x01\x12\x42\n\x08Siblings\x12\x18.skymesh.v1.SiblingState\x1a\x18.skymesh.v1.SiblingState(\x01\x30\x01\x32\xdc\x02\n\nController\x12\x42\n\x08Register\x12\x1b.skymesh.v1.RegisterRequest\x1a\x19.skymesh.v1.RegisterReply\x12=\n\x06Report\x12\x1a.skymesh.v1.BalancerReport\x1a\x17.skymesh.v1.ReportReply\x12H\n\nDeregister\x12\x1d.skymesh.v1.DeregisterRequest\x1a\x1b.skymesh.v1.DeregisterReply\x12\x41\n\rWatchTopology\x12\x18.skymesh.v1.WatchRequest\x1a\x14.skymesh.v1.Topology0\x01\x12>\n\tGetStatus\x12\x19.skymesh.v1.StatusRequest\x1a\x16.skymesh.v1.MeshStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,45 +40,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SIBLINGSEEN']._serialized_start=446
   _globals['_SIBLINGSEEN']._serialized_end=508
   _globals['_REPLICALOAD']._serialized_start=510
-  _globals['_REPLICALOAD']._serialized_end=597
-  _globals['_PLACEMENTRECORD']._serialized_start=599
-  _globals['_PLACEMENTRECORD']._serialized_end=673
-  _globals['_KEYUSAGE']._serialized_start=675
-  _globals['_KEYUSAGE']._serialized_end=744
-  _globals['_SIBLINGSTATE']._serialized_start=747
-  _globals['_SIBLINGSTATE']._serialized_end=1226
-  _globals['_REPLICAASSIGNMENT']._serialized_start=1228
-  _globals['_REPLICAASSIGNMENT']._serialized_end=1319
-  _globals['_BALANCERMEMBER']._serialized_start=1322
-  _globals['_BALANCERMEMBER']._serialized_end=1456
-  _globals['_BALANCERASSIGNMENT']._serialized_start=1459
-  _globals['_BALANCERASSIGNMENT']._serialized_end=1665
-  _globals['_TOPOLOGY']._serialized_start=1667
-  _globals['_TOPOLOGY']._serialized_end=1761
-  _globals['_REGISTERREQUEST']._serialized_start=1764
-  _globals['_REGISTERREQUEST']._serialized_end=1919
-  _globals['_REGISTERREPLY']._serialized_start=1921
-  _globals['_REGISTERREPLY']._serialized_end=2025
-  _globals['_REPLICAREPORT']._serialized_start=2028
-  _globals['_REPLICAREPORT']._serialized_end=2200
-  _globals['_BALANCERREPORT']._serialized_start=2203
-  _globals['_BALANCERREPORT']._serialized_end=2429
-  _globals['_REPORTREPLY']._serialized_start=2431
-  _globals['_REPORTREPLY']._serialized_end=2470
-  _globals['_DEREGISTERREQUEST']._serialized_start=2472
-  _globals['_DEREGISTERREQUEST']._serialized_end=2559
-  _globals['_DEREGISTERREPLY']._serialized_start=2561
-  _globals['_DEREGISTERREPLY']._serialized_end=2638
-  _globals['_WATCHREQUEST']._serialized_start=2640
-  _globals['_WATCHREQUEST']._serialized_end=2691
-  _globals['_STATUSREQUEST']._serialized_start=2693
-  _globals['_STATUSREQUEST']._serialized_end=2708
-  _globals['_REGIONSTATUS']._serialized_start=2711
-  _globals['_REGIONSTATUS']._serialized_end=2907
-  _globals['_MESHSTATUS']._serialized_start=2910
-  _globals['_MESHSTATUS']._serialized_end=3064
-  _globals['_MESHPEER']._serialized_start=3067
-  _globals['_MESHPEER']._serialized_end=3216
-  _globals['_CONTROLLER']._serialized_start=3219
-  _globals['_CONTROLLER']._serialized_end=3567
+  _globals['_REPLICALOAD']._serialized_end=626
+  _globals['_PLACEMENTRECORD']._serialized_start=628
+  _globals['_PLACEMENTRECORD']._serialized_end=702
+  _globals['_KEYUSAGE']._serialized_start=704
+  _globals['_KEYUSAGE']._serialized_end=773
+  _globals['_SIBLINGSTATE']._serialized_start=776
+  _globals['_SIBLINGSTATE']._serialized_end=1255
+  _globals['_REPLICAASSIGNMENT']._serialized_start=1257
+  _globals['_REPLICAASSIGNMENT']._serialized_end=1348
+  _globals['_BALANCERMEMBER']._serialized_start=1351
+  _globals['_BALANCERMEMBER']._serialized_end=1485
+  _globals['_BALANCERASSIGNMENT']._serialized_start=1488
+  _globals['_BALANCERASSIGNMENT']._serialized_end=1694
+  _globals['_TOPOLOGY']._serialized_start=1696
+  _globals['_TOPOLOGY']._serialized_end=1790
+  _globals['_REGISTERREQUEST']._serialized_start=1793
+  _globals['_REGISTERREQUEST']._serialized_end=1948
+  _globals['_REGISTERREPLY']._serialized_start=1950
+  _globals['_REGISTERREPLY']._serialized_end=2054
+  _globals['_REPLICAREPORT']._serialized_start=2057
+  _globals['_REPLICAREPORT']._serialized_end=2229
+  _globals['_BALANCERREPORT']._serialized_start=2232
+  _globals['_BALANCERREPORT']._serialized_end=2458
+  _globals['_REPORTREPLY']._serialized_start=2460
+  _globals['_REPORTREPLY']._serialized_end=2499
+  _globals['_DEREGISTERREQUEST']._serialized_start=2501
+  _globals['_DEREGISTERREQUEST']._serialized_end=2588
+  _globals['_DEREGISTERREPLY']._serialized_start=2590
+  _globals['_DEREGISTERREPLY']._serialized_end=2667
+  _globals['_WATCHREQUEST']._serialized_start=2669
+  _globals['_WATCHREQUEST']._serialized_end=2720
+  _globals['_STATUSREQUEST']._serialized_start=2722
+  _globals['_STATUSREQUEST']._serialized_end=2737
+  _globals['_REGIONSTATUS']._serialized_start=2740
+  _globals['_REGIONSTATUS']._serialized_end=2936
+  _globals['_MESHSTATUS']._serialized_start=2939
+  _globals['_MESHSTATUS']._serialized_end=3093
+  _globals['_MESHPEER']._serialized_start=3096
+  _globals['_MESHPEER']._serialized_end=3245
+  _globals['_CONTROLLER']._serialized_start=3248
+  _globals['_CONTROLLER']._serialized_end=3596
 # @@protoc_insertion_point(module_scope)

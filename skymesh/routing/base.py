@@ -55,8 +55,9 @@ class ReplicaView:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
-    # prefill tokens the balancer dispatched to this replica that have not produced their
-    # first token yet (the load signal DualMap and Mooncake use)
+    # prefill tokens dispatched to this replica that have not produced their first token
+    # yet (the load signal DualMap and Mooncake use): this balancer's, and in a region of
+    # several balancers its siblings' as they last said (skymesh/routing/dispatcher.py)
     pending_prefill_tokens: int = 0
     in_flight: int = 0  # dispatched by this balancer and not finished
 

@@ -11,11 +11,15 @@ budget early.
 
 A region of several balancers shares each replica's budget (``siblings``,
 skymesh/routing/push_shares.py): this balancer may push to a replica only within the
-units it holds there, and the page's running + waiting count is read net of what its
-siblings said they have on it. The policy still sees a replica as available when it is
-free region-wide (its budget less every balancer's unseen pushes there); a pick of one
+units it holds there, and a push counts as seen by a page scraped
+``siblings.page_lag_s`` after it (the count cannot tell whose pushes a page shows). The
+policy still sees a replica as available when it is free region-wide (its budget less
+every balancer's unseen pushes there, as they last said); a pick of one
 where this balancer holds no free unit is kept queued and counted as a *want*, which its
-siblings answer by lending a unit.
+siblings answer by lending a unit. A replica's ``pending_prefill_tokens`` in the views the
+policy sees is the region's: this balancer's own plus what its siblings last said they
+have there without a first token (the load a policy weighs; a sibling's share is as old
+as its last message).
 
 The daemon (real sockets, real clock), the discrete-event simulator and the benchmarks all
 drive this class; it never reads a clock or touches I/O.
@@ -23,6 +27,7 @@ drive this class; it never reads a clock or touches I/O.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -31,7 +36,7 @@ from typing import Any
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import QueueDiscipline
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.siblings import RegionSiblings
+from skymesh.routing.siblings import RegionSiblings, SiblingLoad
 
 # in a region of several balancers: the most queued requests per dispatch round that a
 # pick of a replica without a free unit here holds back (each one a want; the rest wait)
@@ -118,6 +123,14 @@ class BalancerCore:
         self.wants: dict[str, int] = {}
         # replicas leaving membership: no new dispatch, requests in flight on them finish
         self.draining: frozenset[str] = frozenset()
+        # per replica, the siblings' prefill tokens there without a first token (their last
+        # word), included in the view's pending_prefill_tokens
+        self._sibling_prefill: dict[str, int] = {}
+        # per replica, when this balancer pushed each of its requests there that has no
+        # first token yet (in push order), and the push time up to which the last page
+        # showed them (a region of several balancers: see update_replica)
+        self._unstarted_pushed_at: dict[str, list[float]] = {}
+        self._page_shows_until: dict[str, float] = {}
 
     def budget_of(self, replica_id: str) -> int:
         """Pushes this balancer may have unseen on ``replica_id``: the dispatch budget,
@@ -128,13 +141,30 @@ class BalancerCore:
         """Per replica, this balancer's pushes its last probe does not show yet."""
         return dict(self._since_probe)
 
-    def loads(self) -> dict[str, tuple[int, int]]:
-        """Per replica: (this balancer's requests on it, of those without a first token)."""
-        return {rid: (v.in_flight, self._unstarted.get(rid, 0)) for rid, v in self.replicas.items()}
+    def loads(self) -> dict[str, SiblingLoad]:
+        """Per replica, what this balancer has on it (what its siblings are told)."""
+        return {rid: SiblingLoad(v.in_flight, self._since_probe.get(rid, 0), self.own_pending_prefill(rid))
+                for rid, v in self.replicas.items()}
+
+    def own_pending_prefill(self, replica_id: str) -> int:
+        """Prefill tokens this balancer's requests on ``replica_id`` still have to go (the
+        view's figure less the siblings' share in it)."""
+        view = self.replicas.get(replica_id)
+        return 0 if view is None else view.pending_prefill_tokens - self._sibling_prefill.get(replica_id, 0)
 
     def refresh_budgets(self) -> None:
-        """The units held changed (a sibling step): availability follows."""
-        for view in self.replicas.values():
+        """A sibling step: the units held changed (availability follows) and the siblings'
+        prefill on each replica is their latest word."""
+        sibling_prefill = self.siblings.pending_prefill_on() if self.siblings is not None else {}
+        for rid, view in self.replicas.items():
+            new = sibling_prefill.get(rid, 0)
+            old = self._sibling_prefill.get(rid, 0)
+            if new != old:
+                view.pending_prefill_tokens += new - old
+                if new:
+                    self._sibling_prefill[rid] = new
+                else:
+                    del self._sibling_prefill[rid]
             self._refresh_available(view)
 
     # ------------------------------------------------------------------ membership/probes
@@ -148,6 +178,9 @@ class BalancerCore:
                 self._since_probe.pop(rid, None)
                 self._unstarted.pop(rid, None)
                 self._budget_spent_at.pop(rid, None)
+                self._sibling_prefill.pop(rid, None)
+                self._unstarted_pushed_at.pop(rid, None)
+                self._page_shows_until.pop(rid, None)
         for rid in wanted:
             if rid not in self.replicas:
                 self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
@@ -166,8 +199,10 @@ class BalancerCore:
         num_running: int = 0,
         num_waiting: int = 0,
         kv_usage: float = 0.0,
+        sent_at: float | None = None,
     ) -> None:
-        """A probe result (a scrape of the replica's /metrics, or its failure)."""
+        """A probe result (a scrape of the replica's /metrics, or its failure); ``sent_at``:
+        when the scrape was sent (None: not known)."""
         view = self.replicas.get(replica_id)
         if view is None:
             return
@@ -180,10 +215,21 @@ class BalancerCore:
         # per engine step) stay charged to the budget; resetting it to 0 would let the
         # balancer push a second budget on top of them
         if healthy and self.siblings is not None:
-            # the page counts the siblings' requests too, and what they pushed since they
-            # last said is not known here: no request of this balancer counts as seen on
-            # it before its first token (a credit could count a sibling's push as its own)
-            self._since_probe[replica_id] = self._unstarted[replica_id]
+            # The page counts the siblings' requests too, and what they pushed since they
+            # last said is not known here, so its count cannot tell which pushes it shows
+            # (a credit could count a sibling's push as this balancer's own). Time can: a
+            # push reaches the replica's page within page_lag_s (the proxy's send, the
+            # server's tokenizing, one engine step), so a page scraped later shows it,
+            # running or waiting. Pushes since stay charged; without a send time, every
+            # push without a first token does.
+            pushed = self._unstarted_pushed_at.get(replica_id, [])
+            if sent_at is None:
+                self._page_shows_until.pop(replica_id, None)
+                self._since_probe[replica_id] = len(pushed)
+            else:
+                shows_until = sent_at - self.siblings.page_lag_s
+                self._page_shows_until[replica_id] = shows_until
+                self._since_probe[replica_id] = len(pushed) - bisect.bisect_right(pushed, shows_until)
         elif healthy:
             unstarted = self._unstarted[replica_id]
             started = view.in_flight - unstarted
@@ -201,7 +247,7 @@ class BalancerCore:
             self._budget_spent_at.pop(rid, None)
         if self.siblings is not None:
             # free region-wide: the whole budget less every balancer's unseen pushes
-            budget_left = self._since_probe[rid] + self.siblings.unstarted_on(rid) < self.dispatch_budget
+            budget_left = self._since_probe[rid] + self.siblings.unseen_on(rid) < self.dispatch_budget
         view.available = view.healthy and view.num_waiting == 0 and budget_left and rid not in self.draining
 
     def set_draining(self, replica_ids: Iterable[str]) -> None:
@@ -314,7 +360,10 @@ class BalancerCore:
         return self._queued_prompt_tokens
 
     def pending_prefill_tokens(self) -> int:
-        return sum(v.pending_prefill_tokens for v in self.replicas.values()) + self.queued_prefill_tokens()
+        """This balancer's own: its requests' prefill still to go on every replica, and its
+        queue's (the siblings' share in the views is theirs to report)."""
+        own = sum(v.pending_prefill_tokens for v in self.replicas.values()) - sum(self._sibling_prefill.values())
+        return own + self.queued_prefill_tokens()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -427,6 +476,7 @@ class BalancerCore:
         if self._since_probe[rid] >= self.budget_of(rid):
             self._budget_spent_at[rid] = now
         self._unstarted[rid] += 1
+        self._unstarted_pushed_at.setdefault(rid, []).append(now)
         self._refresh_available(view)
         self._in_flight[q.req.request_id] = _InFlight(
             req=q.req,
@@ -475,10 +525,10 @@ class BalancerCore:
         if view is not None:
             view.pending_prefill_tokens -= f.prefill_tokens
             # the replica admitted it: its unit of dispatch budget comes back early
-            self._unit_back(f.replica_id)
+            self._unit_back(f)
             self._refresh_available(view)
         else:
-            self._forget_unstarted(f.replica_id)
+            self._forget_unstarted(f)
         ttft = now - f.dispatched_at
         if observe:
             self.policy.on_first_token(f.req, f.replica_id, ttft, now)
@@ -539,27 +589,40 @@ class BalancerCore:
         if f.first_token_at is None:
             view.pending_prefill_tokens -= f.prefill_tokens
             # it left before its first token gave the budget back: give it back now
-            self._unit_back(f.replica_id)
+            self._unit_back(f)
         self._refresh_available(view)
 
-    def _unit_back(self, replica_id: str) -> None:
-        """A request pushed to ``replica_id`` got its first token, or left before one: its
+    def _unit_back(self, f: _InFlight) -> None:
+        """A request pushed to ``f.replica_id`` got its first token, or left before one: its
         unit of budget comes back, unless the last probe's page already showed it (the
         page's credit took it off the budget then; giving it back twice would let one push
-        more than the budget past the page). Which of the unstarted requests the page
-        showed is not known: the oldest, as the replica admits in arrival order, so while
-        the page showed any, the one leaving is taken as one of them. A held replica (more
-        charged than unstarted) gives one back, as before."""
+        more than the budget past the page). In a region of several balancers the page
+        showed it when it was pushed by the page's ``shows until`` time. Alone, which of
+        the unstarted requests the page showed is not known: the oldest, as the replica
+        admits in arrival order, so while the page showed any, the one leaving is taken as
+        one of them. A held replica (more charged than unstarted) gives one back, as
+        before."""
+        replica_id = f.replica_id
         unstarted = self._unstarted.get(replica_id, 0)
         charged = self._since_probe[replica_id]
-        self._forget_unstarted(replica_id)
-        if charged >= unstarted:  # none shown by the page (or held): its unit comes back
+        self._forget_unstarted(f)
+        if self.siblings is not None:
+            shown = f.dispatched_at <= self._page_shows_until.get(replica_id, float("-inf"))
+        else:
+            shown = charged < unstarted
+        if not shown:  # not shown by the page (or held): its unit comes back
             self._since_probe[replica_id] = max(0, charged - 1)
 
-    def _forget_unstarted(self, replica_id: str) -> None:
+    def _forget_unstarted(self, f: _InFlight) -> None:
         # clamped: a request may outlive its replica's removal and re-adding under one id
+        replica_id = f.replica_id
         if replica_id in self._unstarted:
             self._unstarted[replica_id] = max(0, self._unstarted[replica_id] - 1)
+        pushed = self._unstarted_pushed_at.get(replica_id)
+        if pushed:
+            i = bisect.bisect_left(pushed, f.dispatched_at)
+            if i < len(pushed) and pushed[i] == f.dispatched_at:
+                del pushed[i]
 
     # ------------------------------------------------------------------ introspection
 
@@ -574,7 +637,8 @@ class BalancerCore:
                     "num_running": v.num_running,
                     "num_waiting": v.num_waiting,
                     "kv_cache_usage": v.kv_usage,
-                    "pending_prefill_tokens": v.pending_prefill_tokens,
+                    "pending_prefill_tokens": self.own_pending_prefill(rid),
+                    **({"region_pending_prefill_tokens": v.pending_prefill_tokens} if self.siblings else {}),
                     "in_flight": v.in_flight,
                     "dispatched": self.dispatches_per_replica.get(rid, 0),
                 }

@@ -34,6 +34,9 @@ class ProbeSample:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    # when the scrape was sent, on the caller's clock (None: not known); a region of
+    # several balancers credits its pushes by it (BalancerCore.update_replica)
+    sent_at: float | None = None
 
 
 class HealthChange(StrEnum):
@@ -91,6 +94,7 @@ class ReplicaHealth:
             num_running=sample.num_running,
             num_waiting=sample.num_waiting,
             kv_usage=sample.kv_usage,
+            sent_at=sample.sent_at,
         )
         return HealthChange.HEALTHY
 

@@ -233,6 +233,10 @@ class RegionCore:
     def available_count(self) -> int:
         return self.local.available_count()
 
+    def own_pending_prefill(self, replica_id: str) -> int:
+        """Prefill tokens this balancer's requests on ``replica_id`` still have to go."""
+        return self.local.own_pending_prefill(replica_id)
+
     def ejected_count(self) -> int:
         return self.health.ejected_count()
 

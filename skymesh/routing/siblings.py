@@ -13,12 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from skymesh.routing.push_shares import PushShares, ShareState
 
 # a message carries at most this many placements (the rest wait for the next message);
 # bounds what one message costs to build, send and apply
 MAX_PLACEMENTS_PER_MESSAGE = 2048
+
+
+class SiblingLoad(NamedTuple):
+    """What one balancer has on one replica, as it tells its siblings."""
+
+    in_flight: int  # its requests there, not finished
+    unseen: int  # of those, pushed and not shown by its last page of the replica yet
+    pending_prefill_tokens: int  # their prefill tokens still to go (the policies' load signal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +46,7 @@ class SiblingMessage:
     sent_at: float  # the sender's `now`
     pending_prefill_tokens: int
     placements_per_s: float
-    # per replica: (this balancer's requests on it, of those without a first token)
-    loads: Mapping[str, tuple[int, int]]
+    loads: Mapping[str, SiblingLoad]
     placements: tuple[Placement, ...]
     # client key name -> (requests, prompt tokens) consumed since the previous message
     key_usage: Mapping[str, tuple[float, float]] = field(default_factory=dict)
@@ -54,8 +62,10 @@ class RegionSiblings:
     """This balancer's view of its siblings and its share of the region's push budget."""
 
     def __init__(self, region: str, balancer_id: str, dispatch_budget: int, *, epoch: int = 1,
-                 dead_after_s: float = 0.3, started_at: float = 0.0) -> None:
+                 dead_after_s: float = 0.3, started_at: float = 0.0, page_lag_s: float = 0.25) -> None:
         self.region = region
+        # a push shows on the replica's page within this long (SiblingsConfig.page_lag_s)
+        self.page_lag_s = page_lag_s
         self.shares = PushShares(balancer_id, dispatch_budget, epoch=epoch, dead_after_s=dead_after_s,
                                  started_at=started_at)
         self._heard: dict[str, _Heard] = {}
@@ -103,10 +113,21 @@ class RegionSiblings:
         self._live = self.live(now)
         self.shares.step(now, unseen_pushes, wants)
 
-    def unstarted_on(self, replica_id: str) -> int:
-        """The live siblings' requests on ``replica_id`` without a first token yet (their
-        last word on it, as of the last step: their unseen pushes, at most)."""
-        return sum(m.loads.get(replica_id, (0, 0))[1] for m in self._live.values())
+    def unseen_on(self, replica_id: str) -> int:
+        """The live siblings' pushes to ``replica_id`` their last page of it did not show
+        yet (their last word on it, as of the last step)."""
+        return sum(ld.unseen for m in self._live.values() if (ld := m.loads.get(replica_id)) is not None)
+
+    def pending_prefill_on(self) -> dict[str, int]:
+        """Per replica, the live siblings' prefill tokens there without a first token (their
+        last word, as of the last step): what a policy adds to this balancer's own to see a
+        replica's load as the region made it."""
+        out: dict[str, int] = {}
+        for m in self._live.values():
+            for rid, ld in m.loads.items():
+                if ld.pending_prefill_tokens:
+                    out[rid] = out.get(rid, 0) + ld.pending_prefill_tokens
+        return out
 
     def pending_prefill_tokens_as_of_step(self) -> int:
         """The live siblings' pending prefill as of the last step (no clock needed)."""
