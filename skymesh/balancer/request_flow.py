@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections import deque
 from collections.abc import Callable
 
 import aiohttp
@@ -114,19 +115,35 @@ def peer_target(peer_url: str, request: web.Request, session: aiohttp.ClientSess
 
 
 class Waiter:
-    """Where one request's handler waits for the core's next word on it."""
+    """Where one request's handler waits for the core's words on it, in the order said.
 
-    __slots__ = ("future", "attempt_task", "first_byte_at")
+    Words are kept, not overwritten: the core may say several before the handler runs
+    again (a placement, then :class:`AbandonAttempt` and a :class:`Reject` when the peer it
+    was placed on died in between). A placement with a later word behind it was taken back
+    before its attempt began, and is never carried out (:meth:`superseded`)."""
+
+    __slots__ = ("_words", "_said", "attempt_task", "first_byte_at")
 
     def __init__(self) -> None:
-        self.future: asyncio.Future[Action] = asyncio.get_running_loop().create_future()
+        self._words: deque[Action] = deque()
+        self._said = asyncio.Event()
         self.attempt_task: asyncio.Task[AttemptOutcome] | None = None
         # when the first byte of a streamed answer reached the balancer (its TTFT)
         self.first_byte_at: float | None = None
 
-    def renew(self) -> None:
-        if self.future.done():
-            self.future = asyncio.get_running_loop().create_future()
+    def say(self, action: Action) -> None:
+        self._words.append(action)
+        self._said.set()
+
+    async def next_word(self) -> Action:
+        while not self._words:
+            self._said.clear()
+            await self._said.wait()
+        return self._words.popleft()
+
+    def superseded(self) -> bool:
+        """The core said something after the word just taken (so that word is stale)."""
+        return bool(self._words)
 
 
 class RequestFlow:
@@ -159,13 +176,13 @@ class RequestFlow:
             waiter = self.waiters.get(action.request_id)
             if waiter is None:
                 continue  # not this daemon's handler (cannot happen) or already gone
-            if isinstance(action, AbandonAttempt):
+            if isinstance(action, AbandonAttempt) and waiter.attempt_task is not None:
                 # queued again already; stop the attempt that has sent the client nothing
-                if waiter.attempt_task is not None:
-                    waiter.attempt_task.cancel()
+                waiter.attempt_task.cancel()
                 continue
-            if not waiter.future.done():
-                waiter.future.set_result(action)
+            # an AbandonAttempt with no attempt running takes back a placement the handler
+            # has not begun yet: said in order, so the handler skips that placement
+            waiter.say(action)
 
     def reject(self, r: Reject) -> web.Response:
         self.metrics.rejections.labels(str(r.status)).inc()
@@ -177,12 +194,18 @@ class RequestFlow:
         single_prompt: bool = True, slo: SloClass | None = None,
     ) -> web.StreamResponse:
         while True:
-            action = await waiter.future
-            waiter.renew()
+            action = await waiter.next_word()
             if isinstance(action, Reject):
                 self.count_slo_outcome(req, slo, "rejected")
                 return self.reject(action)
+            if isinstance(action, AbandonAttempt):
+                continue  # it took back the placement skipped below
             assert isinstance(action, SendToReplica | ForwardToRegion)
+            if waiter.superseded():
+                # taken back before its attempt began (its peer died in between): the core
+                # queued it again or answered it, and says so next
+                self.metrics.retries.labels("peer" if isinstance(action, ForwardToRegion) else "replica").inc()
+                continue
             target = self._target(request, req, action)
             if target is None:  # the replica left membership between placement and now
                 self.apply(self.core.fail(req.request_id, loop_clock(), reason="left membership",
