@@ -93,8 +93,6 @@ class BalancerCore:
         self.rebalance_interval_s = rebalance_interval_s
         self.replicas: dict[str, ReplicaView] = {}
         self._since_probe: dict[str, int] = {}
-        # per replica: this balancer's in-flight requests without a first token yet
-        self._unstarted: dict[str, int] = {}
         # per replica whose dispatch budget is spent: when the dispatch that spent it was
         # (absent for a replica held after a failed probe or attempt: no signal to go by)
         self._budget_spent_at: dict[str, float] = {}
@@ -127,7 +125,7 @@ class BalancerCore:
         # word), included in the view's pending_prefill_tokens
         self._sibling_prefill: dict[str, int] = {}
         # per replica, when this balancer pushed each of its requests there that has no
-        # first token yet (in push order), and the push time up to which the last page
+        # first token yet (in push order; its length is how many are unstarted), and the push time up to which the last page
         # showed them (a region of several balancers: see update_replica)
         self._unstarted_pushed_at: dict[str, list[float]] = {}
         self._page_shows_until: dict[str, float] = {}
@@ -176,7 +174,6 @@ class BalancerCore:
             if rid not in wanted:
                 del self.replicas[rid]
                 self._since_probe.pop(rid, None)
-                self._unstarted.pop(rid, None)
                 self._budget_spent_at.pop(rid, None)
                 self._sibling_prefill.pop(rid, None)
                 self._unstarted_pushed_at.pop(rid, None)
@@ -185,7 +182,6 @@ class BalancerCore:
             if rid not in self.replicas:
                 self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
                 self._since_probe[rid] = 0
-                self._unstarted[rid] = 0
                 self.dispatches_per_replica.setdefault(rid, 0)
         self.policy.set_replicas(wanted)
         if self.discipline is not None:
@@ -231,7 +227,7 @@ class BalancerCore:
                 self._page_shows_until[replica_id] = shows_until
                 self._since_probe[replica_id] = len(pushed) - bisect.bisect_right(pushed, shows_until)
         elif healthy:
-            unstarted = self._unstarted[replica_id]
+            unstarted = len(self._unstarted_pushed_at.get(replica_id, ()))
             started = view.in_flight - unstarted
             self._since_probe[replica_id] = max(0, unstarted - max(0, num_running + num_waiting - started))
         else:
@@ -475,7 +471,6 @@ class BalancerCore:
         self._since_probe[rid] += 1
         if self._since_probe[rid] >= self.budget_of(rid):
             self._budget_spent_at[rid] = now
-        self._unstarted[rid] += 1
         self._unstarted_pushed_at.setdefault(rid, []).append(now)
         self._refresh_available(view)
         self._in_flight[q.req.request_id] = _InFlight(
@@ -603,7 +598,7 @@ class BalancerCore:
         one of them. A held replica (more charged than unstarted) gives one back, as
         before."""
         replica_id = f.replica_id
-        unstarted = self._unstarted.get(replica_id, 0)
+        unstarted = len(self._unstarted_pushed_at.get(replica_id, ()))
         charged = self._since_probe[replica_id]
         self._forget_unstarted(f)
         if self.siblings is not None:
@@ -614,10 +609,9 @@ class BalancerCore:
             self._since_probe[replica_id] = max(0, charged - 1)
 
     def _forget_unstarted(self, f: _InFlight) -> None:
-        # clamped: a request may outlive its replica's removal and re-adding under one id
+        # a request may outlive its replica's removal and re-adding under one id: its push
+        # is not in the new list (found by its push time)
         replica_id = f.replica_id
-        if replica_id in self._unstarted:
-            self._unstarted[replica_id] = max(0, self._unstarted[replica_id] - 1)
         pushed = self._unstarted_pushed_at.get(replica_id)
         if pushed:
             i = bisect.bisect_left(pushed, f.dispatched_at)
