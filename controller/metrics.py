@@ -3,7 +3,14 @@ controllers beside balancers and stand-ins in one process)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    ProcessCollector,
+)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from skymesh.edge.connection_metrics import EdgeMetrics
@@ -17,6 +24,10 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 class ControllerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # the process (CPU, memory, open files), the Python build and its GC
+        ProcessCollector(registry=self.registry)
+        self.registry.register(PLATFORM_COLLECTOR)
+        self.registry.register(GC_COLLECTOR)
         # the HTTP API's connection gauge, cap refusals and parser rejections (skymesh/edge/)
         self.edge = EdgeMetrics.create(self.registry)
         self.loop_restarts = Counter(

@@ -80,7 +80,10 @@ ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transiti
                            "skymesh_internal_errors", "skymesh_rejected_peer_calls", "skymesh_config_reloads",
                            "skymesh_cache_predictions", "skymesh_slo_requests", "skymesh_slo_outcomes",
                            "skymesh_slo_target_misses", "skymesh_http_connections",
-                           "skymesh_autoscaling_pending_prefill_seconds_per_replica", "skymesh_sibling_")
+                           "skymesh_autoscaling_pending_prefill_seconds_per_replica", "skymesh_sibling_",
+                           "skymesh_client_")
+# prometheus_client's process, platform and GC collectors: their values are the process's own
+PROCESS_FAMILIES = ("process_", "python_")
 
 
 def samples_and_headers(page: str) -> tuple[dict[str, float], list[str]]:
@@ -120,6 +123,11 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
     page = generate_latest(m.registry).decode()
     golden_samples, golden_headers = samples_and_headers((GOLDEN / "balancer_metrics.txt").read_text())
     samples, headers = samples_and_headers(page)
+    process = {k: v for k, v in samples.items() if k.startswith(PROCESS_FAMILIES)}
+    assert process["process_cpu_seconds_total"] > 0 and process["process_resident_memory_bytes"] > 0
+    assert any(k.startswith("python_info{") for k in process) and any(k.startswith("python_gc_") for k in process)
+    samples = {k: v for k, v in samples.items() if k not in process}
+    headers = [h for h in headers if not h.split()[2].startswith(PROCESS_FAMILIES)]
     # families added after the golden was taken (lifecycle, supervision, ejection, reloads)
     added = {k: v for k, v in samples.items() if k.startswith(ADDED_BALANCER_FAMILIES)}
     assert added == {

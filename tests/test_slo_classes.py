@@ -214,7 +214,7 @@ async def counters(b: Balancer) -> dict[tuple[str, tuple[str, ...]], float]:
         text = await r.text()
     out = {}
     for family in text_string_to_metric_families(text):
-        if family.name.startswith("skymesh_slo_"):
+        if family.name.startswith(("skymesh_slo_", "skymesh_client_")):
             for sample in family.samples:
                 out[(sample.name, tuple(sorted(sample.labels.values())))] = sample.value
     return out
@@ -244,6 +244,13 @@ async def test_the_balancer_refuses_unknown_classes_and_counts_each_class_s_outc
         assert got[("skymesh_slo_outcomes_total", ("missed", "rush"))] == 1
         assert got[("skymesh_slo_target_misses_total", ("e2e", "rush"))] == 1
         assert ("skymesh_slo_target_misses_total", ("chat", "e2e")) not in got
+        # what the clients saw, per class, served here: each answer took the replica's 0.3 s
+        for cls in ("chat", "rush"):
+            labels = tuple(sorted((b.region, cls, "local")))
+            assert got[("skymesh_client_e2e_seconds_count", labels)] == 1
+            assert got[("skymesh_client_e2e_seconds_sum", labels)] >= 0.3
+            # not streamed: no first token the client saw before the whole answer
+            assert ("skymesh_client_ttft_seconds_count", labels) not in got
     finally:
         await b.stop()
 

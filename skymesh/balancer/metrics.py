@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from skymesh.balancer.autoscaling_signal import pending_prefill_s_per_replica
@@ -25,6 +32,13 @@ from skymesh.routing.region import RegionCore
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 _DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01)
 _PREFIX_HIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+# what a client sees, end to end: from a few ms (a cached prompt nearby) to minutes
+_E2E_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+# the labels of the client-seen latencies: this balancer's region, the request's SLO class
+# ("none" without one) and where its answer came from ("local" replica or a "peer" region)
+CLIENT_LATENCY_LABELS = ("region", "slo_class", "served")
+NO_SLO_CLASS = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +219,23 @@ class _WithoutCreatedSamples:
 
 class BalancerMetrics:
     def __init__(self, region: str, snapshot: Callable[[], BalancerSnapshot]) -> None:
+        self.region = region
         self.registry = CollectorRegistry()
+        # what the client saw, at the balancer it called (a forwarded request is counted
+        # once, where its client is): arrival to the first byte of a stream, the time per
+        # output token after it, arrival to the end of the answer
+        self.client_ttft = Histogram(
+            "skymesh_client_ttft_seconds", "Time to first token as the client sees it (arrival at this balancer "
+            "to the first byte of a streamed answer).", CLIENT_LATENCY_LABELS, buckets=_TTFT_BUCKETS, registry=None,
+        )
+        self.client_tpot = Histogram(
+            "skymesh_client_tpot_seconds", "Time per output token after the first (streamed answers that report "
+            "usage).", CLIENT_LATENCY_LABELS, buckets=_TPOT_BUCKETS, registry=None,
+        )
+        self.client_e2e = Histogram(
+            "skymesh_client_e2e_seconds", "Arrival at this balancer to the end of the answer (served requests).",
+            CLIENT_LATENCY_LABELS, buckets=_E2E_BUCKETS, registry=None,
+        )
         # registry=None: these reach the page only through _WithoutCreatedSamples
         self.decision_seconds = Histogram(
             "skymesh_routing_decision_seconds", "Routing decision time per placed request.",
@@ -275,6 +305,7 @@ class BalancerMetrics:
         self.edge = EdgeMetrics.create(None, rejections=self.rejections, internal_errors=self.internal_errors)
         # registration order is the page's order: request-path metrics, then the load gauges
         self.registry.register(_WithoutCreatedSamples([
+            self.client_ttft, self.client_tpot, self.client_e2e,
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
             self.internal_errors, self.config_reloads, self.cache_predictions,
@@ -282,6 +313,22 @@ class BalancerMetrics:
             self.edge.connections_open, self.edge.connections_refused,
         ]))
         self.registry.register(_LoadCollector(region, snapshot))
+        # the process: CPU seconds, resident memory, open files (Linux /proc), the Python
+        # build and its garbage collector, as every prometheus_client process exports them
+        ProcessCollector(registry=self.registry)
+        self.registry.register(PLATFORM_COLLECTOR)
+        self.registry.register(GC_COLLECTOR)
+
+    def observe_client_latency(self, *, slo_class: str | None, served_by_peer: bool, e2e_s: float,
+                               ttft_s: float | None, completion_tokens: int | None) -> None:
+        """One served answer as its client saw it (``ttft_s`` None: not streamed)."""
+        labels = (self.region, slo_class or NO_SLO_CLASS, "peer" if served_by_peer else "local")
+        self.client_e2e.labels(*labels).observe(e2e_s)
+        if ttft_s is None:
+            return
+        self.client_ttft.labels(*labels).observe(ttft_s)
+        if completion_tokens is not None and completion_tokens > 1:
+            self.client_tpot.labels(*labels).observe((e2e_s - ttft_s) / (completion_tokens - 1))
 
     def observe_decision(self, req: RoutingRequest, d: Decision) -> None:
         self.dispatches.labels(d.replica_id or "").inc()

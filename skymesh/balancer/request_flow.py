@@ -241,6 +241,12 @@ class RequestFlow:
                 self.core.complete(req.request_id, now)
                 self.wake.set()
                 self._judge_slo(req, slo, waiter, outcome, now)
+                if not req.forwarded:  # counted once, where the client called
+                    self.metrics.observe_client_latency(
+                        slo_class=slo.name if slo is not None else None, served_by_peer=on_peer,
+                        e2e_s=now - req.arrival,
+                        ttft_s=None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival,
+                        completion_tokens=reported_completion_tokens(outcome.tail))
                 assert outcome.response is not None
                 return outcome.response
             if outcome.outcome is Outcome.FAILED_MIDSTREAM:
