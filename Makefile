@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run run-fleet test lint fmt proto clean vllm-env checkov-env
+.PHONY: setup run run-fleet test lint fmt proto clean vllm-env checkov-env prometheus-env
 
 setup: $(STAMP)
 
@@ -30,7 +30,12 @@ vllm-env: setup
 checkov-env: setup
 	$(BIN)/python -m skymesh.testing.checkov_env build
 
-test: setup vllm-env checkov-env
+# prometheus and promtool (Debian's package, unpacked into .prometheus/, nothing installed
+# system-wide) for the observability tests; when it cannot be fetched they skip saying why
+prometheus-env: setup
+	$(BIN)/python -m skymesh.testing.prometheus_env fetch
+
+test: setup vllm-env checkov-env prometheus-env
 	$(BIN)/ruff check skymesh controller tests benchmarks
 	$(BIN)/python -m pytest -q
 
@@ -45,4 +50,4 @@ proto: setup
 	$(BIN)/python -m skymesh.runtime.proto_build
 
 clean:
-	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache .venv-checkov
+	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache .venv-checkov .prometheus

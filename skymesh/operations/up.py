@@ -30,6 +30,7 @@ import yaml
 
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
 from skymesh.operations.latency_proxy import LOCAL_DRAIN_LISTEN_S, DelayProxy, proxies_for
+from skymesh.operations.observability import write_for_local_mesh
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import (
     Child,
@@ -532,6 +533,7 @@ async def _up(args: argparse.Namespace, path: Path) -> int:
         print(f"the mesh did not come up: {e}", file=sys.stderr, flush=True)
         return 1
     print(mesh.describe(args.config), flush=True)
+    print(write_for_local_mesh(mesh.cfg, state_dir), flush=True)
     watcher = asyncio.create_task(_watch_children(mesh))
     restarter = asyncio.create_task(mesh.keep_replicas_running())
     try:
