@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.bench.peers import PEERS
+from skymesh.bench.trace_args import trace_argument
 from skymesh.bench.traces import DEFAULT_TRACE
 
 
@@ -106,7 +107,9 @@ def agreement_markdown(c: Mapping[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE)
+    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(),
+                   help="Mooncake JSONL trace (default: the Mooncake conversation trace in ../shared/traces/, "
+                        "not part of the repository)")
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,round_robin",
                    help="registry policies run in both modes")
     p.add_argument("--peers", default="sglang-router,vllm-router", help="live-only peer routers ('' for none)")

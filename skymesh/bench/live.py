@@ -34,6 +34,7 @@ from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, repl
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.scores import class_summary, monotone_goodput, summarize
+from skymesh.bench.trace_args import trace_argument
 from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
@@ -153,7 +154,9 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE)
+    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(),
+                   help="Mooncake JSONL trace (default: the Mooncake conversation trace in ../shared/traces/, "
+                        "not part of the repository)")
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,round_robin,sglang-router,vllm-router")
     p.add_argument("--out", default="bench-out/live")
     p.add_argument("--requests", type=int, default=300, help="first N trace requests (the load bound)")

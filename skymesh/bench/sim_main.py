@@ -29,6 +29,7 @@ from skymesh.bench.des import Simulator
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.scores import goodput
 from skymesh.bench.sim_config import SimConfig, simulated_policy
+from skymesh.bench.trace_args import trace_argument
 from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
@@ -75,8 +76,9 @@ def region_layout(n: int) -> tuple[list[str], dict[tuple[str, str], float]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE,
-                   help="Mooncake JSONL trace, or a synthetic workload: " + ", ".join(SYNTHETIC))
+    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(SYNTHETIC),
+                   help="Mooncake JSONL trace (default: the Mooncake conversation trace in ../shared/traces/, "
+                        "not part of the repository), or a generated workload: " + ", ".join(SYNTHETIC))
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,min_ttft,preble,least_load,"
                                         "consistent_hash,round_robin")
     p.add_argument("--out", default="bench-out/sim")
