@@ -29,6 +29,15 @@ class PathError(ValueError):
         self.message = message
 
 
+class PathErrors(ValueError):
+    """Several independent wrong values found by one validator, reported together; each
+    ``PathError``'s path is relative to what the validator validates."""
+
+    def __init__(self, errors: Sequence[PathError]) -> None:
+        super().__init__("; ".join(str(e) for e in errors))
+        self.errors = tuple(errors)
+
+
 def loc_path(loc: Sequence[int | str]) -> str:
     """``("regions", 1, "replicas", 0, "url")`` -> ``"regions[1].replicas[0].url"``."""
     path = ""
@@ -118,7 +127,34 @@ def describe_error(error: ErrorDetails) -> tuple[str, str]:
     return path, error["msg"]
 
 
+def describe_errors(error: ErrorDetails) -> list[tuple[str, str]]:
+    """The ``(path, message)`` pairs of one pydantic error: one, or each of the
+    :class:`PathErrors` a validator raised."""
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, PathErrors):
+        base = loc_path(error["loc"])
+        return [(join_path(base, e.path), e.message) for e in cause.errors]
+    return [describe_error(error)]
+
+
+def all_errors(exc: ValidationError) -> list[tuple[str, str]]:
+    """Every error pydantic found, in document order (fields are checked in declaration
+    order), each ``(path, message)`` once: an operator fixes them in one pass."""
+    errors = exc.errors(include_url=False)
+    # a list too short only because its items were wrong ("regions: must not be empty"
+    # when the one region has an error) is no mistake of its own
+    item_paths = [loc_path(e["loc"]) for e in errors]
+    out: list[tuple[str, str]] = []
+    for error, path in zip(errors, item_paths, strict=True):
+        if error["type"] == "too_short" and any(p.startswith(path + "[") for p in item_paths):
+            continue
+        for found in describe_errors(error):
+            if found not in out:
+                out.append(found)
+    return out
+
+
 def first_error(exc: ValidationError) -> tuple[str, str]:
     """The first error pydantic found (fields are checked in declaration order, so this is
-    the first wrong value of the document): one clear message beats a wall of them."""
-    return describe_error(exc.errors(include_url=False)[0])
+    the first wrong value of the document)."""
+    return all_errors(exc)[0]

@@ -326,3 +326,56 @@ def test_bad_fleet_config_names_exact_path(path: list[Any], value: Any, where: s
         parse_config(data, profiles=PROFILES)
     assert ei.value.path == where, str(ei.value)
     assert what in ei.value.message, str(ei.value)
+
+
+def _three_mistakes(tmp_path: Path, cross_section: bool) -> tuple[Path, list[str]]:
+    """A config with three independent mistakes: in three fields, or (``cross_section``)
+    in three checks that span sections (the root model's validator)."""
+    data = copy.deepcopy(base())
+    if cross_section:
+        data["default_slo_class"] = "gold"
+        data["offload"]["rules"] = [{"from": "xx-*", "to": ["eu-*"]}]
+        data["regions"][2]["balancer"]["listen"] = data["regions"][0]["balancer"]["listen"]
+        expected = ["default_slo_class: unknown SLO class 'gold'",
+                    "offload.rules[0].from: pattern 'xx-*' matches no configured region",
+                    "regions[2].balancer.listen: address 127.0.0.1:8101 is already used by regions[0].balancer.listen"]
+    else:
+        data["regions"][1]["replicas"][0]["ur"] = "http://127.0.0.1:1"
+        data["dns"]["ttl_s"] = "five"
+        data["policy"]["ttft_slo_s"] = -1
+        expected = ["regions[1].replicas[0].ur: unknown key", "dns.ttl_s: expected an integer, got 'five'",
+                    "policy.ttft_slo_s: must be >= "]
+    f = tmp_path / "three-mistakes.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    return f, expected
+
+
+@pytest.mark.parametrize("cross_section", [False, True], ids=["fields", "cross-section"])
+def test_every_mistake_is_reported_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           cross_section: bool) -> None:
+    f, expected = _three_mistakes(tmp_path, cross_section)
+    with pytest.raises(ConfigError) as ei:
+        load_config(f)
+    assert len(ei.value.errors) == 3, str(ei.value)  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit) as exit_info:
+        skymesh_main(["config", "--config", str(f)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: 3 errors:\n")
+    lines = [line.strip() for line in err.splitlines()[1:]]
+    assert len(lines) == 3
+    for what in expected:  # each one line, `path: message`
+        assert sum(line.startswith(what) for line in lines) == 1, err
+
+
+def test_a_daemon_reports_every_mistake_too(tmp_path: Path) -> None:
+    import subprocess
+
+    from skymesh.runtime.procs import skymesh_cmd
+
+    f, expected = _three_mistakes(tmp_path, cross_section=False)
+    out = subprocess.run(skymesh_cmd("balancer", "--config", str(f), "--region", "us-east-1"),
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    for what in expected:
+        assert what in out.stderr, out.stderr

@@ -24,6 +24,7 @@ from skymesh.config.autoscaling import AutoscalingConfig, CloudWatchSignalConfig
 from skymesh.config.base import (
     Bool,
     ConfigError,
+    ConfigErrors,
     ConfigModel,
     Float,
     Int,
@@ -119,6 +120,7 @@ __all__ = [
     "ClientTimeoutsConfig",
     "CloudWatchSignalConfig",
     "ConfigError",
+    "ConfigErrors",
     "ConfigModel",
     "ControllerConfig",
     "DerivedHostPort",

@@ -6,7 +6,7 @@ wrong value (``regions[0].name``) so an operator can fix a config without readin
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Annotated, Any
 
 from pydantic import (
@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from skymesh.validation import PathError, kind
+from skymesh.validation import PathError, PathErrors, kind
 
 
 class ConfigError(PathError):
@@ -29,6 +29,36 @@ class ConfigError(PathError):
     Validators raise it with a path relative to what they validate; :func:`parse_config`
     raises it with the full path.
     """
+
+
+class ConfigErrors(ConfigError):
+    """Several wrong values of one config, each ``(path, message)`` with its full path;
+    ``path`` and ``message`` are the first's. Printed one per line."""
+
+    def __init__(self, errors: Sequence[tuple[str, str]]) -> None:
+        super().__init__(*errors[0])
+        self.errors = tuple(errors)
+
+    def __str__(self) -> str:
+        return f"{len(self.errors)} errors:\n" + "\n".join(f"  {p}: {m}" for p, m in self.errors)
+
+
+class ErrorCollector:
+    """The independent checks of one validator, each problem kept instead of the first
+    stopping the rest: ``errors.add(path, message)`` per problem, then
+    ``errors.raise_found()``."""
+
+    def __init__(self) -> None:
+        self.found: list[PathError] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.found.append(ConfigError(path, message))
+
+    def raise_found(self) -> None:
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            raise PathErrors(self.found)
 
 
 def first_repeat(values: Iterable[Hashable]) -> tuple[int, int] | None:

@@ -13,9 +13,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from skymesh.config.base import ConfigError
+from skymesh.config.base import ConfigError, ConfigErrors
 from skymesh.config.mesh import MeshConfig
-from skymesh.validation import first_error
+from skymesh.validation import all_errors
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -41,7 +41,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def parse_config(data: Any, profiles: set[str] | None = None) -> MeshConfig:
-    """Validate a parsed YAML document into a :class:`MeshConfig`.
+    """Validate a parsed YAML document into a :class:`MeshConfig`; every wrong value is
+    reported at once (:class:`ConfigErrors` when there are several).
 
     ``profiles``: the replica-sim profile names a sim replica may use (default: the
     packaged ones).
@@ -50,8 +51,10 @@ def parse_config(data: Any, profiles: set[str] | None = None) -> MeshConfig:
     try:
         return MeshConfig.model_validate(data, context=context)
     except ValidationError as e:
-        path, message = first_error(e)
-        raise ConfigError(path or "<root>", message) from None
+        found = [(path or "<root>", message) for path, message in all_errors(e)]
+        if len(found) == 1:
+            raise ConfigError(*found[0]) from None
+        raise ConfigErrors(found) from None
 
 
 def config_schema() -> dict[str, Any]:

@@ -11,7 +11,14 @@ from typing import Annotated
 from pydantic import Field, PrivateAttr, model_validator
 
 from skymesh.config.autoscaling import AutoscalingConfig
-from skymesh.config.base import Bool, ConfigError, ConfigModel, Float, Text, first_repeat
+from skymesh.config.base import (
+    Bool,
+    ConfigModel,
+    ErrorCollector,
+    Float,
+    Text,
+    first_repeat,
+)
 from skymesh.config.control_plane import ControllerConfig, DnsConfig
 from skymesh.config.edge import ClientTimeoutsConfig, HttpLimitsConfig
 from skymesh.config.membership import MembershipConfig
@@ -78,46 +85,36 @@ class MeshConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MeshConfig:
+        # independent checks: each problem is reported, not only the first (ErrorCollector)
+        errors = ErrorCollector()
         names = [region.name for region in self.regions]
         repeat = first_repeat(names)
         if repeat is not None:
             i, first = repeat
-            raise ConfigError(f"regions[{i}].name", f"duplicate region {names[i]!r} (also regions[{first}])")
-        _check_unique_endpoints(self.regions)
-        self._latency_ms = _latency_table(self.latencies, self.regions)
+            errors.add(f"regions[{i}].name", f"duplicate region {names[i]!r} (also regions[{first}])")
+        _check_unique_endpoints(self.regions, errors)
+        self._latency_ms = _latency_table(self.latencies, self.regions, errors)
         for i, rule in enumerate(self.offload.rules):
             if not any(fnmatch.fnmatchcase(n, rule.source) for n in names):
-                raise ConfigError(f"offload.rules[{i}].from", f"pattern {rule.source!r} matches no configured region")
-        _check_slo_class_names(self)
+                errors.add(f"offload.rules[{i}].from", f"pattern {rule.source!r} matches no configured region")
+        _check_slo_class_names(self, errors)
         for path, name in self.membership.referenced_regions():
             if name not in names:
-                raise ConfigError(f"membership.{path}", f"unknown region {name!r}")
+                errors.add(f"membership.{path}", f"unknown region {name!r}")
         for i, r in enumerate(self.regions):
             if not r.replicas and not self.membership.can_add_to(r.name):
-                raise ConfigError(f"regions[{i}].replicas", "a region without YAML replicas needs a membership "
-                                  "source that adds some (membership.registration or membership.aws)")
+                errors.add(f"regions[{i}].replicas", "a region without YAML replicas needs a membership "
+                           "source that adds some (membership.registration or membership.aws)")
         if self.offload.enabled and len(self.regions) > 1:
             for i, r in enumerate(self.regions):
                 if r.balancer.peer_listen is None:
-                    raise ConfigError(f"regions[{i}].balancer.peer_listen",
-                                      "is required when offload is enabled: peers forward requests to this "
-                                      "listener (mTLS), never to the client port")
+                    errors.add(f"regions[{i}].balancer.peer_listen",
+                               "is required when offload is enabled: peers forward requests to this "
+                               "listener (mTLS), never to the client port")
         if self.dns.routing == "failover" and len(self.regions) != 2:
-            raise ConfigError(
-                "dns.routing", f"failover routing needs exactly 2 regions, the config has {len(self.regions)}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _tls_names_every_region(self) -> MeshConfig:
-        if self.tls is not None:
-            names = [r.name for r in self.regions]
-            for name in self.tls.balancers:
-                if name not in names:
-                    raise ConfigError(f"tls.balancers.{name}", f"unknown region {name!r}")
-            for name in names:
-                if name not in self.tls.balancers:
-                    raise ConfigError("tls.balancers", f"missing the certificate of region {name!r}")
+            errors.add("dns.routing", f"failover routing needs exactly 2 regions, the config has {len(self.regions)}")
+        _check_tls_names_every_region(self, errors)
+        errors.raise_found()
         return self
 
     @property
@@ -145,40 +142,53 @@ class MeshConfig(ConfigModel):
         return 2 * self.one_way_ms(a, b)
 
 
-def _check_slo_class_names(cfg: MeshConfig) -> None:
+def _check_tls_names_every_region(cfg: MeshConfig, errors: ErrorCollector) -> None:
+    if cfg.tls is None:
+        return
+    names = [r.name for r in cfg.regions]
+    for name in cfg.tls.balancers:
+        if name not in names:
+            errors.add(f"tls.balancers.{name}", f"unknown region {name!r}")
+    for name in names:
+        if name not in cfg.tls.balancers:
+            errors.add("tls.balancers", f"missing the certificate of region {name!r}")
+
+
+def _check_slo_class_names(cfg: MeshConfig, errors: ErrorCollector) -> None:
     known = cfg.slo_classes
     listed = ", ".join(sorted(known)) or "none configured"
     if cfg.default_slo_class is not None and cfg.default_slo_class not in known:
-        raise ConfigError("default_slo_class", f"unknown SLO class {cfg.default_slo_class!r} (slo_classes: {listed})")
+        errors.add("default_slo_class", f"unknown SLO class {cfg.default_slo_class!r} (slo_classes: {listed})")
     for i, key in enumerate(cfg.client_auth.keys):
         if key.slo_class is not None and key.slo_class not in known:
-            raise ConfigError(f"client_auth.keys[{i}].slo_class",
-                              f"unknown SLO class {key.slo_class!r} (slo_classes: {listed})")
+            errors.add(f"client_auth.keys[{i}].slo_class",
+                       f"unknown SLO class {key.slo_class!r} (slo_classes: {listed})")
 
 
 def _latency_table(
-    latencies: tuple[LatencyConfig, ...], regions: tuple[RegionConfig, ...]
+    latencies: tuple[LatencyConfig, ...], regions: tuple[RegionConfig, ...], errors: ErrorCollector
 ) -> dict[tuple[str, str], float]:
     names = {r.name for r in regions}
     table: dict[tuple[str, str], float] = {}
     for i, entry in enumerate(latencies):
         a, b = entry.regions
-        for j, name in enumerate((a, b)):
-            if name not in names:
-                raise ConfigError(f"latencies[{i}].regions[{j}]", f"unknown region {name!r}")
+        unknown = [(j, name) for j, name in enumerate((a, b)) if name not in names]
+        for j, name in unknown:
+            errors.add(f"latencies[{i}].regions[{j}]", f"unknown region {name!r}")
         key = (a, b) if a < b else (b, a)
         if key in table:
-            raise ConfigError(f"latencies[{i}].regions", f"latency between {a} and {b} given twice")
-        table[key] = float(entry.one_way_ms)
+            errors.add(f"latencies[{i}].regions", f"latency between {a} and {b} given twice")
+        elif not unknown:
+            table[key] = float(entry.one_way_ms)
     for i, ra in enumerate(regions):
         for rb in regions[i + 1 :]:
             key = (ra.name, rb.name) if ra.name < rb.name else (rb.name, ra.name)
             if key not in table:
-                raise ConfigError("latencies", f"missing one-way latency between {key[0]} and {key[1]}")
+                errors.add("latencies", f"missing one-way latency between {key[0]} and {key[1]}")
     return table
 
 
-def _check_unique_endpoints(regions: tuple[RegionConfig, ...]) -> None:
+def _check_unique_endpoints(regions: tuple[RegionConfig, ...], errors: ErrorCollector) -> None:
     used: dict[tuple[str, int], str] = {}
 
     def claim(hp: HostPort, path: str) -> None:
@@ -188,7 +198,8 @@ def _check_unique_endpoints(regions: tuple[RegionConfig, ...]) -> None:
             return
         key = (hp.host, hp.port)
         if key in used:
-            raise ConfigError(path, f"address {hp} is already used by {used[key]}")
+            errors.add(path, f"address {hp} is already used by {used[key]}")
+            return
         used[key] = path
 
     for i, r in enumerate(regions):
