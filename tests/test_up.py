@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 import yaml
 
+from skymesh.operations.hints import skymesh_command
 from skymesh.operations.up import Mesh, MeshStartError
 from skymesh.runtime.procs import (
     Child,
@@ -172,9 +173,12 @@ def test_banner_names_the_endpoint_and_how_to_query_it(tmp_path: Path) -> None:
     assert "DNS server     127.0.0.1:5353" in text
     for r in mesh.cfg.regions:
         assert r.balancer.advertise_url in text
-    assert "dig -b 127.2.0.5 @127.0.0.1 -p 5353 +short llm.skymesh.local" in text
-    assert "curl --interface 127.2.0.5 --resolve llm.skymesh.local:8100:$(dig" in text
-    assert "skymesh status --config configs/local.yaml" in text
+    # runnable as printed: the skymesh that runs this, no dig (tests/test_up_hints.py runs them)
+    sm = skymesh_command()
+    assert f"{sm} resolve --source 127.2.0.5 --config configs/local.yaml" in text
+    assert f"curl --interface 127.2.0.5 --resolve llm.skymesh.local:8100:$({sm} resolve --short" in text
+    assert f"{sm} status --config configs/local.yaml" in text
+    assert "dig " not in text
 
 
 async def test_real_replicas_are_only_health_checked_and_a_dead_one_is_a_warning(tmp_path: Path) -> None:

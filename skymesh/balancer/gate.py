@@ -196,7 +196,7 @@ class ClientGate:
             request[CLIENT] = client
             return await self._with_body(request, handler)
         elif path.startswith("/admin/"):
-            denied = admin_denied(request, self.admin_token)
+            denied = admin_denied(request, self.admin_token, self.cfg.admin.token_env)
             if denied is not None:
                 return denied
         elif path == "/metrics":

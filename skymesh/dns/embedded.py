@@ -294,7 +294,7 @@ class MeshDnsServer:
                                 headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
         async def get_endpoints(request: web.Request) -> web.Response:
-            denied = admin_denied(request, admin_token)
+            denied = admin_denied(request, admin_token, self.cfg.admin.token_env)
             if denied is not None:
                 return denied
             return web.json_response([asdict(e) for e in self.endpoints.values()])

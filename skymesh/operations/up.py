@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from skymesh.config import ConfigError, MeshConfig, RegionConfig, load_config
+from skymesh.operations.hints import admin_token_shell, query_hints
 from skymesh.operations.latency_proxy import LOCAL_DRAIN_LISTEN_S, DelayProxy, proxies_for
 from skymesh.operations.observability import write_for_local_mesh
 from skymesh.runtime.logging_setup import setup_logging
@@ -435,7 +436,8 @@ class Mesh:
             fleet = f"{len(r.balancer_members)} balancers  " if len(r.balancer_members) > 1 else ""
             lines.append(f"  {r.name:<14} {b.advertise_url}  gRPC {b.grpc_advertise}  "
                          f"{fleet}{len(r.replicas)} replicas  clients from {nets}")
-        lines.append(f"  controller     {cfg.controller.http_listen.http_url}/v1/status")
+        lines.append(f"  controller     {cfg.controller.http_listen.http_url}/v1/status  (admin token: "
+                     f"{admin_token_shell(cfg, self.state_dir)[0]}; curl line below)")
         if cfg.emulate_latency and self.proxies:
             pairs = ", ".join(f"{a}<->{b} {ms:g}" for (a, b), ms in sorted(cfg.latency_ms.items()))
             lines.append(f"  latency        emulated by delay proxies on the advertised addresses "
@@ -443,21 +445,7 @@ class Mesh:
         if self.unhealthy_external:
             lines.append(f"  WARNING        not healthy yet: {', '.join(self.unhealthy_external)}")
         client = _example_client_ip(example)
-        lines += ["", f"Query it (as a client in {example.name}" + (f", source {client}):" if client else "):")]
-        if cfg.dns.provider == "embedded" and cfg.dns.listen is not None:
-            dig = f"dig{f' -b {client}' if client else ''} @{cfg.dns.listen.host} -p {cfg.dns.listen.port} " \
-                  f"+short {cfg.dns.name}"
-            lines += [
-                f"  {dig}",
-                f"  curl{f' --interface {client}' if client else ''} --resolve "
-                f"{cfg.dns.name}:{port}:$({dig}) \\",
-                f"       http://{cfg.dns.name}:{port}/v1/completions -H 'Content-Type: application/json' \\",
-            ]
-        else:
-            lines.append(f"  curl {example.balancer.advertise_url}/v1/completions -H 'Content-Type: application/json' \\")
-        lines.append(f"       -d '{{\"model\": \"{cfg.model}\", \"prompt\": \"hello mesh\", \"max_tokens\": 8}}'")
-        status = "skymesh status" + (f" --config {config_arg}" if config_arg else "")
-        lines += [f"  {status}            (add --watch to refresh, --json for machines)", "",
+        lines += ["", *query_hints(cfg, example, client, config_arg, self.state_dir), "",
                   f"Logs: {self.log_dir}/   Ctrl-C stops everything."]
         return "\n".join(lines)
 

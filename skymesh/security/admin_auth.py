@@ -30,6 +30,7 @@ DEFAULT_STATE_DIR = Path(".skymesh/run")
 LOCAL_TOKEN_FILE = "admin-token"
 LOCAL_PEER_TOKEN_FILE = "peer-token"
 PEER_TOKEN_ENV = "SKYMESH_PEER_TOKEN"
+DEFAULT_TOKEN_ENV = "SKYMESH_ADMIN_TOKEN"  # admin.token_env's default
 
 
 def _read_token(path: Path) -> str | None:
@@ -133,14 +134,24 @@ def is_loopback_peer(request: web.BaseRequest) -> bool:
         return False
 
 
-def admin_denied(request: web.BaseRequest, expected: str | None) -> web.Response | None:
-    """None when the request carries the admin token, else the 401 to answer."""
+def how_to_authenticate(token_env: str = DEFAULT_TOKEN_ENV) -> str:
+    """Where an admin finds the token and how to send it: names only, never the token."""
+    return (f"send the header 'Authorization: Bearer <admin token>'; the token is the server's ${token_env}, "
+            "or the file admin.token_file names in the mesh config, or, for a mesh `skymesh up` started, "
+            f"{DEFAULT_STATE_DIR / LOCAL_TOKEN_FILE} (<--state-dir>/{LOCAL_TOKEN_FILE}) in the directory it was "
+            "started from (`skymesh status` reads it there)")
+
+
+def admin_denied(request: web.BaseRequest, expected: str | None,
+                 token_env: str = DEFAULT_TOKEN_ENV) -> web.Response | None:
+    """None when the request carries the admin token, else the 401 to answer, saying how
+    to authenticate (``token_env``: the config's ``admin.token_env``)."""
     if token_matches(bearer_of(request), expected):
         return None
     message = (
-        "this endpoint needs the admin token (Authorization: Bearer <token>)"
+        f"this endpoint needs the admin token: {how_to_authenticate(token_env)}"
         if expected
-        else "no admin token is configured (set SKYMESH_ADMIN_TOKEN or admin.token_file)"
+        else f"no admin token is configured here: set ${token_env} or admin.token_file for this server"
     )
     return error_response(401, message, code="invalid_admin_token",
                           headers={"WWW-Authenticate": 'Bearer realm="skymesh-admin"'})
@@ -163,7 +174,7 @@ def metrics_denied(request: web.BaseRequest, cfg: MeshConfig, expected: str | No
     mode = cfg.admin.metrics_access
     if mode == "open" or (mode == "loopback" and is_loopback_peer(request)):
         return None
-    return admin_denied(request, expected)
+    return admin_denied(request, expected, cfg.admin.token_env)
 
 
 def admin_middleware(
@@ -181,7 +192,7 @@ def admin_middleware(
         if path == "/metrics" and cfg is not None:
             denied = metrics_denied(request, cfg(), expected())
         elif path.startswith(prefixes):
-            denied = admin_denied(request, expected())
+            denied = admin_denied(request, expected(), cfg().admin.token_env if cfg is not None else DEFAULT_TOKEN_ENV)
         if denied is not None:
             return denied
         return await handler(request)
