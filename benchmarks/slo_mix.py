@@ -75,6 +75,9 @@ def main() -> int:
     ap.add_argument("--out", default="bench-out/slo_mix.json")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    check = argparse.ArgumentParser(prog="benchmarks.slo_mix")
+    sim_main.add_arguments(check)
+    check.parse_args([])  # the conversation trace missing: one error here, not one per worker
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
         futs = [pool.submit(one, label, s, args.rates, args.requests, tmp) for label in CONFIGS for s in seeds]
         runs = [f.result() for f in futs]

@@ -107,7 +107,7 @@ def agreement_markdown(c: Mapping[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(),
+    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(p.prog),
                    help="Mooncake JSONL trace (default: the Mooncake conversation trace in ../shared/traces/, "
                         "not part of the repository)")
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,round_robin",

@@ -3,7 +3,7 @@
 - a skymesh balancer (``skymesh balancer --config ... --region ...``) with policy NAME
   (any registry name): the central single-balancer setup, one region owning every replica;
 - the real peer routers ``sglang-router`` and ``vllm-router`` (optional extra
-  ``[peers]``: ``.venv/bin/pip install '.[peers]'``) with their cache-aware policy, bound to
+  ``[peers]``: ``.venv/bin/pip install -e '.[peers]'``) with their cache-aware policy, bound to
   127.0.0.1 with ``HF_ENDPOINT`` pointed at an unused loopback port so nothing leaves the
   machine. Not installed → ``None`` and the caller skips that system with a message.
 """
@@ -23,7 +23,7 @@ from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
 from skymesh.runtime.procs import Child, free_port, skymesh_cmd
 
 PEERS = ("sglang-router", "vllm-router")
-INSTALL_HINT = "pip install '.[peers]' into .venv"
+INSTALL_HINT = ".venv/bin/pip install -e '.[peers]'"
 
 
 def _offline_env() -> dict[str, str]:

@@ -3,7 +3,7 @@
 In one run, against the same stand-in replicas (time scale tiny, so the replicas answer
 at once): (1) requests straight to the replicas (the direct baseline: client latency),
 (2) through a skymesh balancer (its process CPU per request, from /proc), (3) through
-sglang-router (round_robin) when it is installed (`pip install .[peers]`). The routers
+sglang-router (round_robin) when it is installed (`.venv/bin/pip install -e '.[peers]'`). The routers
 run as their own processes; CPU is user+system time of that process tree.
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from skymesh.bench.peers import INSTALL_HINT
 from skymesh.runtime.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
 
 
@@ -142,7 +143,7 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
         try:
             import sglang_router  # noqa: F401
         except ImportError:
-            results["sglang_router"] = "not installed (pip install '.[peers]')"
+            results["sglang_router"] = f"not installed ({INSTALL_HINT})"
         else:
             sgl.start()
             children.append(sgl)

@@ -76,7 +76,7 @@ def region_layout(n: int) -> tuple[list[str], dict[tuple[str, str], float]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(SYNTHETIC),
+    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(p.prog, SYNTHETIC),
                    help="Mooncake JSONL trace (default: the Mooncake conversation trace in ../shared/traces/, "
                         "not part of the repository), or a generated workload: " + ", ".join(SYNTHETIC))
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,min_ttft,preble,least_load,"

@@ -1,14 +1,15 @@
 """The ``--trace`` argument of `skymesh sim` and `skymesh bench`.
 
-A trace file that does not exist is an argparse error (one line naming the file, exit
-code 2) when the command line is parsed, not a ``FileNotFoundError`` traceback once the
-run starts. Argparse converts a string default too, so the default trace (which lives
+A trace file that does not exist is an error in argparse's form (``PROG: error: argument
+--trace: ...``, exit code 2) when the command line is parsed, not a ``FileNotFoundError``
+traceback once the run starts; one line, without the usage (dozens of options that are not
+the problem). Argparse converts a string default too, so the default trace (which lives
 outside the repository) is checked the same way when no ``--trace`` is given.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,14 +21,17 @@ WHERE_TRACES_COME_FROM = (
 )
 
 
-def trace_argument(workloads: tuple[str, ...] = ()) -> Callable[[str], str]:
-    """An argparse ``type`` for ``--trace``: a Mooncake JSONL file that exists, or one of
-    the generated ``workloads`` named by their names."""
+def trace_argument(prog: str, workloads: tuple[str, ...] = ()) -> Callable[[str], str]:
+    """An argparse ``type`` for ``--trace`` of the command ``prog``: a Mooncake JSONL file
+    that exists, or one of the generated ``workloads`` named by their names."""
 
     def check(value: str) -> str:
         if value in workloads or Path(value).is_file():
             return value
         instead = f"; or a generated workload: {', '.join(workloads)}" if workloads else ""
-        raise argparse.ArgumentTypeError(f"no trace file {value} ({WHERE_TRACES_COME_FROM}{instead})")
+        # SystemExit, not ArgumentTypeError: argparse would print the whole usage first
+        print(f"{prog}: error: argument --trace: no trace file {value} ({WHERE_TRACES_COME_FROM}{instead})",
+              file=sys.stderr)
+        raise SystemExit(2)
 
     return check
