@@ -35,6 +35,7 @@ def _dispatch(argv: list[str] | None) -> int | str | None:
     args_list = list(sys.argv[1:] if argv is None else argv)
     wanted = args_list[0] if args_list else None
     if wanted == "bench":
+        # lazy: light CLI start-up, only `skymesh bench` needs its mode list
         from skymesh.bench.main import with_default_mode
 
         args_list[1:] = with_default_mode(args_list[1:])  # `skymesh bench --trace FILE ...` is the live replay

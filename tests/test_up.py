@@ -163,7 +163,10 @@ def test_up_rejects_a_bad_config(tmp_path: Path) -> None:
     out = subprocess.run(skymesh_cmd("up", "--config", str(path), "--state-dir", str(tmp_path / "run")),
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2
-    assert "config error: regions" in out.stderr
+    # every mistake at once, one a line
+    assert out.stderr.startswith("config error: 3 errors:\n")
+    for line in ("  regions: must not be empty", "  controller: is required", "  dns: is required"):
+        assert line in out.stderr.splitlines(), out.stderr
 
 
 def test_banner_names_the_endpoint_and_how_to_query_it(tmp_path: Path) -> None:
