@@ -107,3 +107,19 @@ def test_a_non_default_state_dir_is_named_in_the_status_hint(tmp_path: Path) -> 
     m = Mesh(ROOT / "configs" / "local.yaml", tmp_path / "elsewhere")
     line = hint(m.describe(None), r" status")
     assert line == f"{skymesh_command()} status --state-dir {tmp_path / 'elsewhere'}"
+
+
+def test_the_token_hint_follows_where_the_mesh_finds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from skymesh.config import load_config
+    from skymesh.operations.hints import admin_token_shell
+
+    cfg = load_config(None)
+    monkeypatch.setenv("SKYMESH_ADMIN_TOKEN", "from-env")
+    assert admin_token_shell(cfg, tmp_path) == ("$SKYMESH_ADMIN_TOKEN", "$SKYMESH_ADMIN_TOKEN")
+    monkeypatch.delenv("SKYMESH_ADMIN_TOKEN")
+    assert admin_token_shell(cfg, tmp_path) == (str(tmp_path / "admin-token"), f"$(cat {tmp_path / 'admin-token'})")
+    token_file = tmp_path / "ops token"
+    token_file.write_text("from-file\n")
+    with_file = cfg.model_copy(update={"admin": cfg.admin.model_copy(update={"token_file": str(token_file)})})
+    where, shell_expr = admin_token_shell(with_file, tmp_path)
+    assert where == f"'{token_file}'" and shell_expr == f"$(cat '{token_file}')"  # quoted: a space

@@ -47,7 +47,9 @@ def admin_token_shell(cfg: MeshConfig, state_dir: Path) -> tuple[str, str]:
     env = cfg.admin.token_env
     if os.environ.get(env, "").strip():
         return f"${env}", f"${env}"
-    path = Path(cfg.admin.token_file).expanduser() if cfg.admin.token_file else Path(state_dir) / LOCAL_TOKEN_FILE
+    path = Path(state_dir) / LOCAL_TOKEN_FILE  # what `skymesh up` creates when no other is found
+    if cfg.admin.token_file and Path(cfg.admin.token_file).expanduser().is_file():
+        path = Path(cfg.admin.token_file).expanduser()
     return shell_path(path), f"$(cat {shell_path(path)})"
 
 
