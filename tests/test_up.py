@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 import yaml
 
-from skymesh.operations.hints import skymesh_command
+from skymesh.operations.invocation import skymesh_command
 from skymesh.operations.up import Mesh, MeshStartError
 from skymesh.runtime.procs import (
     Child,

@@ -17,7 +17,7 @@ import yaml
 from aiohttp import web
 
 from skymesh.dns.embedded import MeshDnsServer
-from skymesh.operations.hints import skymesh_command
+from skymesh.operations.invocation import skymesh_command
 from skymesh.operations.up import Mesh
 from skymesh.security.admin_auth import admin_middleware
 from tests.mesh_helpers import ROOT, local_config_free_ports

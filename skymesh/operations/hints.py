@@ -8,37 +8,12 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
-import sys
 from pathlib import Path
 
 from skymesh.config import MeshConfig, RegionConfig
+from skymesh.operations.invocation import shell_path, skymesh_command
 from skymesh.operations.status import controller_url
 from skymesh.security.admin_auth import DEFAULT_STATE_DIR, LOCAL_TOKEN_FILE
-
-
-def shell_path(path: Path) -> str:
-    """``path`` for a shell in the working directory: relative when below it
-    (``.venv/bin/skymesh``), else absolute; quoted when it needs to be."""
-    full = path.absolute()
-    try:
-        shown = str(full.relative_to(Path.cwd()))
-    except ValueError:
-        shown = str(full)
-    return shlex.quote(shown)
-
-
-def skymesh_command() -> str:
-    """How a shell here runs this `skymesh`: ``skymesh`` when PATH finds this one, else
-    the script beside this interpreter, else ``python -m skymesh.cli``."""
-    python = Path(sys.executable).absolute()  # not resolved: a venv's python is a symlink
-    script = python.parent / "skymesh"
-    if script.is_file():
-        on_path = shutil.which("skymesh")
-        if on_path is not None and Path(on_path).resolve() == script.resolve():
-            return "skymesh"
-        return shell_path(script)
-    return f"{shell_path(python)} -m skymesh.cli"
 
 
 def admin_token_shell(cfg: MeshConfig, state_dir: Path) -> tuple[str, str]:

@@ -24,6 +24,7 @@ from skymesh.config import (
     RegionConfig,
     load_config_for_command,
 )
+from skymesh.operations.invocation import skymesh_command
 from skymesh.security.admin_auth import DEFAULT_STATE_DIR, admin_headers, resolve_admin_token
 
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -258,7 +259,7 @@ def _nothing_message(cfg: MeshConfig, status: dict[str, Any] | None = None) -> s
             f"{controller_url(cfg)} and no balancer answered at "
             + ", ".join(balancer_admin_url(r, m.index).removesuffix("/admin/status")
                          for r in cfg.regions for m in r.balancer_members)
-            + " (start the mesh with `make run` or `skymesh up`)")
+            + f" (start the mesh with `make run` or `{skymesh_command()} up`)")
 
 
 def _once(cfg: MeshConfig, args: argparse.Namespace) -> int:
