@@ -167,22 +167,33 @@ async def test_a_real_prometheus_scrapes_the_local_mesh_and_answers_every_dashbo
                     return len(up) == expected_targets
 
                 await wait_for(all_targets_up, 60, "prometheus scraping every target of the mesh")
-                # traffic after the first scrapes, so every rate() window sees it rise: streamed
-                # answers in every region, EU clients at ap-northeast-1 (forwarded to eu-west-1:
-                # their residency), and a body the balancer refuses (400)
-                for region in mesh.cfg.regions:
-                    async with client_session(REGION_SOURCES[region.name]) as c:
-                        url = region.balancer.advertise_url
-                        statuses = await asyncio.gather(*(_stream(c, url, f"hello {region.name} {i}")
-                                                          for i in range(6)))
-                        assert statuses == [200] * 6
-                async with client_session(REGION_SOURCES[EU]) as c:
-                    statuses = await asyncio.gather(*(_stream(c, mesh.cfg.region(AP).balancer.advertise_url,
-                                                              f"eu user {i} far away") for i in range(3)))
-                    assert statuses == [200] * 3
-                    async with c.post(mesh.cfg.region(AP).balancer.advertise_url + "/v1/completions",
-                                      json={"model": "skymesh-sim", "prompt": 7}) as r:
-                        assert r.status == 400
+                # traffic after the first scrapes, in two waves: a labelled series exists from its
+                # first request on, and rate() sees it rise only between two scrapes that both
+                # have it. Streamed answers in every region, EU clients at ap-northeast-1
+                # (forwarded to eu-west-1: their residency), and a body the balancer refuses (400)
+                async def wave(tag: str) -> None:
+                    for region in mesh.cfg.regions:
+                        async with client_session(REGION_SOURCES[region.name]) as c:
+                            url = region.balancer.advertise_url
+                            statuses = await asyncio.gather(*(_stream(c, url, f"hello {region.name} {tag}{i}")
+                                                              for i in range(3)))
+                            assert statuses == [200] * 3
+                    async with client_session(REGION_SOURCES[EU]) as c:
+                        ap_url = mesh.cfg.region(AP).balancer.advertise_url
+                        statuses = await asyncio.gather(*(_stream(c, ap_url, f"eu user {tag}{i} far away")
+                                                          for i in range(2)))
+                        assert statuses == [200] * 2
+                        async with c.post(ap_url + "/v1/completions", json={"model": "skymesh-sim", "prompt": 7}) as r:
+                            assert r.status == 400
+
+                await wave("a")
+
+                async def first_wave_scraped() -> bool:
+                    got = await _query(s, base, "sum(skymesh_client_e2e_seconds_count)")
+                    return bool(got) and float(got[0]["value"][1]) == 11
+
+                await wait_for(first_wave_scraped, 30, "the first wave's answers scraped")
+                await wave("b")
 
                 queries = dashboard_queries()
 
@@ -202,10 +213,10 @@ async def test_a_real_prometheus_scrapes_the_local_mesh_and_answers_every_dashbo
                 served = await _query(s, base, "sum by (region, served) (skymesh_client_e2e_seconds_count)")
                 by = {(x["metric"]["region"], x["metric"]["served"]): float(x["value"][1]) for x in served}
                 # the forwarded ones are counted once, where their client called
-                assert by[(AP, "peer")] >= 3
+                assert by[(AP, "peer")] >= 4
                 for r in mesh.cfg.regions:
                     answered = by.get((r.name, "local"), 0) + by.get((r.name, "peer"), 0)
-                    assert answered == (9 if r.name == AP else 6), by
+                    assert answered == (10 if r.name == AP else 6), by
         finally:
             proc.terminate()
             try:

@@ -16,6 +16,7 @@ token, so the same file serves ``metrics_access: token``.
 from __future__ import annotations
 
 import json
+import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -90,5 +91,15 @@ def write_for_local_mesh(cfg: MeshConfig, state_dir: Path) -> str:
     token_file = Path(cfg.admin.token_file).expanduser() if cfg.admin.token_file else state_dir / LOCAL_TOKEN_FILE
     scrape, dash = write_files(cfg, state_dir / "observability",
                                token_file=token_file if token_file.is_file() else None)
-    return (f"Prometheus: prometheus --config.file={scrape}   "
+    return (f"Prometheus: {_prometheus_command()} --config.file={scrape}\n"
             f"Grafana dashboard: {dash} (import it; docs/observability.md)")
+
+
+def _prometheus_command() -> str:
+    """How a shell here runs Prometheus: on PATH, or the one `make prometheus-env` unpacked."""
+    if shutil.which("prometheus"):
+        return "prometheus"
+    from skymesh.testing import prometheus_env  # the project's own copy, when fetched
+
+    local = prometheus_env.binary("prometheus")
+    return str(local) if local.exists() else "prometheus (`make prometheus-env` unpacks one into .prometheus/)"
