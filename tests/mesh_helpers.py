@@ -40,13 +40,20 @@ def one_region_config(replica_urls: dict[str, str], balancer_port: int, grpc_por
     }
 
 
-def local_config_free_ports(time_scale: float = 1.0, siblings: int = 0) -> dict[str, Any]:
+def local_config_free_ports(time_scale: float = 1.0, siblings: int = 0, tokenizer: bool = False) -> dict[str, Any]:
     """The embedded local.yaml with every port replaced by a free one (and the advertise
     addresses kept on their per-region loopback IPs); with ``siblings``, each region runs
-    that many further balancers (a fleet behind its advertised addresses)."""
+    that many further balancers (a fleet behind its advertised addresses). Without
+    ``tokenizer`` the shipped tokenizer is left out (balancer and stand-ins count
+    whitespace words and bytes, which the mesh tests' prompts and timings are sized for)."""
     import yaml
 
     data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    if not tokenizer:
+        data.pop("tokenizer", None)
+        for r in data["regions"]:
+            for rep in r["replicas"]:
+                rep["sim"].pop("tokenizer", None)
     for r in data["regions"]:
         b = r["balancer"]
         b["listen"] = f"127.0.0.1:{free_port()}"

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from skymesh.assets import resolve_file_ref
 from skymesh.validation import PathError, PathErrors, kind
 
 
@@ -105,11 +106,24 @@ def string_type(parse: Callable[[Any], Any], description: str, **schema: Any) ->
     )
 
 
+def _file_path(value: Any) -> str:
+    """A local file's path as written, or a ``pkg:<package>/<path>`` reference resolved to
+    the file shipped inside that package (skymesh/assets/__init__.py)."""
+    try:
+        return resolve_file_ref(nonempty_str(value))
+    except ValueError as e:
+        raise ConfigError("", str(e)) from None
+
+
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # a YAML integer is a number too
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), Field(min_length=1)]
 Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
+# a local file: a path (relative to the reading process's working directory), or
+# pkg:<package>/<path> for one shipped inside a Python package, resolved when loaded
+FilePath = Annotated[str, *string_type(
+    _file_path, "a local file path, or pkg:<package>/<path> for a file shipped inside a Python package")]
 
 
 def set_derived(model: BaseModel, field: str, value: Any) -> None:

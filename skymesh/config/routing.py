@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
-from skymesh.config.base import Bool, ConfigError, ConfigModel, Float, Int, Text
+from skymesh.config.base import Bool, ConfigError, ConfigModel, FilePath, Float, Int, Text
 from skymesh.routing.disciplines.base import DEFAULT_MAX_AGE_S
 from skymesh.routing.disciplines.prefix_match import DEFAULT_PREFIX_TTFT_SHARE
 from skymesh.routing.disciplines.slo_deadline import DEFAULT_ITERATIONS, DEFAULT_WINDOW
@@ -146,10 +146,11 @@ class TokenizerConfig(ConfigModel):
     """How the balancer counts and hashes prompts (skymesh/prompt_encoder.py). Local files
     only, read when the balancer starts; never fetched."""
 
-    # the model's HF tokenizer.json; without it, prompts are hashed as UTF-8 bytes
-    path: Text | None = None
+    # the model's HF tokenizer.json (pkg:skymesh/assets/tokenizer/tokenizer.json: the
+    # stand-ins' shipped one); without it, prompts are hashed as UTF-8 bytes
+    path: FilePath | None = None
     # the model's chat template (jinja2) for chat requests; needs ``path``
-    chat_template: Text | None = None
+    chat_template: FilePath | None = None
     # the fallback's estimate of UTF-8 bytes per token (and chunk size in bytes per token)
     bytes_per_token: Annotated[Float, Field(gt=0, le=16)] = 4.0
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import Field, Strict, ValidationInfo, field_validator, model_validator
 
-from skymesh.config.base import ConfigError, ConfigModel, Float, Int, Port, Text
+from skymesh.config.base import ConfigError, ConfigModel, FilePath, Float, Int, Port, Text
 from skymesh.hardware import PROFILES
 
 
@@ -41,8 +41,9 @@ class SimReplica(ConfigModel):
     time_scale: Annotated[Float, Field(ge=0.001, le=1000.0)] = 1.0
     host: Text = "127.0.0.1"
     # the model's local HF tokenizer.json: the stand-in's token ids (prefix caching, KV
-    # events) are then the tokenizer's; without it, whitespace words
-    tokenizer: Text | None = None
+    # events) and its generated text are then the tokenizer's; without it, whitespace
+    # words (pkg:skymesh/assets/tokenizer/tokenizer.json: the default mesh's)
+    tokenizer: FilePath | None = None
     # publish vLLM's KV events; the replica's kv_events (what the balancer subscribes to)
     # follow from it
     kv_events: SimKvEvents | None = None
