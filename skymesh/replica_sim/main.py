@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from skymesh.assets import resolve_file_ref
 from skymesh.hardware import PROFILES
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import tcp_port
@@ -33,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="override the step token budget (default: vLLM 0.32's for the profile's GPU)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="the model's local HF tokenizer.json: token ids (and so prefix caching and "
-                        "KV events) are the tokenizer's (default: whitespace words)")
+                   help="the model's local HF tokenizer.json (or its folder; pkg:<package>/<path> for one "
+                        "shipped in a package, e.g. pkg:skymesh/assets/tokenizer): token ids (and so prefix "
+                        "caching, KV events and the generated text) are the tokenizer's (default: whitespace words)")
     p.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
                    help="vLLM 0.32's KV events config, e.g. '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
@@ -43,6 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="as vLLM's: usage.prompt_tokens_details.cached_tokens reports the prompt "
                         "tokens found in the prefix cache")
     p.add_argument("--log-level", default="WARNING")
+
+
+def tokenizer_file(ref: str) -> str:
+    """``--tokenizer``'s tokenizer.json: a file, a folder holding one (as vLLM's
+    ``--tokenizer`` names a folder), either as ``pkg:<package>/<path>``; ValueError when
+    there is none."""
+    path = Path(resolve_file_ref(ref))
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"no such file {path}")
+    return str(path)
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -95,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"--time-scale must be > 0, got {args.time_scale}")
     bad: dict[str, Any] = {k: v for k, v in _overrides(args).items() if v < 1}
     problems += [f"--{k.replace('_', '-')} must be >= 1, got {v}" for k, v in bad.items()]
-    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
-        problems.append(f"--tokenizer: no such file {args.tokenizer}")
+    if args.tokenizer is not None:
+        try:
+            args.tokenizer = tokenizer_file(args.tokenizer)
+        except ValueError as e:
+            problems.append(f"--tokenizer: {e}")
     if problems:
         for msg in problems:
             print(f"skymesh replica-sim: {msg}", file=sys.stderr)

@@ -5,9 +5,10 @@ order, so a balancer sees the same refusals as from vLLM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from skymesh.replica_sim.logprobs import MAX_LOGPROBS
 from skymesh.replica_sim.tokenization import StandInTokenizer
 from skymesh.word_tokenizer import GENERATION_PROMPT, ChatContentError, chat_prompt
 
@@ -16,6 +17,10 @@ from skymesh.word_tokenizer import GENERATION_PROMPT, ChatContentError, chat_pro
 DEFAULT_MAX_TOKENS = 16
 # vLLM's VLLM_MAX_COMPLETION_PROMPTS: the longest batch of prompts one completion takes
 MAX_COMPLETION_PROMPTS = 1024
+# vLLM's VLLM_MAX_N_SEQUENCES: the most choices (n) one request takes
+MAX_N_SEQUENCES = 16384
+# SamplingParams: a temperature below this is greedy sampling, which takes n = 1 only
+SAMPLING_EPS = 1e-5
 
 
 class ApiError(Exception):
@@ -42,6 +47,22 @@ class GenRequest:
     max_tokens: list[int]  # per prompt, after vLLM's clamp to the context left
     stream: bool
     include_usage: bool
+    n: int = 1  # choices per prompt
+    # the logprobs each generated token carries (a completion's logprobs, a chat's
+    # top_logprobs when its logprobs is true); None: no logprobs
+    logprobs: int | None = None
+    # the prompt tokens' logprobs (vLLM computes them for echo: a completion's logprobs,
+    # a chat's top_logprobs)
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    # a completion with echo and max_tokens 0: the answer is the prompt alone (vLLM
+    # still generates one token, counted in usage)
+    echo_only: bool = False
+    # per prompt, the text a completion's echo writes (the prompt as sent; a token-id
+    # prompt decoded)
+    prompt_texts: list[str] = field(default_factory=list)
+    # a chat's echo: the last message's content when it is the answer's role
+    chat_echo: str = ""
 
     @property
     def prompt_tokens(self) -> list[str]:
@@ -66,6 +87,36 @@ def _is_token_id(x: Any) -> bool:
 class _TextTokens(list[str]):
     """The tokens of a text prompt (vLLM tokenizes text with truncation, which changes how
     an over-long prompt's length is reported); token-id prompts are plain lists."""
+
+
+def _logprobs_param(body: dict[str, Any], key: str) -> int | None:
+    """``logprobs`` (completion) or ``top_logprobs`` (chat, null read as 0) checked as
+    vLLM's ``check_logprobs`` does, before pydantic types it."""
+    v = body.get(key)
+    if v is None:
+        return 0 if key == "top_logprobs" else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise validation_error(f"`{key}` must be an integer.", key, v)
+    if v < 0 and v != -1:
+        raise validation_error(f"`{key}` must be a positive value or -1.", key, v)
+    if not isinstance(v, int):
+        raise ApiError(f"{key} must be an integer, got {type(v).__name__}", key)
+    return v
+
+
+def _chat_echo(msgs: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """What a chat's ``echo`` puts before the answer: the last message's content when its
+    role is the answer's (``assistant`` with the generation prompt, else the last
+    message's own), content parts' texts joined by newlines."""
+    role = "assistant" if add_generation_prompt else msgs[-1]["role"]
+    last = msgs[-1]
+    if last.get("role") != role:
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "\n".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content
+                         if isinstance(p, str) or (isinstance(p, dict) and p.get("type") in ("text", "input_text")))
+    return content if isinstance(content, str) else ""
 
 
 def _bool_param(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -106,7 +157,8 @@ class RequestParser:
             # (add_generation_prompt, on by default), so the answer follows it: the next
             # turn's prompt, which holds the answer after that header, starts with this
             # turn's prompt and answer
-            if _bool_param(body, "add_generation_prompt", True):
+            add_generation_prompt = _bool_param(body, "add_generation_prompt", True)
+            if add_generation_prompt:
                 text = f"{text} {GENERATION_PROMPT}" if text else GENERATION_PROMPT
             # a chat prompt carries its own special tokens (vLLM encodes a rendered chat
             # template without adding any), as the balancer encodes it too
@@ -116,16 +168,17 @@ class RequestParser:
             budget_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
                 else "max_tokens"
             requested = _int_param(body, budget_param, None)
+            prompt_texts: list[str] = []
         else:
             prompts = self._prompts(body.get("prompt"))
             budget_param = "max_tokens"
             requested = _int_param(body, "max_tokens", DEFAULT_MAX_TOKENS)
+            prompt_texts = self._prompt_texts(body.get("prompt"), prompts)
         min_tokens = _int_param(body, "min_tokens", 0)
         assert min_tokens is not None
         _bool_param(body, "ignore_eos", False)  # the filler never emits EOS: lengths are exact
         n = _int_param(body, "n", 1)
-        if n != 1:
-            raise ApiError("the stand-in serves n=1 only", "n")
+        assert n is not None
         stream = _bool_param(body, "stream", False)
         so = body.get("stream_options")
         if so is not None:
@@ -134,6 +187,24 @@ class RequestParser:
             if not isinstance(so, dict):
                 raise ApiError("stream_options must be an object", "stream_options")
         include_usage = bool(so and _bool_param(so, "include_usage", False))
+        # the protocol's check_logprobs (after its stream_options check), then echo's type
+        if chat:
+            with_logprobs = _bool_param(body, "logprobs", False)
+            top = _logprobs_param(body, "top_logprobs")
+            if top and not with_logprobs:
+                raise validation_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+            logprobs = top if with_logprobs else None
+            echo = _bool_param(body, "echo", False)
+            prompt_logprobs = top if echo else None
+            chat_echo = _chat_echo(msgs, add_generation_prompt) if echo else ""
+        else:
+            logprobs = _logprobs_param(body, "logprobs")
+            echo = _bool_param(body, "echo", False)
+            prompt_logprobs = logprobs if echo else None
+            chat_echo = ""
+        temperature = body.get("temperature")
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
+            raise ApiError(f"temperature must be a number, got {type(temperature).__name__}", "temperature")
         model = body.get("model")
         if model is not None and model != self.model:  # vLLM serves a missing model too
             # vLLM 0.32 (entrypoints/serve/engine/serving.py _check_model) names what it serves
@@ -146,20 +217,49 @@ class RequestParser:
         for tokens in prompts:
             self._check_prompt_length(tokens, text_prompt=chat or isinstance(tokens, _TextTokens))
         budgets: list[int] = []
+        # a completion's echo without generation: vLLM samples one token it does not show
+        echo_only = echo and not chat and requested == 0
         for tokens in prompts:
             # vllm/entrypoints/serve/utils/api_utils.py get_max_tokens: the request's
             # budget (or the default) never past the context the prompt leaves
             left = max_len - len(tokens)
             budget = left if requested is None else min(left, requested)
-            # SamplingParams: the clamped budget is what is checked
+            if echo_only:
+                budget = 1
+            # SamplingParams (its _verify_args order): n, then the clamped budget
+            if n < 1:
+                raise ApiError(f"n must be at least 1, got {n}.")
+            if n > MAX_N_SEQUENCES:
+                raise ApiError(f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, "
+                               "set the VLLM_MAX_N_SEQUENCES environment variable.")
             if budget < 1:
                 raise validation_error(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
             if min_tokens < 0:
                 raise ApiError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
             if min_tokens > budget:
                 raise ApiError(f"min_tokens must be less than or equal to max_tokens={budget}, got {min_tokens}.")
+            if temperature is not None and temperature < SAMPLING_EPS and n > 1:
+                raise ApiError(f"n must be 1 when using greedy sampling, got {n}.")
             budgets.append(budget)
-        return GenRequest(prompts, budgets, stream, include_usage)
+        # SamplingParams.verify, in the engine's input processing: at most
+        # --max-logprobs (20); -1 asks for the whole vocabulary
+        if logprobs:
+            wanted = self.tokens.vocab_size if logprobs == -1 else logprobs
+            if wanted > MAX_LOGPROBS:
+                raise validation_error(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+                                       f"{MAX_LOGPROBS}", "logprobs", wanted)
+        return GenRequest(prompts, budgets, stream, include_usage, n=n, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs, echo=echo, echo_only=echo_only,
+                          prompt_texts=prompt_texts, chat_echo=chat_echo)
+
+    def _prompt_texts(self, prompt: Any, prompts: list[list[str]]) -> list[str]:
+        """Each prompt's text as a completion's echo writes it: a text prompt as sent, a
+        token-id prompt decoded (vLLM detokenizes it for echo)."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and all(isinstance(x, str) for x in prompt):
+            return list(prompt)
+        return [self.tokens.decode(tokens) for tokens in prompts]
 
     def _check_prompt_length(self, tokens: list[str], text_prompt: bool) -> None:
         """vLLM 0.32 refuses a prompt only when it alone is longer than the context

@@ -1,7 +1,8 @@
 """The stand-in's answers to a generation request, shaped as vLLM 0.32 writes them: the
 JSON body or the SSE stream built from the engine loop's events for the request (with
-vLLM's per-request latency metrics recorded on the way), ``usage`` and its
-``prompt_tokens_details``, and vLLM's error body."""
+vLLM's per-request latency metrics recorded on the way), its ``n`` choices per prompt,
+``echo``, ``logprobs`` (logprobs.py), ``usage`` and its ``prompt_tokens_details``, and
+vLLM's error body."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 from aiohttp import web
 
 from skymesh.replica_sim.engine_loop import Event
+from skymesh.replica_sim.logprobs import LogprobsWriter, Position
 from skymesh.replica_sim.request_parsing import GenRequest
 from skymesh.replica_sim.request_state import EngineRequest
+from skymesh.replica_sim.tokenization import StandInTokenizer
 from skymesh.replica_sim.vllm_metrics import ReplicaMetrics
-from skymesh.word_tokenizer import filler_tokens
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
@@ -34,22 +36,39 @@ def _dumps(payload: dict[str, Any]) -> bytes:
 
 
 class ResponseWriter:
-    """Writes the answers of one server (its model name, metrics and block size)."""
+    """Writes the answers of one server (its model name, metrics, block size and tokens)."""
 
     def __init__(self, model: str, metrics: ReplicaMetrics, block_size: int,
-                 enable_prompt_tokens_details: bool) -> None:
+                 enable_prompt_tokens_details: bool, tokens: StandInTokenizer | None = None) -> None:
         self.model = model
         self.metrics = metrics
         self.block_size = block_size
         # vLLM's --enable-prompt-tokens-details: usage reports the prompt tokens found in
         # the prefix cache
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.tokens = tokens if tokens is not None else StandInTokenizer()
+        self.logprobs = LogprobsWriter(self.tokens)
+
+    def _generated(self, start: int, n: int) -> list[Position]:
+        """Generated tokens ``start`` .. ``start + n - 1`` as logprobs positions."""
+        strings = self.tokens.generated_strings(start, n)
+        return [Position(text, self._generated_token(start + k)) for k, text in enumerate(strings)]
+
+    def _generated_token(self, position: int) -> str:
+        token_id = self.tokens.generated_id(position)
+        return f"tok{position}" if token_id is None else str(token_id)
+
+    def _prompt(self, tokens: list[str]) -> list[Position]:
+        """A prompt's tokens as logprobs positions (the first has none, as in vLLM)."""
+        return [Position(self.tokens.token_string(t), t, scored=k > 0) for k, t in enumerate(tokens)]
 
     async def respond(self, request: web.Request, rid: str, chat: bool, g: GenRequest,
                       queue: asyncio.Queue[Event], ereqs: list[EngineRequest],
                       arrival: float) -> web.StreamResponse:
         """Answer request ``rid`` from the events its engine requests ``ereqs`` put on
-        ``queue``: a stream as the tokens come, or the whole body once every prompt is done."""
+        ``queue``: a stream as the tokens come, or the whole body once every prompt is done.
+        Engine request (and choice) ``s`` is choice ``s % g.n`` of prompt ``s // g.n``,
+        with the choice ``index`` ``s``, as vLLM numbers a batch's choices."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
@@ -58,13 +77,17 @@ class ResponseWriter:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(request)
-        count = len(g.prompts)
+        count = len(g.prompts) * g.n
         produced = [0] * count
         first_at = [arrival] * count
         last_at = [arrival] * count
-        open_prompts = count
-        while open_prompts:
+        # a streamed completion choice's logprobs text_offset so far (echo included)
+        text_offsets = [0] * count
+        opened = False  # a chat stream's opening chunks sent
+        open_slots = count
+        while open_slots:
             kind, n, t, i = await queue.get()
+            p = i // g.n
             if kind == "error":
                 if resp is None:
                     return vllm_error(500, "engine failure")
@@ -73,13 +96,13 @@ class ResponseWriter:
                                                               "param": None, "code": 500}}) + b"\n\n")
                 return resp
             if kind == "finished":
-                open_prompts -= 1
+                open_slots -= 1
                 end = last_at[i]
                 e = ereqs[i]
                 scheduled = e.first_scheduled_at if e.first_scheduled_at is not None else arrival
                 self.metrics.finished("length", end - arrival, max(0.0, scheduled - arrival),
                                       max(0.0, first_at[i] - scheduled), end - first_at[i],
-                                      len(g.prompts[i]), produced[i])
+                                      len(g.prompts[p]), produced[i])
                 continue
             if produced[i] == 0:
                 first_at[i] = t
@@ -89,20 +112,30 @@ class ResponseWriter:
             last_at[i] = t
             start = produced[i]
             produced[i] += n
-            if resp is not None:
-                if chat and start == 0:
-                    # vLLM opens a chat stream with the role and empty content
-                    await self._sse(resp, {**head, "choices": [{
-                        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}]})
-                text = "".join(" " + w for w in filler_tokens(n, start))
-                reason = "length" if produced[i] >= g.max_tokens[i] else None
-                choice: dict[str, Any] = (
-                    {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
-                    if chat else
-                    {"index": i, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
-                )
-                await self._sse(resp, {**head, "choices": [choice]})
+            if resp is None:
+                continue
+            if chat and not opened:
+                opened = True
+                await self._open_chat_stream(resp, head, g)
+            reason = "length" if produced[i] >= g.max_tokens[p] else None
+            generated = [] if g.echo_only else self._generated(start, n)
+            if chat:
+                choice: dict[str, Any] = {
+                    "index": i, "delta": {"content": "".join(x.text for x in generated)},
+                    "logprobs": None if g.logprobs is None else self.logprobs.chat(generated, g.logprobs),
+                    "finish_reason": reason}
+            else:
+                text = "".join(x.text for x in generated)
+                if g.echo and start == 0:  # the first chunk carries the prompt (vLLM's has_echoed)
+                    text = g.prompt_texts[p] + text
+                    generated = self._prompt(g.prompts[p]) + generated
+                logprobs = None
+                if g.logprobs is not None:
+                    logprobs = self.logprobs.completion(generated, g.logprobs, text_offsets[i])
+                    text_offsets[i] += sum(len(x.text) for x in generated)
+                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                          "stop_reason": None}
+            await self._sse(resp, {**head, "choices": [choice]})
         n_prompt = sum(len(p) for p in g.prompts)
         n_out = sum(produced)
         usage: dict[str, Any] = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
@@ -118,17 +151,54 @@ class ResponseWriter:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-        texts = ["".join(" " + w for w in filler_tokens(k)) for k in produced]
-        if chat:
-            choices: list[dict[str, Any]] = [{
-                "index": 0, "message": {"role": "assistant", "content": texts[0], "tool_calls": []},
-                "logprobs": None, "finish_reason": "length", "stop_reason": None}]
-        else:
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": "length",
-                        "stop_reason": None, "prompt_logprobs": None} for i, text in enumerate(texts)]
-        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": self.model, "choices": choices,
-                                  "usage": usage})
+        body: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                "created": created, "model": self.model,
+                                "choices": self._chat_choices(g, produced) if chat else
+                                self._completion_choices(g, produced), "usage": usage}
+        if chat and g.prompt_logprobs is not None:  # vLLM computes them for a chat's echo
+            body["prompt_logprobs"] = self.logprobs.prompt_logprobs(self._prompt(g.prompts[0]), g.prompt_logprobs)
+        return web.json_response(body)
+
+    async def _open_chat_stream(self, resp: web.StreamResponse, head: dict[str, Any], g: GenRequest) -> None:
+        """vLLM opens a chat stream with one chunk per choice holding the role and empty
+        content, then, with echo, one per choice holding the echoed content."""
+        for j in range(g.n):
+            await self._sse(resp, {**head, "choices": [{
+                "index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+        if g.chat_echo:
+            for j in range(g.n):
+                await self._sse(resp, {**head, "choices": [{
+                    "index": j, "delta": {"content": g.chat_echo}, "logprobs": None, "finish_reason": None}]})
+
+    def _completion_choices(self, g: GenRequest, produced: list[int]) -> list[dict[str, Any]]:
+        choices = []
+        for i, k in enumerate(produced):
+            p = i // g.n
+            positions = [] if g.echo_only else self._generated(0, k)
+            text = "".join(x.text for x in positions)
+            prompt_logprobs = None
+            if g.echo:
+                prompt = self._prompt(g.prompts[p])
+                text = g.prompt_texts[p] + text
+                positions = prompt + positions
+                if g.prompt_logprobs is not None:
+                    prompt_logprobs = self.logprobs.prompt_logprobs(prompt, g.prompt_logprobs)
+            choices.append({"index": i, "text": text, "finish_reason": "length", "stop_reason": None,
+                            "logprobs": None if g.logprobs is None else self.logprobs.completion(positions, g.logprobs),
+                            "prompt_logprobs": prompt_logprobs})
+        return choices
+
+    def _chat_choices(self, g: GenRequest, produced: list[int]) -> list[dict[str, Any]]:
+        choices = []
+        for i, k in enumerate(produced):
+            positions = self._generated(0, k)
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": g.chat_echo + "".join(x.text for x in positions),
+                            "tool_calls": []},
+                "logprobs": None if g.logprobs is None else self.logprobs.chat(positions, g.logprobs),
+                "finish_reason": "length", "stop_reason": None})
+        return choices
 
     def _prompt_tokens_details(self, chat: bool, stream: bool, g: GenRequest,
                                ereqs: list[EngineRequest]) -> dict[str, Any] | None:
@@ -138,7 +208,8 @@ class ResponseWriter:
         tokens it wrote to the cache (its full blocks not found there)."""
         if not self.enable_prompt_tokens_details:
             return None
-        e = ereqs[0] if stream else ereqs[-1]
+        # a batch's first prompt when streamed, its last otherwise (each prompt's first choice)
+        e = ereqs[0] if stream else ereqs[(len(g.prompts) - 1) * g.n]
         if chat:
             written = len(g.prompts[0]) // self.block_size * self.block_size - e.cached_tokens
             return {"cached_tokens": e.cached_tokens, "created_cache_tokens": max(0, written),

@@ -58,7 +58,8 @@ class ReplicaServer:
             max_model_len=profile.max_model_len, gpu_memory_utilization=profile.gpu_memory_utilization,
             num_gpu_blocks_override=engine_overrides.get("num_gpu_blocks"),
             user_specified_block_size=engine_overrides.get("block_size") is not None))
-        self.responses = ResponseWriter(model, self.metrics, self.engine.block_size, enable_prompt_tokens_details)
+        self.responses = ResponseWriter(model, self.metrics, self.engine.block_size, enable_prompt_tokens_details,
+                                        self.tokens)
         self.engine_loop = EngineLoop(self.engine, self.metrics)
         self._runner: EdgeAppRunner | None = None
         self.host = "127.0.0.1"
@@ -150,14 +151,16 @@ class ReplicaServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         arrival = loop.time()
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        # one engine request per prompt, as vLLM schedules a batch ("{id}-{i}")
-        erids = [f"{rid}-{i}" for i in range(len(g.prompts))]
+        # one engine request per prompt and choice, as vLLM schedules a batch ("{id}-{i}")
+        # and the n samples of a prompt (one child request each): s = prompt * n + choice
+        erids = [f"{rid}-{s}" for s in range(len(g.prompts) * g.n)]
         ereqs: list[EngineRequest] = []
         bs = self.engine.block_size
         with_ids = self.engine.kv_events is not None
         try:
             try:
-                for i, (tokens, budget) in enumerate(zip(g.prompts, g.max_tokens, strict=True)):
+                for i in range(len(erids)):
+                    tokens, budget = g.prompts[i // g.n], g.max_tokens[i // g.n]
                     # the hashes cover the prompt and the output the filler will produce, so
                     # the engine caches full blocks of generated tokens too, as vLLM does
                     seq = [*tokens, *self.tokens.filler_hash_tokens(budget)]
@@ -173,7 +176,8 @@ class ReplicaServer:
             for i, erid in enumerate(erids):
                 self.engine_loop.streams.pop(erid, None)
                 if self.engine.abort(erid):  # still in the engine: the client went away
-                    self.metrics.finished("abort", 0.0, 0.0, 0.0, 0.0, len(g.prompts[i]), ereqs[i].output_tokens)
+                    self.metrics.finished("abort", 0.0, 0.0, 0.0, 0.0, len(g.prompts[i // g.n]),
+                                          ereqs[i].output_tokens)
                     self.engine_loop.wake()
 
 
