@@ -248,6 +248,8 @@ async def test_chat_n_logprobs_top_logprobs_and_echo(replica: ReplicaServer, tok
             assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
             assert e["top_logprobs"][1]["logprob"] < e["top_logprobs"][0]["logprob"]
     assert out["usage"]["completion_tokens"] == 9
+    # vLLM leaves an empty tool_calls out; prompt_logprobs are null without echo
+    assert set(out["choices"][0]["message"]) == {"role", "content"} and out["prompt_logprobs"] is None
 
     status, plain = await post(replica.url, "/v1/chat/completions", {
         "messages": messages, "max_tokens": 2, "logprobs": True})  # top_logprobs 0: none listed
@@ -258,7 +260,12 @@ async def test_chat_n_logprobs_top_logprobs_and_echo(replica: ReplicaServer, tok
         "messages": [*messages, {"role": "assistant", "content": "Sure:"}], "max_tokens": 2, "echo": True,
         "add_generation_prompt": False})
     assert echoed["choices"][0]["message"]["content"] == "Sure: the the"
+    assert echoed["prompt_logprobs"][0] is None and len(echoed["prompt_logprobs"]) == echoed["usage"]["prompt_tokens"]
     assert echoed["usage"]["completion_tokens"] == 2 == len(ids(tok, " the the"))
+    # without the generation prompt the answer continues the last message, in its role
+    status, as_user = await post(replica.url, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 1, "echo": True, "add_generation_prompt": False})
+    assert (as_user["choices"][0]["message"]["role"], as_user["choices"][0]["message"]["content"]) == ("user", "hi the")
 
 
 async def test_chat_stream_opens_every_choice_then_streams_logprobs(replica: ReplicaServer) -> None:

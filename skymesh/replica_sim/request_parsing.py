@@ -63,6 +63,9 @@ class GenRequest:
     prompt_texts: list[str] = field(default_factory=list)
     # a chat's echo: the last message's content when it is the answer's role
     chat_echo: str = ""
+    # a chat answer's role: the assistant's, or without the generation prompt the last
+    # message's (vLLM's get_chat_request_role)
+    role: str = "assistant"
 
     @property
     def prompt_tokens(self) -> list[str]:
@@ -104,13 +107,16 @@ def _logprobs_param(body: dict[str, Any], key: str) -> int | None:
     return v
 
 
+def _answer_role(msgs: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    return "assistant" if add_generation_prompt else str(msgs[-1]["role"])
+
+
 def _chat_echo(msgs: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     """What a chat's ``echo`` puts before the answer: the last message's content when its
     role is the answer's (``assistant`` with the generation prompt, else the last
     message's own), content parts' texts joined by newlines."""
-    role = "assistant" if add_generation_prompt else msgs[-1]["role"]
     last = msgs[-1]
-    if last.get("role") != role:
+    if last.get("role") != _answer_role(msgs, add_generation_prompt):
         return ""
     content = last.get("content")
     if isinstance(content, list):
@@ -197,11 +203,13 @@ class RequestParser:
             echo = _bool_param(body, "echo", False)
             prompt_logprobs = top if echo else None
             chat_echo = _chat_echo(msgs, add_generation_prompt) if echo else ""
+            role = _answer_role(msgs, add_generation_prompt)
         else:
             logprobs = _logprobs_param(body, "logprobs")
             echo = _bool_param(body, "echo", False)
             prompt_logprobs = logprobs if echo else None
             chat_echo = ""
+            role = "assistant"
         temperature = body.get("temperature")
         if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
             raise ApiError(f"temperature must be a number, got {type(temperature).__name__}", "temperature")
@@ -250,7 +258,7 @@ class RequestParser:
                                        f"{MAX_LOGPROBS}", "logprobs", wanted)
         return GenRequest(prompts, budgets, stream, include_usage, n=n, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, echo=echo, echo_only=echo_only,
-                          prompt_texts=prompt_texts, chat_echo=chat_echo)
+                          prompt_texts=prompt_texts, chat_echo=chat_echo, role=role)
 
     def _prompt_texts(self, prompt: Any, prompts: list[list[str]]) -> list[str]:
         """Each prompt's text as a completion's echo writes it: a text prompt as sent, a

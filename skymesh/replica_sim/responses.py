@@ -124,6 +124,8 @@ class ResponseWriter:
                     "index": i, "delta": {"content": "".join(x.text for x in generated)},
                     "logprobs": None if g.logprobs is None else self.logprobs.chat(generated, g.logprobs),
                     "finish_reason": reason}
+                if reason is not None:  # vLLM sets it on a choice's last chunk only
+                    choice["stop_reason"] = None
             else:
                 text = "".join(x.text for x in generated)
                 if g.echo and start == 0:  # the first chunk carries the prompt (vLLM's has_echoed)
@@ -155,8 +157,9 @@ class ResponseWriter:
                                 "created": created, "model": self.model,
                                 "choices": self._chat_choices(g, produced) if chat else
                                 self._completion_choices(g, produced), "usage": usage}
-        if chat and g.prompt_logprobs is not None:  # vLLM computes them for a chat's echo
-            body["prompt_logprobs"] = self.logprobs.prompt_logprobs(self._prompt(g.prompts[0]), g.prompt_logprobs)
+        if chat:  # vLLM computes them for a chat's echo
+            body["prompt_logprobs"] = None if g.prompt_logprobs is None else self.logprobs.prompt_logprobs(
+                self._prompt(g.prompts[0]), g.prompt_logprobs)
         return web.json_response(body)
 
     async def _open_chat_stream(self, resp: web.StreamResponse, head: dict[str, Any], g: GenRequest) -> None:
@@ -164,7 +167,7 @@ class ResponseWriter:
         content, then, with echo, one per choice holding the echoed content."""
         for j in range(g.n):
             await self._sse(resp, {**head, "choices": [{
-                "index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+                "index": j, "delta": {"role": g.role, "content": ""}, "logprobs": None, "finish_reason": None}]})
         if g.chat_echo:
             for j in range(g.n):
                 await self._sse(resp, {**head, "choices": [{
@@ -194,8 +197,8 @@ class ResponseWriter:
             positions = self._generated(0, k)
             choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": g.chat_echo + "".join(x.text for x in positions),
-                            "tool_calls": []},
+                # vLLM leaves an empty tool_calls out of the message
+                "message": {"role": g.role, "content": g.chat_echo + "".join(x.text for x in positions)},
                 "logprobs": None if g.logprobs is None else self.logprobs.chat(positions, g.logprobs),
                 "finish_reason": "length", "stop_reason": None})
         return choices

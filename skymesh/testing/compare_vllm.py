@@ -5,8 +5,10 @@
 (``skymesh replica-sim --profile tiny-test`` sized like it: 128-token blocks, 64 blocks,
 4 sequences), sends both the same requests and prints a Markdown report: each error case's
 status and body, the metric families only one of them serves, the prefix-cache counters
-for a repeated prompt, the first SSE events of a stream, and the KV events vLLM published
-meanwhile (the stand-in publishes none). docs/replica-sim.md, "Real vLLM 0.32 (CPU) side
+for a repeated prompt, the first SSE events of a stream, the KV events vLLM published
+meanwhile (the stand-in publishes none), and the structure, usage and choice indices of
+answers with ``n``, ``logprobs`` and ``echo`` (from a second stand-in with the model's
+tokenizer). docs/replica-sim.md, "Real vLLM 0.32 (CPU) side
 by side", was written from its output.
 """
 
@@ -65,12 +67,90 @@ def cases() -> list[tuple[str, str, Any]]:
         ("token-id prompt", "/v1/completions", {**ok, "prompt": [0, 5, 6, 7]}),
         ("empty prompt", "/v1/completions", {**ok, "prompt": ""}),
         ("n = 2", "/v1/completions", {**ok, "n": 2}),
+        ("n = 0", "/v1/completions", {**ok, "n": 0}),
+        ("n = 2, temperature 0", "/v1/completions", {**ok, "n": 2, "temperature": 0}),
+        ("logprobs 21", "/v1/completions", {**ok, "logprobs": 21}),
+        ("logprobs -2", "/v1/completions", {**ok, "logprobs": -2}),
+        ("chat, top_logprobs without logprobs", "/v1/chat/completions",
+         {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
+        ("chat, top_logprobs 30", "/v1/chat/completions",
+         {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}),
         ("stream_options without stream", "/v1/completions", {**ok, "stream_options": {"include_usage": True}}),
         ("body not JSON", "/v1/completions", b"{not json"),
         ("chat, messages not a list", "/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}),
         ("chat, a plain one", "/v1/chat/completions",
          {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
     ]
+
+
+def shape_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    """Answers whose structure is compared (n, logprobs, echo), sent to vLLM and to a
+    stand-in with the model's tokenizer."""
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 3,
+            "ignore_eos": True}
+    ok = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 3, "ignore_eos": True}
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    return [
+        ("completion, n 2, logprobs 2, echo", "/v1/completions", {**ok, "n": 2, "logprobs": 2, "echo": True}),
+        ("completion stream, n 2, logprobs 1, echo", "/v1/completions",
+         {**ok, "n": 2, "logprobs": 1, "echo": True, **usage}),
+        ("completion, echo, max_tokens 0", "/v1/completions", {**ok, "echo": True, "max_tokens": 0}),
+        ("chat, n 2, logprobs, top_logprobs 2", "/v1/chat/completions",
+         {**chat, "n": 2, "logprobs": True, "top_logprobs": 2}),
+        ("chat stream, n 2, logprobs, top_logprobs 1", "/v1/chat/completions",
+         {**chat, "n": 2, "logprobs": True, "top_logprobs": 1, **usage}),
+        ("chat, echo of an assistant message", "/v1/chat/completions",
+         {**chat, "echo": True, "add_generation_prompt": False,
+          "messages": [*chat["messages"], {"role": "assistant", "content": "Sure:"}]}),
+    ]
+
+
+def shape(x: Any) -> Any:
+    """A JSON value's structure: dicts by key, a list by its first element, scalars by type."""
+    if isinstance(x, dict):
+        return {k: shape(v) for k, v in sorted(x.items())}
+    if isinstance(x, list):
+        return [shape(x[0])] if x else []
+    return None if x is None else type(x).__name__
+
+
+def shape_diff(vllm: Any, ours: Any, path: str = "") -> list[str]:
+    """Where the stand-in's structure differs from vLLM's (keys only one has; types)."""
+    if isinstance(vllm, dict) and isinstance(ours, dict):
+        out = [f"vLLM only: {path}.{k}" for k in vllm if k not in ours]
+        out += [f"stand-in only: {path}.{k}" for k in ours if k not in vllm]
+        for k in vllm:
+            if k in ours:
+                out += shape_diff(vllm[k], ours[k], f"{path}.{k}")
+        return out
+    if isinstance(vllm, list) and isinstance(ours, list):
+        return shape_diff(vllm[0], ours[0], f"{path}[0]") if vllm and ours else []
+    return [] if vllm == ours else [f"type: {path} {vllm} / {ours}"]
+
+
+async def _answer(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """An answer's structure, its usage and how many tokens each choice got (streams:
+    the union of their events' structures, counted per index)."""
+    async with s.post(url, json=body) as r:
+        text = await r.text()
+    if r.status != 200:
+        return {"status": r.status, "body": text[:300]}
+    if not body.get("stream"):
+        data = json.loads(text)
+        return {"status": 200, "shape": shape(data), "usage": data.get("usage"),
+                "indices": [c["index"] for c in data["choices"]],
+                "logprob_tokens": [len((c.get("logprobs") or {}).get("tokens")
+                                       or (c.get("logprobs") or {}).get("content") or []) for c in data["choices"]]}
+    events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: ") and e != "data: [DONE]"]
+    merged: dict[str, Any] = {}
+    for e in events:
+        for c in e.get("choices", []):
+            merged.setdefault("choice", shape(c))
+            if c.get("logprobs") is not None:
+                merged["choice_with_logprobs"] = shape(c)
+    indices = sorted({c["index"] for e in events for c in e.get("choices", [])})
+    return {"status": 200, "shape": merged, "usage": events[-1].get("usage"), "indices": indices,
+            "events": len(events)}
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: Any) -> dict[str, Any]:
@@ -154,13 +234,22 @@ async def compare(log_dir: Path) -> dict[str, Any]:
         1, "tiny-test", 1.0, log_dir, "compare-sim",
         extra=["--model", MODEL_NAME, "--block-size", "128", "--num-gpu-blocks", "64", "--max-num-seqs", "4"])
     sim = urls[0]
+    # one more stand-in with the model's tokenizer: the answers' structures
+    tok_children, tok_urls = await start_sim_replicas(
+        1, "tiny-test", 1.0, log_dir, "compare-sim-tok",
+        extra=["--model", MODEL_NAME, "--block-size", "128", "--num-gpu-blocks", "64", "--max-num-seqs", "4",
+               "--tokenizer", str(make_model_dir() / "tokenizer.json")])
+    children += tok_children
     sock: zmq.Socket[bytes] | None = None
     try:
         await rep.start()
         sock = _kv_sub(rep.kv_endpoint)
         servers = {"vllm": rep.url, "stand-in": sim}
-        out: dict[str, Any] = {"cases": {}, "metrics": {}, "stream": {}, "prefix": {}, "health": {}}
+        out: dict[str, Any] = {"cases": {}, "metrics": {}, "stream": {}, "prefix": {}, "health": {}, "shapes": {}}
         async with aiohttp.ClientSession() as s:
+            for what, path, body in shape_cases():
+                out["shapes"][what] = {"vllm": await _answer(s, rep.url + path, body),
+                                       "stand-in": await _answer(s, tok_urls[0] + path, body)}
             for what, path, body in cases():
                 out["cases"][what] = {name: await _post(s, url + path, body) for name, url in servers.items()}
             for name, url in servers.items():
@@ -229,6 +318,16 @@ def report(r: dict[str, Any]) -> str:
         head = r["stream"][name]
         lines.append(f"stream of 3 tokens, {name}: {len(head)} events; first: `{json.dumps(head[0])[:300]}`")
     lines += ["", f"health: {r['health']}", "", f"KV events from vLLM during all of the above: {r['kv_events']}"]
+    lines += ["", "Answers' structures (the stand-in with the model's tokenizer):"]
+    for what, by in r.get("shapes", {}).items():
+        v, o = by["vllm"], by["stand-in"]
+        if v["status"] != 200 or o["status"] != 200:
+            lines.append(f"- {what}: status {v['status']} / {o['status']}: {v.get('body')} / {o.get('body')}")
+            continue
+        diff = shape_diff(v["shape"], o["shape"])
+        same = {k: v.get(k) == o.get(k) for k in ("usage", "indices", "logprob_tokens", "events") if k in v}
+        lines.append(f"- {what}: equal {same}; vLLM usage {v['usage']}, stand-in {o['usage']}; "
+                     f"structure differences: {diff or 'none'}")
     return "\n".join(lines)
 
 
