@@ -311,3 +311,55 @@ async def test_out_of_range_values_are_refused_as_vllm_refuses_them(
     assert status == 400
     assert err["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
     assert not replica.engine.has_work()
+
+
+# ----------------------------------------------------------------------------- the mesh
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_skymesh_up_from_another_directory_counts_as_the_client_does(tmp_path: Path, tok: Tokenizer) -> None:
+    """The local mesh (its pkg: tokenizer), started from a directory outside the clone: a
+    completion through a balancer reports the client's own counts of prompt and answer."""
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    import yaml
+
+    from tests.mesh_helpers import local_config_free_ports
+
+    cfg = local_config_free_ports(time_scale=0.1, tokenizer=True)
+    cfg["controller"]["state_path"] = str(tmp_path / "ctl.sqlite")
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log_path = tmp_path / "up.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log_path, "w") as log:
+        up = subprocess.Popen([sys.executable, "-m", "skymesh.cli", "up", "--config", str(path), "--state-dir",
+                               str(tmp_path / "run")], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env,
+                              start_new_session=True)
+    try:
+        url = f"http://{cfg['regions'][0]['balancer']['listen']}/v1/completions"
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 21}).encode()
+        deadline = time.monotonic() + 120
+        while True:
+            assert up.poll() is None, log_path.read_text()[-3000:]
+            try:
+                req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    out = json.loads(r.read())
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.5)
+        assert out["usage"]["prompt_tokens"] == len(ids(tok, PROMPT, special=True))
+        assert out["usage"]["completion_tokens"] == 21 == len(ids(tok, out["choices"][0]["text"]))
+    finally:
+        os.killpg(up.pid, 2)  # SIGINT: skymesh up stops its children
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, 9)
+            up.wait()
