@@ -26,6 +26,9 @@ log = logging.getLogger("skymesh.replica_sim")
 GENERATED_PIECES = (" the", " a", " and", " of", " to", " is", " it", " tok", " x")
 # how many ids of the vocabulary are tried as the piece when none of the above holds
 VOCAB_SCAN = 4096
+# how many ids of the vocabulary are looked at for the top logprobs' other entries
+# (decoded once, on the first request asking for logprobs)
+READABLE_SCAN = 32768
 # a token's log-probability by its rank r (1 = the sampled one): -r ln 2, so the ranks'
 # probabilities 1/2, 1/4, ... never sum past 1
 LN2 = math.log(2.0)
@@ -164,7 +167,7 @@ class StandInTokenizer:
         if self._readable is None:
             special = set(self.tokenizer.get_added_tokens_decoder())
             ids = []
-            for token_id in range(self.vocab_size):
+            for token_id in range(min(self.vocab_size, READABLE_SCAN)):
                 text = self.tokenizer.decode([token_id], skip_special_tokens=False)
                 if token_id not in special and text.strip() and text.isprintable() and "\ufffd" not in text:
                     ids.append(token_id)
