@@ -71,6 +71,7 @@ def controller_rules(dns_provider: str) -> Rules:
         (("slo_early_rejection",), Kind.UNUSED),
         (("queue",), Kind.UNUSED),
         (("autoscaling",), Kind.UNUSED),  # the balancers publish the signal
+        (("tracing",), Kind.UNUSED),  # the balancers' spans
         (("client_timeouts", "body_timeout_s"), Kind.UNUSED),  # header_timeout_s, http_limits: restart
         (("emulate_latency",), Kind.UNUSED),
     )

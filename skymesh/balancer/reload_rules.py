@@ -80,6 +80,7 @@ def balancer_rules(region: str, *, own_replicas: bool) -> Rules:
         (("controller",), Kind.UNUSED),
         (("dns",), Kind.UNUSED),
         (("membership",), Kind.UNUSED),  # the controller's sources; balancers follow its topology
+        (("tracing",), Kind.RESTART),  # the exporter and sampler are built at start
     )
 
 

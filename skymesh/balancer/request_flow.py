@@ -15,6 +15,7 @@ import logging
 import ssl
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +40,9 @@ from skymesh.routing.region import (
 )
 from skymesh.runtime.clock import loop_clock
 from skymesh.slo_judge import SloClass, missed_targets
+
+if TYPE_CHECKING:  # imported only when tracing is on (server.py)
+    from skymesh.balancer.tracing import AttemptSpan, RequestTrace
 
 log = logging.getLogger("skymesh.balancer")
 
@@ -122,14 +126,16 @@ class Waiter:
     was placed on died in between). A placement with a later word behind it was taken back
     before its attempt began, and is never carried out (:meth:`superseded`)."""
 
-    __slots__ = ("_words", "_said", "attempt_task", "first_byte_at")
+    __slots__ = ("_words", "_said", "attempt_task", "first_byte_at", "trace")
 
-    def __init__(self) -> None:
+    def __init__(self, trace: RequestTrace | None = None) -> None:
         self._words: deque[Action] = deque()
         self._said = asyncio.Event()
         self.attempt_task: asyncio.Task[AttemptOutcome] | None = None
         # when the first byte of a streamed answer reached the balancer (its TTFT)
         self.first_byte_at: float | None = None
+        # the request's spans (skymesh/balancer/tracing.py); None: tracing off or unsampled
+        self.trace = trace
 
     def say(self, action: Action) -> None:
         self._words.append(action)
@@ -176,6 +182,10 @@ class RequestFlow:
             waiter = self.waiters.get(action.request_id)
             if waiter is None:
                 continue  # not this daemon's handler (cannot happen) or already gone
+            if waiter.trace is not None and isinstance(action, SendToReplica | ForwardToRegion):
+                policy = self.core.policy
+                waiter.trace.placed(action, policy=policy.name, candidates=getattr(policy, "candidates", None),
+                                    req=self.core.request_of(action.request_id))
             if isinstance(action, AbandonAttempt) and waiter.attempt_task is not None:
                 # queued again already; stop the attempt that has sent the client nothing
                 waiter.attempt_task.cancel()
@@ -193,9 +203,14 @@ class RequestFlow:
         self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: Waiter,
         single_prompt: bool = True, slo: SloClass | None = None,
     ) -> web.StreamResponse:
+        trace = waiter.trace
         while True:
+            if trace is not None:
+                trace.queued()
             action = await waiter.next_word()
             if isinstance(action, Reject):
+                if trace is not None:
+                    trace.rejected(action)
                 self.count_slo_outcome(req, slo, "rejected")
                 return self.reject(action)
             if isinstance(action, AbandonAttempt):
@@ -219,12 +234,15 @@ class RequestFlow:
                 # a peer may queue it for up to its own queue-wait bound first
                 extra_s=(self.core.settings.max_queue_wait_s or 0.0) if on_peer else 0.0,
             )
+            span = None if trace is None else trace.attempt_started(action, target)
             task = waiter.attempt_task = asyncio.create_task(
-                attempt(request, raw, target, timeouts, deadline, self._first_byte_hook(req, waiter))
+                attempt(request, raw, target, timeouts, deadline, self._first_byte_hook(req, waiter, span))
             )
             try:
                 outcome = await task
             except asyncio.CancelledError:
+                if span is not None:
+                    span.ended(None)
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     raise  # the client went away (the balancer's handler releases it)
@@ -234,6 +252,8 @@ class RequestFlow:
                 continue
             finally:
                 waiter.attempt_task = None
+            if span is not None:
+                span.ended(outcome)
             now = loop_clock()
             if outcome.outcome is Outcome.SERVED:
                 if isinstance(action, SendToReplica) and single_prompt:
@@ -291,8 +311,11 @@ class RequestFlow:
             self.metrics.slo_target_misses.labels(slo.name, target).inc()
         self.count_slo_outcome(req, slo, "missed" if missed else "met")
 
-    def _first_byte_hook(self, req: RoutingRequest, waiter: Waiter) -> Callable[[bool], None]:
+    def _first_byte_hook(self, req: RoutingRequest, waiter: Waiter,
+                         span: AttemptSpan | None = None) -> Callable[[bool], None]:
         def on_first_byte(is_stream: bool) -> None:
+            if span is not None:
+                span.first_byte()
             if is_stream:
                 waiter.first_byte_at = loop_clock()
             # a non-streaming answer arrives whole: its first byte is not its first token,

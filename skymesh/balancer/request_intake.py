@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import os
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -32,6 +33,9 @@ from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import RegionCore, Reject
 from skymesh.slo_judge import apply_slo_class
 
+if TYPE_CHECKING:  # imported only when tracing is on (server.py)
+    from skymesh.balancer.tracing import BalancerTracing, RequestTrace
+
 
 class RequestIntake:
     """Turns an HTTP request into a routing request the core has accepted (or the answer
@@ -39,7 +43,8 @@ class RequestIntake:
 
     def __init__(self, cfg: MeshConfig, region: str, *, core: RegionCore, flow: RequestFlow, gate: ClientGate,
                  metrics: BalancerMetrics, wake: asyncio.Event, encoder: PromptEncoder,
-                 peers: Callable[[], Collection[str]], on_request_end: Callable[[], None]) -> None:
+                 peers: Callable[[], Collection[str]], on_request_end: Callable[[], None],
+                 tracing: BalancerTracing | None = None) -> None:
         self.region = region
         self.core = core
         self.flow = flow
@@ -49,6 +54,8 @@ class RequestIntake:
         self.encoder = encoder
         self._peers = peers
         self._on_request_end = on_request_end
+        # OpenTelemetry spans (skymesh/balancer/tracing.py); None: off, no span is made
+        self.tracing = tracing
         self._ids = itertools.count()
         self.reconfigure(cfg)
 
@@ -58,6 +65,18 @@ class RequestIntake:
         self._source_networks = cfg.source_network_table()
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        if self.tracing is None:
+            return await self._handle(request, kind, None)
+        trace = self.tracing.request(request)
+        try:
+            response = await self._handle(request, kind, trace)
+        except BaseException as e:
+            trace.ended(None, e)
+            raise
+        trace.ended(response.status)
+        return response
+
+    async def _handle(self, request: web.Request, kind: str, trace: RequestTrace | None) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         try:
             # the gate read the body within its bounds (its 413, 415, 408 answered there)
@@ -86,6 +105,8 @@ class RequestIntake:
             origin_region=origin,
         )
         apply_slo_class(req, slo)
+        if trace is not None:
+            trace.admitted(req, stream=parsed.stream, slo_class=req.slo_class or None)
         if (limited := self.gate.charge_prompt(request, req.prompt_tokens, now)) is not None:
             return limited
         if forwarded:
@@ -93,10 +114,12 @@ class RequestIntake:
             self.metrics.offloaded.labels("in", origin or "unknown").inc()
         if slo is not None and not forwarded:  # judged where the client called, once
             self.metrics.slo_requests.labels(slo.name).inc()
-        waiter = self.flow.waiters[req.request_id] = Waiter()
+        waiter = self.flow.waiters[req.request_id] = Waiter(trace)
         try:
             for action in self.core.submit(req, now):
                 assert isinstance(action, Reject)
+                if trace is not None:
+                    trace.rejected(action)
                 self.flow.count_slo_outcome(req, slo, "rejected")
                 return self.flow.reject(action)
             self.wake.set()

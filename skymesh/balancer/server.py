@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -81,6 +81,9 @@ from skymesh.runtime.reload_plan import ReloadStatus
 from skymesh.runtime.supervise import SupervisedLoop
 from skymesh.security.admin_auth import resolve_admin_token, resolve_peer_token
 from skymesh.security.pki import Credentials, balancer_server_name, load_credentials, peer_tls
+
+if TYPE_CHECKING:  # imported only when tracing is on (see Balancer.__init__)
+    from skymesh.balancer.tracing import BalancerTracing
 
 log = logging.getLogger("skymesh.balancer")
 
@@ -171,9 +174,17 @@ class Balancer:
         )
         # a peer-supplied origin becomes a metrics label only if it names a configured region
         self.region_names = frozenset(r.name for r in cfg.regions)
+        # OpenTelemetry spans of each request (None: tracing off, no span is ever made)
+        self.tracing: BalancerTracing | None = None
+        if cfg.tracing.enabled:
+            # optional: the SDK (~0.2 s to import) is loaded only by a balancer that traces
+            from skymesh.balancer.tracing import BalancerTracing
+
+            self.tracing = BalancerTracing(cfg.tracing, region=region, balancer_id=self.balancer_id)
         self.intake = RequestIntake(cfg, region, core=self.core, flow=self.flow, gate=self.gate,
                                    metrics=self.metrics, wake=self.wake, encoder=self.encoder,
-                                   peers=self.peers.keys, on_request_end=self._request_ended)
+                                   peers=self.peers.keys, on_request_end=self._request_ended,
+                                   tracing=self.tracing)
         self.http = HttpSurface(intake=self.intake, gate=self.gate, metrics=self.metrics,
                                 max_body_bytes=cfg.policy.max_body_bytes, model=lambda: self.cfg.model,
                                 admin_status=lambda: self.admin_status(), draining=lambda: self._stopping)
@@ -549,6 +560,8 @@ class Balancer:
         for s in (self._session, self._egress):
             if s is not None:
                 await s.close()
+        if self.tracing is not None:
+            await self.tracing.shutdown()  # the spans of the last requests are exported first
 
     # ------------------------------------------------------------------ probing
 

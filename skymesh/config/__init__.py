@@ -16,8 +16,9 @@ scalars, ConfigError), ``network`` (addresses), ``sim`` (the stand-in's ``sim:``
 ``replica``, ``region``, ``routing``, ``control_plane`` (controller, DNS), ``slo``,
 ``security`` (TLS, API keys, admin and peer tokens), ``siblings`` (a region's balancers
 among themselves), ``edge`` (HTTP server bounds), ``membership`` (dynamic replica
-sources), ``autoscaling`` (the region's autoscaling signal), ``mesh`` (the root and its
-cross-section checks), ``load`` (YAML, schema).
+sources), ``autoscaling`` (the region's autoscaling signal), ``tracing`` (the balancers'
+OpenTelemetry spans), ``mesh`` (the root and its cross-section checks), ``load`` (YAML,
+schema).
 """
 
 from skymesh.config.autoscaling import AutoscalingConfig, CloudWatchSignalConfig
@@ -95,6 +96,7 @@ from skymesh.config.security import (
 from skymesh.config.siblings import SiblingsConfig
 from skymesh.config.sim import SimKvEvents, SimReplica
 from skymesh.config.slo import SLO_CLASS_RE, SloClassConfig, SloClassName
+from skymesh.config.tracing import TracingBatchConfig, TracingConfig
 from skymesh.source_networks import SourceNetworkTable, region_of_address, source_network_of
 
 __all__ = [
@@ -163,6 +165,8 @@ __all__ = [
     "Text",
     "TlsConfig",
     "TokenizerConfig",
+    "TracingBatchConfig",
+    "TracingConfig",
     "UpstreamConfig",
     "config_schema",
     "load_config",

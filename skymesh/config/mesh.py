@@ -35,6 +35,7 @@ from skymesh.config.routing import (
 from skymesh.config.security import AdminConfig, ClientAuthConfig, PeerToken, TlsConfig
 from skymesh.config.siblings import SiblingsConfig
 from skymesh.config.slo import SloClassConfig, SloClassName
+from skymesh.config.tracing import TracingConfig
 from skymesh.source_networks import SourceNetworkTable
 
 
@@ -79,6 +80,8 @@ class MeshConfig(ConfigModel):
     # the region's autoscaling signal: a Prometheus gauge always, published to CloudWatch
     # with autoscaling.cloudwatch (skymesh/balancer/autoscaling_signal.py)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    # OpenTelemetry traces of the balancers (OTLP/HTTP); off unless tracing.endpoint is set
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     # (a, b) with a < b -> one-way ms, built from `latencies` by the validator
     _latency_ms: dict[tuple[str, str], float] = PrivateAttr(default_factory=dict)
