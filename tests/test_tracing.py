@@ -8,8 +8,9 @@ eu-west-1's attempt span as its parent (read off the wire by a recording relay i
 of it, as vLLM would join it). Real balancers in this process, mTLS between them, the
 real stand-in replica as a process, all on loopback.
 
-And the config's own rules, and that with tracing off the balancer loads no OpenTelemetry
-module at all.
+And: a retried request has one attempt span per try (the retry count, the outcome, each
+replica handed its own attempt as parent); the config's own rules; with tracing off the
+balancer loads no OpenTelemetry module at all.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 
 from benchmarks.peer_capture import RecordingRelay
 from skymesh.balancer.server import Balancer
 from skymesh.config import ConfigError, parse_config
 from skymesh.runtime.procs import Child, free_port, start_sim_replicas
 from skymesh.security.pki import generate_mesh_pki
-from tests.mesh_helpers import ROOT
+from tests.mesh_helpers import ROOT, one_region_config
 from tests.otlp_receiver import CLIENT, INTERNAL, SERVER, OtlpReceiver
+from tests.test_balancer_faults import FakeReplica
 from tests.test_peer_tls import EU, US, region, started, wait_for
 
 TRACEPARENT_RE = re.compile(rb"traceparent: 00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})", re.IGNORECASE)
@@ -146,6 +149,64 @@ async def test_an_offloaded_request_is_one_trace_across_both_balancers_and_the_r
         if relay is not None:
             await relay.stop()
         await asyncio.gather(*(c.stop() for c in children))
+        await receiver.stop()
+
+
+class TracedReplica(FakeReplica):
+    """A fake replica that keeps each request's traceparent and answers 503 while the
+    shared ``overloaded`` budget lasts."""
+
+    def __init__(self, name: str, overloaded: list[int]) -> None:
+        super().__init__(name)
+        self.overloaded = overloaded
+        self.traceparents: list[str | None] = []
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        self.traceparents.append(request.headers.get("traceparent"))
+        if self.overloaded[0] > 0:
+            self.overloaded[0] -= 1
+            return web.Response(status=503, text="busy")
+        return await super()._completions(request)
+
+
+@pytest.mark.timeout(60)
+async def test_a_retried_request_has_one_attempt_span_per_try(tmp_path: Path) -> None:
+    receiver = OtlpReceiver()
+    await receiver.start()
+    overloaded = [1]  # the first completion either replica gets is refused
+    replicas = [TracedReplica("r0", overloaded), TracedReplica("r1", overloaded)]
+    b: Balancer | None = None
+    try:
+        for r in replicas:
+            await r.start()
+        data = one_region_config({r.name: r.url for r in replicas}, free_port(), free_port(), name="round_robin")
+        data["tracing"] = {"endpoint": receiver.endpoint, "batch": {"schedule_delay_ms": 50}}
+        b = Balancer(parse_config(data), US)
+        await b.start(port=0)
+        await wait_for(lambda: b.core.available_count() == 2, "both replicas probed")
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "skymesh-sim", "prompt": "retry me", "max_tokens": 4}
+            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+        await b.stop()
+        b = None
+        (request,) = receiver.named("skymesh.request")
+        first, second = sorted(receiver.named("skymesh.attempt"), key=lambda s: s.attributes["skymesh.attempt"])
+        assert first.parent_span_id == second.parent_span_id == request.span_id
+        assert (first.attributes["skymesh.retries"], second.attributes["skymesh.retries"]) == (0, 1)
+        assert first.attributes["skymesh.outcome"] == "failed_before_output"
+        assert first.attributes["skymesh.reason"] == "HTTP 503"
+        assert second.attributes["skymesh.outcome"] == "served"
+        assert first.attributes["skymesh.replica"] != second.attributes["skymesh.replica"]
+        waits = receiver.named("skymesh.queue_wait")
+        assert [w.attributes["skymesh.queue.outcome"] for w in waits] == ["placed", "placed"]
+        # each replica was handed its own attempt's span as the parent
+        sent = {tp.split("-")[2] for r in replicas for tp in r.traceparents if tp}
+        assert sent == {first.span_id, second.span_id}
+    finally:
+        if b is not None:
+            await b.stop()
+        await asyncio.gather(*(r.stop() for r in replicas))
         await receiver.stop()
 
 

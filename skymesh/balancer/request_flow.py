@@ -134,7 +134,7 @@ class Waiter:
         self.attempt_task: asyncio.Task[AttemptOutcome] | None = None
         # when the first byte of a streamed answer reached the balancer (its TTFT)
         self.first_byte_at: float | None = None
-        # the request's spans (skymesh/balancer/tracing.py); None: tracing off or unsampled
+        # the request's spans (skymesh/balancer/tracing.py); None: tracing off
         self.trace = trace
 
     def say(self, action: Action) -> None:

@@ -5,6 +5,12 @@ at once): (1) requests straight to the replicas (the direct baseline: client lat
 (2) through a skymesh balancer (its process CPU per request, from /proc), (3) through
 sglang-router (round_robin) when it is installed (`.venv/bin/pip install -e '.[peers]'`). The routers
 run as their own processes; CPU is user+system time of that process tree.
+
+``--tracing`` adds the balancer with OpenTelemetry tracing on (every request sampled,
+and none: ``sampling_ratio`` 0), exporting to a sink in this process; ``--baseline-src
+DIR`` adds the balancer of another source tree (e.g. the commit before a change), tracing
+off both. ``--rounds N`` runs the balancer variants N times in turn and reports each one's
+median; ``ratios`` divides each variant's CPU by the plain balancer's of the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from aiohttp import web
 
 from skymesh.bench.peers import INSTALL_HINT
 from skymesh.runtime.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
@@ -93,12 +100,54 @@ async def _router_cost(router: Child, url: str, n: int, concurrency: int, max_to
             "p50_ms": round(statistics.median(lat) * 1000, 3)}
 
 
+class TraceSink:
+    """An OTLP/HTTP endpoint that takes the balancer's span batches and keeps only their
+    count and size (a collector's work is not the balancer's CPU)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.batches = 0
+        self.bytes = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/traces"
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        self.batches += 1
+        self.bytes += len(await request.read())
+        return web.Response(content_type="application/x-protobuf")  # an empty ExportTraceServiceResponse
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/traces", self._traces)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def _median_of(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (and, with several, every round's CPU)."""
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+    if len(runs) > 1:
+        out["cpu_us_per_request_rounds"] = [r["cpu_us_per_request"] for r in runs]
+    return out
+
+
 async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prompt_chars: int = 0,
-                  tokenizer: str | None = None) -> dict[str, Any]:
+                  tokenizer: str | None = None, tracing: bool = False, baseline_src: str | None = None,
+                  rounds: int = 1) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-proxy-"))
     children: list[Child] = []
     results: dict[str, Any] = {"requests": n, "concurrency": concurrency, "replicas": replicas,
-                               "max_tokens": max_tokens, "prompt_chars": prompt_chars, "tokenizer": tokenizer}
+                               "max_tokens": max_tokens, "prompt_chars": prompt_chars, "tokenizer": tokenizer,
+                               "rounds": rounds}
+    sink = TraceSink()
     try:
         reps, urls = await start_sim_replicas(replicas, "tiny-test", 0.001, tmp)
         children.extend(reps)
@@ -121,20 +170,41 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
             "policy": {"name": "round_robin", "options": {"dispatch_budget": 64}},
             "offload": {"enabled": False},
         }
-        # the byte fallback, and with a tokenizer (token-true prefixes) when one is given
-        variants: list[tuple[str, dict[str, Any]]] = [("skymesh", {})]
+        # the byte fallback, and with a tokenizer (token-true prefixes) when one is given;
+        # (name, config keys, environment: another source tree's balancer)
+        variants: list[tuple[str, dict[str, Any], dict[str, str] | None]] = [("skymesh", {}, None)]
+        if baseline_src is not None:
+            variants.append(("skymesh_baseline", {}, {"PYTHONPATH": baseline_src}))
+        if tracing:
+            await sink.start()
+            batch = {"schedule_delay_ms": 200}
+            variants.append(("skymesh_tracing_sampled",
+                             {"tracing": {"endpoint": sink.endpoint, "sampling_ratio": 1.0, "batch": batch}}, None))
+            variants.append(("skymesh_tracing_unsampled",
+                             {"tracing": {"endpoint": sink.endpoint, "sampling_ratio": 0.0, "batch": batch}}, None))
         if tokenizer is not None:
-            variants.append(("skymesh_tokenizer", {"tokenizer": {"path": tokenizer}}))
-        for name, extra in variants:
-            (tmp / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
-            b = Child(name, skymesh_cmd("balancer", "--config", str(tmp / f"{name}.yaml"), "--region", "bench-1",
-                                        "--http-port", "0", "--no-controller", "--no-peers",
-                                        "--log-level", "WARNING"), tmp)
-            b.start()
-            children.append(b)
-            burl = f"http://127.0.0.1:{(await b.wait_ready())['http']}"
-            results[name] = await _router_cost(b, burl, n, concurrency, max_tokens, prompt_chars)
-            await b.stop()
+            variants.append(("skymesh_tokenizer", {"tokenizer": {"path": tokenizer}}, None))
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
+        for _ in range(rounds):
+            for name, extra, env in variants:
+                (tmp / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
+                b = Child(name, skymesh_cmd("balancer", "--config", str(tmp / f"{name}.yaml"), "--region",
+                                            "bench-1", "--http-port", "0", "--no-controller", "--no-peers",
+                                            "--log-level", "WARNING"), tmp, env=env)
+                b.start()
+                children.append(b)
+                burl = f"http://127.0.0.1:{(await b.wait_ready())['http']}"
+                runs[name].append(await _router_cost(b, burl, n, concurrency, max_tokens, prompt_chars))
+                await b.stop()
+                children.remove(b)
+        for name, measured in runs.items():
+            results[name] = _median_of(measured)
+        if len(variants) > 1:
+            plain = results["skymesh"]["cpu_us_per_request"]
+            results["ratios"] = {name: round(results[name]["cpu_us_per_request"] / plain, 3)
+                                 for name, _, _ in variants[1:]}
+        if tracing:
+            results["trace_sink"] = {"batches": sink.batches, "bytes": sink.bytes}
         # 3) sglang-router, when installed
         sport = free_port()
         sgl = Child("sglang-router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -154,6 +224,7 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
     finally:
         for c in reversed(children):
             await c.stop()
+        await sink.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -166,12 +237,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pad each prompt to this many characters (0: short prompts)")
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json: also measure the balancer hashing token ids with it")
+    p.add_argument("--tracing", action="store_true",
+                   help="also measure the balancer with OpenTelemetry tracing on (all sampled, and none)")
+    p.add_argument("--baseline-src", default=None,
+                   help="a source tree (its skymesh/ package) whose balancer is measured too, e.g. the "
+                        "commit before a change (git archive REV | tar -x -C DIR)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the balancer variants this many times in turn; each one's median is reported")
     p.add_argument("--json", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
     res = asyncio.run(measure(args.requests, args.replicas, args.concurrency, args.max_tokens,
-                              args.prompt_chars, os.path.abspath(args.tokenizer) if args.tokenizer else None))
+                              args.prompt_chars, os.path.abspath(args.tokenizer) if args.tokenizer else None,
+                              tracing=args.tracing,
+                              baseline_src=os.path.abspath(args.baseline_src) if args.baseline_src else None,
+                              rounds=args.rounds))
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
