@@ -212,6 +212,7 @@ class BalancerTracing:
             exporter, max_queue_size=b.max_queue_size, schedule_delay_millis=b.schedule_delay_ms,
             max_export_batch_size=b.max_export_batch_size, export_timeout_millis=int(b.export_timeout_s * 1000)))
         self._tracer = self._provider.get_tracer(INSTRUMENTATION)
+        self._stopped = False
 
     def request(self, request: web.Request) -> RequestTrace:
         """The server span of a request that passed the gate: a client's or a mesh peer's
@@ -224,8 +225,10 @@ class BalancerTracing:
         return RequestTrace(self._tracer, span)
 
     async def shutdown(self) -> None:
-        """Export what is left (force_flush) and stop the worker, off the event loop."""
-        await asyncio.to_thread(self._flush_and_stop)
+        """Export what is left (force_flush) and stop the worker, off the event loop; once."""
+        if not self._stopped:
+            self._stopped = True
+            await asyncio.to_thread(self._flush_and_stop)
 
     def _flush_and_stop(self) -> None:
         self._provider.force_flush()

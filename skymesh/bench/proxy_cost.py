@@ -9,8 +9,9 @@ run as their own processes; CPU is user+system time of that process tree.
 ``--tracing`` adds the balancer with OpenTelemetry tracing on (every request sampled,
 and none: ``sampling_ratio`` 0), exporting to a sink in this process; ``--baseline-src
 DIR`` adds the balancer of another source tree (e.g. the commit before a change), tracing
-off both. ``--rounds N`` runs the balancer variants N times in turn and reports each one's
-median; ``ratios`` divides each variant's CPU by the plain balancer's of the same run.
+off both. ``--rounds N`` runs the balancer variants N times in turn (each round starting
+one variant further on) and reports each one's median; ``ratios`` divides each variant's
+CPU by the plain balancer's of the same run.
 """
 
 from __future__ import annotations
@@ -185,8 +186,10 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
         if tokenizer is not None:
             variants.append(("skymesh_tokenizer", {"tokenizer": {"path": tokenizer}}, None))
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
-        for _ in range(rounds):
-            for name, extra, env in variants:
+        for round_no in range(rounds):
+            # each round starts one variant further on: none always runs first or after the same one
+            start = round_no % len(variants)
+            for name, extra, env in variants[start:] + variants[:start]:
                 (tmp / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
                 b = Child(name, skymesh_cmd("balancer", "--config", str(tmp / f"{name}.yaml"), "--region",
                                             "bench-1", "--http-port", "0", "--no-controller", "--no-peers",
