@@ -210,6 +210,35 @@ async def test_a_retried_request_has_one_attempt_span_per_try(tmp_path: Path) ->
         await receiver.stop()
 
 
+@pytest.mark.timeout(60)
+async def test_an_unsampled_request_records_nothing_but_passes_its_traceparent(tmp_path: Path) -> None:
+    receiver = OtlpReceiver()
+    await receiver.start()
+    replica = TracedReplica("r0", [0])
+    b: Balancer | None = None
+    try:
+        await replica.start()
+        data = one_region_config({"r0": replica.url}, free_port(), free_port(), name="round_robin")
+        data["tracing"] = {"endpoint": receiver.endpoint, "sampling_ratio": 0.0, "batch": {"schedule_delay_ms": 50}}
+        b = Balancer(parse_config(data), US)
+        await b.start(port=0)
+        await wait_for(lambda: b.core.available_count() == 1, "the replica probed")
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "skymesh-sim", "prompt": "do not trace me", "max_tokens": 4}
+            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+        await b.stop()
+        b = None
+        assert receiver.spans == []
+        (traceparent,) = replica.traceparents
+        assert traceparent is not None and int(traceparent.split("-")[3], 16) & 1 == 0  # sampled flag clear
+    finally:
+        if b is not None:
+            await b.stop()
+        await replica.stop()
+        await receiver.stop()
+
+
 def with_tracing(section: dict[str, Any]) -> Any:
     data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     return parse_config({**data, "tracing": section})

@@ -35,7 +35,15 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    set_span_in_context,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome
@@ -161,6 +169,36 @@ class RequestTrace:
             self._queue_wait = None
 
 
+class UnsampledRequestTrace(RequestTrace):
+    """A request whose trace is not sampled: no child span is made (none would be
+    recorded), but each attempt still carries the request's ``traceparent`` (its sampled
+    flag clear), so the replica and a peer balancer leave it unsampled too."""
+
+    __slots__ = ()
+
+    def admitted(self, req: RoutingRequest, *, stream: bool, slo_class: str | None) -> None:
+        pass
+
+    def queued(self) -> None:
+        pass
+
+    def placed(self, action: SendToReplica | ForwardToRegion, *, policy: str, candidates: Candidates,
+               req: RoutingRequest | None) -> None:
+        pass
+
+    def rejected(self, r: Reject) -> None:
+        pass
+
+    def attempt_started(self, action: SendToReplica | ForwardToRegion, target: AttemptTarget) -> AttemptSpan:
+        headers = dict(target.headers)
+        PROPAGATOR.inject(headers, context=set_span_in_context(self._span))
+        target.headers = headers
+        return UNSAMPLED_ATTEMPT
+
+    def ended(self, status: int | None, error: BaseException | None = None) -> None:
+        pass
+
+
 class AttemptSpan:
     """The client span of one attempt (a replica) or forward (a peer region)."""
 
@@ -187,6 +225,10 @@ class AttemptSpan:
             if outcome.outcome is not Outcome.SERVED:
                 span.set_status(Status(StatusCode.ERROR, outcome.reason or outcome.outcome.value))
         span.end()
+
+
+# what an unsampled request's attempts record: nothing (every call on it is a no-op)
+UNSAMPLED_ATTEMPT = AttemptSpan(INVALID_SPAN)
 
 
 class BalancerTracing:
@@ -222,6 +264,8 @@ class BalancerTracing:
             "http.request.method": request.method,
             "url.path": request.path,
         })
+        if not span.is_recording():  # not sampled (the ratio, or a caller's unsampled traceparent)
+            return UnsampledRequestTrace(self._tracer, span)
         return RequestTrace(self._tracer, span)
 
     async def shutdown(self) -> None:
