@@ -151,6 +151,10 @@ class Waiter:
         """The core said something after the word just taken (so that word is stale)."""
         return bool(self._words)
 
+    def holds_words(self) -> bool:
+        """A word is said and not yet taken (the request is not waiting on the core)."""
+        return bool(self._words)
+
 
 class RequestFlow:
     """The serve/retry loop of admitted requests, and the outcome accounting.
@@ -205,7 +209,8 @@ class RequestFlow:
     ) -> web.StreamResponse:
         trace = waiter.trace
         while True:
-            if trace is not None:
+            # a word already said (a placement made while an abandoned attempt ended) is no wait
+            if trace is not None and not waiter.holds_words():
                 trace.queued()
             action = await waiter.next_word()
             if isinstance(action, Reject):
