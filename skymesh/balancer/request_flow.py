@@ -149,7 +149,7 @@ class Waiter:
 
     def superseded(self) -> bool:
         """The core said something after the word just taken (so that word is stale)."""
-        return bool(self._words)
+        return self.holds_words()
 
     def holds_words(self) -> bool:
         """A word is said and not yet taken (the request is not waiting on the core)."""
