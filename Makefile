@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run run-fleet test lint fmt proto clean vllm-env checkov-env prometheus-env
+.PHONY: setup run run-fleet test lint fmt proto clean vllm-env checkov-env clients-env prometheus-env
 
 setup: $(STAMP)
 
@@ -30,12 +30,19 @@ vllm-env: setup
 checkov-env: setup
 	$(BIN)/python -m skymesh.testing.checkov_env build
 
+# the benchmark clients (docs/clients.md), pinned, on Python 3.12: openai, litellm, guidellm,
+# aiperf in .venv-clients, inference-perf in .venv-inference-perf (its pins conflict with
+# aiperf's); built once (~5-8 min), instant afterwards; when they cannot be built this says
+# why and tests/test_clients.py skips (tests never install anything)
+clients-env: setup
+	$(BIN)/python -m skymesh.testing.clients_env build
+
 # prometheus and promtool (Debian's package, unpacked into .prometheus/, nothing installed
 # system-wide) for the observability tests; when it cannot be fetched they skip saying why
 prometheus-env: setup
 	$(BIN)/python -m skymesh.testing.prometheus_env fetch
 
-test: setup vllm-env checkov-env prometheus-env
+test: setup vllm-env checkov-env clients-env prometheus-env
 	$(BIN)/ruff check skymesh controller tests benchmarks
 	$(BIN)/python -m pytest -q
 
@@ -50,4 +57,4 @@ proto: setup
 	$(BIN)/python -m skymesh.runtime.proto_build
 
 clean:
-	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache .venv-checkov .prometheus
+	rm -rf $(VENV) build *.egg-info .vllm-venv .vllm-cache .venv-checkov .venv-clients .venv-inference-perf .prometheus
