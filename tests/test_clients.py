@@ -81,6 +81,28 @@ def venv_or_skip(tool: ToolVenv) -> ToolVenv:
     return tool
 
 
+# the venv fixtures come first in each test's arguments: a missing venv skips the test
+# before the mesh is started for it
+
+
+@pytest.fixture
+def clients() -> ToolVenv:
+    return venv_or_skip(clients_env.CLIENTS)
+
+
+@pytest.fixture
+def inference_perf() -> ToolVenv:
+    return venv_or_skip(clients_env.INFERENCE_PERF)
+
+
+@pytest.fixture
+def vllm_bin() -> Path:
+    reason = vllm_env.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return vllm_env.VENV / "bin" / "vllm"
+
+
 def offline_env(tmp: Path, hf_offline: bool = True) -> dict[str, str]:
     """Nothing leaves loopback: an empty HF cache, the Hub's endpoint on a closed loopback
     port (a stray lookup fails at once instead of waiting on a network), telemetry off."""
@@ -235,8 +257,8 @@ def test_the_client_venvs_are_found_or_the_reason_given_without_installing(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_openai_sdk(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
-    py = venv_or_skip(clients_env.CLIENTS).bin("python")
+def test_openai_sdk(clients: ToolVenv, mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
+    py = clients.bin("python")
     before = mesh.served()
     out = tmp_path / "openai.jsonl"
     run_client("openai", [py, ROOT / "tests" / "clients" / "openai_load.py", "--base-url", mesh.url + "/v1",
@@ -250,8 +272,8 @@ def test_openai_sdk(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_litellm_sdk(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
-    py = venv_or_skip(clients_env.CLIENTS).bin("python")
+def test_litellm_sdk(clients: ToolVenv, mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
+    py = clients.bin("python")
     before = mesh.served()
     out = tmp_path / "litellm.jsonl"
     run_client("litellm", [py, ROOT / "tests" / "clients" / "litellm_load.py", "--api-base", mesh.url + "/v1",
@@ -264,17 +286,13 @@ def test_litellm_sdk(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
-def test_vllm_bench_serve(mesh: Mesh, tmp_path: Path) -> None:
+def test_vllm_bench_serve(vllm_bin: Path, mesh: Mesh, tmp_path: Path) -> None:
     """``vllm bench serve`` from the project's vLLM venv, random dataset, both backends
     that speak to an OpenAI server's completions (openai, vllm)."""
-    reason = vllm_env.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    vllm = vllm_env.VENV / "bin" / "vllm"
     for backend in ("openai", "vllm"):
         before = mesh.served()
         name = f"vllm-bench-{backend}"
-        run_client(name, [vllm, "bench", "serve", "--backend", backend, "--base-url", mesh.url, "--model", MODEL,
+        run_client(name, [vllm_bin, "bench", "serve", "--backend", backend, "--base-url", mesh.url, "--model", MODEL,
                           "--tokenizer", SIM_TOKENIZER_DIR, "--dataset-name", "random",
                           "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(OUTPUT_TOKENS),
                           "--num-prompts", str(REQUESTS), "--max-concurrency", "4", "--seed", "7",
@@ -297,11 +315,11 @@ def test_vllm_bench_serve(mesh: Mesh, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_guidellm(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
+def test_guidellm(clients: ToolVenv, mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
     """guidellm's default backend (openai_http: streamed chats) with synthetic text, the
     tokenizer folder as its processor; its per-request token counts against the chats it
     recorded sending, re-counted here, and the replicas' counts."""
-    guidellm = venv_or_skip(clients_env.CLIENTS).bin("guidellm")
+    guidellm = clients.bin("guidellm")
     before = mesh.served()
     out = tmp_path / "guidellm.json"
     run_client("guidellm", [guidellm, "run", "--backend", f"kind=openai_http,target={mesh.url},model={MODEL}",
@@ -333,11 +351,11 @@ def test_guidellm(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_aiperf(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
+def test_aiperf(clients: ToolVenv, mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
     """aiperf profile on the completions endpoint, streamed, synthetic prompts, the
     tokenizer folder; run without HF_HUB_OFFLINE (its offline mode looks a tokenizer up in
     the HF cache only and refuses a folder: docs/clients.md)."""
-    aiperf = venv_or_skip(clients_env.CLIENTS).bin("aiperf")
+    aiperf = clients.bin("aiperf")
     before = mesh.served()
     art = tmp_path / "aiperf"
     run_client("aiperf", [aiperf, "profile", "--model", MODEL, "--url", mesh.url, "--endpoint-type", "completions",
@@ -365,10 +383,10 @@ def test_aiperf(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_inference_perf(mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
+def test_inference_perf(inference_perf: ToolVenv, mesh: Mesh, tok: Tokenizer, tmp_path: Path) -> None:
     """inference-perf (its own venv) with docs/clients.md's YAML: random prompts on the
     completions API, streamed, a concurrent stage of REQUESTS requests."""
-    exe = venv_or_skip(clients_env.INFERENCE_PERF).bin()
+    exe = inference_perf.bin()
     before = mesh.served()
     out = tmp_path / "report"
     config = {

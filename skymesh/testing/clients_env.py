@@ -5,8 +5,8 @@ Two venvs at the clone's root (gitignored, removed by ``make clean``), both on P
 (inference-perf requires it; the others share it):
 
 * ``.venv-clients/``: the openai SDK, LiteLLM, guidellm and aiperf, which install together;
-* ``.venv-inference-perf/``: inference-perf alone (it pins an ``aiofiles`` that aiperf's
-  requirements refuse).
+* ``.venv-inference-perf/``: inference-perf alone (it requires ``aiofiles>=25.1.0``,
+  aiperf ``aiofiles~=24.1.0``).
 
 ``vllm bench serve`` is the one in the project's vLLM venv (``make vllm-env``). Stamps,
 bounded builds and the failure record are :mod:`skymesh.testing.tool_venv`'s: without a
