@@ -32,7 +32,7 @@ checkov-env: setup
 
 # the benchmark clients (docs/clients.md), pinned, on Python 3.12: openai, litellm, guidellm,
 # aiperf in .venv-clients, inference-perf in .venv-inference-perf (its pins conflict with
-# aiperf's); built once (~5-8 min), instant afterwards; when they cannot be built this says
+# aiperf's); built once (~5-11 min), instant afterwards; when they cannot be built this says
 # why and tests/test_clients.py skips (tests never install anything)
 clients-env: setup
 	$(BIN)/python -m skymesh.testing.clients_env build
