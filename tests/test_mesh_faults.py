@@ -220,21 +220,33 @@ async def test_requests_waiting_for_a_killed_region_are_answered_at_failover_not
     their residency allows) wait there for eu-west-1: forwarded and waiting for the answer,
     or queued for a free eu-west-1 replica. eu-west-1's balancer is SIGKILLed: each of them
     is answered (503 + Retry-After: nothing else may serve it) before eu-west-1 returns."""
-    async with mesh_with(tmp_path, probe_interval_s=0.5, failure_threshold=3) as mesh:
+    # the kill is seen by the heartbeat stream breaking, at once; the timeout bound is kept
+    # well above a busy machine's stalls (heartbeats every 0.1 s; 3 missed, the default,
+    # is 0.3 s), or the burst below could meet eu-west-1 briefly unavailable at
+    # ap-northeast-1 and be answered 503 before anything is forwarded
+    async with running_mesh(tmp_path, {"probe_interval_s": 0.5, "failure_threshold": 3},
+                            offload={"heartbeat_miss_limit": 20}) as mesh:
         ap_url = mesh.cfg.region(AP).balancer.advertise_url
         us_ip = mesh.cfg.region(US).balancer.advertise.host
         async with client_session(REGION_SOURCES[EU]) as s:
             # ~3000 output tokens: several seconds at an eu-west-1 replica, no byte before
             waiting = [asyncio.create_task(ask_answer(s, ap_url, f"eu user {i} asks far away", 3000))
                        for i in range(24)]
+            seen: dict[str, Any] = {}
 
             async def forwarded_and_queued() -> bool:
                 # more than eu-west-1 takes at once: the rest queue at ap-northeast-1
                 ap, eu = await admin(mesh, AP), await admin(mesh, EU)
+                seen.update(ap=None if ap is None else {k: ap[k] for k in ("offloaded_out", "queue_length")},
+                            eu=None if eu is None else eu["in_flight"],
+                            answered=[t.result()["status"] for t in waiting if t.done()])
                 return (ap is not None and eu is not None and ap["offloaded_out"] >= 1 and eu["in_flight"] >= 1
                         and ap["queue_length"] >= 1)
 
-            await wait_for(forwarded_and_queued, 30, "EU requests forwarded from ap-northeast-1 and queued there")
+            try:
+                await wait_for(forwarded_and_queued, 30, "EU requests forwarded from ap-northeast-1 and queued there")
+            except TimeoutError as e:
+                raise AssertionError(f"{e}; last seen: {seen}") from None
             ap_before = await admin(mesh, AP)
             assert ap_before is not None
             assert not any(t.done() for t in waiting), [t.result() for t in waiting if t.done()]

@@ -36,10 +36,13 @@ def mesh_config(tmp_path: Path, profile: str = "tiny-test") -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def running_mesh(tmp_path: Path, controller: dict[str, Any] | None = None, **kw: Any) -> AsyncIterator[Mesh]:
-    """The local mesh, started, peers meshed; ``controller``: settings over mesh_config's."""
+async def running_mesh(tmp_path: Path, controller: dict[str, Any] | None = None,
+                       offload: dict[str, Any] | None = None, **kw: Any) -> AsyncIterator[Mesh]:
+    """The local mesh, started, peers meshed; ``controller``, ``offload``: settings over
+    mesh_config's."""
     data = mesh_config(tmp_path, **kw)
     data["controller"].update(controller or {})
+    data["offload"].update(offload or {})
     mesh = Mesh.from_dict(data, tmp_path / "run")
     await mesh.start()
     try:
