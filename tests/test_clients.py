@@ -239,7 +239,7 @@ def test_the_client_venvs_are_found_or_the_reason_given_without_installing(tmp_p
         assert "make clients-env" in (t.unavailable_reason() or "")
         assert not t.venv.exists()  # asking never builds
         t.venv.mkdir()
-        summary = "pip install failed (exit 1); log: x"
+        summary = "the recorded build step failed (exit 1); log: x"
         (t.venv / "build-failed").write_text(f"{summary}\nno index\n")
         reason = t.unavailable_reason() or ""
         assert "could not be built" in reason and summary in reason
