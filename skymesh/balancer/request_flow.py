@@ -265,13 +265,7 @@ class RequestFlow:
                     self._judge_prediction(action, outcome.tail)
                 self.core.complete(req.request_id, now)
                 self.wake.set()
-                self._judge_slo(req, slo, waiter, outcome, now)
-                if not req.forwarded:  # counted once, where the client called
-                    self.metrics.observe_client_latency(
-                        slo_class=slo.name if slo is not None else None, served_by_peer=on_peer,
-                        e2e_s=now - req.arrival,
-                        ttft_s=None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival,
-                        completion_tokens=reported_completion_tokens(outcome.tail))
+                self._judge_served(req, slo, waiter, outcome, now, served_by_peer=on_peer)
                 assert outcome.response is not None
                 return outcome.response
             if outcome.outcome is Outcome.FAILED_MIDSTREAM:
@@ -304,14 +298,21 @@ class RequestFlow:
         if slo is not None and not req.forwarded:
             self.metrics.slo_outcomes.labels(slo.name, outcome).inc()
 
-    def _judge_slo(self, req: RoutingRequest, slo: SloClass | None, waiter: Waiter,
-                   outcome: AttemptOutcome, now: float) -> None:
-        """Count a served answer against its class's targets (see skymesh/slo_judge.py)."""
-        if slo is None or req.forwarded:
+    def _judge_served(self, req: RoutingRequest, slo: SloClass | None, waiter: Waiter,
+                      outcome: AttemptOutcome, now: float, *, served_by_peer: bool) -> None:
+        """A served answer as its client saw it, counted once, where the client called: its
+        latencies, and against its class's targets (see skymesh/slo_judge.py)."""
+        if req.forwarded:
             return
+        e2e = now - req.arrival
         ttft = None if waiter.first_byte_at is None else waiter.first_byte_at - req.arrival
-        missed = missed_targets(slo.targets, e2e_s=now - req.arrival, ttft_s=ttft,
-                                completion_tokens=reported_completion_tokens(outcome.tail))
+        completion_tokens = reported_completion_tokens(outcome.tail)
+        self.metrics.observe_client_latency(slo_class=slo.name if slo is not None else None,
+                                            served_by_peer=served_by_peer, e2e_s=e2e, ttft_s=ttft,
+                                            completion_tokens=completion_tokens)
+        if slo is None:
+            return
+        missed = missed_targets(slo.targets, e2e_s=e2e, ttft_s=ttft, completion_tokens=completion_tokens)
         for target in missed:
             self.metrics.slo_target_misses.labels(slo.name, target).inc()
         self.count_slo_outcome(req, slo, "missed" if missed else "met")
