@@ -86,7 +86,7 @@ def test_system_suffixes_pick_offload_and_its_trigger_in_both_modes(tmp_path: Pa
     assert split("dualmap", "predicted_ttft") == ("dualmap", True, "predicted_ttft")
     assert split("prefix_tree@saturated", "predicted_ttft") == ("prefix_tree", True, "saturated")
     assert split("dualmap@local", "predicted_ttft")[1] is False
-    with pytest.raises(SystemExit, match="@local or @saturated"):
+    with pytest.raises(SystemExit, match="@local, @saturated or @pooled"):
         split("dualmap@fast", "predicted_ttft")
     args = argparse.Namespace(regions=3, replicas=2, region_replicas="eu-west-1=4")
     assert sim_main.replicas_per_region(args, ["us-east-1", "eu-west-1"]) == {"us-east-1": 2, "eu-west-1": 4}

@@ -28,6 +28,30 @@ skymesh/bench/sim_chains.py) or ``"events"``: requests get token ids
 (:func:`~skymesh.bench.sim_chains.trace_block_ids`), chunks are the balancer's own
 :func:`~skymesh.prompt_encoder.id_chunk_hashes` over engine-block-sized chunks, and each
 engine's KV events reach its region core's block index at the end of every step.
+
+**The pooled bound** (``SimConfig.pooled``; ``skymesh sim`` system ``NAME@pooled``, or
+``--pooled-bound``): every replica of every region forms one pool behind one region core
+(:data:`~skymesh.bench.sim_config.POOL`), the real :class:`RegionCore` with the same
+policy over all of them, no queue split and no offload (there is no peer); each replica
+keeps its region as its *home* (``RegionCore.set_replicas(..., homes=...)``, the
+mechanism the daemon uses for replicas adopted on failover) and each client request
+carries its region as ``origin_region``. What any cross-region offload could give at
+most, short of a better policy: one queue sees every replica at once, with no heartbeat
+staleness and no forward decided on a stale view. The link is the simulator's part, as
+for a forward: the request reaches its replica the one-way latency between the client's
+region and the replica's after the pool placed it, and its first token (and its end)
+reach the client the one-way latency back, so a request served in another region pays
+the link's round trip, as a forwarded one does, and one served at home pays nothing.
+
+*Residency:* the pool honours the run's offload rules (e.g. the EU rule: ``eu-*``
+clients only on ``eu-*`` replicas), by the core's own residency check (a replica whose
+home the rules close to a request's origin is never offered to the policy for it). A
+bound that ignored them would promise what no mesh that keeps the rules can reach; with
+no rule (``--no-eu-rule``) the pool is free. *Not modelled:* the policy places by its own
+view and does not price the link (dualmap's SLO check sees queue and prefill, not the
+RTT; at most 2 x 110 ms against a 2 s SLO on the 3-region layout), and no request is
+refused for an SLO class that cannot afford the link, as the mesh's offload refuses to
+forward it: with SLO classes tighter than a round trip the pool is no bound.
 """
 
 from __future__ import annotations
@@ -49,7 +73,7 @@ from skymesh.bench.sim_chains import (
     prompt_token_ids,
     token_chains,
 )
-from skymesh.bench.sim_config import SimConfig
+from skymesh.bench.sim_config import POOL, SimConfig, pool_homes
 from skymesh.bench.sim_result import SimResult
 from skymesh.bench.sim_state import SimRegion, SimReplica, routing_events
 from skymesh.bench.traces import TraceRequest, fit_request
@@ -71,7 +95,7 @@ from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 class Simulator:
     (ARRIVE, STEP_DONE, WAKE, PROBE, HEARTBEAT, BEAT_ARRIVE, FORWARD_ARRIVE, SAMPLE, SIBLING,
-     SIBLING_ARRIVE) = range(10)
+     SIBLING_ARRIVE, DELIVER) = range(11)
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
@@ -87,20 +111,30 @@ class Simulator:
         # keep the profile's KV capacity in tokens whatever the simulated block size
         self.num_blocks = max(1, self.profile.kv_capacity_tokens // cfg.block_size)
         seed = CostSeed(*self.profile.ttft_seed())
-        self.regions = {name: SimRegion(name, cfg, seed, self.num_blocks) for name in cfg.regions}
+        # the simulated region cores: one per region, or the pooled bound's one
+        self.pool: SimRegion | None = None
+        if cfg.pooled:
+            self.pool = SimRegion(POOL, cfg, seed, self.num_blocks, homes=pool_homes(cfg))
+            self.regions = {POOL: self.pool}
+        else:
+            self.regions = {name: SimRegion(name, cfg, seed, self.num_blocks) for name in cfg.regions}
         self.replicas: dict[str, SimReplica] = {}
+        # replica -> the simulated region whose cores drive it (its own region but in the pool)
+        self._owner: dict[str, SimRegion] = {}
         for reg in self.regions.values():
             for rid in reg.replica_ids:
                 eng = Engine(self.profile, block_size=cfg.block_size, num_gpu_blocks=self.num_blocks)
                 if self.events_view:
                     eng.enable_kv_events()
-                self.replicas[rid] = SimReplica(len(self.replicas), rid, reg.name, eng)
+                self.replicas[rid] = SimReplica(len(self.replicas), rid, reg.homes[rid], eng)
+                self._owner[rid] = reg
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._engine_args: dict[str, tuple[int, list[int], int, list[int] | None]] = {}
         self._engine_req: dict[str, EngineRequest] = {}  # dispatched, first token not yet out
-        # request -> (region, balancer index) it arrived at / is served by
-        self._origin: dict[str, tuple[str, int]] = {}
+        # request -> (region core, balancer index) it arrived at, and its client's region;
+        # request -> (region core, balancer index) it is served by
+        self._origin: dict[str, tuple[str, int, str]] = {}
         self._served_by: dict[str, tuple[str, int]] = {}
         self.max_replica_waiting = 0
         self.max_replica_unadmitted = 0
@@ -118,7 +152,7 @@ class Simulator:
         cfg = self.cfg
         max_len = self.profile.max_model_len
         cap = self.num_blocks * cfg.block_size
-        default_region = next(iter(self.regions))
+        default_region = next(iter(cfg.regions))
         self._arrival = array("d")
         self._first = array("d")
         self._finish = array("d")
@@ -155,7 +189,7 @@ class Simulator:
             self._predicted.append(math.nan)
             self._actual.append(math.nan)
             self._class.append(class_index.get(r.slo_class, -1))
-            region = r.region if r.region in self.regions else default_region
+            region = r.region if r.region in cfg.regions else default_region
             self._push(r.arrival_s, self.ARRIVE, (i, region, r, in_len, out_len))
             return True
 
@@ -214,11 +248,13 @@ class Simulator:
                     blocks, chunks = block_chains(r.hash_ids, in_len, cfg.block_size, cfg.routing.policy.chunk_tokens)
                     blocks += output_block_chain(blocks, r.hash_ids, in_len, out_len, cfg.block_size)
                 self._engine_args[rid] = (in_len, blocks, out_len, token_ids)
-                reg = self.regions[region]
+                # the pool: one core for every client, each request carrying its region
+                reg = self.pool if self.pool is not None else self.regions[region]
                 k = reg.next_balancer()
-                self._origin[rid] = (region, k)
+                self._origin[rid] = (reg.name, k, region)
                 rreq = RoutingRequest(rid, chunks, in_len, r.arrival_s, max_tokens=out_len,
-                                      session_key=str(r.session))
+                                      session_key=str(r.session),
+                                      origin_region=region if self.pool is not None else None)
                 targets = cfg.slo_classes.get(r.slo_class) if r.slo_class else None
                 if targets is not None:
                     apply_slo_class(rreq, SloClass(r.slo_class, targets))
@@ -260,6 +296,8 @@ class Simulator:
                     outstanding -= 1
                     if progress:
                         progress(1)
+            elif kind == self.DELIVER:
+                self._deliver(*payload, t)
             elif kind == self.SAMPLE:
                 pending = {rid: 0 for rid in all_ids}
                 for reg in self.regions.values():
@@ -320,10 +358,17 @@ class Simulator:
                 rep = self.replicas[action.replica_id]
                 in_len, blocks, out_len, token_ids = self._engine_args.pop(rid)
                 self._served_by[rid] = (reg.name, k)
-                if reg.name != self._origin[rid][0]:
+                client = self._origin[rid][2]
+                if rep.region != client:
                     self._flags[int(rid)] |= 2
                 self._predicted[int(rid)] = action.decision.matched_tokens
-                self._deliver(rep, rid, in_len, blocks, out_len, token_ids, t)
+                # a region's balancer is next to its replicas; the pool's prompt travels
+                # from the client's region to the replica's (a forward paid it on the way)
+                delay = self.cfg.latency_s(client, rep.region) if self.pool is not None else 0.0
+                if delay > 0.0:
+                    self._push(t + delay, self.DELIVER, (rep, rid, in_len, blocks, out_len, token_ids))
+                else:
+                    self._deliver(rep, rid, in_len, blocks, out_len, token_ids, t)
             elif isinstance(action, ForwardToRegion):
                 # as the daemon's forward claims it (request_flow.peer_target): the sender's region
                 forwarded = replace(core.request_of(rid), forwarded=True, origin_region=reg.name)
@@ -422,15 +467,16 @@ class Simulator:
             events = rep.engine.take_kv_events()
             if events:
                 decoded = routing_events(events)
-                for core in regions[rep.region].cores:  # every balancer consumes every event
+                for core in self._owner[rep.rid].cores:  # every balancer consumes every event
                     core.kv_events(rep.rid, decoded, t, self.num_blocks)
         for rid in out.first_token:
             er = self._engine_req.pop(rid, None)
             if er is not None:
                 self._actual[int(rid)] = er.cached_tokens
             region, k = self._served_by[rid]
-            origin, ok = self._origin[rid]
-            self._first[int(rid)] = t + cfg.latency_s(region, origin)
+            origin, ok, client = self._origin[rid]
+            # back to the client over the link from the replica's region
+            self._first[int(rid)] = t + cfg.latency_s(rep.region, client)
             regions[region].cores[k].first_token(rid, t)
             if origin != region:
                 # the origin tracks its forwarded request to the end too (it books nothing
@@ -440,8 +486,8 @@ class Simulator:
         finished = 0
         for rid in out.finished:
             region, k = self._served_by.pop(rid)
-            origin, ok = self._origin.pop(rid)
-            self._finish[int(rid)] = t + cfg.latency_s(region, origin)
+            origin, ok, client = self._origin.pop(rid)
+            self._finish[int(rid)] = t + cfg.latency_s(rep.region, client)
             regions[region].cores[k].complete(rid, t)
             if origin != region:
                 regions[origin].cores[ok].complete(rid, t)

@@ -7,7 +7,9 @@ workloads draw their prompts and arrivals from it, traces their region assignmen
 trace window (``--windows``). The report gives each system's goodput (req/s) per variant,
 mean and spread, the prefix hit rate and P90 TTFT at its goodput, the workload's bounds
 (infinite-cache oracle and the realistic shared-LRU bound), and the rankings that hold on
-every variant.
+every variant. With ``--pooled-bound`` (or a ``NAME@pooled`` system) each system's goodput
+is also given per variant as a fraction of its policy's pooled bound (skymesh/bench/des.py,
+"The pooled bound").
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from skymesh.bench.ranking import Spread, bisect_goodput, ranking_statements
 from skymesh.bench.sim_main import (
     build_trace,
     check_policy_options,
+    of_pooled,
     parse_policy_options,
     region_layout,
     replicas_per_region,
     run_one,
+    systems_of,
 )
 from skymesh.bench.traces import fit_to_context, lru_hit_rate, oracle_hit_rate
 from skymesh.hardware import PROFILES
@@ -100,7 +104,7 @@ def bounds(args: argparse.Namespace) -> dict[str, float | None]:
 
 
 def run_search(args: argparse.Namespace) -> int:
-    systems = [s for s in args.systems.split(",") if s]
+    systems = systems_of(args)
     check_policy_options(systems, parse_policy_options(args.policy_option))
     vs = variants(args)
     t0 = time.perf_counter()
@@ -128,20 +132,30 @@ def run_search(args: argparse.Namespace) -> int:
         rows.append({"system": s, "goodput": g, "hit_rate": [r["prefix_hit_rate"] for r in per],
                      "ttft_p90": [r["ttft_p90"] for r in per], "searches": per})
     claims = ranking_statements(goodputs, args.resolution)
+    # each system as a fraction of its policy's pooled bound, where the run has one
+    fractions = of_pooled(goodputs)
+    for row in rows:
+        if row["system"] in fractions:
+            row["of_pooled"] = fractions[row["system"]]
+    pooled_col = bool(fractions)
     unit = "req/s" if all(r is not None for r in rates) else "x the trace's rate"
     lines = [f"variants: {', '.join(variant_name(v) for v in vs)}; resolution {args.resolution:.0%}; "
              f"SLO attainment >= 0.9 at TTFT {args.slo:g} s",
              "", f"| system | goodput ({unit}) per variant | mean | spread (min-max) | prefix hit rate at goodput | "
-             "P90 TTFT at goodput (s) |", "|---|---|---|---|---|---|"]
+             "P90 TTFT at goodput (s) |" + (" × pooled bound per variant |" if pooled_col else ""),
+             "|---|---|---|---|---|---|" + ("---|" if pooled_col else "")]
+
+    def each(vals: list[Any]) -> str:
+        return " / ".join("-" if x is None else f"{x:.3g}" for x in vals)
     for row in rows:
         sp = Spread(tuple(row["goodput"]))
-
-        def each(vals: list[Any]) -> str:
-            return " / ".join("-" if x is None else f"{x:.3g}" for x in vals)
+        frac = (f" {each(row['of_pooled'])} |" if "of_pooled" in row else " |") if pooled_col else ""
         lines.append(f"| {row['system']} | {each(row['goodput'])} | {sp.mean:.3g} | {sp.low:.3g}-{sp.high:.3g} | "
-                     f"{each(row['hit_rate'])} | {each(row['ttft_p90'])} |")
-    lines.append(f"| oracle (infinite shared cache) | | | | {' / '.join(str(b['oracle']) for b in bound)} | |")
-    lines.append(f"| realistic bound (shared LRU of all KV) | | | | {' / '.join(str(b['lru']) for b in bound)} | |")
+                     f"{each(row['hit_rate'])} | {each(row['ttft_p90'])} |{frac}")
+    blank = " |" if pooled_col else ""
+    lines.append(f"| oracle (infinite shared cache) | | | | {' / '.join(str(b['oracle']) for b in bound)} | |{blank}")
+    lines.append(f"| realistic bound (shared LRU of all KV) | | | | {' / '.join(str(b['lru']) for b in bound)} | |"
+                 f"{blank}")
     lines += ["", "Rankings (a claim only where every variant agrees beyond the resolution):"]
     lines += [f"- {c}" for c in claims]
     report = "\n".join(lines)

@@ -59,11 +59,15 @@ class SimConfig:
     # sibling_delay_s later
     balancers_per_region: int = 1
     sibling_delay_s: float = 0.0005
+    # the pooled bound (skymesh/bench/des.py, "The pooled bound"): every replica of every
+    # region behind one region core (POOL), clients paying the link to the replica's region
+    pooled: bool = False
 
     @property
     def offload(self) -> bool:
-        """Whether the regions offload to each other (with one region there is no peer)."""
-        return self.routing.offload.enabled and len(self.regions) > 1
+        """Whether the regions offload to each other (with one region there is no peer;
+        the pooled bound has one region core and so no peer either)."""
+        return self.routing.offload.enabled and len(self.regions) > 1 and not self.pooled
 
     def latency_s(self, a: str, b: str) -> float:
         if a == b:
@@ -71,10 +75,21 @@ class SimConfig:
         return self.one_way_ms.get((a, b), self.one_way_ms.get((b, a), 0.0)) / 1000.0
 
 
+# the pooled bound's one region core (its replicas keep their own regions as their homes)
+POOL = "pool"
+
+
+def pool_homes(cfg: SimConfig) -> dict[str, str]:
+    """The pooled bound's replicas, each with its home region: the mesh's replica ids
+    (``REGION/rI``), in the mesh's order."""
+    return {f"{name}/r{i}": name for name, n in cfg.regions.items() for i in range(n)}
+
+
 def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAssembly:
     """What one simulated region's core is built from: the routing it simulates, turned
-    into settings as the daemon turns a mesh config (skymesh/assembly.py)."""
-    peers = {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
+    into settings as the daemon turns a mesh config (skymesh/assembly.py). The pooled
+    bound's core (``POOL``) has no peer: its offload rules only decide residency."""
+    peers = {} if name == POOL else {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
     assembly = routing_assembly(cfg.routing, name, peer_one_way_s=peers, cost_seed=seed,
                                 kv_events=cfg.cache_view == "events")
     return replace(assembly, offload=replace(assembly.offload, enabled=cfg.offload),

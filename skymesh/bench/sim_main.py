@@ -5,7 +5,11 @@ multiplier of ``--rates`` (the goodput sweep). A system name is a policy from th
 (``dualmap``, ``prefix_tree``, ...). With one region that is a single central balancer in
 front of all replicas; with several regions every region has its own balancer and
 ``NAME`` offloads across regions (skymesh; ``--offload-trigger``), ``NAME@saturated`` by
-SkyWalker's rule, while ``NAME@local`` never does (region-local).
+SkyWalker's rule, while ``NAME@local`` never does (region-local). ``NAME@pooled`` is the
+pooled bound (skymesh/bench/des.py): every replica of every region behind one region core
+running ``NAME``, each client paying the link to the replica's region, the run's residency
+rules held; ``--pooled-bound`` adds it for every policy of ``--systems`` and reports each
+system's goodput as a fraction of its policy's bound.
 
 ``--trace`` is a Mooncake JSONL file or a synthetic workload: ``hot-prefix`` (tool/agent
 traffic on a few popular system prompts), ``tot2`` / ``tot4`` (Tree-of-Thoughts with
@@ -92,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-eu-rule", action="store_true", help="let eu-* regions offload anywhere")
     p.add_argument("--offload-trigger", choices=("predicted_ttft", "saturated"), default="predicted_ttft",
                    help="when a region forwards a queued request (routing/offload.py)")
+    p.add_argument("--pooled-bound", action="store_true",
+                   help="several regions: add POLICY@pooled for every policy of --systems (all replicas "
+                        "as one pool behind one region core, clients paying the link RTT to the replica's "
+                        "region, residency rules held) and report each system as a fraction of it")
     p.add_argument("--profile", default="h100-qwen2.5-7b")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds")
     p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
@@ -161,17 +169,56 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
     return scale_rate(reqs, rate) if rate != 1.0 else reqs
 
 
+POOLED = "pooled"
+
+
 def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, bool, OffloadTrigger]:
-    """``NAME`` (offload with ``default_trigger``), ``NAME@local`` (no offload) or
-    ``NAME@saturated`` (offload by SkyWalker's rule) -> (policy, offload, trigger)."""
+    """``NAME`` (offload with ``default_trigger``), ``NAME@local`` (no offload),
+    ``NAME@saturated`` (offload by SkyWalker's rule) or ``NAME@pooled`` (the pooled bound:
+    one region core, so no offload) -> (policy, offload, trigger)."""
     policy, _, variant = system.partition("@")
-    if variant not in ("", "local", "saturated"):
-        raise SystemExit(f"system {system!r}: the suffix is @local or @saturated")
-    return policy, variant != "local", "saturated" if variant == "saturated" else default_trigger
+    if variant not in ("", "local", "saturated", POOLED):
+        raise SystemExit(f"system {system!r}: the suffix is @local, @saturated or @{POOLED}")
+    return policy, variant == "" or variant == "saturated", "saturated" if variant == "saturated" else default_trigger
+
+
+def is_pooled(system: str) -> bool:
+    """Whether ``system`` is a pooled bound (``NAME@pooled``)."""
+    return system.partition("@")[2] == POOLED
+
+
+def pooled_of(system: str) -> str:
+    """The pooled bound of ``system``'s policy."""
+    return f"{system.partition('@')[0]}@{POOLED}"
+
+
+def systems_of(args: argparse.Namespace) -> list[str]:
+    """``--systems``, and with ``--pooled-bound`` each policy's pooled bound after them."""
+    systems = [s for s in args.systems.split(",") if s]
+    if getattr(args, "pooled_bound", False):
+        if args.regions < 2:
+            raise SystemExit("--pooled-bound: needs --regions 2 or more (one region is already one pool)")
+        for s in list(systems):
+            if pooled_of(s) not in systems:
+                systems.append(pooled_of(s))
+    return systems
+
+
+def of_pooled(goodputs: Mapping[str, list[float]]) -> dict[str, list[float | None]]:
+    """Each system's goodput per variant as a fraction of its policy's pooled bound's
+    (systems whose policy has no pooled row, and the bounds themselves, left out)."""
+    out: dict[str, list[float | None]] = {}
+    for s, g in goodputs.items():
+        bound = goodputs.get(pooled_of(s))
+        if is_pooled(s) or bound is None:
+            continue
+        out[s] = [x / b if b > 0 else None for x, b in zip(g, bound, strict=True)]
+    return out
 
 
 def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
     policy, offload, trigger = split_system(system, args.offload_trigger)
+    pooled = is_pooled(system)
     names, lat = region_layout(args.regions)
     routing = RoutingConfig(
         policy=simulated_policy(policy, ttft_slo_s=args.slo, probe_interval_s=args.probe_interval_s,
@@ -184,7 +231,8 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
     )
     return SimConfig(regions=replicas_per_region(args, names), one_way_ms=lat, profile=args.profile,
                      routing=routing, block_size=args.block_size, cache_view=args.cache_view,
-                     slo_classes=slo_classes(args), balancers_per_region=args.balancers_per_region)
+                     slo_classes=slo_classes(args), balancers_per_region=args.balancers_per_region,
+                     pooled=pooled)
 
 
 def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:
@@ -292,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         return run_search(args)
     from tqdm import tqdm
 
-    systems = [s for s in args.systems.split(",") if s]
+    systems = systems_of(args)
     check_policy_options(systems, parse_policy_options(args.policy_option))
     rates = [float(x) for x in args.rates.split(",")]
     jobs = [(s, r) for s in systems for r in rates]
@@ -340,6 +388,9 @@ def run(args: argparse.Namespace) -> int:
         for name, c in results[(s, r)]["metrics"].get("classes", {}).items():
             print(f"{s} x{r:g} class {name}: requests={c['requests']} attainment={c['slo_attainment']} "
                   f"rejected={c['rejected_share']} ttft_mean={c['ttft_mean']} e2e_mean={c['e2e_mean']}")
+    for s, frac in of_pooled({s: [summaries[s]["goodput"]] for s in systems}).items():
+        print(f"{s}: goodput {frac[0]:.3f} of the pooled bound's ({pooled_of(s)})" if frac[0] is not None
+              else f"{s}: the pooled bound's goodput is 0")
     if oracle is not None:
         print(f"\noracle (infinite shared cache) prefix hit rate: {oracle:.4f}")
     print("wall time per run (s): " + ", ".join(f"{s}@x{r:g}={results[(s, r)]['metrics']['wall_s']} (cpu {results[(s, r)]['metrics']['cpu_s']})"

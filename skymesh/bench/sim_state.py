@@ -8,7 +8,7 @@ and messages between these.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from skymesh.bench.sim_config import SimConfig, sim_region_assembly
 from skymesh.replica_sim import kv_events as standin_events
@@ -52,18 +52,27 @@ class SimReplica:
 class SimRegion:
     """One simulated region: its balancers, each the real :class:`RegionCore` as the daemon
     drives it (``cores``; ``core`` is the first); ``seed``: the replicas' TTFT cost seed,
-    ``num_blocks``: each replica's KV blocks."""
+    ``num_blocks``: each replica's KV blocks. ``homes``: replica id -> the region it lives
+    in, for a core whose replicas live elsewhere (the pooled bound's; residency rules then
+    decide per request origin where it may run); default: ``cfg.regions[name]`` replicas
+    of its own."""
 
-    def __init__(self, name: str, cfg: SimConfig, seed: CostSeed, num_blocks: int) -> None:
+    def __init__(self, name: str, cfg: SimConfig, seed: CostSeed, num_blocks: int,
+                 homes: Mapping[str, str] | None = None) -> None:
         self.name = name
         n = cfg.balancers_per_region
         if n < 1:
             raise ValueError("a region needs at least one balancer")
-        self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
+        if homes is None:
+            self.replica_ids = [f"{name}/r{i}" for i in range(cfg.regions[name])]
+            self.homes = dict.fromkeys(self.replica_ids, name)
+        else:
+            self.replica_ids = list(homes)
+            self.homes = dict(homes)
         self.cores: list[RegionCore] = []
         for k in range(n):
             core = build_region_core(sim_region_assembly(cfg, name, seed))
-            core.set_replicas(self.replica_ids, 0.0)
+            core.set_replicas(self.replica_ids, 0.0, homes=homes)
             if n > 1:
                 siblings = RegionSiblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
                                           dead_after_s=cfg.routing.siblings.dead_after_s,
