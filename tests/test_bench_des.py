@@ -16,7 +16,7 @@ from skymesh.bench.sim_chains import block_chains
 from skymesh.bench.sim_config import SimConfig, simulated_policy
 from skymesh.bench.traces import TraceRequest
 from skymesh.bench.workloads import hot_prefix_workload
-from skymesh.config.routing import OffloadConfig, QueueConfig
+from skymesh.config.routing import OffloadConfig, OffloadRule, QueueConfig
 
 
 def _trace(n: int, rate: float) -> list[TraceRequest]:
@@ -332,3 +332,109 @@ def test_a_region_of_three_balancers_serves_everything_within_one_push_budget(po
     cores = sim.regions["c"].cores
     assert all(c.counters.dispatched > 50 for c in cores)  # each took its share of the work
     assert all(c.siblings is not None and c.siblings.placements_applied > 50 for c in cores)
+
+
+# ---------------------------------------------------------------- the pooled bound
+
+def _from(region: str, n: int, rate: float) -> list[TraceRequest]:
+    return [TraceRequest(r.arrival_s, r.input_len, r.output_len, r.hash_ids, region=region, session=r.session)
+            for r in _trace(n, rate)]
+
+
+def _geo(kind: str, regions: dict[str, int], one_way_ms: dict[tuple[str, str], float],
+         rules: tuple[OffloadRule, ...] = ()) -> SimConfig:
+    """``local`` (no offload), ``mesh`` (a region core per region, offload on) or ``pooled``."""
+    return SimConfig(regions=regions, one_way_ms=one_way_ms, profile="tiny-test", block_size=16,
+                     routing=RoutingConfig(policy=simulated_policy("dualmap"),
+                                           offload=OffloadConfig(enabled=kind == "mesh", rules=rules)),
+                     pooled=kind == "pooled")
+
+
+@pytest.mark.parametrize("rate", [80.0, 120.0])
+def test_pooled_bound_is_not_below_the_mesh_and_beats_region_local(rate: float) -> None:
+    # region a gets every request on 1 replica, region b's 3 replicas are idle
+    trace = _from("a", 400, rate)
+    got = {}
+    for kind in ("local", "mesh", "pooled"):
+        sim = Simulator(_geo(kind, {"a": 1, "b": 3}, {("a", "b"): 5.0}))
+        s = sim.run(trace).summary(1.0)
+        assert s["completed"] == 400
+        got[kind] = s
+    # the pool is one region core holding every replica (the mesh's ids), with their homes
+    pool = Simulator(_geo("pooled", {"a": 1, "b": 3}, {("a", "b"): 5.0}))
+    assert list(pool.regions) == ["pool"] and len(pool.regions["pool"].cores) == 1
+    assert sorted(pool.regions["pool"].core.replicas) == ["a/r0", "b/r0", "b/r1", "b/r2"]
+    assert {r.region for r in pool.replicas.values()} == {"a", "b"}
+    local, mesh, pooled = got["local"], got["mesh"], got["pooled"]
+    assert pooled["slo_attainment"] >= mesh["slo_attainment"] >= local["slo_attainment"]
+    assert pooled["slo_attainment"] >= local["slo_attainment"] + 0.5  # clearly: local serves <10%
+    assert pooled["ttft_p90"] <= mesh["ttft_p90"] and pooled["ttft_p50"] <= mesh["ttft_p50"]
+    assert pooled["offloaded_share"] > 0.5  # most of a's clients are served in b
+
+
+def test_pooled_bound_charges_the_link_both_ways() -> None:
+    one_way = 0.05
+    trace = _from("a", 200, 60.0)
+    res = Simulator(_geo("pooled", {"a": 1, "b": 1}, {("a", "b"): one_way * 1000})).run(trace)
+    far, home = res.ttft[res.offloaded], res.ttft[~res.offloaded]
+    assert far.size > 20 and home.size > 20 and not np.isnan(res.ttft).any()
+    # prompt out one way, first token back the other: a far request's TTFT is at least the RTT
+    assert far.min() >= 2 * one_way
+    assert (res.e2e[res.offloaded] >= 2 * one_way).all()
+    assert home.min() < 2 * one_way  # served at home, nothing is charged
+    # the same pool with a free link: the far requests got faster by about the RTT
+    free = Simulator(_geo("pooled", {"a": 1, "b": 1}, {})).run(trace)
+    assert np.median(free.ttft[free.offloaded]) < np.median(far) - one_way
+
+
+def test_the_pool_holds_the_residency_rules_its_config_carries() -> None:
+    from skymesh.bench.sim_main import EU_STAYS_IN_EU
+
+    # a burst of EU clients (the EU replica alone cannot keep up), then US clients
+    eu = _from("eu-west-1", 200, 60.0)
+    us = [TraceRequest(r.arrival_s + 60.0, r.input_len, r.output_len, (9, *r.hash_ids[1:]),
+                       region="us-east-1", session=r.session + 10_000) for r in _trace(100, 30.0)]
+    trace = sorted(eu + us, key=lambda r: r.arrival_s)
+    is_eu = np.array([r.region == "eu-west-1" for r in trace])
+    layout = ({"eu-west-1": 1, "us-east-1": 3}, {("eu-west-1", "us-east-1"): 40.0})
+    ruled = Simulator(_geo("pooled", *layout, rules=(EU_STAYS_IN_EU,))).run(trace)
+    free = Simulator(_geo("pooled", *layout)).run(trace)
+    for res in (ruled, free):
+        assert not np.isnan(res.ttft).any() and not res.rejected.any()
+    # under the rule no EU request ran outside the EU; US clients still use the EU replica
+    # (the rule binds EU clients only)
+    assert not ruled.offloaded[is_eu].any()
+    assert ruled.offloaded[~is_eu].any() and free.offloaded[~is_eu].any()
+    # without it the pool sends EU clients to the US replicas too
+    assert free.offloaded[is_eu].sum() > 20
+
+
+def test_pooled_bound_on_the_command_line(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    sim_main.add_arguments(p)
+    common = ["--trace", "hot-prefix", "--requests", "150", "--rate", "10", "--regions", "3", "--replicas", "1",
+              "--skew", "0.6", "--profile", "tiny-test", "--block-size", "16", "--slo", "1", "--jobs", "1"]
+    args = p.parse_args([*common, "--systems", "dualmap,dualmap@local", "--pooled-bound"])
+    assert sim_main.systems_of(args) == ["dualmap", "dualmap@local", "dualmap@pooled"]
+    assert sim_main.split_system("dualmap@pooled", "predicted_ttft")[:2] == ("dualmap", False)
+    cfg = sim_main.sim_config(args, "dualmap@pooled")
+    # the bound: one pool, no offload, and no residency rule even where the run has the EU rule
+    assert cfg.pooled and not cfg.offload and cfg.routing.offload.rules == ()
+    assert sim_main.sim_config(args, "dualmap").routing.offload.rules == (sim_main.EU_STAYS_IN_EU,)
+    assert not sim_main.sim_config(args, "dualmap").pooled
+    with pytest.raises(SystemExit, match="--regions 2 or more"):
+        sim_main.systems_of(p.parse_args(["--systems", "dualmap", "--pooled-bound"]))
+    assert sim_main.of_pooled({"dualmap": [8.0, 9.0], "dualmap@local": [4.0, 3.0], "dualmap@pooled": [10.0, 9.0],
+                               "round_robin": [5.0, 5.0]}) == {"dualmap": [0.8, 1.0], "dualmap@local": [0.4, 1 / 3]}
+    # a goodput search reports each system as a fraction of its policy's bound
+    search = p.parse_args([*common, "--systems", "dualmap@local", "--pooled-bound", "--goodput-search",
+                           "--resolution", "0.1", "--out", str(tmp_path)])
+    assert sim_main.run(search) == 0
+    data = json.loads((tmp_path / "search.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    assert set(rows) == {"dualmap@local", "dualmap@pooled"}
+    local, pooled = rows["dualmap@local"]["goodput"][0], rows["dualmap@pooled"]["goodput"][0]
+    assert pooled > local
+    assert rows["dualmap@local"]["of_pooled"] == [local / pooled]
+    md = (tmp_path / "search.md").read_text()
+    assert "× pooled bound per variant" in md and f"| {local / pooled:.3g} |" in md

@@ -7,9 +7,10 @@ front of all replicas; with several regions every region has its own balancer an
 ``NAME`` offloads across regions (skymesh; ``--offload-trigger``), ``NAME@saturated`` by
 SkyWalker's rule, while ``NAME@local`` never does (region-local). ``NAME@pooled`` is the
 pooled bound (skymesh/bench/des.py): every replica of every region behind one region core
-running ``NAME``, each client paying the link to the replica's region, the run's residency
-rules held; ``--pooled-bound`` adds it for every policy of ``--systems`` and reports each
-system's goodput as a fraction of its policy's bound.
+running ``NAME``, each client paying the link to the replica's region, with no residency
+rule whatever the run's (a bound: skymesh/bench/des.py says why); ``--pooled-bound`` adds
+it for every policy of ``--systems`` and reports each system's goodput as a fraction of
+its policy's bound.
 
 ``--trace`` is a Mooncake JSONL file or a synthetic workload: ``hot-prefix`` (tool/agent
 traffic on a few popular system prompts), ``tot2`` / ``tot4`` (Tree-of-Thoughts with
@@ -99,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooled-bound", action="store_true",
                    help="several regions: add POLICY@pooled for every policy of --systems (all replicas "
                         "as one pool behind one region core, clients paying the link RTT to the replica's "
-                        "region, residency rules held) and report each system as a fraction of it")
+                        "region, no residency rule) and report each system as a fraction of it")
     p.add_argument("--profile", default="h100-qwen2.5-7b")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds")
     p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
@@ -226,7 +227,10 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                                 options=options_for(policy, parse_policy_options(args.policy_option))),
         queue=QueueConfig(discipline=args.queue_discipline, max_age_s=args.queue_max_age_s,
                           prefix_ttft_share=args.prefix_ttft_share),
-        offload=OffloadConfig(enabled=offload, trigger=trigger, rules=() if args.no_eu_rule else (EU_STAYS_IN_EU,)),
+        # the pooled bound holds no residency rule: under one, the pool by the same policy is
+        # no bound (skymesh/bench/des.py, "The pooled bound")
+        offload=OffloadConfig(enabled=offload, trigger=trigger,
+                              rules=() if args.no_eu_rule or pooled else (EU_STAYS_IN_EU,)),
         early_rejection=not args.no_early_rejection,
     )
     return SimConfig(regions=replicas_per_region(args, names), one_way_ms=lat, profile=args.profile,
