@@ -54,11 +54,15 @@ when the EU is expected to answer sooner: on the geo day at 3 replicas per regio
 0, docs/benchmarks.md "The pooled bound") the pool under the EU rule reached 14.2 req/s,
 the mesh 16.1. A rule only takes placements away, so the free pool is the ceiling for a
 mesh under any rules; under a rule the mesh's fraction of it is what the rule and the
-mesh together cost. *Not modelled:* the policy places by its own
-view and does not price the link (dualmap's SLO check sees queue and prefill, not the
-RTT; at most 2 x 110 ms against a 2 s SLO on the 3-region layout), and no request is
-refused for an SLO class that cannot afford the link, as the mesh's offload refuses to
-forward it: with SLO classes tighter than a round trip the pool is no bound.
+mesh together cost.
+
+*Not modelled:* the policy places by its own view and does not price the link
+(dualmap's SLO check sees queue and prefill, not the RTT; at most 2 x 110 ms against a
+2 s SLO on the 3-region layout), so the bound is this policy's over one pool, not the
+best placement there is; and no request is refused for an SLO class that cannot afford
+the link, as the mesh's offload refuses to forward it: with SLO classes tighter than a
+round trip the pool is no bound. A pooled request served away from its client's region
+counts as offloaded (``SimResult.offloaded``).
 """
 
 from __future__ import annotations
@@ -139,9 +143,9 @@ class Simulator:
         self._seq = itertools.count()
         self._engine_args: dict[str, tuple[int, list[int], int, list[int] | None]] = {}
         self._engine_req: dict[str, EngineRequest] = {}  # dispatched, first token not yet out
-        # request -> (region core, balancer index) it arrived at, and its client's region;
-        # request -> (region core, balancer index) it is served by
+        # request -> (region core, balancer index) it arrived at, and its client's region
         self._origin: dict[str, tuple[str, int, str]] = {}
+        # request -> (region core, balancer index) it is served by
         self._served_by: dict[str, tuple[str, int]] = {}
         self.max_replica_waiting = 0
         self.max_replica_unadmitted = 0
