@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("skymesh.bench.main", "benchmarks: live trace replay, routing and proxy micro-benchmarks, "
                                     "live-vs-simulated agreement"),
     "sim": ("skymesh.bench.sim_main", "discrete-event simulation of the routing core"),
+    "plan": ("skymesh.bench.plan_main", "the fewest replicas per region meeting the SLO over a day, "
+                                        "mesh vs region-local, by simulating the routing code"),
     "config": ("skymesh.operations.config_cli", "validate a config file and print it"),
     "pki": ("skymesh.security.pki_cli", "issue a mesh's credentials offline (CA, certificates, peer and admin tokens)"),
 }

@@ -175,6 +175,12 @@ class Simulator:
         class_names = tuple(cfg.slo_classes)
         class_index = {name: k for k, name in enumerate(class_names)}
         self._class = array("h")
+        # per request: its client's region and the region of the replica that served it
+        # (indices into cfg.regions; -1: not served)
+        region_index = {name: k for k, name in enumerate(cfg.regions)}
+        self._client = array("h")
+        self._served_in = array("h")
+        self._region_index = region_index
         it: Iterator[TraceRequest] = iter(trace)
         self._next_index = 0
         outstanding = 0
@@ -201,6 +207,8 @@ class Simulator:
             self._actual.append(math.nan)
             self._class.append(class_index.get(r.slo_class, -1))
             region = r.region if r.region in cfg.regions else default_region
+            self._client.append(region_index[region])
+            self._served_in.append(-1)
             self._push(r.arrival_s, self.ARRIVE, (i, region, r, in_len, out_len))
             return True
 
@@ -345,6 +353,9 @@ class Simulator:
             slo_class_targets=tuple(cfg.slo_classes[c] for c in class_names),
             max_replica_waiting=self.max_replica_waiting,
             max_replica_unadmitted=self.max_replica_unadmitted,
+            region_names=tuple(cfg.regions),
+            client_region=np.frombuffer(self._client, dtype=np.int16)[:n].copy(),
+            served_region=np.frombuffer(self._served_in, dtype=np.int16)[:n].copy(),
         )
 
     # ------------------------------------------------------------------ balancer side
@@ -372,6 +383,7 @@ class Simulator:
                 client = self._origin[rid][2]
                 if rep.region != client:
                     self._flags[int(rid)] |= 2
+                self._served_in[int(rid)] = self._region_index[rep.region]
                 self._predicted[int(rid)] = action.decision.matched_tokens
                 # a region's balancer is next to its replicas; the pool's prompt travels
                 # from the client's region to the replica's (a forward paid it on the way)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
+from skymesh.bench.day_shape import DayShape, add_day_arguments, day_shape
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
 from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, router_child
 from skymesh.bench.report import markdown_table, write_report
@@ -169,9 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="wall-clock bound per run")
     p.add_argument("--regions", type=int, default=1, choices=(1, 3),
                    help="1: one central router; 3: the local 3-region mesh (NAME offloads, NAME@local does not)")
-    p.add_argument("--skew", type=float, default=0.0, help="3 regions: extra share of sessions in us-east-1")
-    p.add_argument("--diurnal-period-s", type=float, default=0.0, help="3 regions: diurnal period in trace s (0: off)")
-    p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
+    # 3 regions: the day's shape, in the local default's region order (us-east-1 first)
+    add_day_arguments(p, first_region="us-east-1")
     p.add_argument("--no-eu-rule", action="store_true", help="3 regions: let eu-* regions offload anywhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--balancers-per-region", type=int, default=1,
@@ -186,11 +186,13 @@ def run(args: argparse.Namespace) -> int:
     # the same cut the discrete-event mode makes, so both replay the same work
     base = fit_to_context(load_mooncake(args.trace, args.requests), profile.max_model_len,
                           profile.kv_capacity_tokens)
+    shape: DayShape | None = None
     if args.regions > 1:
         # lazy: `skymesh bench` imports every mode's module for its parser; only a run loads the simulator
-        from skymesh.bench.live_geo import geo_trace
+        from skymesh.bench.live_geo import geo_regions, geo_trace
 
-        base = geo_trace(base, args.skew, args.diurnal_period_s, args.amplitude, args.seed)
+        shape = day_shape(args, len(geo_regions()))
+        base = geo_trace(base, shape, args.seed)
         if args.slo_classes:
             raise SystemExit("--slo-classes: the 3-region live mode does not configure classes on its mesh yet")
     base = with_slo_mix(base, args)
@@ -228,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     config = {"mode": "live", "trace": args.trace, "requests": len(base), "replicas": args.replicas,
-              "regions": args.regions, "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
-              "profile": args.profile, "time_scale": args.time_scale, "rates": rates, "slo_s": args.slo,
+              "regions": args.regions, "skew": args.skew,
+              **(shape.describe() if shape is not None else {}), "profile": args.profile, "time_scale": args.time_scale, "rates": rates, "slo_s": args.slo,
               "slo_s_scaled": args.slo * args.time_scale, "oracle_prefix_hit_rate": round(oracle_hit_rate(base), 4),
               "wall_s_total": round(time.perf_counter() - t_start, 1),
               "note": "ttft_* and e2e_* are wall-clock seconds at the time scale; the CDF plot is in trace time"}

@@ -8,8 +8,8 @@ make loopback feel like three regions. ``NAME`` runs policy NAME with cross-regi
 offload by predicted TTFT (skymesh), ``NAME@saturated`` by SkyWalker's rule, ``NAME@local``
 the same with offload off (region-local); ``--no-eu-rule`` drops the residency rule.
 
-Sessions (prefix chains) are assigned to regions with ``--skew`` and thinned by a diurnal
-curve per region (``--diurnal-period-s``), as in the discrete-event mode. Each request
+Sessions (prefix chains) are assigned to regions and thinned by a diurnal curve per region
+by the day's shape (skymesh/bench/day_shape.py), as in the discrete-event mode. Each request
 is sent by a client *in* its region: from a source address inside the region's
 ``source_networks`` to the region's advertised balancer address, so it pays that link's
 configured latency, and an offloaded request pays the inter-region one on the way out and
@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from skymesh.bench.day_shape import DayShape
 from skymesh.bench.loadgen import (
     LiveResult,
     LoadSampler,
@@ -41,7 +42,7 @@ from skymesh.bench.loadgen import (
 )
 from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
 from skymesh.bench.sim_main import split_system
-from skymesh.bench.traces import TraceRequest, assign_regions, diurnal
+from skymesh.bench.traces import TraceRequest
 from skymesh.operations.up import Mesh
 from skymesh.runtime.procs import free_port
 
@@ -106,15 +107,15 @@ def client_sources(regions: Sequence[Any]) -> dict[str, str]:
     return out
 
 
-def geo_trace(base: Sequence[TraceRequest], skew: float, period_s: float, amplitude: float,
-              seed: int) -> list[TraceRequest]:
-    """Sessions to the default's regions (skew: extra share for the first) and per-region
-    diurnal thinning, in trace time."""
-    regions = [r["name"] for r in local_default()["regions"]]
-    reqs = assign_regions(base, regions, skew, seed)
-    if period_s > 0:
-        reqs = diurnal(reqs, regions, period_s, amplitude, seed=seed)
-    return reqs
+def geo_regions() -> list[str]:
+    """The local default's regions, in its order (the order the day's options name them)."""
+    return [r["name"] for r in local_default()["regions"]]
+
+
+def geo_trace(base: Sequence[TraceRequest], shape: DayShape, seed: int) -> list[TraceRequest]:
+    """Sessions to the default's regions and per-region diurnal thinning by the day's
+    shape, in trace time."""
+    return shape.apply(base, geo_regions(), seed)
 
 
 async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argparse.Namespace,

@@ -30,6 +30,7 @@ from typing import Any
 
 from skymesh.assembly import RoutingConfig
 from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
+from skymesh.bench.day_shape import add_day_arguments, day_shape
 from skymesh.bench.des import Simulator
 from skymesh.bench.report import markdown_table, write_report
 from skymesh.bench.scores import goodput
@@ -38,8 +39,6 @@ from skymesh.bench.trace_args import trace_argument
 from skymesh.bench.traces import (
     DEFAULT_TRACE,
     TraceRequest,
-    assign_regions,
-    diurnal,
     fit_to_context,
     load_mooncake,
     oracle_hit_rate,
@@ -91,9 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--region-replicas", default=None, metavar="NAME=N,...",
                    help="replicas of named regions (the others keep --replicas), e.g. eu-west-1=4")
     p.add_argument("--regions", type=int, default=1, help="1: one central balancer; 3: us/eu/ap; n: r0..r(n-1)")
-    p.add_argument("--skew", type=float, default=0.0, help="extra share of sessions in the first region [0, 1)")
-    p.add_argument("--diurnal-period-s", type=float, default=0.0, help="per-region diurnal curve period (0: off)")
-    p.add_argument("--amplitude", type=float, default=0.8, help="diurnal trough = 1 - amplitude of the peak")
+    add_day_arguments(p)
     p.add_argument("--no-eu-rule", action="store_true", help="let eu-* regions offload anywhere")
     p.add_argument("--offload-trigger", choices=("predicted_ttft", "saturated"), default="predicted_ttft",
                    help="when a region forwards a queued request (routing/offload.py)")
@@ -144,12 +141,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRequest]:
     """The workload at rate multiplier ``rate`` (a list, or a lazy stream for synthetic)."""
     names, _ = region_layout(args.regions)
+    shape = day_shape(args, len(names))
     if args.trace == "synthetic":
         if args.slo_mix:
             raise SystemExit("--slo-mix: the synthetic stream carries no classes (use a trace or a workload)")
-        return synthetic_conversations(args.requests, names, args.rate * rate, skew=args.skew,
-                                       diurnal_period_s=args.diurnal_period_s, amplitude=args.amplitude,
-                                       seed=args.seed)
+        return synthetic_conversations(args.requests, names, args.rate * rate, seed=args.seed, shape=shape)
     if args.trace == "hot-prefix":
         reqs = hot_prefix_workload(args.requests, args.rate, n_prompts=args.hot_prompts,
                                    prompt_blocks=args.hot_prompt_blocks, hot_share=args.hot_share, seed=args.seed)
@@ -163,9 +159,7 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
         if args.duration_s > 0:
             reqs = window(reqs, args.start_s, args.duration_s)
     if args.regions > 1:
-        reqs = assign_regions(reqs, names, args.skew, args.seed)
-        if args.diurnal_period_s > 0:
-            reqs = diurnal(reqs, names, args.diurnal_period_s, args.amplitude, seed=args.seed)
+        reqs = shape.apply(reqs, names, args.seed)
     reqs = with_slo_mix(reqs, args)
     return scale_rate(reqs, rate) if rate != 1.0 else reqs
 
@@ -380,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
     names, _ = region_layout(args.regions)
     config = {"mode": "discrete-event", "trace": args.trace, "requests": first_run["metrics"]["requests"],
               "regions": names, "replicas_per_region": replicas_per_region(args, names), "profile": args.profile,
-              "slo_s": args.slo, "rates": rates, "skew": args.skew, "diurnal_period_s": args.diurnal_period_s,
+              "slo_s": args.slo, "rates": rates, "skew": args.skew,
+              **(day_shape(args, len(names)).describe() if len(names) > 1 else {}),
               "block_size": args.block_size, "cache_view": args.cache_view,
               "chunk_tokens": chunk_tokens(args), "warmup_s": args.warmup_s, "seed": args.seed,
               "oracle_prefix_hit_rate": None if oracle is None else round(oracle, 4),

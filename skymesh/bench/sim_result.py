@@ -48,6 +48,21 @@ class SimResult:
     # selective pushing keeps the latter within one dispatch budget
     max_replica_waiting: int = 0
     max_replica_unadmitted: int = 0
+    # per request: the index in ``region_names`` of its client's region and of the region
+    # whose replica served it (-1: rejected, never served)
+    region_names: tuple[str, ...] = ()
+    client_region: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    served_region: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+
+    def region_summaries(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """Per client region: the metric set of its own requests (attainment, TTFT, share
+        offloaded, ...), as :meth:`summary` gives it for all."""
+        out = {}
+        for k, name in enumerate(self.region_names):
+            sel = self.client_region == k
+            out[name] = summarize_arrays(self.arrival[sel], self.ttft[sel], self.e2e[sel], self.output_len[sel],
+                                         self.rejected[sel], self.offloaded[sel], slo_s, warmup_s=warmup_s)
+        return out
 
     def class_summaries(self, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """Per SLO class: its requests, attainment (every target it can be judged on met;

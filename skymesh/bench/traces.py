@@ -183,11 +183,12 @@ def region_weights(n: int, skew: float) -> list[float]:
 
 
 def assign_regions(reqs: Sequence[TraceRequest], regions: Sequence[str], skew: float = 0.0,
-                   seed: int = 0) -> list[TraceRequest]:
-    """Each session (prefix chain) is assigned to one region, with :func:`region_weights`;
-    a request that names its own region (one of ``regions``) keeps it."""
+                   seed: int = 0, weights: Sequence[float] | None = None) -> list[TraceRequest]:
+    """Each session (prefix chain) is assigned to one region, drawn by ``weights`` (one per
+    region; default :func:`region_weights` of ``skew``); a request that names its own
+    region (one of ``regions``) keeps it."""
     rng = random.Random(seed)
-    weights = region_weights(len(regions), skew)
+    weights = list(weights) if weights is not None else region_weights(len(regions), skew)
     by_session: dict[int, str] = {}
     out = []
     known = set(regions)
@@ -210,18 +211,25 @@ def diurnal_factor(t_s: float, period_s: float, phase: float, amplitude: float) 
     return (1.0 - amplitude) + amplitude * (0.5 + 0.5 * math.cos(2 * math.pi * (t_s / period_s - phase)))
 
 
-def diurnal(reqs: Sequence[TraceRequest], regions: Sequence[str], period_s: float, amplitude: float = 0.8,
-            seed: int = 0, phases: Sequence[float] | None = None) -> list[TraceRequest]:
+def diurnal(reqs: Sequence[TraceRequest], regions: Sequence[str], period_s: float,
+            amplitude: float | Sequence[float] = 0.8, seed: int = 0,
+            phases: Sequence[float] | None = None) -> list[TraceRequest]:
     """Per-region diurnal load: sessions keep their region and each region's arrivals are
-    thinned by its own rate curve. ``phases`` (fractions of a period) default to time zones
-    spread evenly: region k peaks ``k / len(regions)`` of a period after region 0."""
-    rng = random.Random(seed)
+    thinned by its own rate curve. ``amplitude`` is one for every region or one per region;
+    ``phases`` (fractions of a period) default to time zones spread evenly: region k peaks
+    ``k / len(regions)`` of a period after region 0. The thinning's random stream is its
+    own: seeded with ``seed`` alone it drew what :func:`assign_regions` had drawn with the
+    same seed, so a new session's first request was dropped exactly when its region was
+    late in ``regions`` (with 3 even regions, every first request of the last region's
+    sessions at its trough)."""
+    rng = random.Random(f"diurnal:{seed}")
     ph = list(phases) if phases is not None else [k / len(regions) for k in range(len(regions))]
+    amp = [float(amplitude)] * len(regions) if isinstance(amplitude, (int, float)) else list(amplitude)
     index = {name: k for k, name in enumerate(regions)}
     out = []
     for r in reqs:
         k = index.get(r.region, 0)
-        if rng.random() < diurnal_factor(r.arrival_s, period_s, ph[k], amplitude):
+        if rng.random() < diurnal_factor(r.arrival_s, period_s, ph[k], amp[k]):
             out.append(r)
     return out
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from skymesh.bench.traces import TraceRequest, diurnal_factor, region_weights
 from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from skymesh.bench.day_shape import DayShape
 
 HOT_BASE = 1_000_000
 UNIQUE_BASE = 10_000_000
@@ -86,7 +90,8 @@ def synthetic_conversations(n: int, regions: Sequence[str], rate_per_s: float, s
                             diurnal_period_s: float = 0.0, amplitude: float = 0.8, turns_mean: float = 3.0,
                             think_s: float = 20.0, first_blocks: tuple[int, int] = (2, 6),
                             turn_blocks: tuple[int, int] = (1, 2), output_len: tuple[int, int] = (64, 256),
-                            n_system_prompts: int = 8, seed: int = 0) -> Iterator[TraceRequest]:
+                            n_system_prompts: int = 8, seed: int = 0,
+                            shape: DayShape | None = None) -> Iterator[TraceRequest]:
     """A lazy stream of ``n`` requests in arrival order: conversations start as a Poisson
     process of total rate ``rate_per_s / turns_mean`` (requests then average ``rate_per_s``),
     each in a region drawn with :func:`region_weights` (thinned by that region's diurnal curve
@@ -95,8 +100,14 @@ def synthetic_conversations(n: int, regions: Sequence[str], rate_per_s: float, s
     message (``turn_blocks``), so turns form a prefix chain; turns are ``think_s`` apart
     on average (exponential). Memory is O(open conversations), not O(n)."""
     rng = random.Random(seed)
-    weights = region_weights(len(regions), skew)
-    phases = [k / len(regions) for k in range(len(regions))]
+    # the day's shape (skymesh/bench/day_shape.py), or skew / period / amplitude alone
+    if shape is not None:
+        weights, diurnal_period_s = list(shape.weights), shape.period_s
+        phases, amplitudes = list(shape.phases), list(shape.amplitudes)
+    else:
+        weights = region_weights(len(regions), skew)
+        phases = [k / len(regions) for k in range(len(regions))]
+        amplitudes = [amplitude] * len(regions)
     next_id = CONV_BASE
     session = 0
     t_conv = 0.0
@@ -109,7 +120,7 @@ def synthetic_conversations(n: int, regions: Sequence[str], rate_per_s: float, s
             t_conv += rng.expovariate(conv_rate)
             k = rng.choices(range(len(regions)), weights)[0]
             if diurnal_period_s > 0 and rng.random() >= diurnal_factor(t_conv, diurnal_period_s, phases[k],
-                                                                          amplitude):
+                                                                          amplitudes[k]):
                 continue
             nb = rng.randint(*first_blocks)
             ids = (rng.randrange(n_system_prompts),) + tuple(range(next_id, next_id + nb - 1))

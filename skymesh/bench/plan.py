@@ -1,0 +1,136 @@
+"""Capacity planning: the fewest replicas per region that meet an SLO over a day.
+
+The searches here are over layouts (replicas per region); what a layout achieves comes
+from an ``evaluate`` function the caller gives (``skymesh plan`` runs the discrete-event
+simulator, skymesh/bench/plan_main.py). A layout *meets* the SLO when every client
+region's attainment (share of its requests whose first token came within the TTFT SLO)
+is at least the target, on every seed evaluated: an operator's SLO is each region's
+users', not the mesh's average.
+
+- :func:`plan_region_local`: regions that never offload are independent, so one run of a
+  layout answers for every region at once; each region's count is bisected at the same
+  time (doubling up from 1 until its attainment holds, then halving the gap).
+- :func:`plan_shared`: a mesh that offloads (or the pooled bound) couples the regions.
+  From a layout that meets the SLO (region-local's), take one replica away at a time from
+  the region whose removal leaves the largest margin (the smallest region attainment
+  above the target), every region's removal tried side by side, until no single removal
+  still meets the SLO: a local minimum of the total, found in at most
+  ``regions x removed`` evaluations.
+
+Attainment is assumed to grow with replicas (the searches trust a bracket); the
+simulator's noise can break that by a request or two near the target, so a plan is a
+layout that was *measured* to meet the SLO, and the layout one replica below it was
+measured not to (what the report shows for every region).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+# per region: its clients' SLO attainment (the lowest over the seeds evaluated)
+Attainment = dict[str, float]
+Layout = dict[str, int]
+# layouts -> each one's attainment, in order (the caller runs them side by side)
+EvaluateBatch = Callable[[Sequence[Layout]], list[Attainment]]
+
+
+def layout_key(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(layout.items()))
+
+
+def margin(att: Mapping[str, float], target: float) -> float:
+    """How far the worst region is above the target (negative: the SLO is missed)."""
+    return min(att.values()) - target
+
+
+def meets(att: Mapping[str, float], target: float) -> bool:
+    return margin(att, target) >= 0.0
+
+
+@dataclass
+class Search:
+    """The layouts a search evaluated, each with its attainment, in the order run."""
+
+    evaluate_batch: EvaluateBatch
+    trials: list[tuple[Layout, Attainment]] = field(default_factory=list)
+    _seen: dict[tuple[tuple[str, int], ...], Attainment] = field(default_factory=dict)
+
+    def run(self, layouts: Sequence[Layout]) -> list[Attainment]:
+        """Each layout's attainment, evaluating only those not seen before."""
+        fresh = []
+        for lay in layouts:
+            k = layout_key(lay)
+            if k not in self._seen and all(layout_key(f) != k for f in fresh):
+                fresh.append(dict(lay))
+        if fresh:
+            for lay, att in zip(fresh, self.evaluate_batch(fresh), strict=True):
+                self._seen[layout_key(lay)] = att
+                self.trials.append((lay, att))
+        return [self._seen[layout_key(lay)] for lay in layouts]
+
+
+class PlanError(ValueError):
+    """No layout within the bounds meets the SLO."""
+
+
+def plan_region_local(search: Search, regions: Sequence[str], target: float, max_replicas: int) -> Layout:
+    """Each region's fewest replicas serving its own clients alone within the SLO."""
+    lo = dict.fromkeys(regions, 0)  # the most replicas known to miss (0: none needed fewer)
+    hi: dict[str, int | None] = dict.fromkeys(regions, None)  # the fewest known to meet
+    probe = dict.fromkeys(regions, 1)
+    while True:
+        att = search.run([probe])[0]
+        for r in regions:
+            if hi[r] is not None and hi[r] - lo[r] <= 1:
+                continue
+            if att[r] >= target:
+                hi[r] = probe[r]
+            else:
+                lo[r] = probe[r]
+        open_regions = [r for r in regions if hi[r] is None or hi[r] - lo[r] > 1]
+        if not open_regions:
+            return {r: int(hi[r]) for r in regions}  # type: ignore[arg-type]
+        for r in regions:
+            h = hi[r]
+            if h is None:
+                nxt = min(max_replicas, probe[r] * 2)
+                if nxt == probe[r]:
+                    raise PlanError(f"{r}: {max_replicas} replicas serving its own clients miss the SLO "
+                                    f"(attainment {att[r]:.3f} < {target:g})")
+                probe[r] = nxt
+            elif h - lo[r] > 1:
+                probe[r] = (lo[r] + h) // 2
+            else:
+                probe[r] = h  # settled: any count at or above it answers for this region
+
+
+def plan_shared(search: Search, start: Layout, target: float, max_replicas: int, min_per_region: int = 1
+                ) -> Layout:
+    """The fewest replicas in total, region by region, for regions that share their load
+    (a mesh that offloads, or the pooled bound), descending from ``start``."""
+    current = dict(start)
+    att = search.run([current])[0]
+    # a start that misses (the shared run is not the independent one): add where it is worst
+    while not meets(att, target):
+        worst = min(current, key=lambda r: att[r])
+        if current[worst] >= max_replicas:
+            raise PlanError(f"{worst}: {max_replicas} replicas miss the SLO even with the other regions' help "
+                            f"(attainment {att[worst]:.3f} < {target:g})")
+        current[worst] += 1
+        att = search.run([current])[0]
+    while True:
+        candidates = []
+        for r in current:
+            if current[r] > min_per_region:
+                cand = dict(current)
+                cand[r] -= 1
+                candidates.append(cand)
+        if not candidates:
+            return current
+        results = search.run(candidates)
+        ok = [i for i, a in enumerate(results) if meets(a, target)]
+        if not ok:
+            return current
+        # the removal that leaves the largest margin (on a tie, the first region's)
+        current = candidates[max(ok, key=lambda i: (margin(results[i], target), -i))]

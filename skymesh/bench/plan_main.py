@@ -1,0 +1,219 @@
+"""``skymesh plan``: the fewest replicas per region that meet the SLO over a day, for the
+mesh (cross-region offload, under the residency rules) and for region-local serving, found
+by simulating the live routing code (the discrete-event simulator over the same region
+core the balancers run, skymesh/bench/des.py).
+
+The day is ``skymesh sim``'s: a trace (with regions of its own, or sessions shared among
+the regions by ``--region-weights`` / ``--skew``) over ``--regions``, each region's
+arrivals swinging by its own diurnal curve (``--diurnal-period-s``, ``--amplitude``,
+``--phases``), at ``--rate-multiplier`` times the trace's rate. A layout meets the SLO when
+every region's clients get at least ``--target`` of their first tokens within ``--slo``
+seconds on every seed of ``--seeds`` (skymesh/bench/plan.py says how each search runs).
+
+Writes ``plan.json`` (the layouts, the saving, every evaluated layout with its attainment
+per region) and ``plan.png`` (each region's load and what its replicas served over the
+day, on the mesh's layout and on region-local's) to ``--out`` (default bench-out/plan).
+
+    skymesh plan --regions 3 --diurnal-period-s 1200 --duration-s 1200 --rate-multiplier 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from skymesh.bench import sim_main
+from skymesh.bench.day_shape import day_shape
+from skymesh.bench.des import Simulator
+from skymesh.bench.plan import Attainment, Layout, PlanError, Search, plan_region_local, plan_shared
+
+# sim options that mean nothing to a plan (it chooses the replicas and the systems itself)
+NOT_FOR_PLAN = {"systems", "replicas", "region_replicas", "rates", "goodput_search", "resolution", "windows",
+                "seed"}
+# the day's load and served traffic are counted in bins of this many seconds for the plot
+BINS = 48
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sim_main.add_arguments(p)
+    for action in p._actions:  # argparse has no public way to hide an inherited option
+        if action.dest in NOT_FOR_PLAN:
+            action.help = argparse.SUPPRESS
+    p.set_defaults(regions=3, out="bench-out/plan", seeds="0")
+    for action in p._actions:
+        if action.dest == "seeds":
+            action.help = "arrival seeds (sessions' regions, thinning): a layout must meet the SLO on each"
+        elif action.dest == "pooled_bound":
+            action.help = ("also plan the pooled bound (every replica one pool, no residency rule): the fewest "
+                           "replicas any cross-region offload could need")
+    p.add_argument("--rate-multiplier", type=float, default=1.0,
+                   help="the load to plan for: this many times the trace's (the day's) arrival rate")
+    p.add_argument("--target", type=float, default=0.9,
+                   help="SLO attainment every region's clients must reach (share of first tokens within --slo)")
+    p.add_argument("--policy", default="dualmap", help="the routing policy in every region")
+    p.add_argument("--max-replicas", type=int, default=32, help="the most replicas a region may get")
+
+
+def layout_arg(layout: Layout) -> str:
+    return ",".join(f"{r}={n}" for r, n in layout.items())
+
+
+def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: int) -> dict[str, Any]:
+    """One simulated day of ``system`` on ``layout`` (picklable: runs in a worker)."""
+    run_args = argparse.Namespace(**{**vars(args), "region_replicas": layout_arg(layout), "seed": seed})
+    names, _ = sim_main.region_layout(args.regions)
+    trace = sim_main.build_trace(run_args, args.rate_multiplier)
+    res = Simulator(sim_main.sim_config(run_args, system)).run(trace)
+    regions = res.region_summaries(args.slo, args.warmup_s)
+    span = float(res.arrival.max()) if res.arrival.size else 1.0
+    edges = np.linspace(0.0, max(span, 1e-9), BINS + 1)
+    width = float(edges[1] - edges[0])
+    load = {r: (np.histogram(res.arrival[res.client_region == k], edges)[0] / width).round(3).tolist()
+            for k, r in enumerate(names)}
+    served = {r: (np.histogram(res.arrival[res.served_region == k], edges)[0] / width).round(3).tolist()
+              for k, r in enumerate(names)}
+    return {"attainment": {r: regions[r]["slo_attainment"] for r in names},
+            "offloaded": {r: regions[r]["offloaded_share"] for r in names},
+            "requests": int(res.arrival.size), "rate": round(res.arrival.size / max(span, 1e-9), 3),
+            "overall": res.summary(args.slo, args.warmup_s)["slo_attainment"],
+            "bins_s": edges.round(2).tolist(), "load": load, "served": served}
+
+
+class Evaluator:
+    """Runs layouts of one system over every plan seed side by side; keeps what each
+    layout's first seed showed over the day (for the plot)."""
+
+    def __init__(self, args: argparse.Namespace, system: str, seeds: list[int], pool: ProcessPoolExecutor | None):
+        self.args, self.system, self.seeds, self.pool = args, system, seeds, pool
+        self.days: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, layouts: list[Layout]) -> list[Attainment]:
+        jobs = [(lay, s) for lay in layouts for s in self.seeds]
+        if self.pool is not None:
+            outs = list(self.pool.map(evaluate_one, *zip(*[(self.args, self.system, lay, s) for lay, s in jobs],
+                                                         strict=True)))
+        else:
+            outs = [evaluate_one(self.args, self.system, lay, s) for lay, s in jobs]
+        per = len(self.seeds)
+        result = []
+        for i, lay in enumerate(layouts):
+            runs = outs[i * per:(i + 1) * per]
+            self.days[layout_arg(lay)] = runs[0]
+            result.append({r: min(run["attainment"][r] for run in runs) for r in lay})
+            print(f"  {self.system:<18} {layout_arg(lay):<48} attainment "
+                  + " ".join(f"{r}={v:.3f}" for r, v in result[-1].items()), flush=True)
+        return result
+
+
+def plot(path: Path, names: list[str], plans: dict[str, Layout], days: dict[str, dict[str, Any]], slo: float,
+         rate_multiplier: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 2.4 * len(names)), sharex=True, squeeze=False)
+    for ax, region in zip(axes[:, 0], names, strict=True):
+        mesh, local = days.get("mesh"), days.get("region-local")
+        ref = mesh or local
+        if ref is None:
+            continue
+        t = np.asarray(ref["bins_s"])
+        mid = (t[:-1] + t[1:]) / 2 * rate_multiplier  # the day's own clock (the run compresses it)
+        ax.plot(mid, ref["load"][region], color="black", label="its clients' requests (load)")
+        if mesh is not None:
+            ax.plot(mid, mesh["served"][region], color="tab:blue",
+                    label=f"served by its replicas, mesh ({plans['mesh'][region]} replicas)")
+        if local is not None:
+            ax.plot(mid, local["served"][region], color="tab:orange", linestyle="--",
+                    label=f"served, region-local ({plans['region-local'][region]} replicas)")
+        ax.set_title(region, fontsize=9)
+        ax.set_ylabel("req/s (simulated)")
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel(f"time of day (trace s; simulated {rate_multiplier:g}x faster)")
+    fig.suptitle(f"skymesh plan: load and served traffic per region (x{rate_multiplier:g}, TTFT SLO {slo:g} s)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.regions < 2:
+        raise SystemExit("skymesh plan: needs --regions 2 or more (one region has nothing to pool)")
+    if not 0.0 < args.target <= 1.0:
+        raise SystemExit("--target: a share in (0, 1]")
+    if args.max_replicas < 1 or args.rate_multiplier <= 0:
+        raise SystemExit("--max-replicas and --rate-multiplier: positive")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise SystemExit("--seeds: at least one seed")
+    sim_main.check_policy_options([args.policy], sim_main.parse_policy_options(args.policy_option))
+    names, _ = sim_main.region_layout(args.regions)
+    sim_main.build_trace(args)  # the day's options checked before any simulation starts
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    systems = {"region-local": f"{args.policy}@local", "mesh": args.policy}
+    if args.pooled_bound:
+        systems["pooled bound"] = f"{args.policy}@pooled"
+    t0 = time.perf_counter()
+    plans: dict[str, Layout] = {}
+    trials: dict[str, list[dict[str, Any]]] = {}
+    days: dict[str, dict[str, Any]] = {}
+    pool = ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else None
+    try:
+        for label, system in systems.items():
+            print(f"{label} ({system}):", flush=True)
+            evaluator = Evaluator(args, system, seeds, pool)
+            search = Search(evaluator)
+            if label == "region-local":
+                plans[label] = plan_region_local(search, names, args.target, args.max_replicas)
+            else:
+                plans[label] = plan_shared(search, plans["region-local"], args.target, args.max_replicas)
+            trials[label] = [{"layout": lay, "attainment": att} for lay, att in search.trials]
+            days[label] = evaluator.days[layout_arg(plans[label])]
+    except PlanError as e:
+        raise SystemExit(f"skymesh plan: {e}") from None
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    total = {label: sum(lay.values()) for label, lay in plans.items()}
+    saving = 1.0 - total["mesh"] / total["region-local"]
+    report = {
+        "day": {"trace": args.trace, "regions": names, "rate_multiplier": args.rate_multiplier,
+                "rate": days["mesh"]["rate"], "requests": days["mesh"]["requests"],
+                **day_shape(args, len(names)).describe(), "start_s": args.start_s,
+                "duration_s": args.duration_s},
+        "slo": {"ttft_s": args.slo, "target": args.target, "seeds": seeds,
+                "residency": "none" if args.no_eu_rule else "eu-* stays in eu-*"},
+        "policy": args.policy, "plans": plans, "replicas": total, "mesh_saving": round(saving, 4),
+        "attainment": {label: next(t["attainment"] for t in trials[label] if t["layout"] == plans[label])
+                       for label in plans},
+        "offloaded": {label: days[label]["offloaded"] for label in plans},
+        "trials": trials, "days": days, "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    (out / "plan.json").write_text(json.dumps(report, indent=1))
+    plot(out / "plan.png", names, plans, days, args.slo, args.rate_multiplier)
+    rule = "no residency rule" if args.no_eu_rule else "EU rule (eu-* stays in eu-*)"
+    print(f"\nday: {days['mesh']['requests']} requests at {days['mesh']['rate']:g} req/s "
+          f"(x{args.rate_multiplier:g}); TTFT SLO {args.slo:g} s met by >= {args.target:g} of every region's "
+          f"requests on seeds {', '.join(map(str, seeds))}; {rule}\n")
+    print("| layout | " + " | ".join(names) + " | total | worst region's attainment |")
+    print("|---|" + "---|" * (len(names) + 2))
+    for label, lay in plans.items():
+        att = report["attainment"][label]
+        print(f"| {label} | " + " | ".join(str(lay[r]) for r in names)
+              + f" | {total[label]} | {min(att.values()):.3f} |")
+    print(f"\nthe mesh needs {total['mesh']} replicas, region-local {total['region-local']}: "
+          f"{saving:.0%} fewer")
+    print(f"wrote {out / 'plan.json'} and {out / 'plan.png'} ({report['wall_s']} s)")
+    return 0

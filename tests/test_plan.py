@@ -1,0 +1,110 @@
+"""skymesh plan: the searches over layouts (skymesh/bench/plan.py) and the command over
+the simulator (skymesh/bench/plan_main.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from skymesh.bench.plan import Layout, PlanError, Search, plan_region_local, plan_shared
+from skymesh.cli import main
+
+REGIONS = ["a", "b", "c"]
+# each region's own load, in replicas' worth of work
+DEMAND = {"a": 5.2, "b": 2.5, "c": 0.7}
+
+
+def independent(layouts: Sequence[Layout]) -> list[dict[str, float]]:
+    """Regions that do not share: a region meets its SLO with at least its own demand."""
+    return [{r: 0.95 if lay[r] >= DEMAND[r] else 0.5 for r in lay} for lay in layouts]
+
+
+def shared(layouts: Sequence[Layout]) -> list[dict[str, float]]:
+    """Regions that share: every region meets its SLO while the total covers the total
+    demand (8.4) and no region holds under half of its own (its spill costs a link)."""
+    out = []
+    for lay in layouts:
+        ok = sum(lay.values()) >= sum(DEMAND.values()) and all(lay[r] >= DEMAND[r] / 2 for r in lay)
+        out.append(dict.fromkeys(lay, 0.95 if ok else 0.6))
+    return out
+
+
+def skymesh(*argv: str) -> object:
+    """The command's exit code (an int, or the message it exited with)."""
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    return e.value.code
+
+
+def test_region_local_finds_each_regions_own_fewest() -> None:
+    search = Search(independent)
+    assert plan_region_local(search, REGIONS, 0.9, 32) == {"a": 6, "b": 3, "c": 1}
+    # bisection, every region at once: a handful of runs, none repeated
+    keys = [tuple(sorted(lay.items())) for lay, _ in search.trials]
+    assert len(keys) == len(set(keys)) <= 6
+
+
+def test_region_local_says_which_region_cannot_be_served() -> None:
+    with pytest.raises(PlanError, match="a: 4 replicas"):
+        plan_region_local(Search(independent), REGIONS, 0.9, 4)
+
+
+def test_shared_descends_to_the_fewest_in_total() -> None:
+    search = Search(shared)
+    start = plan_region_local(Search(independent), REGIONS, 0.9, 32)  # 10 replicas
+    got = plan_shared(search, start, 0.9, 32)
+    assert sum(got.values()) == 9  # ceil(8.4)
+    assert all(got[r] >= DEMAND[r] / 2 for r in REGIONS)
+    # the plan was measured to meet the SLO, and every single removal from it to miss
+    seen = {tuple(sorted(lay.items())): att for lay, att in search.trials}
+    assert min(seen[tuple(sorted(got.items()))].values()) >= 0.9
+    for r in REGIONS:
+        if got[r] > 1:
+            below = dict(got, **{r: got[r] - 1})
+            assert min(seen[tuple(sorted(below.items()))].values()) < 0.9
+
+
+def test_shared_adds_where_the_start_misses() -> None:
+    got = plan_shared(Search(shared), {"a": 2, "b": 2, "c": 1}, 0.9, 32)
+    assert sum(got.values()) == 9
+
+
+def test_plan_over_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command end to end on a small generated day: each layout is measured to meet
+    the SLO in every region, region-local's one replica less in a region is measured to
+    miss there, and the mesh needs no more than region-local."""
+    out = tmp_path / "plan"
+    rc = skymesh(*["plan", "--trace", "hot-prefix", "--requests", "600", "--rate", "12", "--hot-prompts", "12",
+               "--diurnal-period-s", "30", "--no-eu-rule", "--rate-multiplier", "40", "--slo", "2",
+               "--max-replicas", "8", "--jobs", "1", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "plan.json").read_text())
+    assert (out / "plan.png").stat().st_size > 0
+    plans, trials = report["plans"], report["trials"]
+    assert set(plans) == {"region-local", "mesh"}
+    for label, lay in plans.items():
+        assert min(report["attainment"][label].values()) >= 0.9
+    local = plans["region-local"]
+    assert sum(local.values()) > len(local)  # a day that needs more than one replica somewhere
+    for r, n in local.items():
+        if n > 1:
+            misses = [t for t in trials["region-local"] if t["layout"][r] == n - 1]
+            assert misses and all(t["attainment"][r] < 0.9 for t in misses)
+    assert report["replicas"]["mesh"] <= report["replicas"]["region-local"]
+    assert report["mesh_saving"] == pytest.approx(1 - report["replicas"]["mesh"] / report["replicas"]["region-local"],
+                                                  abs=1e-4)
+    # the day's load per region over time, and what each region's replicas served
+    day = report["days"]["mesh"]
+    assert sum(sum(v) for v in day["load"].values()) == pytest.approx(sum(sum(v) for v in day["served"].values()),
+                                                                      rel=0.05)
+    assert "fewer" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_day_it_cannot_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "needs --regions 2" in str(skymesh("plan", "--regions", "1", "--trace", "hot-prefix"))
+    assert "--target" in str(skymesh("plan", "--trace", "hot-prefix", "--target", "1.5"))
+    assert "--seeds" in str(skymesh("plan", "--trace", "hot-prefix", "--seeds", "x"))
+    assert "--amplitude" in str(skymesh("plan", "--trace", "hot-prefix", "--amplitude", "0.1,0.2"))
