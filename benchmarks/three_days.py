@@ -1,0 +1,104 @@
+"""Geo: three days of different shape, each planned with ``skymesh plan`` (issue "The
+planet as one pool").
+
+For each day and arrival seed:
+
+1. ``skymesh plan --no-eu-rule --pooled-bound``: the fewest replicas per region for
+   region-local serving, for the mesh (cross-region offload) and for the pooled bound
+   (every replica one pool);
+2. ``skymesh plan`` under the EU rule (eu-* clients served in eu-* only);
+3. ``skymesh sim --goodput-search --pooled-bound`` on the mesh's layout from 1: the mesh's
+   goodput as a fraction of the pooled bound's on the same replicas.
+
+The days (the Mooncake conversation trace; 3 regions, one-way 40/80/110 ms; TTFT SLO 2 s;
+each planned at a load of about 19 req/s on average):
+
+- ``balanced``: the first 20 minutes, sessions even, peaks a third of a period apart,
+  amplitude 0.8 everywhere ("Geo: a balanced diurnal day");
+- ``close-peaks``: minutes 20-40, 45 / 35 / 20% of sessions, us-east-1 and eu-west-1
+  peaking an eighth of a period (3 "hours") apart and ap-northeast-1 opposite, amplitudes
+  0.9 / 0.7 / 0.6;
+- ``one-big-region``: minutes 38-58, 20 / 20 / 60% of sessions (ap-northeast-1 the big
+  one), peaks at 0 / 0.6 / 0.3 of the period, amplitudes 0.5 / 0.95 / 0.8.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.three_days [--days balanced,...] [--seeds 0,1,2]
+        [--jobs 2] [--out bench-out/three_days]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+PERIOD = ["--regions", "3", "--diurnal-period-s", "1200", "--duration-s", "1200", "--slo", "2"]
+# day -> (its shape, the rate multiplier it is planned at)
+DAYS: dict[str, tuple[list[str], float]] = {
+    "balanced": (["--start-s", "0"], 10.0),
+    "close-peaks": (["--start-s", "1200", "--region-weights", "0.45,0.35,0.2", "--phases", "0,0.125,0.5",
+                     "--amplitude", "0.9,0.7,0.6"], 9.0),
+    "one-big-region": (["--start-s", "2300", "--region-weights", "0.2,0.2,0.6", "--phases", "0,0.6,0.3",
+                        "--amplitude", "0.5,0.95,0.8"], 8.5),
+}
+SKYMESH = [sys.executable, "-m", "skymesh.cli"]
+
+
+def run(cmd: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True)
+
+
+def one(day: str, seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
+    shape, mult = DAYS[day]
+    base = [*PERIOD, *shape, *extra]
+    d = out / day / f"seed{seed}"
+    plan_args = ["plan", *base, "--rate-multiplier", str(mult), "--seeds", str(seed), "--jobs", "1"]
+    run([*SKYMESH, *plan_args, "--no-eu-rule", "--pooled-bound", "--out", str(d / "free")], d / "free.log")
+    free = json.loads((d / "free" / "plan.json").read_text())
+    run([*SKYMESH, *plan_args, "--out", str(d / "eu")], d / "eu.log")
+    eu = json.loads((d / "eu" / "plan.json").read_text())
+    layout = ",".join(f"{r}={n}" for r, n in free["plans"]["mesh"].items())
+    run([*SKYMESH, "sim", *base, "--seeds", str(seed), "--no-eu-rule", "--region-replicas", layout,
+         "--systems", "dualmap", "--pooled-bound", "--goodput-search", "--resolution", "0.02", "--jobs", "1",
+         "--out", str(d / "goodput")], d / "goodput.log")
+    search = json.loads((d / "goodput" / "search.json").read_text())
+    return {"day": day, "seed": seed, "rate_multiplier": mult, "free": {k: free[k] for k in
+            ("plans", "replicas", "mesh_saving", "attainment", "offloaded", "day")},
+            "eu": {k: eu[k] for k in ("plans", "replicas", "mesh_saving", "attainment", "offloaded")},
+            "goodput_layout": layout, "goodput": search}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--days", default=",".join(DAYS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", default="bench-out/three_days")
+    p.add_argument("--extra", default="", help="more sim/plan arguments, space-separated")
+    args = p.parse_args()
+    out = Path(args.out)
+    jobs = [(d, int(s)) for d in args.days.split(",") for s in args.seeds.split(",")]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda j: one(j[0], j[1], out, args.extra.split()), jobs))
+    (out / "three_days.json").write_text(json.dumps(results, indent=1))
+    for r in results:
+        g = {row["system"]: row for row in r["goodput"]["rows"]} if "rows" in r["goodput"] else {}
+        frac = g.get("dualmap", {}).get("of_pooled")
+        print(f"{r['day']} seed {r['seed']}: free {r['free']['replicas']} ({r['free']['mesh_saving']:.0%} fewer); "
+              f"EU rule {r['eu']['replicas']} ({r['eu']['mesh_saving']:.0%} fewer); goodput on "
+              f"{r['goodput_layout']}: mesh/pooled {frac}")
+    print(f"wall {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
