@@ -52,10 +52,11 @@ def test_region_local_says_which_region_cannot_be_served() -> None:
         plan_region_local(Search(independent), REGIONS, 0.9, 4)
 
 
-def test_shared_descends_to_the_fewest_in_total() -> None:
+@pytest.mark.parametrize("batch", [None, 1, 2])
+def test_shared_descends_to_the_fewest_in_total(batch: int | None) -> None:
     search = Search(shared)
-    start = plan_region_local(Search(independent), REGIONS, 0.9, 32)  # 10 replicas
-    got = plan_shared(search, start, 0.9, 32)
+    start = {"a": 9, "b": 7, "c": 5}  # 21 replicas: strides take the first ones
+    got = plan_shared(search, start, 0.9, 32, batch=batch)
     assert sum(got.values()) == 9  # ceil(8.4)
     assert all(got[r] >= DEMAND[r] / 2 for r in REGIONS)
     # the plan was measured to meet the SLO, and every single removal from it to miss
@@ -65,6 +66,8 @@ def test_shared_descends_to_the_fewest_in_total() -> None:
         if got[r] > 1:
             below = dict(got, **{r: got[r] - 1})
             assert min(seen[tuple(sorted(below.items()))].values()) < 0.9
+    # strides of one per region while they hold: far fewer runs than one removal per step
+    assert len(search.trials) < (sum(start.values()) - 9) * len(REGIONS)
 
 
 def test_shared_adds_where_the_start_misses() -> None:

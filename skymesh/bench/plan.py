@@ -11,11 +11,12 @@ users', not the mesh's average.
   layout answers for every region at once; each region's count is bisected at the same
   time (doubling up from 1 until its attainment holds, then halving the gap).
 - :func:`plan_shared`: a mesh that offloads (or the pooled bound) couples the regions.
-  From a layout that meets the SLO (region-local's), take one replica away at a time from
-  the region whose removal leaves the largest margin (the smallest region attainment
-  above the target), every region's removal tried side by side, until no single removal
-  still meets the SLO: a local minimum of the total, found in at most
-  ``regions x removed`` evaluations.
+  From a layout that meets the SLO (region-local's), first take one replica from every
+  region at once while that still meets the SLO (strides: region-local's layout has
+  slack everywhere the mesh can pool), then one replica at a time: the best-served
+  regions' removals are tried first, ``batch`` of them side by side, and of a batch the
+  one leaving the largest margin (the worst region's attainment above the target) is
+  taken, until no single removal still meets the SLO: a local minimum of the total.
 
 Attainment is assumed to grow with replicas (the searches trust a bracket); the
 simulator's noise can break that by a request or two near the target, so a plan is a
@@ -105,10 +106,16 @@ def plan_region_local(search: Search, regions: Sequence[str], target: float, max
                 probe[r] = h  # settled: any count at or above it answers for this region
 
 
-def plan_shared(search: Search, start: Layout, target: float, max_replicas: int, min_per_region: int = 1
-                ) -> Layout:
+def plan_shared(search: Search, start: Layout, target: float, max_replicas: int, min_per_region: int = 1,
+                batch: int | None = None) -> Layout:
     """The fewest replicas in total, region by region, for regions that share their load
-    (a mesh that offloads, or the pooled bound), descending from ``start``."""
+    (a mesh that offloads, or the pooled bound), descending from ``start``.
+
+    ``batch``: how many single removals are evaluated side by side (None: every region's
+    at once, and the one leaving the largest margin is taken); with a smaller batch the
+    removals are tried in order of the regions' attainment now (the best served first) and
+    the first batch holding one that meets the SLO decides: fewer runs, the same kind of
+    local minimum (no single removal from it meets the SLO)."""
     current = dict(start)
     att = search.run([current])[0]
     # a start that misses (the shared run is not the independent one): add where it is worst
@@ -119,18 +126,29 @@ def plan_shared(search: Search, start: Layout, target: float, max_replicas: int,
                             f"(attainment {att[worst]:.3f} < {target:g})")
         current[worst] += 1
         att = search.run([current])[0]
+    # strides: one replica fewer in every region at once, while that still meets the SLO
+    # (region-local's layout has slack in every region the mesh can pool)
+    while len([r for r in current if current[r] > min_per_region]) > 1:
+        stride = {r: n - 1 if n > min_per_region else n for r, n in current.items()}
+        stride_att = search.run([stride])[0]
+        if not meets(stride_att, target):
+            break
+        current, att = stride, stride_att
     while True:
-        candidates = []
-        for r in current:
-            if current[r] > min_per_region:
-                cand = dict(current)
-                cand[r] -= 1
-                candidates.append(cand)
-        if not candidates:
+        order = sorted((r for r in current if current[r] > min_per_region),
+                       key=lambda r: (-att[r], -current[r], list(current).index(r)))
+        candidates = [dict(current, **{r: current[r] - 1}) for r in order]
+        step = len(candidates) if batch is None else max(1, batch)
+        taken = None
+        for lo in range(0, len(candidates), step):
+            group = candidates[lo:lo + step]
+            results = search.run(group)
+            ok = [i for i, a in enumerate(results) if meets(a, target)]
+            if ok:
+                # the removal that leaves the largest margin (on a tie, the earlier one)
+                i = max(ok, key=lambda i: (margin(results[i], target), -i))
+                taken = (group[i], results[i])
+                break
+        if taken is None:
             return current
-        results = search.run(candidates)
-        ok = [i for i, a in enumerate(results) if meets(a, target)]
-        if not ok:
-            return current
-        # the removal that leaves the largest margin (on a tie, the first region's)
-        current = candidates[max(ok, key=lambda i: (margin(results[i], target), -i))]
+        current, att = taken

@@ -178,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
             if label == "region-local":
                 plans[label] = plan_region_local(search, names, args.target, args.max_replicas)
             else:
-                plans[label] = plan_shared(search, plans["region-local"], args.target, args.max_replicas)
+                plans[label] = plan_shared(search, plans["region-local"], args.target, args.max_replicas,
+                                           batch=args.jobs)
             trials[label] = [{"layout": lay, "attainment": att} for lay, att in search.trials]
             days[label] = evaluator.days[layout_arg(plans[label])]
     except PlanError as e:
