@@ -88,7 +88,7 @@ def test_plan_over_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert (out / "plan.png").stat().st_size > 0
     plans, trials = report["plans"], report["trials"]
     assert set(plans) == {"region-local", "mesh"}
-    for label, lay in plans.items():
+    for label in plans:
         assert min(report["attainment"][label].values()) >= 0.9
     local = plans["region-local"]
     assert sum(local.values()) > len(local)  # a day that needs more than one replica somewhere
