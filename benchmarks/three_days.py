@@ -22,7 +22,7 @@ each planned at a load of about 19 req/s on average):
   one), peaks at 0 / 0.6 / 0.3 of the period, amplitudes 0.5 / 0.95 / 0.8.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.three_days [--days balanced,...] [--seeds 0,1,2]
-        [--jobs 2] [--out bench-out/three_days]
+        [--jobs 2] [--out bench-out/three_days] [--load-factor 2 --no-goodput]
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def run(cmd: list[str], log: Path) -> None:
         subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True)
 
 
-def one(day: str, seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
+def one(day: str, seed: int, out: Path, extra: list[str], load_factor: float = 1.0,
+        goodput: bool = True) -> dict[str, Any]:
     shape, mult = DAYS[day]
+    mult *= load_factor
     base = [*PERIOD, *shape, *extra]
     d = out / day / f"seed{seed}"
     plan_args = ["plan", *base, "--rate-multiplier", str(mult), "--seeds", str(seed), "--jobs", "1"]
@@ -66,14 +68,16 @@ def one(day: str, seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
     run([*SKYMESH, *plan_args, "--out", str(d / "eu")], d / "eu.log")
     eu = json.loads((d / "eu" / "plan.json").read_text())
     layout = ",".join(f"{r}={n}" for r, n in free["plans"]["mesh"].items())
+    summary = {"day": day, "seed": seed, "rate_multiplier": mult, "free": {k: free[k] for k in
+               ("plans", "replicas", "mesh_saving", "attainment", "offloaded", "day")},
+               "eu": {k: eu[k] for k in ("plans", "replicas", "mesh_saving", "attainment", "offloaded")}}
+    if not goodput:
+        return summary
     run([*SKYMESH, "sim", *base, "--seeds", str(seed), "--no-eu-rule", "--region-replicas", layout,
          "--systems", "dualmap", "--pooled-bound", "--goodput-search", "--resolution", "0.02", "--jobs", "1",
          "--out", str(d / "goodput")], d / "goodput.log")
     search = json.loads((d / "goodput" / "search.json").read_text())
-    return {"day": day, "seed": seed, "rate_multiplier": mult, "free": {k: free[k] for k in
-            ("plans", "replicas", "mesh_saving", "attainment", "offloaded", "day")},
-            "eu": {k: eu[k] for k in ("plans", "replicas", "mesh_saving", "attainment", "offloaded")},
-            "goodput_layout": layout, "goodput": search}
+    return {**summary, "goodput_layout": layout, "goodput": search}
 
 
 def main() -> int:
@@ -83,19 +87,23 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default="bench-out/three_days")
     p.add_argument("--extra", default="", help="more sim/plan arguments, space-separated")
+    p.add_argument("--load-factor", type=float, default=1.0,
+                   help="plan every day at this many times its load (finer replica counts)")
+    p.add_argument("--no-goodput", action="store_true", help="plans only, no goodput search on the mesh's layout")
     args = p.parse_args()
     out = Path(args.out)
     jobs = [(d, int(s)) for d in args.days.split(",") for s in args.seeds.split(",")]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda j: one(j[0], j[1], out, args.extra.split()), jobs))
+        results = list(pool.map(lambda j: one(j[0], j[1], out, args.extra.split(), args.load_factor,
+                                              not args.no_goodput), jobs))
     (out / "three_days.json").write_text(json.dumps(results, indent=1))
     for r in results:
-        g = {row["system"]: row for row in r["goodput"]["rows"]} if "rows" in r["goodput"] else {}
-        frac = g.get("dualmap", {}).get("of_pooled")
+        rows = r.get("goodput", {}).get("rows", [])
+        frac = next((row.get("of_pooled") for row in rows if row["system"] == "dualmap"), None)
         print(f"{r['day']} seed {r['seed']}: free {r['free']['replicas']} ({r['free']['mesh_saving']:.0%} fewer); "
               f"EU rule {r['eu']['replicas']} ({r['eu']['mesh_saving']:.0%} fewer); goodput on "
-              f"{r['goodput_layout']}: mesh/pooled {frac}")
+              f"{r.get('goodput_layout')}: mesh/pooled {frac}")
     print(f"wall {time.perf_counter() - t0:.0f} s")
     return 0
 
