@@ -9,7 +9,9 @@ configuration's goodput by bisection (``skymesh sim --goodput-search``) on three
 seeds. Region-local (``dualmap@local``) at 3, 4 and 5 replicas per region gives, per
 seed, the replicas per region it needs for a goodput (linear between the two counts
 around it); a mesh configuration's saving is 1 - its replicas / what region-local needs
-for its goodput.
+for its goodput. The pooled bound of the same 9 replicas (every replica one pool, no
+residency rule; skymesh/bench/des.py) is searched too, and each 9-replica configuration
+is given as a fraction of it.
 
     .venv/bin/python -m benchmarks.geo_day [--jobs 2] [--out bench-out/geo_day.json]
 """
@@ -32,6 +34,7 @@ from skymesh.bench.search_main import base_rate, search_one, variants, with_vari
 
 DAY = ["--regions", "3", "--diurnal-period-s", "1200", "--duration-s", "1200", "--slo", "2", "--seeds", "0,1,2"]
 LOCAL_COUNTS = (3, 4, 5)
+POOLED = "pooled bound 3/region (skymesh/bench/des.py)"
 # label -> (extra sim arguments, system, total replicas)
 CONFIGS: dict[str, tuple[list[str], str, int]] = {
     **{f"region-local {n}/region": (["--replicas", str(n)], "dualmap@local", 3 * n) for n in LOCAL_COUNTS},
@@ -44,6 +47,8 @@ CONFIGS: dict[str, tuple[list[str], str, int]] = {
         ["--replicas", "3", "--region-replicas", "eu-west-1=4"], "dualmap", 10),
     "mesh EU 4 + US 2 + AP 2, EU rule, predicted-TTFT offload": (
         ["--replicas", "2", "--region-replicas", "eu-west-1=4"], "dualmap", 8),
+    # every replica one pool, no residency rule: the most cross-region offload could give
+    POOLED: (["--replicas", "3"], "dualmap@pooled", 9),
 }
 
 
@@ -89,19 +94,23 @@ def main() -> None:
     local = [{n: goodput[f"region-local {n}/region"][i] for n in LOCAL_COUNTS} for i in range(n_var)]
     rows = []
     lines = ["| configuration | replicas | goodput (req/s) per seed | mean | region-local replicas/region "
-             "for it, per seed | fewer replicas than region-local, per seed | mean |", "|---|---|---|---|---|---|---|"]
+             "for it, per seed | fewer replicas than region-local, per seed | mean | x the pooled bound (9 replicas) |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, (_, _, total) in CONFIGS.items():
         g = goodput[label]
         need = [needed_per_region(g[i], local[i]) for i in range(n_var)]
         saving = [1 - total / (3 * x) for x in need]
+        # the same 9 replicas as one pool: the mesh's share of what offload could give at most
+        of_pooled = [x / b for x, b in zip(g, goodput[POOLED], strict=True)] if total == 9 else None
         rows.append({"configuration": label, "replicas": total, "goodput": g, "needed_per_region": need,
-                     "saving": saving, "hit_rate": [results[(label, i)]["prefix_hit_rate"] for i in range(n_var)],
+                     "saving": saving, "of_pooled": of_pooled, "hit_rate": [results[(label, i)]["prefix_hit_rate"] for i in range(n_var)],
                      "ttft_p90": [results[(label, i)]["ttft_p90"] for i in range(n_var)]})
         local_row = label.startswith("region-local")
         lines.append(f"| {label} | {total} | {' / '.join(f'{x:.1f}' for x in g)} | {Spread(tuple(g)).mean:.1f} | "
                      + ("- | - | - |" if local_row else
                         f"{' / '.join(f'{x:.2f}' for x in need)} | {' / '.join(f'{x:.0%}' for x in saving)} | "
-                        f"{sum(saving) / len(saving):.0%} |"))
+                        f"{sum(saving) / len(saving):.0%} |")
+                     + (f" {' / '.join(f'{x:.3f}' for x in of_pooled)} |" if of_pooled else " |"))
     out = Path(cli.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"day": DAY, "variants": vs[next(iter(CONFIGS))], "base_rates": rates, "rows": rows,
