@@ -94,11 +94,19 @@ def main() -> int:
     out = Path(args.out)
     jobs = [(d, int(s)) for d in args.days.split(",") for s in args.seeds.split(",")]
     t0 = time.perf_counter()
+    def job(day: str, seed: int) -> dict[str, Any]:
+        try:
+            return one(day, seed, out, args.extra.split(), args.load_factor, not args.no_goodput)
+        except subprocess.CalledProcessError as e:  # that day's log says why; the others go on
+            return {"day": day, "seed": seed, "error": f"{e.cmd[3]} exited {e.returncode}"}
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda j: one(j[0], j[1], out, args.extra.split(), args.load_factor,
-                                              not args.no_goodput), jobs))
+        results = list(pool.map(lambda j: job(*j), jobs))
     (out / "three_days.json").write_text(json.dumps(results, indent=1))
     for r in results:
+        if "error" in r:
+            print(f"{r['day']} seed {r['seed']}: {r['error']} (see its log)")
+            continue
         rows = r.get("goodput", {}).get("rows", [])
         frac = next((row.get("of_pooled") for row in rows if row["system"] == "dualmap"), None)
         print(f"{r['day']} seed {r['seed']}: free {r['free']['replicas']} ({r['free']['mesh_saving']:.0%} fewer); "
