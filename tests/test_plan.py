@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from skymesh.bench.plan import Layout, PlanError, Search, plan_region_local, plan_shared
+from skymesh.bench.plan_main import shape_ceiling
 from skymesh.cli import main
 
 REGIONS = ["a", "b", "c"]
@@ -75,6 +76,15 @@ def test_shared_descends_to_the_fewest_in_total(batch: int | None) -> None:
 def test_shared_adds_where_the_start_misses() -> None:
     got = plan_shared(Search(shared), {"a": 2, "b": 2, "c": 1}, 0.9, 32)
     assert sum(got.values()) == 9
+
+
+def test_the_days_shape_ceiling() -> None:
+    # two regions peaking at opposite times, each 10 at its peak and 2 at its trough
+    opposite = {"a": [10.0] * 4 + [2.0] * 4, "b": [2.0] * 4 + [10.0] * 4}
+    assert shape_ceiling(opposite) == pytest.approx(1 - 12 / 20)
+    # peaking together: pooling saves nothing by shape
+    together = {"a": [10.0] * 4 + [2.0] * 4, "b": [10.0] * 4 + [2.0] * 4}
+    assert shape_ceiling(together) == pytest.approx(0.0)
 
 
 def test_plan_over_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,6 +60,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-replicas", type=int, default=32, help="the most replicas a region may get")
 
 
+# the day's shape ceiling is read over coarser bins (every 4 of BINS): 12 per day, so a
+# region's peak is its curve's, not one bin's burst
+SHAPE_BINS_PER = 4
+
+
+def shape_ceiling(load: dict[str, list[float]]) -> float:
+    """What pooling could save at most by the day's shape alone: 1 - the peak of the
+    regions' summed arrival rate / the sum of each region's own peak rate (replicas sized
+    for peaks, as fluid, with no queueing or cache effect). Coarse bins of the day's load."""
+    per = {r: [sum(v[i:i + SHAPE_BINS_PER]) for i in range(0, len(v), SHAPE_BINS_PER)] for r, v in load.items()}
+    sum_of_peaks = sum(max(v) for v in per.values())
+    peak_of_sum = max(sum(vals) for vals in zip(*per.values(), strict=True))
+    return 1.0 - peak_of_sum / sum_of_peaks if sum_of_peaks > 0 else 0.0
+
+
 def layout_arg(layout: Layout) -> str:
     return ",".join(f"{r}={n}" for r, n in layout.items())
 
@@ -197,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         "slo": {"ttft_s": args.slo, "target": args.target, "seeds": seeds,
                 "residency": "none" if args.no_eu_rule else "eu-* stays in eu-*"},
         "policy": args.policy, "plans": plans, "replicas": total, "mesh_saving": round(saving, 4),
+        "shape_ceiling": round(shape_ceiling(days["mesh"]["load"]), 4),
         "attainment": {label: next(t["attainment"] for t in trials[label] if t["layout"] == plans[label])
                        for label in plans},
         "offloaded": {label: days[label]["offloaded"] for label in plans},
@@ -215,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {label} | " + " | ".join(str(lay[r]) for r in names)
               + f" | {total[label]} | {min(att.values()):.3f} |")
     print(f"\nthe mesh needs {total['mesh']} replicas, region-local {total['region-local']}: "
-          f"{saving:.0%} fewer")
+          f"{saving:.0%} fewer (the day's shape alone allows about {report['shape_ceiling']:.0%}: "
+          "the peak of the regions' summed load against the sum of their own peaks)")
     print(f"wrote {out / 'plan.json'} and {out / 'plan.png'} ({report['wall_s']} s)")
     return 0
