@@ -69,7 +69,8 @@ def one(day: str, seed: int, out: Path, extra: list[str], load_factor: float = 1
     eu = json.loads((d / "eu" / "plan.json").read_text())
     layout = ",".join(f"{r}={n}" for r, n in free["plans"]["mesh"].items())
     summary = {"day": day, "seed": seed, "rate_multiplier": mult, "free": {k: free[k] for k in
-               ("plans", "replicas", "mesh_saving", "attainment", "offloaded", "day")},
+               ("plans", "replicas", "mesh_saving", "attainment", "offloaded", "day", "days", "shape_ceiling")
+               if k in free},
                "eu": {k: eu[k] for k in ("plans", "replicas", "mesh_saving", "attainment", "offloaded")}}
     if not goodput:
         return summary
@@ -78,6 +79,40 @@ def one(day: str, seed: int, out: Path, extra: list[str], load_factor: float = 1
          "--out", str(d / "goodput")], d / "goodput.log")
     search = json.loads((d / "goodput" / "search.json").read_text())
     return {**summary, "goodput_layout": layout, "goodput": search}
+
+
+def layout_text(layout: dict[str, int]) -> str:
+    return f"{' + '.join(str(n) for n in layout.values())} = {sum(layout.values())}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The docs' table: per day and seed, each plan's layout (us / eu / ap = total), the
+    mesh's saving and the day's shape ceiling, and the mesh's goodput on its layout as a
+    fraction of the pooled bound's."""
+    from skymesh.bench.plan_main import shape_ceiling
+
+    lines = ["| day | seed | x rate (req/s) | region-local | mesh, no rule (saving) | pooled bound | shape ceiling | "
+             "mesh goodput / pooled bound's, on the mesh's layout | mesh, EU rule (saving) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['day']} | {r['seed']} | {r['error']} | | | | | | |")
+            continue
+        free, eu = r["free"], r["eu"]
+        rows = r.get("goodput", {}).get("rows", [])
+        g = {row["system"]: row["goodput"][0] for row in rows}
+        frac = (f"{g['dualmap']:.3g} / {g['dualmap@pooled']:.3g} = {g['dualmap'] / g['dualmap@pooled']:.3f}"
+                if "dualmap" in g and g.get("dualmap@pooled") else "-")
+        ceiling = free.get("shape_ceiling")
+        if ceiling is None and "days" in free:
+            ceiling = shape_ceiling(free["days"]["mesh"]["load"])
+        lines.append(
+            f"| {r['day']} | {r['seed']} | x{r['rate_multiplier']:g} ({free['day']['rate']:.1f}) | "
+            f"{layout_text(free['plans']['region-local'])} | {layout_text(free['plans']['mesh'])} "
+            f"({free['mesh_saving']:.0%}) | {layout_text(free['plans']['pooled bound'])} | "
+            f"{'-' if ceiling is None else f'{ceiling:.0%}'} | {frac} | {layout_text(eu['plans']['mesh'])} "
+            f"({eu['mesh_saving']:.0%}) |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -90,10 +125,15 @@ def main() -> int:
     p.add_argument("--load-factor", type=float, default=1.0,
                    help="plan every day at this many times its load (finer replica counts)")
     p.add_argument("--no-goodput", action="store_true", help="plans only, no goodput search on the mesh's layout")
+    p.add_argument("--table", action="store_true", help="print the table of --out's three_days.json, run nothing")
     args = p.parse_args()
     out = Path(args.out)
+    if args.table:
+        print(table(json.loads((out / "three_days.json").read_text())))
+        return 0
     jobs = [(d, int(s)) for d in args.days.split(",") for s in args.seeds.split(",")]
     t0 = time.perf_counter()
+
     def job(day: str, seed: int) -> dict[str, Any]:
         try:
             return one(day, seed, out, args.extra.split(), args.load_factor, not args.no_goodput)
@@ -103,15 +143,7 @@ def main() -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda j: job(*j), jobs))
     (out / "three_days.json").write_text(json.dumps(results, indent=1))
-    for r in results:
-        if "error" in r:
-            print(f"{r['day']} seed {r['seed']}: {r['error']} (see its log)")
-            continue
-        rows = r.get("goodput", {}).get("rows", [])
-        frac = next((row.get("of_pooled") for row in rows if row["system"] == "dualmap"), None)
-        print(f"{r['day']} seed {r['seed']}: free {r['free']['replicas']} ({r['free']['mesh_saving']:.0%} fewer); "
-              f"EU rule {r['eu']['replicas']} ({r['eu']['mesh_saving']:.0%} fewer); goodput on "
-              f"{r.get('goodput_layout')}: mesh/pooled {frac}")
+    print(table(results))
     print(f"wall {time.perf_counter() - t0:.0f} s")
     return 0
 
