@@ -73,6 +73,26 @@ def test_shared_descends_to_the_fewest_in_total(batch: int | None) -> None:
     assert len(search.trials) < (sum(start.values()) - 9) * len(REGIONS)
 
 
+def locked(layouts: Sequence[Layout]) -> list[dict[str, float]]:
+    """b's clients may not leave b and need 3 replicas there; a and c share what they have
+    and b's spare, each b replica beyond 3 worth two of theirs (b is idle at their peaks)."""
+    out = []
+    for lay in layouts:
+        b_ok = lay["b"] >= 3
+        shared_ok = lay["a"] >= 1 and lay["c"] >= 1 and lay["a"] + lay["c"] + 2 * max(0, lay["b"] - 3) >= 4
+        out.append({"a": 0.95 if shared_ok else 0.6, "b": (0.91 if lay["b"] == 3 else 0.95) if b_ok else 0.5,
+                    "c": 0.95 if shared_ok else 0.6})
+    return out
+
+
+def test_shared_moves_a_replica_where_it_binds_out_of_a_local_minimum() -> None:
+    search = Search(locked)
+    got = plan_shared(search, {"a": 3, "b": 3, "c": 2}, 0.9, 32, batch=1)
+    # removals alone stop at 2 + 3 + 2 = 7; a replica moved into b frees one more
+    assert got == {"a": 1, "b": 4, "c": 1}
+    assert min(locked([got])[0].values()) >= 0.9
+
+
 def test_shared_adds_where_the_start_misses() -> None:
     got = plan_shared(Search(shared), {"a": 2, "b": 2, "c": 1}, 0.9, 32)
     assert sum(got.values()) == 9

@@ -16,7 +16,11 @@ users', not the mesh's average.
   slack everywhere the mesh can pool), then one replica at a time: the best-served
   regions' removals are tried first, ``batch`` of them side by side, and of a batch the
   one leaving the largest margin (the worst region's attainment above the target) is
-  taken, until no single removal still meets the SLO: a local minimum of the total.
+  taken, until no single removal still meets the SLO. Then, out of that local minimum,
+  one replica is moved into the binding region (the lowest attainment) from each other
+  region in turn, and a removal tried from the result: a replica where load cannot leave
+  may free more than one where it can (under a residency rule especially); the descent
+  goes on from any such layout meeting the SLO.
 
 Attainment is assumed to grow with replicas (the searches trust a bracket); the
 simulator's noise can break that by a request or two near the target, so a plan is a
@@ -166,5 +170,34 @@ def plan_shared(search: Search, start: Layout, target: float, max_replicas: int,
                 taken = (group[i], results[i])
                 break
         if taken is None:
-            return current
+            taken = _swap_then_remove(search, current, att, target, max_replicas, min_per_region)
+            if taken is None:
+                return current
         current, att = taken
+
+
+def _swap_then_remove(search: Search, current: Layout, att: Attainment, target: float, max_replicas: int,
+                      min_per_region: int) -> tuple[Layout, Attainment] | None:
+    """Out of a local minimum: move one replica into the region that binds (the lowest
+    attainment: e.g. one whose clients may not leave it) from another, and take one away
+    anywhere from the result. A replica where the binding region's load lives may free
+    more than one elsewhere (it serves its own peak and its peers' at theirs); the
+    removals alone could not find that. The first such layout meeting the SLO (fewer in
+    total), or None."""
+    binding = min(current, key=lambda r: (att[r], list(current).index(r)))
+    if current[binding] >= max_replicas:
+        return None
+    donors = sorted((r for r in current if r != binding and current[r] > min_per_region),
+                    key=lambda r: (-att[r], list(current).index(r)))
+    for donor in donors:
+        swapped = dict(current, **{donor: current[donor] - 1, binding: current[binding] + 1})
+        if not meets(search.run([swapped])[0], target):
+            continue
+        removals = [dict(swapped, **{r: swapped[r] - 1}) for r in swapped
+                    if r != binding and swapped[r] > min_per_region]
+        results = search.run(removals)
+        ok = [i for i, a in enumerate(results) if meets(a, target)]
+        if ok:
+            i = max(ok, key=lambda i: (margin(results[i], target), -i))
+            return removals[i], results[i]
+    return None
