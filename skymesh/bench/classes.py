@@ -20,8 +20,10 @@ from skymesh.routing.queue_registry import DISCIPLINES
 from skymesh.validation import first_error
 
 
-def add_class_arguments(p: argparse.ArgumentParser) -> None:
-    """The class options both modes take (``skymesh sim`` and ``skymesh bench``)."""
+def add_class_arguments(p: argparse.ArgumentParser, store: type[argparse.Action] | str = "store") -> None:
+    """The class options both modes take (``skymesh sim`` and ``skymesh bench``); ``store``:
+    the action of the queue options (``skymesh sim`` notes which were given, as a
+    ``--config`` file supplies their defaults)."""
     p.add_argument("--slo-classes", default=None, metavar="YAML",
                    help="a YAML file with a slo_classes: mapping (a mesh config will do): the classes' targets "
                         "(live: scaled by --time-scale)")
@@ -30,13 +32,13 @@ def add_class_arguments(p: argparse.ArgumentParser) -> None:
                         "their own slo_class keep it; live requests send it as X-SLO-Class")
     p.add_argument("--no-early-rejection", action="store_true",
                    help="the balancer queues requests whose class's TTFT cannot be met instead of rejecting them")
-    p.add_argument("--queue-discipline", choices=tuple(DISCIPLINES), default="fcfs",
+    p.add_argument("--queue-discipline", choices=tuple(DISCIPLINES), default="fcfs", action=store,
                    help="the balancer's order within a priority: arrival, each head annealed for SLO attainment, "
                         "or a freed replica's best-matching request first (FEATHER)")
-    p.add_argument("--queue-max-age-s", type=float, default=DEFAULT_MAX_AGE_S,
+    p.add_argument("--queue-max-age-s", type=float, default=DEFAULT_MAX_AGE_S, action=store,
                    help="the slo and prefix disciplines' starvation bound (queue.max_age_s): a request queued "
                         "this long goes first")
-    p.add_argument("--prefix-ttft-share", type=float, default=DEFAULT_PREFIX_TTFT_SHARE,
+    p.add_argument("--prefix-ttft-share", type=float, default=DEFAULT_PREFIX_TTFT_SHARE, action=store,
                    help="the prefix discipline's tail bound (queue.prefix_ttft_share): a request that waited this "
                         "share of its TTFT target goes first")
 

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the load to plan for: this many times the trace's (the day's) arrival rate")
     p.add_argument("--target", type=float, default=0.9,
                    help="SLO attainment every region's clients must reach (share of first tokens within --slo)")
-    p.add_argument("--policy", default="dualmap", help="the routing policy in every region")
+    p.add_argument("--policy", default="dualmap", action=sim_main.Given,
+                   help="the routing policy in every region (--config: the config's policy.name)")
     p.add_argument("--max-replicas", type=int, default=32, help="the most replicas a region may get")
 
 
@@ -82,7 +83,7 @@ def layout_arg(layout: Layout) -> str:
 def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: int) -> dict[str, Any]:
     """One simulated day of ``system`` on ``layout`` (picklable: runs in a worker)."""
     run_args = argparse.Namespace(**{**vars(args), "region_replicas": layout_arg(layout), "seed": seed})
-    names, _ = sim_main.region_layout(args.regions)
+    names = list(sim_main.mesh_of(args).names)
     trace = sim_main.build_trace(run_args, args.rate_multiplier)
     res = Simulator(sim_main.sim_config(run_args, system)).run(trace)
     regions = res.region_summaries(args.slo, args.warmup_s)
@@ -160,8 +161,13 @@ def plot(path: Path, names: list[str], plans: dict[str, Layout], days: dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
+    mesh = sim_main.mesh_of(args)  # with --config: the file loaded and checked first
     if args.regions < 2:
-        raise SystemExit("skymesh plan: needs --regions 2 or more (one region has nothing to pool)")
+        raise SystemExit("skymesh plan: needs --regions 2 or more (one region has nothing to pool)"
+                         if mesh.config is None else f"skymesh plan: {mesh.config} has one region: nothing to pool")
+    if not mesh.routing.offload.enabled:
+        raise SystemExit(f"skymesh plan: {mesh.config} has offload.enabled: false, so its mesh would be "
+                         "region-local: enable offload in a copy to plan what it saves")
     if not 0.0 < args.target <= 1.0:
         raise SystemExit("--target: a share in (0, 1]")
     if args.max_replicas < 1 or args.rate_multiplier <= 0:
@@ -173,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     if not seeds:
         raise SystemExit("--seeds: at least one seed")
     sim_main.check_policy_options([args.policy], sim_main.parse_policy_options(args.policy_option))
-    names, _ = sim_main.region_layout(args.regions)
+    names = list(mesh.names)
     sim_main.build_trace(args)  # the day's options checked before any simulation starts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
                 "rate": days["mesh"]["rate"], "requests": days["mesh"]["requests"],
                 **day_shape(args, len(names)).describe(), "start_s": args.start_s,
                 "duration_s": args.duration_s},
-        "slo": {"ttft_s": args.slo, "target": args.target, "seeds": seeds,
-                "residency": "none" if args.no_eu_rule else "eu-* stays in eu-*"},
-        "policy": args.policy, "plans": plans, "replicas": total, "mesh_saving": round(saving, 4),
+        "slo": {"ttft_s": args.slo, "target": args.target, "seeds": seeds, "residency": mesh.residency()},
+        "config": mesh.config, "profile": args.profile, "policy": args.policy, "plans": plans, "replicas": total,
+        "mesh_saving": round(saving, 4),
         "shape_ceiling": round(shape_ceiling(days["mesh"]["load"]), 4),
         "attainment": {label: next(t["attainment"] for t in trials[label] if t["layout"] == plans[label])
                        for label in plans},
@@ -220,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "plan.json").write_text(json.dumps(report, indent=1))
     plot(out / "plan.png", names, plans, days, args.slo, args.rate_multiplier)
-    rule = "no residency rule" if args.no_eu_rule else "EU rule (eu-* stays in eu-*)"
+    rule = "no residency rule" if not mesh.routing.offload.rules else f"residency: {mesh.residency()}"
     print(f"\nday: {days['mesh']['requests']} requests at {days['mesh']['rate']:g} req/s "
           f"(x{args.rate_multiplier:g}); TTFT SLO {args.slo:g} s met by >= {args.target:g} of every region's "
           f"requests on seeds {', '.join(map(str, seeds))}; {rule}\n")

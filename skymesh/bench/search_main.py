@@ -25,9 +25,9 @@ from skymesh.bench.ranking import Spread, bisect_goodput, ranking_statements
 from skymesh.bench.sim_main import (
     build_trace,
     check_policy_options,
+    mesh_of,
     of_pooled,
     parse_policy_options,
-    region_layout,
     replicas_per_region,
     run_one,
     systems_of,
@@ -98,7 +98,7 @@ def bounds(args: argparse.Namespace) -> dict[str, float | None]:
         return {"oracle": None, "lru": None}
     prof = PROFILES[args.profile]
     reqs = fit_to_context(trace, prof.max_model_len, prof.kv_capacity_tokens)
-    names, _ = region_layout(args.regions)
+    names = list(mesh_of(args).names)
     capacity = prof.kv_capacity_tokens * sum(replicas_per_region(args, names).values())
     return {"oracle": round(oracle_hit_rate(reqs), 4), "lru": round(lru_hit_rate(reqs, capacity), 4)}
 

@@ -12,6 +12,11 @@ rule whatever the run's (a bound: skymesh/bench/des.py says why); ``--pooled-bou
 it for every policy of ``--systems`` and reports each system's goodput as a fraction of
 its policy's bound.
 
+``--config FILE`` simulates the operator's own mesh instead of ``--regions``: its regions
+in order, their one-way latencies, replica counts and ``sim.profile``, its ``policy``,
+``queue`` and ``offload`` sections (residency rules, trigger, min_gain_s, ...), as the
+daemon reads them (:func:`apply_config` says which options the command line still sets).
+
 ``--trace`` is a Mooncake JSONL file or a synthetic workload: ``hot-prefix`` (tool/agent
 traffic on a few popular system prompts), ``tot2`` / ``tot4`` (Tree-of-Thoughts with
 branching 2 / 4), ``synthetic`` (a lazy stream of multi-turn conversations, ``--requests``
@@ -23,8 +28,9 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,7 @@ from skymesh.bench.traces import (
     window,
 )
 from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
+from skymesh.config import MeshConfig, load_config_for_command
 from skymesh.config.routing import OffloadConfig, OffloadRule, QueueConfig
 from skymesh.hardware import PROFILES
 from skymesh.routing.offload import OffloadTrigger
@@ -79,27 +86,138 @@ def region_layout(n: int) -> tuple[list[str], dict[tuple[str, str], float]]:
     return names, lat
 
 
+class Given(argparse.Action):
+    """``store``, also noting that the option was given (``args.given``): with ``--config``
+    the config supplies an option's default and only an option given on the command line
+    overrides it (:func:`apply_config`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether option ``dest`` was given on the command line (an option with ``action=Given``)."""
+    return dest in getattr(args, "given", ())
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The regions a run simulates: their names in order (the order of the day's options),
+    one-way latencies (ms) per pair, replicas per region, and the routing sections every
+    region core starts from (the mesh config's, or the command line's defaults)."""
+
+    names: tuple[str, ...]
+    one_way_ms: dict[tuple[str, str], float]
+    routing: RoutingConfig
+    replicas: dict[str, int] | None = None  # the config's counts; None: --replicas
+    config: str | None = None  # the file, with --config
+    profiles: tuple[str, ...] = ()  # the replicas' sim.profile names, with --config
+
+    def residency(self) -> str:
+        """The residency rules in words (plan.json, the plan's summary)."""
+        rules = self.routing.offload.rules
+        return "; ".join(f"{r.source} stays in {' or '.join(r.allowed_targets)}" for r in rules) or "none"
+
+
+def mesh_of(args: argparse.Namespace) -> Mesh:
+    """The mesh ``args`` simulate: the ``--config`` file's (loaded once, :func:`apply_config`),
+    or ``--regions``' layout with the EU rule unless ``--no-eu-rule``."""
+    if getattr(args, "config", None):
+        return apply_config(args)
+    names, lat = region_layout(args.regions)
+    rules = () if args.no_eu_rule else (EU_STAYS_IN_EU,)
+    return Mesh(tuple(names), lat, RoutingConfig(offload=OffloadConfig(rules=rules)))
+
+
+# with --config: options the config's sections supply unless given on the command line
+CONFIG_DEFAULTS: dict[str, Callable[[MeshConfig], Any]] = {
+    "slo": lambda cfg: cfg.policy.ttft_slo_s,
+    "probe_interval_s": lambda cfg: cfg.policy.probe_interval_s,
+    "offload_trigger": lambda cfg: cfg.offload.trigger,
+    "queue_discipline": lambda cfg: cfg.queue.discipline,
+    "queue_max_age_s": lambda cfg: cfg.queue.max_age_s,
+    "prefix_ttft_share": lambda cfg: cfg.queue.prefix_ttft_share,
+    "systems": lambda cfg: cfg.policy.name,  # sim: the mesh's policy as written
+    "policy": lambda cfg: cfg.policy.name,  # plan
+}
+# options that describe the regions themselves: the config does, so they are refused with it
+CONFIG_REFUSES = {"regions": "--regions", "no_eu_rule": "--no-eu-rule"}
+
+
+def apply_config(args: argparse.Namespace) -> Mesh:
+    """``--config FILE``: load and validate the mesh config (its errors all at once, as
+    ``skymesh config`` reports them, exit 2) and make it the run's mesh (``args.mesh``).
+
+    - regions, latencies, the replicas per region and ``offload`` (rules, trigger,
+      min_gain_s, ...) are the config's; ``--regions`` and ``--no-eu-rule`` are refused with
+      it (they would describe another mesh: drop the rule from the file instead);
+    - the config supplies the defaults of ``--slo``, ``--probe-interval-s``,
+      ``--offload-trigger``, ``--queue-*``, ``--prefix-ttft-share``, ``--systems`` (sim)
+      and ``--policy`` (plan), and ``--profile`` (the replicas' ``sim.profile`` when they
+      all name the same one); each of these given on the command line overrides it, as do
+      ``--replicas`` / ``--region-replicas`` the config's counts.
+
+    Idempotent: the resolved mesh travels in ``args`` to the worker processes."""
+    mesh = getattr(args, "mesh", None)
+    if mesh is not None:
+        return mesh
+    refused = [flag for dest, flag in CONFIG_REFUSES.items() if given(args, dest) or getattr(args, dest) is True]
+    if refused:
+        raise SystemExit(f"--config: {' and '.join(refused)} cannot be combined with it: the config names the "
+                         "regions, their latencies and their offload rules (edit or copy the file instead)")
+    cfg = load_config_for_command(args.config)
+    if cfg is None:
+        raise SystemExit(2)
+    for dest, default in CONFIG_DEFAULTS.items():
+        if hasattr(args, dest) and not given(args, dest):
+            setattr(args, dest, default(cfg))
+    profiles = tuple(sorted({rep.sim.profile if rep.sim is not None else "" for r in cfg.regions
+                             for rep in r.replicas}))
+    if not given(args, "profile"):
+        if len(profiles) != 1 or not profiles[0]:
+            found = ", ".join(p or "a replica without sim:" for p in profiles) or "no replicas"
+            raise SystemExit(f"--config {args.config}: the replicas name no single sim.profile ({found}): "
+                             "give --profile (the hardware profile every simulated replica runs)")
+        args.profile = profiles[0]
+    names = tuple(r.name for r in cfg.regions)
+    args.regions = len(names)
+    args.mesh = Mesh(names, dict(cfg.latency_ms), RoutingConfig.of(cfg),
+                     replicas={r.name: len(r.replicas) for r in cfg.regions}, config=str(args.config),
+                     profiles=profiles)
+    return args.mesh
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="simulate this mesh config (skymesh config --config FILE validates it): its regions, "
+                        "latencies, replicas, sim.profile and policy/queue/offload sections (residency "
+                        "rules); --slo, --profile, --offload-trigger, --systems, ... given here override "
+                        "the file's; not with --regions or --no-eu-rule")
     p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(p.prog, SYNTHETIC),
                    help="Mooncake JSONL trace (default: the Mooncake conversation trace in ../shared/traces/, "
                         "not part of the repository), or a generated workload: " + ", ".join(SYNTHETIC))
-    p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,min_ttft,preble,least_load,"
+    p.add_argument("--systems", action=Given, default="dualmap,prefix_tree,cache_aware,min_ttft,preble,least_load,"
                                         "consistent_hash,round_robin")
     p.add_argument("--out", default="bench-out/sim")
-    p.add_argument("--replicas", type=int, default=16, help="replicas per region")
+    p.add_argument("--replicas", type=int, default=16, action=Given,
+                   help="replicas per region (--config: the config's counts unless given)")
     p.add_argument("--region-replicas", default=None, metavar="NAME=N,...",
                    help="replicas of named regions (the others keep --replicas), e.g. eu-west-1=4")
-    p.add_argument("--regions", type=int, default=1, help="1: one central balancer; 3: us/eu/ap; n: r0..r(n-1)")
+    p.add_argument("--regions", type=int, default=1, action=Given, help="1: one central balancer; 3: us/eu/ap; n: r0..r(n-1)")
     add_day_arguments(p)
     p.add_argument("--no-eu-rule", action="store_true", help="let eu-* regions offload anywhere")
     p.add_argument("--offload-trigger", choices=("predicted_ttft", "saturated"), default="predicted_ttft",
+                   action=Given,
                    help="when a region forwards a queued request (routing/offload.py)")
     p.add_argument("--pooled-bound", action="store_true",
                    help="several regions: add POLICY@pooled for every policy of --systems (all replicas "
                         "as one pool behind one region core, clients paying the link RTT to the replica's "
                         "region, no residency rule) and report each system as a fraction of it")
-    p.add_argument("--profile", default="h100-qwen2.5-7b")
-    p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds")
+    p.add_argument("--profile", default="h100-qwen2.5-7b", action=Given,
+                   help="the replicas' hardware profile (--config: their sim.profile)")
+    p.add_argument("--slo", type=float, default=2.0, action=Given, help="TTFT SLO in seconds")
     p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
     p.add_argument("--start-s", type=float, default=0.0, help="trace window start")
     p.add_argument("--duration-s", type=float, default=0.0, help="trace window length (0: whole trace)")
@@ -118,14 +236,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="routing chunk (tokens); default: 512 (one trace block), the block size with "
                         "--cache-view events (which needs them equal)")
-    p.add_argument("--probe-interval-s", type=float, default=0.1)
+    p.add_argument("--probe-interval-s", type=float, default=0.1, action=Given)
     p.add_argument("--balancers-per-region", type=int, default=1,
                    help="active-active balancers per region, sharing push budgets and placements "
                         "(docs/routing.md, 'A region is a fleet')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="policy option for every system (repeatable), e.g. max_hold_fraction=0.2")
-    add_class_arguments(p)
+    add_class_arguments(p, store=Given)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
     p.add_argument("--goodput-search", action="store_true",
                    help="instead of the --rates sweep: each system's monotone goodput by bisection "
@@ -140,7 +258,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRequest]:
     """The workload at rate multiplier ``rate`` (a list, or a lazy stream for synthetic)."""
-    names, _ = region_layout(args.regions)
+    names = list(mesh_of(args).names)
     shape = day_shape(args, len(names))
     if args.trace == "synthetic":
         if args.slo_mix:
@@ -158,7 +276,7 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
         reqs = load_mooncake(args.trace, args.first_n)
         if args.duration_s > 0:
             reqs = window(reqs, args.start_s, args.duration_s)
-    if args.regions > 1:
+    if len(names) > 1:
         reqs = shape.apply(reqs, names, args.seed)
     reqs = with_slo_mix(reqs, args)
     return scale_rate(reqs, rate) if rate != 1.0 else reqs
@@ -212,34 +330,51 @@ def of_pooled(goodputs: Mapping[str, list[float]]) -> dict[str, list[float | Non
 
 
 def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
+    """What one run of ``system`` simulates: the mesh's routing sections (the config's as
+    the daemon reads them, ``RoutingConfig.of``, or the command line's defaults) with the
+    system's policy and offload variant and the options the command line sets."""
     policy, offload, trigger = split_system(system, args.offload_trigger)
     pooled = is_pooled(system)
-    names, lat = region_layout(args.regions)
-    routing = RoutingConfig(
+    mesh = mesh_of(args)
+    base = mesh.routing
+    options = {**base.policy.options.model_dump(exclude_unset=True), **parse_policy_options(args.policy_option)}
+    routing = replace(
+        base,
         policy=simulated_policy(policy, ttft_slo_s=args.slo, probe_interval_s=args.probe_interval_s,
-                                chunk_tokens=chunk_tokens(args),
-                                options=options_for(policy, parse_policy_options(args.policy_option))),
-        queue=QueueConfig(discipline=args.queue_discipline, max_age_s=args.queue_max_age_s,
-                          prefix_ttft_share=args.prefix_ttft_share),
+                                chunk_tokens=chunk_tokens(args), options=options_for(policy, options),
+                                **base.policy.model_dump(include={"trie_max_nodes", "max_retries", "max_body_bytes"})),
+        queue=QueueConfig.model_validate({**base.queue.model_dump(), "discipline": args.queue_discipline,
+                                          "max_age_s": args.queue_max_age_s,
+                                          "prefix_ttft_share": args.prefix_ttft_share}),
         # the pooled bound holds no residency rule: under one, the pool by the same policy is
         # no bound (skymesh/bench/des.py, "The pooled bound")
-        offload=OffloadConfig(enabled=offload, trigger=trigger,
-                              rules=() if args.no_eu_rule or pooled else (EU_STAYS_IN_EU,)),
-        early_rejection=not args.no_early_rejection,
+        offload=base.offload.model_copy(update={"enabled": offload and base.offload.enabled, "trigger": trigger,
+                                                "rules": () if pooled else base.offload.rules}),
+        early_rejection=base.early_rejection and not args.no_early_rejection,
     )
-    return SimConfig(regions=replicas_per_region(args, names), one_way_ms=lat, profile=args.profile,
-                     routing=routing, block_size=args.block_size, cache_view=args.cache_view,
+    return SimConfig(regions=replicas_per_region(args, list(mesh.names)), one_way_ms=mesh.one_way_ms,
+                     profile=args.profile, routing=routing, block_size=args.block_size, cache_view=args.cache_view,
                      slo_classes=slo_classes(args), balancers_per_region=args.balancers_per_region,
                      pooled=pooled)
 
 
-def replicas_per_region(args: argparse.Namespace, names: list[str]) -> dict[str, int]:
-    out = dict.fromkeys(names, args.replicas)
+def replicas_per_region(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
+    """``--replicas`` in every region (with ``--config``: the config's counts unless
+    ``--replicas`` is given), then ``--region-replicas``."""
+    mesh = getattr(args, "mesh", None)
+    if mesh is not None and mesh.replicas is not None and not given(args, "replicas"):
+        out = {n: mesh.replicas[n] for n in names}
+    else:
+        out = dict.fromkeys(names, args.replicas)
     for item in filter(None, (args.region_replicas or "").split(",")):
         name, sep, count = item.partition("=")
         if not sep or name not in out or not count.isdigit() or int(count) < 1:
             raise SystemExit(f"--region-replicas {item!r}: expected REGION=N with REGION one of {', '.join(names)}")
         out[name] = int(count)
+    empty = [n for n, k in out.items() if k < 1]
+    if empty:
+        raise SystemExit(f"{', '.join(empty)}: no replicas (a config region whose replicas membership adds "
+                         "has none in the file): give --replicas N or --region-replicas REGION=N")
     return out
 
 
@@ -331,6 +466,7 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
 
 
 def run(args: argparse.Namespace) -> int:
+    mesh = mesh_of(args)  # with --config: the file loaded and checked before anything runs
     if args.goodput_search:
         # cycle: skymesh.bench.search_main imports this module
         from skymesh.bench.search_main import run_search
@@ -371,8 +507,9 @@ def run(args: argparse.Namespace) -> int:
     oracle = (oracle_hit_rate(fit_to_context(base, prof.max_model_len, prof.kv_capacity_tokens))
               if isinstance(base, list) else None)
     first_run = results[(systems[0], rates[0])]
-    names, _ = region_layout(args.regions)
+    names = list(mesh.names)
     config = {"mode": "discrete-event", "trace": args.trace, "requests": first_run["metrics"]["requests"],
+              "config": mesh.config, "residency": mesh.residency(),
               "regions": names, "replicas_per_region": replicas_per_region(args, names), "profile": args.profile,
               "slo_s": args.slo, "rates": rates, "skew": args.skew,
               **(day_shape(args, len(names)).describe() if len(names) > 1 else {}),
