@@ -15,6 +15,10 @@ per region) and ``plan.png`` (each region's load and what its replicas served ov
 day, on the mesh's layout and on region-local's) to ``--out`` (default bench-out/plan).
 
     skymesh plan --regions 3 --diurnal-period-s 1200 --duration-s 1200 --rate-multiplier 10
+
+``--config FILE`` plans the operator's own mesh instead: its regions, latencies, policy,
+queue, offload rules and replicas' profile (sim_main.apply_config; docs/planning.md, "Your
+own mesh: --config").
 """
 
 from __future__ import annotations

@@ -113,7 +113,6 @@ class Mesh:
     routing: RoutingConfig
     replicas: dict[str, int] | None = None  # the config's counts; None: --replicas
     config: str | None = None  # the file, with --config
-    profiles: tuple[str, ...] = ()  # the replicas' sim.profile names, with --config
 
     def residency(self) -> str:
         """The residency rules in words (plan.json, the plan's summary)."""
@@ -177,15 +176,14 @@ def apply_config(args: argparse.Namespace) -> Mesh:
                              for rep in r.replicas}))
     if not given(args, "profile"):
         if len(profiles) != 1 or not profiles[0]:
-            found = ", ".join(p or "a replica without sim:" for p in profiles) or "no replicas"
+            found = ", ".join(p or "replicas without sim:" for p in profiles) or "no replicas in the file"
             raise SystemExit(f"--config {args.config}: the replicas name no single sim.profile ({found}): "
                              "give --profile (the hardware profile every simulated replica runs)")
         args.profile = profiles[0]
     names = tuple(r.name for r in cfg.regions)
     args.regions = len(names)
     args.mesh = Mesh(names, dict(cfg.latency_ms), RoutingConfig.of(cfg),
-                     replicas={r.name: len(r.replicas) for r in cfg.regions}, config=str(args.config),
-                     profiles=profiles)
+                     replicas={r.name: len(r.replicas) for r in cfg.regions}, config=str(args.config))
     return args.mesh
 
 
