@@ -63,7 +63,27 @@ def _metrics(results: list[LiveResult], args: argparse.Namespace, hit: float | N
     classes = scaled_slo_classes(args)
     if classes:
         m["classes"] = live_class_summaries(results, classes, args.warmup_s * args.time_scale)
+    if args.regions > 1:
+        from skymesh.bench.live_geo import geo_regions
+
+        m["regions"] = live_region_summaries(results, geo_regions(), slo, args.warmup_s * args.time_scale)
     return m
+
+
+def live_region_summaries(results: list[LiveResult], regions: list[str], slo_s: float,
+                          warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Per client region (a request's ``origin``): the metric set of its own requests
+    (attainment, TTFT, share offloaded, ...), as the discrete-event mode's
+    ``SimResult.region_summaries`` gives it."""
+    return {name: summarize([r for r in results if r.origin == name], slo_s, warmup_s=warmup_s)
+            for name in regions}
+
+
+def region_lines(m: dict[str, Any]) -> list[str]:
+    """One printed line per client region of a run's metrics (none without regions)."""
+    return [f"  {name}: requests={r['requests']} slo_attainment={r['slo_attainment']} "
+            f"offloaded_share={r['offloaded_share']} ttft_p90={r['ttft_p90']}"
+            for name, r in m.get("regions", {}).items()]
 
 
 def scaled_slo_classes(args: argparse.Namespace) -> dict[str, SloClassConfig]:
@@ -163,7 +183,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300, help="first N trace requests (the load bound)")
     p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
     p.add_argument("--time-scale", type=float, default=0.05, help="replica speed-up (the SLO scales with it)")
-    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--replicas", type=int, default=8, help="stand-ins (per region with --regions 3)")
+    p.add_argument("--region-replicas", default=None, metavar="NAME=N,...",
+                   help="3 regions: replicas of named regions (the others keep --replicas), e.g. eu-west-1=4 "
+                        "(as skymesh sim's; a skymesh plan layout)")
     p.add_argument("--profile", default="h100-qwen2.5-7b")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds at time scale 1")
     p.add_argument("--warmup-s", type=float, default=0.0, help="exclude the first S trace seconds")
@@ -187,14 +210,18 @@ def run(args: argparse.Namespace) -> int:
     base = fit_to_context(load_mooncake(args.trace, args.requests), profile.max_model_len,
                           profile.kv_capacity_tokens)
     shape: DayShape | None = None
+    layout: dict[str, int] | None = None
     if args.regions > 1:
         # lazy: `skymesh bench` imports every mode's module for its parser; only a run loads the simulator
-        from skymesh.bench.live_geo import geo_regions, geo_trace
+        from skymesh.bench.live_geo import geo_layout, geo_regions, geo_trace
 
         shape = day_shape(args, len(geo_regions()))
+        layout = geo_layout(args)  # checked before any mesh starts
         base = geo_trace(base, shape, args.seed)
         if args.slo_classes:
             raise SystemExit("--slo-classes: the 3-region live mode does not configure classes on its mesh yet")
+    elif args.region_replicas:
+        raise SystemExit("--region-replicas: only with --regions 3")
     base = with_slo_mix(base, args)
     rates = [float(x) for x in args.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-live-"))
@@ -221,8 +248,8 @@ def run(args: argparse.Namespace) -> int:
                     ttfts[system] = [r.ttft / args.time_scale for r in results if r.ttft is not None]
                     if load_plot is None and samples:
                         load_plot = (system, samples)
-                print(f"{system} x{rate:g}: slo_attainment={m['slo_attainment']} ttft_p50={m['ttft_p50']}",
-                      flush=True)
+                print(f"{system} x{rate:g}: slo_attainment={m['slo_attainment']} ttft_p50={m['ttft_p50']}"
+                      + "".join("\n" + line for line in region_lines(m)), flush=True)
             if pts:
                 sweeps[system] = pts
                 systems[system] = {**pts[0], "goodput": round(monotone_goodput([(p["rate"], p["slo_attainment"])
@@ -230,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     config = {"mode": "live", "trace": args.trace, "requests": len(base), "replicas": args.replicas,
-              "regions": args.regions, "skew": args.skew,
+              "regions": args.regions, **({"replicas_per_region": layout} if layout is not None else {}),
+              "skew": args.skew,
               **(shape.describe() if shape is not None else {}), "profile": args.profile, "time_scale": args.time_scale, "rates": rates, "slo_s": args.slo,
               "slo_s_scaled": args.slo * args.time_scale, "oracle_prefix_hit_rate": round(oracle_hit_rate(base), 4),
               "wall_s_total": round(time.perf_counter() - t_start, 1),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from skymesh.bench.loadgen import (
     replay,
 )
 from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
-from skymesh.bench.sim_main import split_system
+from skymesh.bench.sim_main import replicas_per_region, split_system
 from skymesh.bench.traces import TraceRequest
 from skymesh.operations.up import Mesh
 from skymesh.runtime.procs import free_port
@@ -52,14 +52,19 @@ def local_default() -> dict[str, Any]:
     return yaml.safe_load(resources.files("skymesh").joinpath("local.yaml").read_text())
 
 
-def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_scale: float, slo_s: float,
+def geo_mesh_config(policy: str, replicas: int | Mapping[str, int], profile: str, time_scale: float, slo_s: float,
                     offload: bool, state_dir: Path, trigger: str = "predicted_ttft",
                     residency: bool = True, balancers_per_region: int = 1) -> dict[str, Any]:
-    """The embedded 3-region default with ``replicas_per_region`` stand-ins per region,
+    """The embedded 3-region default with ``replicas`` stand-ins per region (one count for
+    every region, or each region's own by name, every region named: a plan's layout),
     every port free, and every duration (latencies, probes, heartbeats, SLO) scaled;
     ``residency`` False drops its EU-stays-in-EU rule; ``balancers_per_region`` > 1 runs
     that many active-active balancers in each region behind its entry (balancer.siblings)."""
     data = local_default()
+    names = [r["name"] for r in data["regions"]]
+    counts = dict.fromkeys(names, replicas) if isinstance(replicas, int) else dict(replicas)
+    if sorted(counts) != sorted(names) or any(n < 1 for n in counts.values()):
+        raise ValueError(f"replicas: at least one for each of {', '.join(names)}, got {counts}")
     # the trace's prompts are word blocks (skymesh/word_tokenizer.py): the stand-ins below
     # count words, and the balancer hashes bytes as it did when the benchmarks were taken
     data.pop("tokenizer", None)
@@ -76,7 +81,7 @@ def geo_mesh_config(policy: str, replicas_per_region: int, profile: str, time_sc
         prefix = r["replicas"][0]["id"].rsplit("-", 1)[0]
         r["replicas"] = [{"id": f"{prefix}-r{i}", "sim": {"profile": profile, "port": free_port(),
                                                          "time_scale": time_scale}}
-                         for i in range(replicas_per_region)]
+                         for i in range(counts[r["name"]])]
     for link in data["latencies"]:
         link["one_way_ms"] = link["one_way_ms"] * time_scale
     data["local_latency_ms"] = data.get("local_latency_ms", 1) * time_scale
@@ -112,6 +117,12 @@ def geo_regions() -> list[str]:
     return [r["name"] for r in local_default()["regions"]]
 
 
+def geo_layout(args: argparse.Namespace) -> dict[str, int]:
+    """Replicas per region from ``--replicas`` and ``--region-replicas`` (``skymesh sim``'s
+    syntax and meaning: named regions get their own count, the others ``--replicas``)."""
+    return replicas_per_region(args, geo_regions())
+
+
 def geo_trace(base: Sequence[TraceRequest], shape: DayShape, seed: int) -> list[TraceRequest]:
     """Sessions to the default's regions and per-region diurnal thinning by the day's
     shape, in trace time."""
@@ -127,7 +138,7 @@ async def run_mesh_system(system: str, trace: Sequence[TraceRequest], args: argp
     (``vllm:num_requests_waiting``, sampled every 50 ms)."""
     policy, offload, trigger = split_system(system, "predicted_ttft")
     state = tmp / f"mesh-{system.replace('@', '-')}-{uuid.uuid4().hex[:8]}"
-    data = geo_mesh_config(policy, args.replicas, args.profile, args.time_scale, args.slo * args.time_scale,
+    data = geo_mesh_config(policy, geo_layout(args), args.profile, args.time_scale, args.slo * args.time_scale,
                            offload=offload, state_dir=state, trigger=trigger, residency=not args.no_eu_rule,
                            balancers_per_region=args.balancers_per_region)
     mesh = Mesh.from_dict(data, state, time_scale=args.time_scale)
