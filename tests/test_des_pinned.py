@@ -116,7 +116,7 @@ def run_case(name: str) -> dict[str, Any]:
     args, system = _system(_args(argv), label)
     out = sim_main.run_one(args, system, rate, False)
     # reported since the golden was made (new figures, not a change)
-    new = ("max_replica_waiting", "max_replica_unadmitted")
+    new = ("max_replica_waiting", "max_replica_unadmitted", "regions")
     metrics = {k: v for k, v in out["metrics"].items() if k not in ("wall_s", "cpu_s", *new)}
     return {"metrics": metrics, "ttfts": {"n": len(out["ttfts"]), "sum": sum(out["ttfts"]),
                                           "sha256": _digest(out["ttfts"])},

@@ -456,6 +456,8 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
     m["max_replica_unadmitted"] = res.max_replica_unadmitted
     if res.slo_class_names:
         m["classes"] = res.class_summaries(args.warmup_s)
+    if len(res.region_names) > 1:
+        m["regions"] = res.region_summaries(args.slo, args.warmup_s)
     ttfts = res.ttft[~(res.ttft != res.ttft)]
     if ttfts.size > 50_000:
         ttfts = ttfts[:: ttfts.size // 50_000 + 1]
@@ -522,6 +524,10 @@ def run(args: argparse.Namespace) -> int:
         for name, c in results[(s, r)]["metrics"].get("classes", {}).items():
             print(f"{s} x{r:g} class {name}: requests={c['requests']} attainment={c['slo_attainment']} "
                   f"rejected={c['rejected_share']} ttft_mean={c['ttft_mean']} e2e_mean={c['e2e_mean']}")
+    for s, r in jobs:
+        for name, reg in results[(s, r)]["metrics"].get("regions", {}).items():
+            print(f"{s} x{r:g} region {name}: requests={reg['requests']} attainment={reg['slo_attainment']} "
+                  f"offloaded={reg['offloaded_share']} ttft_p90={reg['ttft_p90']}")
     for s, frac in of_pooled({s: [summaries[s]["goodput"]] for s in systems}).items():
         print(f"{s}: goodput {frac[0]:.3f} of the pooled bound's ({pooled_of(s)})" if frac[0] is not None
               else f"{s}: the pooled bound's goodput is 0")
