@@ -75,6 +75,12 @@ def test_live_replay_over_the_three_region_mesh(tmp_path: Path) -> None:
     assert local["offloaded_share"] == 0
     assert mesh["replicas_used"] >= 2 and local["replicas_used"] >= 2  # clients in several regions
     assert data["config"]["regions"] == 3
+    assert data["config"]["replicas_per_region"] == {"us-east-1": 1, "eu-west-1": 1, "ap-northeast-1": 1}
+    # each client region judged on its own: the burst's offload is us-east-1's
+    for m in (mesh, local):
+        assert sum(r["requests"] for r in m["regions"].values()) == 30
+    assert mesh["regions"]["us-east-1"]["offloaded_share"] > 0
+    assert all(r["offloaded_share"] == 0 for r in local["regions"].values())
     # the balancers' per-replica load was sampled during the burst: a CV and a load plot
     assert mesh["load_cv"] is not None and mesh["load_cv"] > 0
     assert (tmp_path / "out" / "replica_load.png").stat().st_size > 0
