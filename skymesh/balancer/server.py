@@ -86,6 +86,10 @@ if TYPE_CHECKING:  # imported only when tracing is on (see Balancer.__init__)
     from skymesh.balancer.tracing import BalancerTracing
 
 log = logging.getLogger("skymesh.balancer")
+# seconds an idle connection to a replica or a peer balancer is kept: under uvicorn's
+# keep-alive (vLLM, 5 s) and a skymesh server's header timeout (10 s), so the client side
+# always closes first (aiohttp's own default, 15 s, raced both)
+UPSTREAM_IDLE_S = 4.0
 
 
 class Balancer:
@@ -477,11 +481,14 @@ class Balancer:
             log.warning("replicas publish KV events but no tokenizer is configured (tokenizer.path): "
                         "prompts are hashed as bytes, which never match token-id blocks; the events are "
                         "not used", extra={"region": self.region})
-        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        # idle upstream connections are dropped before the upstream's own keep-alive closes
+        # them (vLLM's uvicorn: 5 s; a peer balancer: its header timeout, 10 s): a request
+        # sent on a connection the server is closing at that instant fails for nothing
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_IDLE_S)
         self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         egress_addr = self.region_cfg.egress_source
         econn = aiohttp.TCPConnector(
-            limit=0, local_addr=(egress_addr, 0) if egress_addr else None
+            limit=0, local_addr=(egress_addr, 0) if egress_addr else None, keepalive_timeout=UPSTREAM_IDLE_S
         )
         self._egress = aiohttp.ClientSession(connector=econn, auto_decompress=False)
         self._runner = self._make_runner(self.make_app())

@@ -33,6 +33,10 @@ from skymesh.runtime.prom_text import parse_samples
 from skymesh.security.admin_auth import admin_headers
 from skymesh.word_tokenizer import trace_prompt
 
+# how long the load generator keeps an idle connection: under the servers' keep-alive
+# (skymesh's client_timeouts.header_timeout_s, 10 s by default)
+CLIENT_IDLE_S = 4.0
+
 
 @dataclass(slots=True)
 class LiveResult:
@@ -129,7 +133,12 @@ async def replay(trace: Sequence[TraceRequest], url_for: Callable[[TraceRequest]
         src = source_for(r) if source_for is not None else None
         s = sessions.get(src)
         if s is None:
-            conn = aiohttp.TCPConnector(limit=0, local_addr=(src, 0) if src else None)
+            # idle connections are dropped before a skymesh server's keep-alive timer (its
+            # header timeout, 10 s by default) closes them: reusing one the server is closing
+            # at that instant fails the request (ServerDisconnectedError), aiohttp's 15 s
+            # default raced it on quiet stretches of a day
+            conn = aiohttp.TCPConnector(limit=0, local_addr=(src, 0) if src else None,
+                                        keepalive_timeout=CLIENT_IDLE_S)
             s = sessions[src] = aiohttp.ClientSession(connector=conn, timeout=timeout)
         return s
 
