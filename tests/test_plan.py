@@ -85,6 +85,14 @@ def locked(layouts: Sequence[Layout]) -> list[dict[str, float]]:
     return out
 
 
+def test_the_plan_does_not_depend_on_the_batch() -> None:
+    """--jobs runs removals side by side; the plan is the one the sequential descent finds."""
+    plans = [plan_shared(Search(shared), {"a": 9, "b": 7, "c": 5}, 0.9, 32, batch=b) for b in (None, 1, 2, 3)]
+    assert all(p == plans[0] for p in plans)
+    plans = [plan_shared(Search(locked), {"a": 3, "b": 3, "c": 2}, 0.9, 32, batch=b) for b in (None, 1, 2)]
+    assert all(p == plans[0] for p in plans)
+
+
 def test_shared_moves_a_replica_where_it_binds_out_of_a_local_minimum() -> None:
     search = Search(locked)
     got = plan_shared(search, {"a": 3, "b": 3, "c": 2}, 0.9, 32, batch=1)

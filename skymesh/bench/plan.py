@@ -14,9 +14,9 @@ users', not the mesh's average.
   From a layout that meets the SLO (region-local's), first take one replica from every
   region at once while that still meets the SLO (strides: region-local's layout has
   slack everywhere the mesh can pool), then one replica at a time: the best-served
-  regions' removals are tried first, ``batch`` of them side by side, and of a batch the
-  one leaving the largest margin (the worst region's attainment above the target) is
-  taken, until no single removal still meets the SLO. Then, out of that local minimum,
+  region's removal is tried first and the first that meets the SLO is taken (``batch``
+  of them run side by side, ahead; the plan is the same whatever the batch), until no
+  single removal still meets the SLO. Then, out of that local minimum,
   one replica is moved into the binding region (the lowest attainment) from each other
   region in turn, and a removal tried from the result: a replica where load cannot leave
   may free more than one where it can (under a residency rule especially); the descent
@@ -131,11 +131,10 @@ def plan_shared(search: Search, start: Layout, target: float, max_replicas: int,
     """The fewest replicas in total, region by region, for regions that share their load
     (a mesh that offloads, or the pooled bound), descending from ``start``.
 
-    ``batch``: how many single removals are evaluated side by side (None: every region's
-    at once, and the one leaving the largest margin is taken); with a smaller batch the
-    removals are tried in order of the regions' attainment now (the best served first) and
-    the first batch holding one that meets the SLO decides: fewer runs, the same kind of
-    local minimum (no single removal from it meets the SLO)."""
+    Single removals are tried in order of the regions' attainment now (the best served
+    first) and the first that meets the SLO is taken. ``batch``: how many of them are run
+    side by side (None: every region's at once); it changes the runs made, never the
+    plan."""
     current = dict(start)
     att = search.run([current])[0]
     # a start that misses (the shared run is not the independent one): add where it is worst
@@ -165,9 +164,9 @@ def plan_shared(search: Search, start: Layout, target: float, max_replicas: int,
             results = search.run(group)
             ok = [i for i, a in enumerate(results) if meets(a, target)]
             if ok:
-                # the removal that leaves the largest margin (on a tie, the earlier one)
-                i = max(ok, key=lambda i: (margin(results[i], target), -i))
-                taken = (group[i], results[i])
+                # the first in the order that meets: the same plan whatever the batch (a
+                # batch only runs the next removals ahead, side by side)
+                taken = (group[ok[0]], results[ok[0]])
                 break
         if taken is None:
             taken = _swap_then_remove(search, current, att, target, max_replicas, min_per_region)
