@@ -423,7 +423,7 @@ def test_pooled_bound_on_the_command_line(tmp_path: Path) -> None:
     assert sim_main.sim_config(args, "dualmap").routing.offload.rules == (sim_main.EU_STAYS_IN_EU,)
     assert not sim_main.sim_config(args, "dualmap").pooled
     with pytest.raises(SystemExit, match="--regions 2 or more"):
-        sim_main.systems_of(p.parse_args(["--systems", "dualmap", "--pooled-bound"]))
+        sim_main.systems_of(p.parse_args(["--trace", "hot-prefix", "--systems", "dualmap", "--pooled-bound"]))
     assert sim_main.of_pooled({"dualmap": [8.0, 9.0], "dualmap@local": [4.0, 3.0], "dualmap@pooled": [10.0, 9.0],
                                "round_robin": [5.0, 5.0]}) == {"dualmap": [0.8, 1.0], "dualmap@local": [0.4, 1 / 3]}
     # a goodput search reports each system as a fraction of its policy's bound

@@ -17,11 +17,22 @@ from skymesh.bench.loadgen import LiveResult
 from skymesh.bench.scores import summarize
 from skymesh.config import parse_config
 
+# a one-request Mooncake trace: --trace's default lives outside the repository (a clean
+# clone has none), and these tests parse the options without replaying anything
+STUB_TRACE: list[Path] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _stub_trace(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = tmp_path_factory.mktemp("trace") / "one.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 300, "output_length": 8, "hash_ids": [1]}) + "\n")
+    STUB_TRACE[:] = [path]
+
 
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     live.add_arguments(p)
-    return p.parse_args(list(argv))
+    return p.parse_args(list(argv) if "--trace" in argv else ["--trace", str(STUB_TRACE[0]), *argv])
 
 
 def test_the_parsed_layout_reaches_the_mesh_config(tmp_path: Path) -> None:
