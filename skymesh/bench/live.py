@@ -64,6 +64,7 @@ def _metrics(results: list[LiveResult], args: argparse.Namespace, hit: float | N
     if classes:
         m["classes"] = live_class_summaries(results, classes, args.warmup_s * args.time_scale)
     if args.regions > 1:
+        # lazy, as in run(): `skymesh bench` imports every mode's module for its parser
         from skymesh.bench.live_geo import geo_regions
 
         m["regions"] = live_region_summaries(results, geo_regions(), slo, args.warmup_s * args.time_scale)
