@@ -33,12 +33,13 @@ class FakeReplica:
     completion wait forever (and, with ``freeze_on_request``, its /metrics too)."""
 
     def __init__(self, name: str, *, hang_completions: bool = False, freeze_on_request: bool = False,
-                 answer_after: asyncio.Event | None = None, service_s: float = 0.0) -> None:
+                 answer_after: asyncio.Event | None = None, service_s: float = 0.0, freeze_after: int = 1) -> None:
         self.name = name
         self.service_s = service_s  # how long each completion takes (the replica's work)
         self.answer_after = answer_after  # completions wait for this event when given
         self.hang_completions = hang_completions
         self.freeze_on_request = freeze_on_request
+        self.freeze_after = freeze_after  # freeze_on_request: on this many requests held
         self.frozen = asyncio.Event()
         self.received = 0
         self._never = asyncio.Event()
@@ -53,7 +54,7 @@ class FakeReplica:
     async def _completions(self, request: web.Request) -> web.Response:
         self.received += 1
         if self.hang_completions:
-            if self.freeze_on_request:
+            if self.freeze_on_request and self.received >= self.freeze_after:
                 self.frozen.set()
             await self._never.wait()
         if self.answer_after is not None:
@@ -113,7 +114,10 @@ async def post(s: aiohttp.ClientSession, b: Balancer, i: int) -> tuple[int, str]
 async def test_a_frozen_replica_is_ejected_and_its_unstarted_requests_go_elsewhere(
     fakes: list[FakeReplica],
 ) -> None:
-    good, frozen = FakeReplica("good"), FakeReplica("frozen", hang_completions=True, freeze_on_request=True)
+    # it freezes holding two requests of one size: a replica failing under its load, not
+    # under one request (which would be judged against that request: test_request_of_death_live)
+    good, frozen = FakeReplica("good"), FakeReplica("frozen", hang_completions=True, freeze_on_request=True,
+                                                    freeze_after=2)
     fakes += [good, frozen]
     for r in fakes:
         await r.start()
@@ -124,7 +128,7 @@ async def test_a_frozen_replica_is_ejected_and_its_unstarted_requests_go_elsewhe
     try:
         async with aiohttp.ClientSession() as s:
             results = await asyncio.gather(*(post(s, b, i) for i in range(4)))
-        assert frozen.received >= 1  # round robin sent it some
+        assert frozen.received >= 2  # round robin sent it some
         assert results == [(200, "good")] * 4
         assert b.core.health_of("frozen")["ejected"]
         assert b.core.active_requests == 0

@@ -81,7 +81,7 @@ ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transiti
                            "skymesh_cache_predictions", "skymesh_slo_requests", "skymesh_slo_outcomes",
                            "skymesh_slo_target_misses", "skymesh_http_connections",
                            "skymesh_autoscaling_pending_prefill_seconds_per_replica", "skymesh_sibling_",
-                           "skymesh_client_")
+                           "skymesh_client_", "skymesh_harmful_requests", "skymesh_context_refusals")
 # prometheus_client's process, platform and GC collectors: their values are the process's own
 PROCESS_FAMILIES = ("process_", "python_")
 
@@ -135,6 +135,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_request_transitions_total{from_state="queued",to_state="placed"}': 4.0,
         'skymesh_loop_restarts_total{loop="probe"}': 1.0,
         "skymesh_internal_errors_total": 0.0,
+        "skymesh_harmful_requests_total": 0.0,
         'skymesh_rejected_peer_calls_total{reason="wrong_region"}': 2.0,
         'skymesh_config_reloads_total{result="ok"}': 0.0,
         'skymesh_config_reloads_total{result="error"}': 0.0,

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from skymesh.balancer.openai_request import parse_body
-from skymesh.balancer.request_flow import encode_request
+from skymesh.balancer.prompt_count import encode_request
 from skymesh.balancer.server import Balancer
 from skymesh.balancer.wiring import build_encoder
 from skymesh.config import ConfigError, parse_config

@@ -20,6 +20,8 @@ class ReplicaInfo:
     # the hit ratio counts from there
     prefix_queries_base: float | None = None
     prefix_hits_base: float | None = None
+    # the model's context the replica serves (its /v1/models; None: not read yet)
+    max_model_len: int | None = None
 
     def note_probe(self, res: ProbeResult) -> None:
         """Keep the latest probe; a healthy one seen first, or with counters that went

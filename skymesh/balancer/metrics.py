@@ -265,6 +265,17 @@ class BalancerMetrics:
             "skymesh_midstream_failures_total", "Streams ended by an upstream failure after the first byte.",
             ("target_kind",), registry=None,
         )
+        # requests answered 502 instead of retried: judged to have made their replica fail
+        # (skymesh/routing/harm.py); and prompts refused because they cannot fit the model
+        # (skymesh/context_window.py), by the check that refused them
+        self.harmful_requests = Counter(
+            "skymesh_harmful_requests_total", "Requests answered instead of retried: judged to have made their "
+            "replica fail (a stall or a dropped connection under them alone).", registry=None,
+        )
+        self.context_refusals = Counter(
+            "skymesh_context_refusals_total", "Requests refused at the edge because they cannot fit the model's "
+            "context (vLLM's own 400), by what proved it (bytes, tokens, budget).", ("proved_by",), registry=None,
+        )
         # a handler raised something unexpected (skymesh/balancer/middleware.py): always a bug
         self.internal_errors = Counter(
             "skymesh_internal_errors_total", "Requests answered 500 because a handler raised unexpectedly.",
@@ -308,6 +319,7 @@ class BalancerMetrics:
             self.client_ttft, self.client_tpot, self.client_e2e,
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
+            self.harmful_requests, self.context_refusals,
             self.internal_errors, self.config_reloads, self.cache_predictions,
             self.slo_requests, self.slo_outcomes, self.slo_target_misses,
             self.edge.connections_open, self.edge.connections_refused,

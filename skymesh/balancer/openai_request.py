@@ -65,6 +65,8 @@ class ParsedRequest:
     batch_size: int = 1
     # the characters (or ids) of the prompts after the first, for the token estimate
     extra_prompts: list[str | list[int]] | None = None
+    # the field the output budget came from (vLLM names it in its refusals)
+    budget_param: str = "max_tokens"
 
 
 class _NonFiniteNumber(ValueError):
@@ -161,7 +163,8 @@ def parse_body(raw: bytes, kind: str, model: str) -> ParsedRequest:
         _bad("'user' must be a string", "user")
     if kind == "chat":
         return ParsedRequest(kind=kind, prompt=prompt, model=m, max_tokens=limit,
-                             stream=bool(stream), user=user, messages=msgs)
+                             stream=bool(stream), user=user, messages=msgs,
+                             budget_param="max_completion_tokens" if completion_limit is not None else "max_tokens")
     return ParsedRequest(kind=kind, prompt=prompt, model=m,
                          max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,
                          stream=bool(stream), user=user, prompt_ids=prompt_ids, batch_size=batch,

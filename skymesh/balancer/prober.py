@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ class ProbeResult:
     prefix_hits: float = 0.0
     error: str = ""
     sent_at: float | None = None  # the event loop's clock when the scrape was sent
+    # the scrape got no answer in time (the replica went silent, not away)
+    timed_out: bool = False
 
 
 def parse_probe(text: str) -> ProbeResult:
@@ -69,7 +72,39 @@ async def probe_replica(session: aiohttp.ClientSession, base_url: str, timeout_s
             # the result is unhealthy, instead of an exception out of the probe loop
             return parse_probe(await resp.text(errors="replace"))
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        return ProbeResult(healthy=False, error=type(e).__name__)
+        return ProbeResult(healthy=False, error=type(e).__name__, timed_out=isinstance(e, TimeoutError))
+
+
+# the most bytes of a /v1/models answer read (a model list is a few hundred bytes)
+MODELS_BODY_LIMIT = 1 << 20
+
+
+async def fetch_max_model_len(session: aiohttp.ClientSession, base_url: str, model: str,
+                              timeout_s: float = 5.0) -> int | None:
+    """The ``max_model_len`` a replica's ``/v1/models`` reports for ``model`` (vLLM lists
+    it per model); None when it cannot be read or makes no sense. Never raises."""
+    try:
+        async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            body = await resp.content.read(MODELS_BODY_LIMIT + 1)
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return None
+    if len(body) > MODELS_BODY_LIMIT:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:  # not JSON, not UTF-8, too deep (RecursionError is not one: below)
+        return None
+    except RecursionError:
+        return None
+    entries = data.get("data") if isinstance(data, dict) else None
+    for entry in entries if isinstance(entries, list) else ():
+        if isinstance(entry, dict) and entry.get("id") == model:
+            limit = entry.get("max_model_len")
+            if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit <= 1 << 24:
+                return limit
+    return None
 
 
 async def probe_rounds(session: aiohttp.ClientSession, interval_s: float,

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from skymesh.balancer.usage import TAIL_BYTES
 from skymesh.edge.openai_errors import sse_error_event
+from skymesh.routing.harm import Harm
 
 log = logging.getLogger("skymesh.balancer.proxy")
 
@@ -33,6 +34,13 @@ log = logging.getLogger("skymesh.balancer.proxy")
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 # overload, not sickness: retried elsewhere but not counted towards ejecting the replica
 OVERLOAD_STATUSES = frozenset({429, 503})
+# on a retryable status: the answer is final, pass it to the client (a peer balancer
+# judged the request itself to have made its replica fail: skymesh/routing/harm.py)
+FINAL_ANSWER_HEADER = "X-Skymesh-Final"
+# a connection dropped sooner than this after the request was sent is not judged against
+# the request: a keep-alive connection the server closed just as it was reused fails
+# within a round trip, a request that kills its server takes its work's time first
+DISCONNECT_JUDGED_AFTER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,9 @@ class AttemptOutcome:
     counts_against_health: bool = True
     # the last bytes of a 200 answer sent to the client in full (where ``usage`` is)
     tail: bytes = b""
+    # how the replica failed where a request can be its cause (None: it cannot): the
+    # region core judges it (skymesh/routing/harm.py)
+    harm: Harm | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +108,8 @@ async def attempt(
     written to the client.
     """
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
     resp: web.StreamResponse | None = None
     upstream: aiohttp.ClientResponse | None = None
     try:
@@ -105,7 +118,7 @@ async def attempt(
                                                  ssl=target.ssl, server_hostname=target.server_hostname)
             if upstream.status != 200:
                 body = await upstream.read()
-                if upstream.status in RETRYABLE_STATUSES:
+                if upstream.status in RETRYABLE_STATUSES and upstream.headers.get(FINAL_ANSWER_HEADER) != "1":
                     return AttemptOutcome(
                         Outcome.FAILED_BEFORE_OUTPUT,
                         reason=f"HTTP {upstream.status}",
@@ -125,9 +138,15 @@ async def attempt(
         if upstream is not None:
             upstream.close()
         if isinstance(e, TimeoutError):  # before OSError: TimeoutError is one
+            # not judged against the request: the replica may simply be slow with it (its
+            # probes say whether the replica itself went silent)
             return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason="no first byte in time")
         if isinstance(e, aiohttp.ClientError | OSError):
-            return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason=type(e).__name__)
+            # refused or unreachable: the request never got there
+            dropped = (upstream is not None or not isinstance(e, aiohttp.ClientConnectorError)) \
+                and loop.time() - sent_at >= DISCONNECT_JUDGED_AFTER_S
+            return AttemptOutcome(Outcome.FAILED_BEFORE_OUTPUT, reason=type(e).__name__,
+                                  harm=Harm.DISCONNECT if dropped else None)
         raise
     try:
         headers = target.client_headers(upstream)

@@ -21,15 +21,21 @@ import aiohttp
 from aiohttp import web
 
 from skymesh.balancer.metrics import BalancerMetrics
-from skymesh.balancer.openai_request import ParsedRequest
-from skymesh.balancer.proxy import AttemptOutcome, AttemptTarget, Outcome, UpstreamTimeouts, attempt
+from skymesh.balancer.proxy import (
+    FINAL_ANSWER_HEADER,
+    AttemptOutcome,
+    AttemptTarget,
+    Outcome,
+    UpstreamTimeouts,
+    attempt,
+)
 from skymesh.balancer.ratelimit import retry_after_header
 from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER
 from skymesh.balancer.usage import reported_cached_tokens, reported_completion_tokens
 from skymesh.cache_prediction import judge_prediction
-from skymesh.edge.openai_errors import RequestError, error_response
-from skymesh.prompt_encoder import EncodedPrompt, PromptEncoder
+from skymesh.edge.openai_errors import error_response
 from skymesh.routing.base import RoutingRequest
+from skymesh.routing.harm import HARMFUL_REQUEST_CODE
 from skymesh.routing.region import (
     AbandonAttempt,
     Action,
@@ -53,24 +59,6 @@ ORIGIN_HEADER = "X-Skymesh-Origin-Region"
 # where an attempt for a placement goes; None: the replica left membership, or the peer
 # has no peer listener
 TargetFor = Callable[[web.Request, RoutingRequest, SendToReplica | ForwardToRegion], AttemptTarget | None]
-
-
-def encode_request(encoder: PromptEncoder, parsed: ParsedRequest) -> EncodedPrompt:
-    """What routing needs of a parsed request (400 when the chat template refuses it)."""
-    if parsed.prompt_ids is not None:
-        encoded = encoder.encode_ids(parsed.prompt_ids)
-    elif parsed.messages is not None and encoder.chat_template is not None:
-        try:
-            text = encoder.chat_template.render(parsed.messages)
-        except Exception as e:  # the template's own raise_exception, or content it cannot render
-            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        encoded = encoder.encode_text(text, chat=True)
-    else:
-        encoded = encoder.encode_text(parsed.prompt, chat=parsed.messages is not None)
-    if not parsed.extra_prompts:
-        return encoded
-    extra = sum(len(x) if isinstance(x, list) else encoder.encode_text(x).tokens for x in parsed.extra_prompts)
-    return EncodedPrompt(encoded.chunk_hashes, encoded.tokens + extra)
 
 
 def replica_target(base_url: str, request: web.Request, session: aiohttp.ClientSession, *,
@@ -200,8 +188,15 @@ class RequestFlow:
 
     def reject(self, r: Reject) -> web.Response:
         self.metrics.rejections.labels(str(r.status)).inc()
-        headers = {"Retry-After": retry_after_header(r.retry_after_s)} if r.retry_after_s else None
-        return error_response(r.status, r.message, code=r.code, headers=headers)
+        headers = {"Retry-After": retry_after_header(r.retry_after_s)} if r.retry_after_s else {}
+        if r.code == HARMFUL_REQUEST_CODE:
+            # a verdict on the request, not on this region: an origin that forwarded it
+            # passes it on instead of trying another region (proxy.py)
+            self.metrics.harmful_requests.inc()
+            headers[FINAL_ANSWER_HEADER] = "1"
+            log.warning("request judged to have made its replica fail", extra={"request_id": r.request_id,
+                                                                              "reason": r.message})
+        return error_response(r.status, r.message, code=r.code, headers=headers or None)
 
     async def serve(
         self, request: web.Request, raw: bytes, req: RoutingRequest, stream: bool, waiter: Waiter,
@@ -279,7 +274,8 @@ class RequestFlow:
                         extra={"target": getattr(action, "replica_id", None) or getattr(action, "region", None),
                                "reason": outcome.reason})
             actions = self.core.fail(req.request_id, now, reason=outcome.reason,
-                                     counts_against_health=outcome.counts_against_health)
+                                     counts_against_health=outcome.counts_against_health,
+                                     harm=None if on_peer else outcome.harm)
             if not any(isinstance(a, Reject) and a.request_id == req.request_id for a in actions):
                 self.metrics.retries.labels("peer" if on_peer else "replica").inc()
             self.apply(actions)

@@ -1,6 +1,7 @@
 """Intake of one request at the balancer's HTTP surface: parse the body, find the
-region whose residency rules bind it, its SLO class, encode the prompt, charge the key's
-token budget, submit it to the region core; what follows (the serve/retry loop) is
+region whose residency rules bind it, its SLO class, count and encode the prompt within
+bounds (one that cannot fit the model is refused here: skymesh/balancer/prompt_count.py),
+charge the key's token budget, submit it to the region core; what follows (the serve/retry loop) is
 :class:`~skymesh.balancer.request_flow.RequestFlow`'s. Each check lives in one place: the
 gate (credentials, body bounds, request rate) ran before this; the core's admission rules
 (residency, SLO reachability, queue wait, queue bound) run in ``core.submit``."""
@@ -17,18 +18,13 @@ from aiohttp import web
 
 from skymesh.balancer.gate import CLIENT, ClientGate
 from skymesh.balancer.metrics import BalancerMetrics
-from skymesh.balancer.openai_request import ParsedRequest, parse_body
-from skymesh.balancer.request_flow import (
-    HOP_HEADER,
-    ORIGIN_HEADER,
-    RequestFlow,
-    Waiter,
-    encode_request,
-)
+from skymesh.balancer.openai_request import parse_body
+from skymesh.balancer.prompt_count import PromptCounter
+from skymesh.balancer.request_flow import HOP_HEADER, ORIGIN_HEADER, RequestFlow, Waiter
 from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER, resolve_slo_class
 from skymesh.config import MeshConfig, region_of_address
+from skymesh.context_window import ContextRefusal
 from skymesh.edge.openai_errors import RequestError
-from skymesh.prompt_encoder import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import RegionCore, Reject
 from skymesh.slo_judge import apply_slo_class
@@ -42,7 +38,7 @@ class RequestIntake:
     that refuses it), then hands it to the request flow."""
 
     def __init__(self, cfg: MeshConfig, region: str, *, core: RegionCore, flow: RequestFlow, gate: ClientGate,
-                 metrics: BalancerMetrics, wake: asyncio.Event, encoder: PromptEncoder,
+                 metrics: BalancerMetrics, wake: asyncio.Event, counter: PromptCounter,
                  peers: Callable[[], Collection[str]], on_request_end: Callable[[], None],
                  tracing: BalancerTracing | None = None) -> None:
         self.region = region
@@ -51,7 +47,7 @@ class RequestIntake:
         self.gate = gate
         self.metrics = metrics
         self.wake = wake
-        self.encoder = encoder
+        self.counter = counter
         self._peers = peers
         self._on_request_end = on_request_end
         # OpenTelemetry spans (skymesh/balancer/tracing.py); None: off, no span is made
@@ -88,9 +84,11 @@ class RequestIntake:
             client = request.get(CLIENT)
             slo = resolve_slo_class(self.cfg, request.headers.get(SLO_CLASS_HEADER),
                                     client.slo_class if client is not None else None)
-            encoded = await self._encode(parsed)
+            encoded = await self.counter.count(parsed)
         except RequestError as e:
             self.metrics.rejections.labels(str(e.status)).inc()
+            if isinstance(e, ContextRefusal):
+                self.metrics.context_refusals.labels(e.proved_by).inc()
             return e.response()
         now = loop.time()
         req = RoutingRequest(
@@ -133,15 +131,6 @@ class RequestIntake:
             self.core.client_gone(req.request_id, loop.time())
             self.wake.set()
             self._on_request_end()
-
-    async def _encode(self, parsed: ParsedRequest) -> EncodedPrompt:
-        """Token count and chunk hashes of the request's prompt (long ones encoded in a
-        worker thread, off the event loop). A batch routes on its first prompt; the
-        others add to its token count."""
-        size = len(parsed.prompt) + sum(len(x) for x in parsed.extra_prompts or ())
-        if size > OFF_LOOP_CHARS:
-            return await asyncio.to_thread(encode_request, self.encoder, parsed)
-        return encode_request(self.encoder, parsed)
 
     def origin_of(self, request: web.Request, forwarded: bool) -> str | None:
         """The region whose residency rules bind this request: for a forwarded one, the

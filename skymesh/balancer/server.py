@@ -46,7 +46,8 @@ from skymesh.balancer.membership import PeerInfo, ReplicaInfo, merge_replicas, p
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
 from skymesh.balancer.ports import Registration, StatusReport
-from skymesh.balancer.prober import ProbeResult, probe_rounds
+from skymesh.balancer.prober import ProbeResult, fetch_max_model_len, probe_rounds
+from skymesh.balancer.prompt_count import PromptCounter
 from skymesh.balancer.proxy import AttemptTarget
 from skymesh.balancer.request_flow import (
     HOP_HEADER,
@@ -59,12 +60,18 @@ from skymesh.balancer.request_flow import (
 from skymesh.balancer.request_intake import RequestIntake
 from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls, sibling_link_counts
 from skymesh.balancer.status_report import build_status_report
-from skymesh.balancer.wiring import build_encoder, build_region_core, upstream_timeouts
+from skymesh.balancer.wiring import (
+    build_encoder,
+    build_region_core,
+    token_bytes_bound,
+    upstream_timeouts,
+)
 from skymesh.config import (
     HostPort,
     KvEventsEndpoint,
     MeshConfig,
 )
+from skymesh.context_window import ContextWindow
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.region import (
@@ -127,6 +134,11 @@ class Balancer:
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
         self.encoder = build_encoder(cfg)
+        # refusals of what cannot fit the model, and the bounded counting (prompt_count.py)
+        self.max_token_bytes = token_bytes_bound(cfg, self.encoder)
+        self.counter = PromptCounter(self.encoder, self.context_window, lambda: self.cfg.tokenizer.count_timeout_s)
+        # replicas whose /v1/models is being read (their max_model_len)
+        self._models_pending: set[str] = set()
         # exact cache state from the replicas' KV events (started with the server)
         self.kv_subscriber: KvEventSubscriber | None = None
         self.replicas: dict[str, ReplicaInfo] = {}
@@ -186,7 +198,7 @@ class Balancer:
 
             self.tracing = BalancerTracing(cfg.tracing, region=region, balancer_id=self.balancer_id)
         self.intake = RequestIntake(cfg, region, core=self.core, flow=self.flow, gate=self.gate,
-                                   metrics=self.metrics, wake=self.wake, encoder=self.encoder,
+                                   metrics=self.metrics, wake=self.wake, counter=self.counter,
                                    peers=self.peers.keys, on_request_end=self._request_ended,
                                    tracing=self.tracing)
         self.http = HttpSurface(intake=self.intake, gate=self.gate, metrics=self.metrics,
@@ -559,6 +571,7 @@ class Balancer:
             with contextlib.suppress(Exception):
                 await svc.stop()
         await cancel_tasks(self._tasks)
+        self.counter.close()
         if self.kv_subscriber is not None:
             await self.kv_subscriber.stop()
         for runner in (self._peer_runner, self._runner):
@@ -587,13 +600,41 @@ class Balancer:
         if self.replicas.get(info.replica_id) is not info:
             return  # membership changed while probing
         info.note_probe(res)
+        if res.healthy and info.max_model_len is None and self.cfg.upstream.max_model_len is None:
+            self._learn_max_model_len(info)
         sample = (
             ProbeSample(num_running=res.num_running, num_waiting=res.num_waiting, kv_usage=res.kv_usage,
                         sent_at=res.sent_at)
             if res.healthy
             else None
         )
-        self._apply(self.core.probe(info.replica_id, sample, loop_clock()))
+        self._apply(self.core.probe(info.replica_id, sample, loop_clock(), stalled=res.timed_out))
+
+    def context_window(self) -> ContextWindow | None:
+        """The model's context as requests are checked against it: ``upstream.max_model_len``,
+        else the largest the region's replicas report (a request only the largest can take
+        is still theirs to take); None until one is known."""
+        limit = self.cfg.upstream.max_model_len or max(
+            (info.max_model_len for info in self.replicas.values() if info.max_model_len is not None), default=None)
+        return None if limit is None else ContextWindow(limit, self.max_token_bytes)
+
+    def _learn_max_model_len(self, info: ReplicaInfo) -> None:
+        """Read a replica's max_model_len from its /v1/models, once it answers probes."""
+        if self._session is None or info.replica_id in self._models_pending:
+            return
+        self._models_pending.add(info.replica_id)
+
+        async def learn() -> None:
+            try:
+                assert self._session is not None
+                limit = await fetch_max_model_len(self._session, info.url, self.cfg.model)
+                if limit is not None and self.replicas.get(info.replica_id) is info:
+                    info.max_model_len = limit
+            finally:
+                self._models_pending.discard(info.replica_id)
+
+        self._tasks.append(asyncio.create_task(learn()))
+        self._tasks = [t for t in self._tasks if not t.done()]
 
     def prefix_hit_ratio(self) -> float:
         return prefix_hit_ratio(self.replicas.values())

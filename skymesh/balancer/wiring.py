@@ -9,6 +9,7 @@ import os
 from skymesh.assembly import per_output_token_s, region_assembly
 from skymesh.balancer.proxy import UpstreamTimeouts
 from skymesh.config import ConfigError, MeshConfig, ReplicaConfig
+from skymesh.context_window import DEFAULT_MAX_TOKEN_BYTES, max_token_bytes
 from skymesh.prompt_encoder import PromptEncoder
 from skymesh.routing.assembly import build_region_core as assemble_region_core
 from skymesh.routing.region import RegionCore
@@ -48,3 +49,14 @@ def build_encoder(cfg: MeshConfig) -> PromptEncoder:
         return PromptEncoder.from_files(cfg.policy.chunk_tokens, t.path, t.chat_template, t.bytes_per_token)
     except Exception as e:  # the tokenizers / jinja2 parse errors of a broken file
         raise ConfigError("tokenizer", f"cannot load the tokenizer or chat template: {e}") from None
+
+
+def token_bytes_bound(cfg: MeshConfig, encoder: PromptEncoder) -> int:
+    """The most UTF-8 bytes one token stands for (skymesh/context_window.py):
+    ``tokenizer.max_token_bytes``, else read off the tokenizer's vocabulary, else the
+    generous default (no tokenizer, or one that may drop bytes)."""
+    if cfg.tokenizer.max_token_bytes is not None:
+        return cfg.tokenizer.max_token_bytes
+    if encoder.tokenizer is not None and (bound := max_token_bytes(encoder.tokenizer)) is not None:
+        return bound
+    return DEFAULT_MAX_TOKEN_BYTES

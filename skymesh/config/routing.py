@@ -140,6 +140,10 @@ class UpstreamConfig(ConfigModel):
     # vLLM then generates up to the end of the context (max_model_len - prompt), which the
     # balancer does not know; this bounds its non-streaming deadline and load estimate
     unbounded_chat_max_tokens: Annotated[Int, Field(ge=1, le=1 << 20)] = 8192
+    # the model's context (tokens): a request that cannot fit it is answered with vLLM's own
+    # 400 at the edge, never forwarded (skymesh/context_window.py); None: the largest
+    # max_model_len the region's replicas report in /v1/models (no check until one has)
+    max_model_len: Annotated[Int, Field(ge=1, le=1 << 24)] | None = None
 
 
 class TokenizerConfig(ConfigModel):
@@ -153,6 +157,13 @@ class TokenizerConfig(ConfigModel):
     chat_template: FilePath | None = None
     # the fallback's estimate of UTF-8 bytes per token (and chunk size in bytes per token)
     bytes_per_token: Annotated[Float, Field(gt=0, le=16)] = 4.0
+    # the most UTF-8 bytes one token stands for: a prompt longer than max_model_len times
+    # this is refused without being tokenized (None: read off the tokenizer's vocabulary,
+    # or 64 without one, or with one that does not keep every byte)
+    max_token_bytes: Annotated[Int, Field(ge=1, le=4096)] | None = None
+    # a prompt's token count (and chat template) runs in a worker thread; one not counted
+    # this long after it was handed over (a queue of long prompts ahead) gets 503
+    count_timeout_s: Annotated[Float, Field(gt=0, le=600)] = 10.0
 
     @model_validator(mode="after")
     def _template_needs_tokenizer(self) -> TokenizerConfig:

@@ -8,6 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from skymesh.context_window import (
+    budget_over_context_message,
+    budget_too_small_message,
+    prompt_over_context_message,
+    validation_message,
+)
 from skymesh.replica_sim.logprobs import MAX_LOGPROBS
 from skymesh.replica_sim.tokenization import StandInTokenizer
 from skymesh.word_tokenizer import GENERATION_PROMPT, ChatContentError, chat_prompt
@@ -34,8 +40,7 @@ def validation_error(message: str, parameter: str | None = None, value: Any = No
     exception's ``str()``, which appends ``(parameter=..., value=...)`` for whichever of
     the two is set, and ``param`` is the parameter (vllm/exceptions.py,
     entrypoints/serve/exception_handling/error_response.py)."""
-    extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
-    return ApiError(f"{message} ({', '.join(extras)})" if extras else message, parameter)
+    return ApiError(validation_message(message, parameter, value), parameter)
 
 
 @dataclass
@@ -220,8 +225,7 @@ class RequestParser:
         # the renderer's TokenizeParams (vllm/renderers/params.py): an output budget
         # longer than the whole context is refused before any prompt is looked at
         if requested is not None and requested > max_len:
-            raise validation_error(f"{budget_param}={requested} cannot be greater than max_model_len="
-                                   f"{max_len}. Please request fewer output tokens.", budget_param, requested)
+            raise ApiError(budget_over_context_message(budget_param, requested, max_len), budget_param)
         for tokens in prompts:
             self._check_prompt_length(tokens, text_prompt=chat or isinstance(tokens, _TextTokens))
         budgets: list[int] = []
@@ -241,7 +245,7 @@ class RequestParser:
                 raise ApiError(f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, "
                                "set the VLLM_MAX_N_SEQUENCES environment variable.")
             if budget < 1:
-                raise validation_error(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
+                raise ApiError(budget_too_small_message(budget), "max_tokens")
             if min_tokens < 0:
                 raise ApiError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
             if min_tokens > budget:
@@ -280,11 +284,7 @@ class RequestParser:
                 raise ApiError("The decoder prompt cannot be empty")
             return
         count = min(len(tokens), max_len + 1) if text_prompt else len(tokens)
-        qualifier = "at least " if count == max_len + 1 else ""
-        raise validation_error(
-            f"This model's maximum context length is {max_len} tokens. However, your prompt contains "
-            f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
-            "Please reduce the length of the input prompt.", "input_tokens", count)
+        raise ApiError(prompt_over_context_message(count, max_len), "input_tokens")
 
     def _prompts(self, prompt: Any) -> list[list[str]]:
         """The prompts of a completion request, as vLLM's ``CompletionRequest.prompt``

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,10 @@ class ReplicaServer:
         self.engine = Engine(profile, time_scale=time_scale, **engine_overrides)
         self.tokens = StandInTokenizer(tokenizer)
         self.parser = RequestParser(model, profile.max_model_len, self.tokens)
+        # vLLM 0.32 tokenizes in one worker thread (its renderer's AsyncMicrobatchTokenizer,
+        # vllm/utils/async_utils.py), not on the API server's loop: a long prompt delays
+        # the requests tokenized after it, never /health or /metrics
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="standin-tokenizer")
         self.kv_events_config = kv_events
         if kv_events is not None and kv_events.publishes:
             self.engine.enable_kv_events()
@@ -104,6 +109,7 @@ class ReplicaServer:
             await self._runner.cleanup()
             self._runner = None
         await self.engine_loop.stop()  # then the KV event publisher sends what is queued
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -145,7 +151,7 @@ class ReplicaServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return vllm_error(400, f"invalid JSON body: {e}")
         try:
-            g = self.parser.parse(body, chat)
+            g = await loop.run_in_executor(self._tokenizer_thread, self.parser.parse, body, chat)
         except ApiError as e:
             return vllm_error(e.status, e.message, e.param)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -102,7 +102,9 @@ class StandInTokenizer:
         tokenizer, special tokens (BOS) added as vLLM adds them to a completion prompt."""
         if self.tokenizer is None:
             return split_tokens(text)
-        return [str(i) for i in self.tokenizer.encode(text, add_special_tokens=special_tokens).ids]
+        # the batch call, as vLLM's tokenizer call makes it: it releases the GIL, so the
+        # server's loop (/health, /metrics, streams) runs while a long prompt is encoded
+        return [str(i) for i in self.tokenizer.encode_batch([text], add_special_tokens=special_tokens)[0].ids]
 
     def filler_hash_tokens(self, n: int) -> list[str]:
         """The output's tokens as the engine hashes them (generated blocks are cached)."""

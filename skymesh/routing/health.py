@@ -55,6 +55,9 @@ class ReplicaHealthState:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     ejections: int = 0
+    # the next good probe brings it back at once (its last failure was judged against a
+    # request, not the replica: skymesh/routing/harm.py)
+    readmit: bool = False
 
     @property
     def out_of_service(self) -> bool:
@@ -85,9 +88,11 @@ class ReplicaHealth:
             return self._failed(replica_id, h)
         h.consecutive_failures = 0
         h.consecutive_successes += 1
-        if h.ejected and (not h.ever_healthy or h.consecutive_successes >= self.settings.healthy_threshold):
+        if h.ejected and (not h.ever_healthy or h.readmit
+                          or h.consecutive_successes >= self.settings.healthy_threshold):
             h.ejected = False
             h.ever_healthy = True
+        h.readmit = False
         self._dispatcher.update_replica(
             replica_id,
             healthy=not h.ejected,
@@ -97,6 +102,13 @@ class ReplicaHealth:
             sent_at=sample.sent_at,
         )
         return HealthChange.HEALTHY
+
+    def readmit_on_next_probe(self, replica_id: str) -> None:
+        """Its failure was a request's doing: one good probe brings it back, not
+        ``healthy_threshold`` of them."""
+        h = self._states.get(replica_id)
+        if h is not None:
+            h.readmit = True
 
     def failed(self, replica_id: str) -> HealthChange:
         """An attempt on ``replica_id`` failed in a way that counts against its health."""

@@ -32,6 +32,7 @@ from skymesh.routing.base import Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import DisciplineContext
 from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
 from skymesh.routing.drain_rate import DrainRate
+from skymesh.routing.harm import HARMFUL_REQUEST_CODE, SHARED_FAILURE_S, Harm, HeldRequest, suspect
 from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
 from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.kv_index import KvEvent
@@ -106,6 +107,8 @@ class RegionCore:
         # offload prices prefill by the region's cost model (refitted where the policy learns)
         offload.use_model(self.model)
         self._requests: dict[str, _Tracked] = {}
+        # replica -> when it last failed under requests none of which was blamed (harm.py)
+        self._unblamed_failure_at: dict[str, float] = {}
         # each queued request's 504 time (arrival + max wait), skipped once it moved on
         self._deadlines = QueueDeadlines()
         self.transitions: Counter[tuple[str, str]] = Counter()
@@ -386,6 +389,7 @@ class RegionCore:
             if rid not in wanted:
                 actions.extend(self._abandon_unstarted(rid, now, "replica left membership"))
                 self.health.forget(rid)
+                self._unblamed_failure_at.pop(rid, None)
                 if self.kv_indexes is not None:
                     self.kv_indexes.forget(rid)
         self.local.set_replicas(replica_ids)
@@ -444,17 +448,27 @@ class RegionCore:
         self._arm_deadline(t, req.arrival)
         return []
 
-    def probe(self, replica_id: str, sample: ProbeSample | None, now: float) -> list[Action]:
-        """A probe result: ``sample`` None when the scrape failed or made no sense."""
+    def probe(self, replica_id: str, sample: ProbeSample | None, now: float, *, stalled: bool = False) -> list[Action]:
+        """A probe result: ``sample`` None when the scrape failed or made no sense;
+        ``stalled``: it failed by timing out (the replica went silent, which a request's
+        work can cause: an ejection then judges the suspect, skymesh/routing/harm.py)."""
         if self.health.probed(replica_id, sample) is HealthChange.EJECTED:
-            return self._abandon_unstarted(replica_id, now)
+            return self._abandon_unstarted(replica_id, now, harm=Harm.STALL if stalled else None)
         return []
 
-    def _abandon_unstarted(self, replica_id: str, now: float, why: str = "replica ejected") -> list[Action]:
+    def _abandon_unstarted(self, replica_id: str, now: float, why: str = "replica ejected",
+                           harm: Harm | None = None) -> list[Action]:
         actions: list[Action] = []
+        blamed = None if harm is None else self._blamed(replica_id, harm, now)
         for request_id in self.local.unstarted_on(replica_id):
             t = self._requests.get(request_id)
             if t is None or t.state is not RequestState.PLACED:
+                continue
+            if request_id == blamed:
+                self._leave(t, RequestState.REJECTED, now)
+                self.health.readmit_on_next_probe(replica_id)
+                actions += [AbandonAttempt(request_id, replica_id),
+                            self._harmful(request_id, replica_id, "its probes timed out until it was ejected")]
                 continue
             if self._budget_spent(t):
                 self._leave(t, RequestState.REJECTED, now)
@@ -469,6 +483,24 @@ class RegionCore:
         """The one retry budget: ``max_retries`` placements after the first, however the
         last one ended (failed, or abandoned by this region)."""
         return t.placements > self.settings.max_retries
+
+    def _blamed(self, replica_id: str, harm: Harm, now: float) -> str | None:
+        """The request a failure of ``replica_id`` of kind ``harm`` is judged against."""
+        held = [HeldRequest(t.req.request_id, t.req.prompt_tokens, t.state is RequestState.STREAMING)
+                for t in self._requests.values()
+                if not t.on_peer and t.target == replica_id
+                and t.state in (RequestState.PLACED, RequestState.STREAMING)]
+        last = self._unblamed_failure_at.get(replica_id)
+        blamed = suspect(held, harm, shared=last is not None and now - last <= SHARED_FAILURE_S)
+        if blamed is None:
+            self._unblamed_failure_at[replica_id] = now
+        return blamed
+
+    @staticmethod
+    def _harmful(request_id: str, replica_id: str, reason: str) -> Reject:
+        return Reject(request_id, 502, HARMFUL_REQUEST_CODE,
+                      f"replica {replica_id} failed while it held this request ({reason}); the request is not "
+                      "tried on another replica, since it may be what made this one fail")
 
     @staticmethod
     def _exhausted(request_id: str, reason: str) -> Reject:
@@ -561,10 +593,14 @@ class RegionCore:
         if t is not None and t.state in (RequestState.PLACED, RequestState.STREAMING):
             self._leave(t, RequestState.DONE, now)
 
-    def fail(self, request_id: str, now: float, *, reason: str, counts_against_health: bool = True) -> list[Action]:
+    def fail(self, request_id: str, now: float, *, reason: str, counts_against_health: bool = True,
+             harm: Harm | None = None) -> list[Action]:
         """The attempt failed. Before the first byte the request is queued again (never on
         the same replica; a failed peer is skipped until its next heartbeat) unless its
-        budget is spent; after it, the request failed."""
+        budget is spent, or ``harm`` (how a local replica failed, where a request can be
+        its cause) judges it the suspect (skymesh/routing/harm.py): then it is answered
+        502 and its replica returns on its next good probe; after the first byte, the
+        request failed."""
         t = self._requests.get(request_id)
         if t is None:
             return []
@@ -589,6 +625,16 @@ class RegionCore:
                     self.local.submit(t.req, front=True)
                 except QueueFull:
                     exhausted = True
+        elif harm is not None and self._blamed(target, harm, now) == request_id:
+            # a query of death: answered here, never carried to the next replica
+            self.local.give_up(request_id, now)
+            if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
+                actions.extend(self._abandon_unstarted(target, now))
+            self.health.readmit_on_next_probe(target)
+            self._move(t, RequestState.REJECTED)
+            del self._requests[request_id]
+            actions.append(self._harmful(request_id, target, reason))
+            return actions
         else:
             if exhausted:
                 self.local.give_up(request_id, now)
