@@ -10,8 +10,17 @@ outside as an attacker and an operator would see them. Prints one JSON line.
   a connection closed by the server is opened again, up to the count, for 20 s).
 * ``slow``: how long the controller's HTTP API and the DNS control API keep a connection
   that sends one byte of a request head and then nothing (up to 120 s).
+* ``oversized``: prompts that cannot fit the model ("No request of death"): a 4 MB and a
+  1 MB prompt, a 100 KB one and a chat of 50,000 messages, one after another, to
+  us-east-1's balancer without credentials, while a trickle of ordinary requests (one
+  every 100 ms) goes to the same balancer; for each: its answer, how long it took, the
+  balancer's CPU seconds meanwhile; then the trickle's answers and which region served
+  them, and how many us-east-1 replicas were ejected.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.edge_attacks [--flood 600]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.edge_attacks [--flood 600] [--only oversized]
+
+The mesh is the default one (configs/local.yaml, the shipped tokenizer included) on free
+ports.
 
 Bounded: every load loop stops by count and by time; the mesh is stopped on any exit.
 """
@@ -174,14 +183,80 @@ async def slow(port: int, limit_s: float = 120.0) -> float:
     return round(time.monotonic() - start, 2)
 
 
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time (/proc/PID/stat, clock ticks)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+OVERSIZED = (
+    ("prompt_4mb", "/v1/completions", {"prompt": "w " * 1_950_000, "max_tokens": 16}),
+    ("prompt_1mb", "/v1/completions", {"prompt": "w " * 500_000, "max_tokens": 16}),
+    ("prompt_100kb", "/v1/completions", {"prompt": "w " * 50_000, "max_tokens": 16}),
+    ("chat_50000_messages", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hello"}] * 50_000, "max_tokens": 16}),
+)
+
+
+async def oversized(pid: int, port: int, model: str, metrics_headers: dict[str, str]) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{port}"
+    trickle: list[tuple[int, str]] = []
+    stop = asyncio.Event()
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def ordinary() -> None:
+            i = 0
+            while not stop.is_set() and i < 2000:
+                try:
+                    async with session.post(base + "/v1/completions", json={
+                            "model": model, "prompt": f"an ordinary request {i} " * 10, "max_tokens": 8}) as r:
+                        await r.read()
+                        trickle.append((r.status, r.headers.get("X-Skymesh-Path", "")))
+                except (aiohttp.ClientError, TimeoutError):
+                    trickle.append((0, ""))
+                i += 1
+                await asyncio.sleep(0.1)
+
+        task = asyncio.create_task(ordinary())
+        await asyncio.sleep(2.0)
+        attacks: dict[str, Any] = {}
+        for name, path, body in OVERSIZED:
+            cpu0, t0 = cpu_seconds(pid), time.monotonic()
+            try:
+                async with session.post(base + path, json={"model": model, **body}) as r:
+                    answer = await r.json(content_type=None)
+                    status = r.status
+            except (aiohttp.ClientError, TimeoutError) as e:
+                status, answer = 0, {"error": {"message": type(e).__name__}}
+            attacks[name] = {"status": status, "seconds": round(time.monotonic() - t0, 2),
+                             "balancer_cpu_s": round(cpu_seconds(pid) - cpu0, 2),
+                             "message": str((answer.get("error") or {}).get("message", ""))[:140]}
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(3.0)
+        stop.set()
+        await task
+        async with session.get(base + "/metrics", headers=metrics_headers) as r:
+            page = await r.text()
+    ejected = sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                  if line.startswith("skymesh_replicas_ejected{"))
+    paths: dict[str, int] = {}
+    for status, path in trickle:
+        key = f"{status} {path}".strip()
+        paths[key] = paths.get(key, 0) + 1
+    return {"attacks": attacks, "trickle": paths, "us_east_1_replicas_ejected_at_end": ejected}
+
+
 async def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flood", type=int, default=600, help="flooding connections")
-    ap.add_argument("--only", choices=("bombs", "flood", "slow"), action="append")
+    ap.add_argument("--only", choices=("bombs", "flood", "slow", "oversized"), action="append")
     args = ap.parse_args(argv)
-    only = set(args.only or ("bombs", "flood", "slow"))
+    only = set(args.only or ("bombs", "flood", "slow", "oversized"))
     with tempfile.TemporaryDirectory() as state:
-        data = local_config_free_ports()
+        data = local_config_free_ports(tokenizer=True)
         config = Path(state) / "mesh.yaml"
         config.write_text(yaml.safe_dump(data))
         mesh = Mesh(config, Path(state) / "state")
@@ -203,6 +278,8 @@ async def main(argv: list[str] | None = None) -> None:
                 assert dns_listen is not None
                 out["slow_closed_after_s"] = {"controller": await slow(c.port),
                                               "dns_control": await slow(dns_listen.port + 1)}
+            if "oversized" in only:
+                out["oversized"] = await oversized(pid, port, mesh.cfg.model, admin_headers(mesh.admin_token))
             print(json.dumps(out), flush=True)
         finally:
             await mesh.stop()

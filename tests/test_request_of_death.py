@@ -10,12 +10,12 @@ import threading
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from skymesh.assets import SIM_TOKENIZER
 from skymesh.balancer.openai_request import parse_body
 from skymesh.balancer.prompt_count import PromptCounter, encode_request, precheck
-from skymesh.context_window import ContextRefusal, ContextWindow, max_token_bytes
+from skymesh.context_window import ContextRefusal, ContextWindow, max_chars_per_token
 from skymesh.edge.openai_errors import RequestError
 from skymesh.prompt_encoder import PromptEncoder
 from skymesh.replica_sim.request_parsing import ApiError, RequestParser
@@ -45,7 +45,7 @@ def encoder(tok: Any = None) -> PromptEncoder:
 
 
 def window() -> ContextWindow:
-    return ContextWindow(MAX_LEN, max_token_bytes(Tokenizer.from_file(str(TOKENIZER))) or 0)
+    return ContextWindow(MAX_LEN, max_chars_per_token(Tokenizer.from_file(str(TOKENIZER))))
 
 
 def standin_refusal(body: dict[str, Any], chat: bool = False) -> tuple[str, str | None]:
@@ -68,7 +68,7 @@ def balancer_refusal(body: dict[str, Any], chat: bool = False, enc: PromptEncode
 
 @pytest.mark.parametrize("body", [
     {"prompt": "w " * 5000},                          # counted: over the context
-    {"prompt": "w " * 2_000_000},                     # 4 MB: proved by its bytes
+    {"prompt": "w " * 2_000_000},                     # 4 MB: refused by its characters
     {"prompt": [7] * (MAX_LEN + 3)},                  # token ids: their own count
     {"prompt": [7] * MAX_LEN},                        # fills the context: no room for output
     {"prompt": "hello", "max_tokens": MAX_LEN + 1},   # the budget alone
@@ -81,25 +81,32 @@ def test_the_balancer_refuses_with_the_standins_own_message(body: dict[str, Any]
     assert refusal.status == 400
 
 
-def test_a_chat_of_fifty_thousand_messages_is_refused_by_its_bytes_as_the_standin_refuses_it() -> None:
+def test_a_chat_of_fifty_thousand_messages_is_refused_by_its_characters_untokenized() -> None:
     body = {"model": "skymesh-sim", "messages": [{"role": "user", "content": "hi"}] * 50_000}
-    refusal = balancer_refusal(body, chat=True)
-    assert refusal.proved_by == "bytes"
-    assert (refusal.message, refusal.param) == standin_refusal(body, chat=True)
+    refusal = balancer_refusal(body, chat=True, enc=encoder(CountingTokenizer()))
+    assert refusal.proved_by == "chars" and refusal.param == "input_text"
+    # the stand-in refuses it by the same check; its text is the rendered chat (with the
+    # generation prompt), which the balancer, without that template, does not render: the
+    # count in the two messages differs by that suffix alone
+    message, param = standin_refusal(body, chat=True)
+    assert param == "input_text"
+    assert message.split(" characters")[1] == refusal.message.split(" characters")[1]
 
 
-def test_a_prompt_its_bytes_prove_too_long_is_never_tokenized() -> None:
+def test_a_prompt_its_characters_prove_too_long_is_never_tokenized() -> None:
     tok = CountingTokenizer()
     import json
 
-    raw = json.dumps({"model": "skymesh-sim", "prompt": "w " * 2_000_000}).encode()
+    limit = window().max_prompt_chars
+    assert limit is not None
+    raw = json.dumps({"model": "skymesh-sim", "prompt": "w" * (limit + 1)}).encode()
     with pytest.raises(ContextRefusal) as e:
         precheck(parse_body(raw, "completions", "skymesh-sim"), window())
-    assert e.value.proved_by == "bytes"
+    assert e.value.proved_by == "chars" and e.value.param == "input_text"
     assert tok.calls == 0
-    # under the bound, the bytes prove nothing: it is counted, and its count refuses it
-    short = "w " * (window().max_prompt_bytes // 4)
-    parsed = parse_body(json.dumps({"model": "skymesh-sim", "prompt": short}).encode(), "completions", "skymesh-sim")
+    # at the bound, the characters prove nothing: it is counted, and its count refuses it
+    parsed = parse_body(json.dumps({"model": "skymesh-sim", "prompt": "w " * (limit // 2)}).encode(), "completions",
+                        "skymesh-sim")
     precheck(parsed, window())
     with pytest.raises(ContextRefusal) as e:
         encode_request(encoder(tok), parsed, window())
@@ -120,24 +127,20 @@ def test_what_fits_is_not_refused_and_a_clamped_budget_is_vllms_not_a_refusal() 
 def test_a_chat_without_its_template_is_only_estimated_so_only_its_bytes_refuse_it() -> None:
     import json
 
-    # ~6000 tokens flattened: over the context by skymesh's flattening, which is not the
-    # replica's template; the replica judges it
+    # ~6000 tokens flattened, under the character bound: over the context by skymesh's
+    # flattening, which is not the replica's template; the replica judges it
     body = {"model": "skymesh-sim", "messages": [{"role": "user", "content": "w " * 6000}]}
     parsed = parse_body(json.dumps(body).encode(), "chat", "skymesh-sim")
     precheck(parsed, window())
     assert encode_request(encoder(), parsed, window()).tokens > MAX_LEN
 
 
-def test_a_tokenizer_that_drops_bytes_gives_no_bound_and_the_shipped_one_does() -> None:
-    lossy = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
-    lossy.pre_tokenizer = pre_tokenizers.Whitespace()  # a megabyte of spaces: no token at all
-    assert max_token_bytes(lossy) is None
-    bound = max_token_bytes(Tokenizer.from_file(str(TOKENIZER)))
-    assert bound is not None
-    # the bound holds for every piece of the vocabulary as text
+def test_the_character_bound_is_vllms_longest_vocabulary_entry() -> None:
     tok = Tokenizer.from_file(str(TOKENIZER))
-    longest = max(len(tok.decode([i]).encode()) for i in range(tok.get_vocab_size()))
-    assert longest <= bound
+    vocab = tok.get_vocab(with_added_tokens=True)
+    assert max_chars_per_token(tok) == max(len(piece) for piece in vocab)
+    # sound for this (byte-level) tokenizer: no piece decodes to more characters
+    assert max(len(tok.decode([i])) for i in range(tok.get_vocab_size())) <= max_chars_per_token(tok)
 
 
 async def test_a_count_not_done_in_time_is_a_503_and_the_loop_is_never_held() -> None:

@@ -494,3 +494,44 @@ async def test_killed_replica_loses_no_unstarted_request(pair: Pair) -> None:
     report_figures("vllm_replica_killed", requests=len(results), completed=sum(r["done"] for r in results),
                    cut_mid_stream_with_sse_error=sum(not r["done"] and r["error_event"] for r in results),
                    unstarted_lost=len(unstarted_lost), retried=b.core.transitions[("placed", "queued")])
+
+
+async def test_what_cannot_fit_is_refused_at_the_balancer_with_real_vllms_own_answer(pair: Pair) -> None:
+    """The balancer's context checks (skymesh/context_window.py) against real vLLM 0.32: each
+    request that cannot fit gets the answer vLLM itself gives (status, message, param), and
+    none of them reaches a replica."""
+    chat = [{"role": "user", "content": "hi"}] * 20_000
+    cases: list[tuple[str, str, dict[str, Any]]] = [
+        ("1 MB text: its characters alone", "/v1/completions", {"prompt": "w " * 500_000}),
+        ("30,000 characters: its tokens", "/v1/completions", {"prompt": "hello world " * 2500}),
+        ("token ids over the context", "/v1/completions", {"prompt": [5] * 4100}),
+        ("token ids filling the context", "/v1/completions", {"prompt": [5] * 4096}),
+        ("max_tokens over the context", "/v1/completions", {"prompt": "hello", "max_tokens": 5000}),
+        ("a chat of 20,000 messages (the model's template)", "/v1/chat/completions", {"messages": chat}),
+    ]
+    async with aiohttp.ClientSession() as s, balancer(pair, "round_robin") as (b, base):
+        for _ in range(100):
+            if b.context_window() is not None:
+                break
+            await asyncio.sleep(0.05)
+        window = b.context_window()
+        assert window is not None and window.max_chars_per_token is not None
+        async with s.get(base + "/metrics") as r:
+            before = parse_samples(await r.text(), ("skymesh_dispatches_total",)).get("skymesh_dispatches_total", 0.0)
+        seen: dict[str, Any] = {}
+        for what, path, body in cases:
+            full = {"model": MODEL_NAME, "max_tokens": 4, **body}
+            async with s.post(pair.urls["v0"] + path, json=full) as r:
+                direct = (r.status, await r.json(content_type=None))
+            async with s.post(base + path, json=full) as r:
+                via = (r.status, await r.json(content_type=None))
+            assert via[0] == direct[0] == 400, (what, direct, via)
+            assert via[1]["error"]["message"] == direct[1]["error"]["message"], what
+            assert via[1]["error"]["param"] == direct[1]["error"]["param"], what
+            seen[what] = via[1]["error"]["param"]
+        async with s.get(base + "/metrics") as r:
+            after = parse_samples(await r.text(), ("skymesh_dispatches_total",)).get("skymesh_dispatches_total", 0.0)
+    assert after == before  # not one of them was forwarded
+    assert seen["1 MB text: its characters alone"] == "input_text"
+    report_figures("vllm_context_refusals", cases=len(cases), max_model_len=window.max_model_len,
+                   max_chars_per_token=window.max_chars_per_token)

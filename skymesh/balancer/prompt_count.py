@@ -5,17 +5,21 @@ The work a request can cost the balancer is bounded before it is done:
 
 * on the event loop only what is proportional to the body (already bounded by the gate):
   the output budget against the context, each token-id prompt's length, and each text's
-  UTF-8 length against ``max_model_len * max_token_bytes`` — a text its bytes prove too
-  long is refused here, never tokenized;
-* what is left (tokenizing, the chat template) is at most that many bytes per prompt, and
-  runs in a small pool of worker threads (the HF tokenizer's batch call releases the GIL),
-  never on the loop; a prompt not counted within ``tokenizer.count_timeout_s`` of being
-  handed over (a queue of long prompts ahead of it) gets 503, not an open-ended wait.
+  length against ``max_model_len`` times the tokenizer's longest entry, in characters
+  (vLLM's own check before it tokenizes) — a text too long for that is refused here,
+  never tokenized;
+* what is left (tokenizing, the chat template) is at most that many characters per
+  prompt, and runs in a small pool of worker threads (the HF tokenizer's batch call
+  releases the GIL), never on the loop; a prompt not counted within
+  ``tokenizer.count_timeout_s`` of being handed over (a queue of long prompts ahead of it)
+  gets 503, not an open-ended wait.
 
 The exact count decides where it is the replica's count: a completion's text or token ids
 with the model's tokenizer, a chat through the model's chat template. A chat flattened
-without a template, or any prompt in the byte fallback, is only estimated; there the byte
-bound is the only refusal and the replica judges the rest.
+without a template is only estimated: its flattened text (its contents, which any template
+keeps, and skymesh's role markers) is held to the character bound, and the replica judges
+the rest; so is every prompt in the byte fallback, where the bound is known only from
+``tokenizer.max_chars_per_token``.
 """
 
 from __future__ import annotations
@@ -34,21 +38,23 @@ from skymesh.prompt_encoder import OFF_LOOP_CHARS, EncodedPrompt, PromptEncoder
 ENCODE_WORKERS = 2
 
 
-def precheck(parsed: ParsedRequest, window: ContextWindow | None) -> None:
+def precheck(parsed: ParsedRequest, window: ContextWindow | None, *, chat_template: bool = False) -> None:
     """vLLM's refusals that need no tokenizer, in vLLM's order: the output budget, then
     each prompt whose length is known without tokenizing (token ids) or proved by its
-    bytes (text longer than ``window.max_prompt_bytes``)."""
+    characters. ``chat_template``: a chat is rendered by the model's template, whose text
+    vLLM checks (the rendered text is checked where it is rendered, off the loop)."""
     if window is None:
         return
     window.check_budget(parsed.budget_param, parsed.max_tokens)
+    if parsed.messages is not None and chat_template:
+        return
     prompts: list[str | list[int]] = [parsed.prompt_ids if parsed.prompt_ids is not None else parsed.prompt]
     prompts += parsed.extra_prompts or ()
     for prompt in prompts:
         if isinstance(prompt, list):
             window.check_prompt(len(prompt), text=False)
-        # a str's length in characters is at most its UTF-8 length: encode only when needed
-        elif len(prompt) * 4 > window.max_prompt_bytes:
-            window.check_text_bytes(len(prompt.encode("utf-8", errors="surrogatepass")))
+        else:
+            window.check_text(len(prompt))
 
 
 def encode_request(encoder: PromptEncoder, parsed: ParsedRequest, window: ContextWindow | None = None) -> EncodedPrompt:
@@ -65,7 +71,7 @@ def encode_request(encoder: PromptEncoder, parsed: ParsedRequest, window: Contex
         except Exception as e:  # the template's own raise_exception, or content it cannot render
             raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         if window is not None:
-            window.check_text_bytes(len(text.encode("utf-8")))
+            window.check_text(len(text))
         encoded = encoder.encode_text(text, chat=True)
         if encoder.tokenizer is not None:
             exact.append((encoded.tokens, True))
@@ -107,7 +113,7 @@ class PromptCounter:
     async def count(self, parsed: ParsedRequest) -> EncodedPrompt:
         """The request's :class:`EncodedPrompt`, or the :class:`RequestError` that refuses it."""
         window = self._window()
-        precheck(parsed, window)
+        precheck(parsed, window, chat_template=self.encoder.chat_template is not None)
         size = len(parsed.prompt) + sum(len(x) for x in parsed.extra_prompts or ())
         if parsed.messages is not None and self.encoder.chat_template is not None:
             size += len(parsed.messages)  # rendering costs per message too

@@ -63,7 +63,7 @@ from skymesh.balancer.status_report import build_status_report
 from skymesh.balancer.wiring import (
     build_encoder,
     build_region_core,
-    token_bytes_bound,
+    chars_per_token_bound,
     upstream_timeouts,
 )
 from skymesh.config import (
@@ -135,7 +135,7 @@ class Balancer:
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
         self.encoder = build_encoder(cfg)
         # refusals of what cannot fit the model, and the bounded counting (prompt_count.py)
-        self.max_token_bytes = token_bytes_bound(cfg, self.encoder)
+        self.max_chars_per_token = chars_per_token_bound(cfg, self.encoder)
         self.counter = PromptCounter(self.encoder, self.context_window, lambda: self.cfg.tokenizer.count_timeout_s)
         # replicas whose /v1/models is being read (their max_model_len)
         self._models_pending: set[str] = set()
@@ -616,7 +616,7 @@ class Balancer:
         is still theirs to take); None until one is known."""
         limit = self.cfg.upstream.max_model_len or max(
             (info.max_model_len for info in self.replicas.values() if info.max_model_len is not None), default=None)
-        return None if limit is None else ContextWindow(limit, self.max_token_bytes)
+        return None if limit is None else ContextWindow(limit, self.max_chars_per_token)
 
     def _learn_max_model_len(self, info: ReplicaInfo) -> None:
         """Read a replica's max_model_len from its /v1/models, once it answers probes."""

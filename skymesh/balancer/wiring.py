@@ -9,7 +9,7 @@ import os
 from skymesh.assembly import per_output_token_s, region_assembly
 from skymesh.balancer.proxy import UpstreamTimeouts
 from skymesh.config import ConfigError, MeshConfig, ReplicaConfig
-from skymesh.context_window import DEFAULT_MAX_TOKEN_BYTES, max_token_bytes
+from skymesh.context_window import max_chars_per_token
 from skymesh.prompt_encoder import PromptEncoder
 from skymesh.routing.assembly import build_region_core as assemble_region_core
 from skymesh.routing.region import RegionCore
@@ -51,12 +51,10 @@ def build_encoder(cfg: MeshConfig) -> PromptEncoder:
         raise ConfigError("tokenizer", f"cannot load the tokenizer or chat template: {e}") from None
 
 
-def token_bytes_bound(cfg: MeshConfig, encoder: PromptEncoder) -> int:
-    """The most UTF-8 bytes one token stands for (skymesh/context_window.py):
-    ``tokenizer.max_token_bytes``, else read off the tokenizer's vocabulary, else the
-    generous default (no tokenizer, or one that may drop bytes)."""
-    if cfg.tokenizer.max_token_bytes is not None:
-        return cfg.tokenizer.max_token_bytes
-    if encoder.tokenizer is not None and (bound := max_token_bytes(encoder.tokenizer)) is not None:
-        return bound
-    return DEFAULT_MAX_TOKEN_BYTES
+def chars_per_token_bound(cfg: MeshConfig, encoder: PromptEncoder) -> int | None:
+    """The longest vocabulary entry in characters (skymesh/context_window.py):
+    ``tokenizer.max_chars_per_token``, else read off the tokenizer; None without either
+    (no character check: the replica makes its own)."""
+    if cfg.tokenizer.max_chars_per_token is not None:
+        return cfg.tokenizer.max_chars_per_token
+    return None if encoder.tokenizer is None else max_chars_per_token(encoder.tokenizer)

@@ -157,10 +157,10 @@ class TokenizerConfig(ConfigModel):
     chat_template: FilePath | None = None
     # the fallback's estimate of UTF-8 bytes per token (and chunk size in bytes per token)
     bytes_per_token: Annotated[Float, Field(gt=0, le=16)] = 4.0
-    # the most UTF-8 bytes one token stands for: a prompt longer than max_model_len times
-    # this is refused without being tokenized (None: read off the tokenizer's vocabulary,
-    # or 64 without one, or with one that does not keep every byte)
-    max_token_bytes: Annotated[Int, Field(ge=1, le=4096)] | None = None
+    # the model's longest vocabulary entry in characters (vLLM's max_chars_per_token): a text
+    # prompt longer than max_model_len times this is refused untokenized, as vLLM refuses it
+    # (None: read off tokenizer.path; without one, no such check at the balancer)
+    max_chars_per_token: Annotated[Int, Field(ge=1, le=4096)] | None = None
     # a prompt's token count (and chat template) runs in a worker thread; one not counted
     # this long after it was handed over (a queue of long prompts ahead) gets 503
     count_timeout_s: Annotated[Float, Field(gt=0, le=600)] = 10.0

@@ -12,6 +12,7 @@ from skymesh.context_window import (
     budget_over_context_message,
     budget_too_small_message,
     prompt_over_context_message,
+    text_over_context_message,
     validation_message,
 )
 from skymesh.replica_sim.logprobs import MAX_LOGPROBS
@@ -94,7 +95,11 @@ def _is_token_id(x: Any) -> bool:
 
 class _TextTokens(list[str]):
     """The tokens of a text prompt (vLLM tokenizes text with truncation, which changes how
-    an over-long prompt's length is reported); token-id prompts are plain lists."""
+    an over-long prompt's length is reported); token-id prompts are plain lists.
+    ``over_chars``: the text's length when vLLM's character check refuses it: it was not
+    tokenized (the refusal is said where vLLM checks prompt lengths)."""
+
+    over_chars: int | None = None
 
 
 def _logprobs_param(body: dict[str, Any], key: str) -> int | None:
@@ -173,7 +178,7 @@ class RequestParser:
                 text = f"{text} {GENERATION_PROMPT}" if text else GENERATION_PROMPT
             # a chat prompt carries its own special tokens (vLLM encodes a rendered chat
             # template without adding any), as the balancer encodes it too
-            prompts = [self.tokens.text_tokens(text, special_tokens=False)]
+            prompts = [self._text(text, special_tokens=False)]
             # max_completion_tokens first, max_tokens when it is null; none: no limit
             # but the context (vLLM's chat default)
             budget_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
@@ -273,12 +278,27 @@ class RequestParser:
             return list(prompt)
         return [self.tokens.decode(tokens) for tokens in prompts]
 
+    def _text(self, text: str, special_tokens: bool = True) -> _TextTokens:
+        """A text prompt's tokens, unless vLLM's character check (``_text_len_check``: more
+        characters than ``max_model_len`` tokens of the tokenizer's longest entry can
+        spell) refuses it first: then it is never tokenized, as vLLM never tokenizes it."""
+        limit = self.tokens.max_chars_per_token
+        if limit is not None and len(text) > self.max_model_len * limit:
+            refused = _TextTokens()
+            refused.over_chars = len(text)
+            return refused
+        return _TextTokens(self.tokens.text_tokens(text, special_tokens=special_tokens))
+
     def _check_prompt_length(self, tokens: list[str], text_prompt: bool) -> None:
         """vLLM 0.32 refuses a prompt only when it alone is longer than the context
         (TokenizeParams._token_len_check). A text prompt is tokenized with truncation at
         max_model_len + 1, so its count stops there and reads "at least"; token ids are
         counted as given."""
         max_len = self.max_model_len
+        if isinstance(tokens, _TextTokens) and tokens.over_chars is not None:
+            limit = self.tokens.max_chars_per_token
+            assert limit is not None
+            raise ApiError(text_over_context_message(tokens.over_chars, max_len, max_len * limit), "input_text")
         if len(tokens) <= max_len:
             if not tokens:
                 raise ApiError("The decoder prompt cannot be empty")
@@ -294,7 +314,7 @@ class RequestParser:
         if prompt is None or prompt == "":
             raise validation_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         if isinstance(prompt, str):
-            return [_TextTokens(self.tokens.text_tokens(prompt))]
+            return [self._text(prompt)]
         if not isinstance(prompt, list):
             raise ApiError("prompt must be a string, a list of strings, a list of token ids, "
                            "or a list of lists of token ids", "prompt")
@@ -305,7 +325,7 @@ class RequestParser:
                                    f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the "
                                    "VLLM_MAX_COMPLETION_PROMPTS environment variable.", "prompt")
         if all(isinstance(x, str) for x in prompt):
-            return [_TextTokens(self.tokens.text_tokens(x)) for x in prompt]
+            return [self._text(x) for x in prompt]
         if all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in prompt):
             return [[str(t) for t in x] for x in prompt]
         raise ApiError("prompt must be a string, a list of strings, a list of token ids (>= 0), "

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from skymesh.context_window import max_chars_per_token
 from skymesh.word_tokenizer import filler_tokens, split_tokens
 
 log = logging.getLogger("skymesh.replica_sim")
@@ -80,11 +81,14 @@ class StandInTokenizer:
         self._generated_id = "0"
         self.vocab_size = WORD_VOCAB
         self._readable: list[int] | None = None
+        # vLLM's max_chars_per_token (its character check before tokenizing); words: none
+        self.max_chars_per_token: int | None = None
         if tokenizer is not None:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(tokenizer))
             self.vocab_size = self.tokenizer.get_vocab_size()
+            self.max_chars_per_token = max_chars_per_token(self.tokenizer)
             found = generated_piece(self.tokenizer)
             if found is not None:
                 self.piece, token_id = found
