@@ -23,7 +23,7 @@ from skymesh.routing.harm import HARMFUL_REQUEST_CODE
 from skymesh.runtime.procs import free_port, start_sim_replicas
 from skymesh.runtime.prom_text import parse_samples
 from tests.mesh_helpers import one_region_config, report_figures
-from tests.test_balancer_faults import IDLE_METRICS
+from tests.test_balancer_faults import FakeReplica
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.fault]
 
@@ -124,53 +124,26 @@ async def test_oversized_prompts_are_refused_at_the_edge_and_the_region_keeps_se
                    dispatched=dispatched, ejections=0)
 
 
-class FreezingReplica:
+class FreezingReplica(FakeReplica):
     """A replica that freezes (its /metrics and every completion) on a prompt holding
     POISON, until ``thaw``; it answers everything else at once."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        super().__init__(name)
         self.poisoned = 0
-        self.received = 0
-        self.frozen = asyncio.Event()
-        self._thawed = asyncio.Event()
-        self.runner: web.AppRunner | None = None
-        self.url = ""
 
     def thaw(self) -> None:
         self.frozen.clear()
-        self._thawed.set()
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        if self.frozen.is_set():
-            await self._thawed.wait()
-        return web.Response(text=IDLE_METRICS)
+        self._never.set()  # what waits is released; nothing waits from now on
 
     async def _completions(self, request: web.Request) -> web.Response:
-        self.received += 1
         body = await request.json()
         if "POISON" in body["prompt"]:
             self.poisoned += 1
             self.frozen.set()
         if self.frozen.is_set():
-            await self._thawed.wait()
-        return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": "skymesh-sim",
-                                  "choices": [{"index": 0, "text": self.name, "finish_reason": "length"}]})
-
-    async def start(self) -> None:
-        app = web.Application(client_max_size=8 << 20)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_post("/v1/completions", self._completions)
-        self.runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def stop(self) -> None:
-        self._thawed.set()
-        if self.runner is not None:
-            await self.runner.cleanup()
+            await self._never.wait()
+        return await super()._completions(request)
 
 
 async def test_a_request_that_freezes_its_replica_is_answered_after_one_replica_not_three() -> None:
