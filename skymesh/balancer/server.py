@@ -200,7 +200,7 @@ class Balancer:
         self.intake = RequestIntake(cfg, region, core=self.core, flow=self.flow, gate=self.gate,
                                    metrics=self.metrics, wake=self.wake, counter=self.counter,
                                    peers=self.peers.keys, on_request_end=self._request_ended,
-                                   tracing=self.tracing)
+                                   tracing=self.tracing, stopping=lambda: self._stopping)
         self.http = HttpSurface(intake=self.intake, gate=self.gate, metrics=self.metrics,
                                 max_body_bytes=cfg.policy.max_body_bytes, model=lambda: self.cfg.model,
                                 admin_status=lambda: self.admin_status(), draining=lambda: self._stopping)
