@@ -35,6 +35,9 @@ class FakeRegion:
     def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
         return self.nothing
 
+    def why_nothing_can_serve(self, req: RoutingRequest, now: float) -> str:
+        return "nothing it may use is up"
+
 
 def req(slo_ttft_s: float | None = None, priority: int = 0) -> RoutingRequest:
     return RoutingRequest("q0", (), 16, 0.0, slo_ttft_s=slo_ttft_s, priority=priority)

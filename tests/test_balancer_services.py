@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
+from skymesh.balancer import services
 from skymesh.balancer.services import ControllerLink, PeerMesh, loop_restart_counts
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.base import RoutingRequest
@@ -105,6 +106,40 @@ async def test_a_heartbeat_carries_the_drain_rate_peers_predict_with(monkeypatch
             await asyncio.sleep(INTERVAL_S)
         assert peer is not None and peer.placements_per_s > 0
         assert peer.placements_per_s in sent
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_peer_said_to_be_back_is_dialled_at_once_not_after_the_backoff(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While b is unreachable a's re-dials back off; when the controller says b is back
+    (``redial``), a dials it at once. Here every backoff lasts ten minutes: only that
+    wake-up can bring b's heartbeat within this test's time."""
+    port_a, port_b = free_port(), free_port()
+    balancer_a = fake_balancer("a", port_a, {"b": port_b})
+    a = PeerMesh(balancer_a)
+    b = PeerMesh(fake_balancer("b", port_b, {}))
+    backing_off = asyncio.Event()
+    real_wait = services.wait_event
+
+    async def long_backoff(event: asyncio.Event, timeout_s: float) -> bool:
+        if event is a._redial.get("b"):  # the dial loop's backoff, not the heartbeat pace
+            backing_off.set()
+            timeout_s = 600.0
+        return await real_wait(event, timeout_s)
+
+    monkeypatch.setattr(services, "wait_event", long_backoff)
+    await a.start()
+    try:
+        await backing_off.wait()  # b is down: a's first dial failed, and it backs off
+        await b.start()
+        a.redial("b")
+        for _ in range(400):
+            if balancer_a.core.offload.is_fresh("b", asyncio.get_running_loop().time()):
+                break
+            await asyncio.sleep(INTERVAL_S)
+        assert balancer_a.core.offload.is_fresh("b", asyncio.get_running_loop().time())
     finally:
         await a.stop()
         await b.stop()

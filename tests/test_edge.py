@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 import os
 import zlib
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from controller.service import ControllerService
 from skymesh.balancer.server import Balancer
 from skymesh.config import parse_config
 from skymesh.dns.embedded import MeshDnsServer
+from skymesh.edge import server as edge_server
 from skymesh.edge.body import DECODE_STEP_BYTES, BodyRejected, BoundedDecoder
 from skymesh.edge.connections import ConnectionLimiter
 from skymesh.runtime.procs import free_port
@@ -222,7 +224,9 @@ async def test_an_endless_request_head_is_a_431_at_the_head_bound(balancer: Bala
     assert rest == b""
 
 
-async def test_connections_over_the_per_source_cap_get_a_503_and_are_counted(balancer: Balancer) -> None:
+async def test_connections_over_the_per_source_cap_get_a_503_and_are_counted(
+        balancer: Balancer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="skymesh.edge")
     port = balancer.bound_port
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]  # the fixture's cap
     try:
@@ -248,6 +252,24 @@ async def test_connections_over_the_per_source_cap_get_a_503_and_are_counted(bal
     page = (await exchange(port, raw_request("GET", "/metrics", {"Connection": "close", **admin_auth()})))[0].body
     counted = samples(page.decode())
     assert counted["skymesh_http_connections_refused_total[('reason', 'per_source')]"] >= 1.0
+    # and said in the log (one line, not one per refusal)
+    refused = [r for r in caplog.records if r.getMessage().startswith("connections refused at the connection cap")]
+    assert len(refused) == 1 and refused[0].refused == {"per_source": 1}
+
+
+def test_the_refusal_log_says_the_first_at_once_and_sums_the_rest_into_the_next_line(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING, logger="skymesh.edge")
+    clock = [100.0]
+    monkeypatch.setattr(edge_server.time, "monotonic", lambda: clock[0])
+    refusals = edge_server.RefusalLog(every_s=5.0)
+    for _ in range(1000):
+        refusals.note("per_source", "127.2.0.7")
+    refusals.note("total", "127.2.0.8")
+    clock[0] += 5.0
+    refusals.note("per_source", "127.2.0.9")
+    lines = [r for r in caplog.records if r.name == "skymesh.edge"]
+    assert [line.refused for line in lines] == [{"per_source": 1}, {"per_source": 1000, "total": 1}]
 
 
 # ---------------------------------------------------------------------- the controller and the DNS control API

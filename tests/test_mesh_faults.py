@@ -285,3 +285,125 @@ async def test_requests_waiting_for_a_killed_region_are_answered_at_failover_not
         assert len(answered_before_restart) == len(results), results
         for r in results:
             assert r["status"] == 503 and r["code"] == "no_capacity" and r["retry_after"], r
+
+
+class Asker:
+    """One client of ``region`` asking ``target`` (an advertised IP; None: whatever the mesh
+    name resolves to for it) one short completion after another until ``stop`` is set
+    (bounded: at most ``n``). Each result carries when it was sent."""
+
+    def __init__(self, mesh: Mesh, region: str, target: str | None, stop: asyncio.Event, n: int = 400) -> None:
+        self.mesh, self.region, self.target, self.stop, self.n = mesh, region, target, stop, n
+        self.results: list[dict[str, Any]] = []
+
+    async def run(self) -> None:
+        source = REGION_SOURCES[self.region]
+        # a connection a request at a time: no kept-alive connection to a balancer that was
+        # killed or restarted is reused
+        conn = aiohttp.TCPConnector(local_addr=(source, 0), limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            for i in range(self.n):
+                if self.stop.is_set():
+                    return
+                ip = self.target or await asyncio.to_thread(resolve, self.mesh, source)
+                sent = time.monotonic()
+                res = await ask_answer(s, advertised_url(self.mesh, ip), f"{self.region} user {i % 5} asks {i}", 4)
+                res.update(sent=sent, balancer_ip=ip)
+                self.results.append(res)
+                await asyncio.sleep(0.05)
+
+
+async def test_the_hand_back_of_a_returning_region_answers_its_clients_and_its_peers(tmp_path: Path) -> None:
+    """eu-west-1's balancer is SIGKILLed, failed over (us-east-1 adopts its replicas, DNS
+    moves) and started again; the controller hands its replicas and its clients back.
+    EU clients keep asking through DNS, at ap-northeast-1 and at us-east-1 (a resolver that
+    kept the failover's answer), AP clients through DNS. Their residency lets EU requests
+    run on EU replicas only, so a 503 (with Retry-After) is right only while no balancer
+    owning them is up: once the controller has told us-east-1 and ap-northeast-1 that
+    eu-west-1 is back, every request is answered 200 (the peers wait for its first
+    heartbeat instead of refusing, and dial it at once instead of at the end of a backoff)."""
+    async with mesh_with(tmp_path, probe_interval_s=0.5, failure_threshold=3) as mesh:
+        eu_replicas = {r.id for r in mesh.cfg.region(EU).replicas}
+        us_ip, ap_ip = (mesh.cfg.region(r).balancer.advertise.host for r in (US, AP))
+        await mesh.stop_balancer(EU, kill=True)
+
+        async def failed_over() -> bool:
+            topo = await controller_topology(mesh)
+            st_us, st_ap = await admin(mesh, US), await admin(mesh, AP)
+            return (topo is not None and eu_replicas <= owned(topo, US) and st_us is not None
+                    and eu_replicas <= set(st_us["replicas"]) and st_ap is not None
+                    and st_ap["peers"][EU]["down"] and st_us["peers"][EU]["down"]
+                    and await asyncio.to_thread(resolve, mesh, REGION_SOURCES[EU]) == us_ip)
+
+        await wait_for(failed_over, 30, "eu-west-1 failed over to us-east-1")
+        # the peers' heartbeat re-dials back off to their cap (2 s) while eu-west-1 is dead
+        await asyncio.sleep(4.0)
+        stop = asyncio.Event()
+        askers = [Asker(mesh, EU, None, stop), Asker(mesh, EU, ap_ip, stop), Asker(mesh, EU, ap_ip, stop),
+                  Asker(mesh, EU, us_ip, stop), Asker(mesh, EU, us_ip, stop), Asker(mesh, AP, None, stop)]
+        load = asyncio.gather(*(a.run() for a in askers))
+        before = {r: (await admin(mesh, r) or {}).get("topology_version", 0) for r in (US, AP)}
+        await asyncio.sleep(0.5)
+        t_restart = time.monotonic()
+        restart = asyncio.create_task(mesh.start_balancer(EU))
+        # the moment both peers have applied the controller's word that eu-west-1 is back
+        # (the first topology after the restart), looked at every 20 ms: bounded by count
+        for _ in range(3000):
+            versions = [(await admin(mesh, r) or {}).get("topology_version", 0) for r in (US, AP)]
+            if all(v > before[r] for v, r in zip(versions, (US, AP), strict=True)):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("us-east-1 and ap-northeast-1 were never told that eu-west-1 is back")
+        t_told = time.monotonic()
+        # EU clients arriving at that moment at us-east-1 (whose adopted EU replicas just
+        # left) and at ap-northeast-1: the region is between owners for them
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                local_addr=(REGION_SOURCES[EU], 0), limit=0, force_close=True)) as s:
+            at_once = await asyncio.gather(*(
+                ask_answer(s, advertised_url(mesh, ip), f"eu user {k} arrives at the hand-back", 4)
+                for ip in (us_ip, ap_ip) for k in range(8)))
+        for k, r in enumerate(at_once):
+            r.update(sent=t_told, asker=f"{EU}@{(us_ip, ap_ip)[k // 8]} (at the hand-back)")
+        await restart
+
+        async def peers_hear_eu() -> bool:
+            sts = [await admin(mesh, r) for r in (US, AP)]
+            return all(st is not None and st["peers"][EU]["available"] for st in sts)
+
+        await wait_for(peers_hear_eu, 30, "us-east-1 and ap-northeast-1 hearing eu-west-1 again")
+        t_heard = time.monotonic()
+
+        async def handed_back() -> bool:
+            topo = await controller_topology(mesh)
+            return (topo is not None and owned(topo, EU) == eu_replicas
+                    and await asyncio.to_thread(resolve, mesh, REGION_SOURCES[EU]) == mesh.cfg.region(EU).balancer.advertise.host)
+
+        await wait_for(handed_back, 30, "replicas and DNS back to eu-west-1")
+        # a few more rounds of every client after the hand-back, then stop
+        counts = [len(a.results) for a in askers]
+
+        async def each_asked_again() -> bool:
+            return all(len(a.results) >= c + 5 for a, c in zip(askers, counts, strict=True))
+
+        await wait_for(each_asked_again, 60, "every client asking five more times")
+        stop.set()
+        await load
+    every = [dict(r, asker=f"{a.region}@{a.target or 'dns'}") for a in askers for r in a.results] + at_once
+    told = [r for r in every if r["sent"] >= t_told]
+    before = [r for r in every if r["sent"] < t_told]
+    refused_before = [r for r in before if r["status"] != 200]
+    report_figures("hand_back_after_a_killed_balancer_returns", requests=len(every),
+                   sent_before_peers_told=len(before), refused_before_peers_told=len(refused_before),
+                   sent_after_peers_told=len(told), refused_after_peers_told=sum(r["status"] != 200 for r in told),
+                   peers_told_after_restart_s=t_told - t_restart, peers_heard_eu_within_s_of_told=t_heard - t_told,
+                   at_the_hand_back=sorted(str(r["status"]) for r in at_once),
+                   statuses=sorted({str(r["status"]) for r in every}))
+    # once its peers know eu-west-1 is back, everything is answered
+    assert all(r["status"] == 200 for r in told), [r for r in told if r["status"] != 200]
+    # before: 200, or 503 no_capacity with Retry-After (no balancer owning an EU replica was up)
+    for r in refused_before:
+        assert r["status"] == 503 and r["code"] == "no_capacity" and r["retry_after"], r
+    # residency held throughout: EU requests ran on EU replicas only
+    eu_served = [r for r in every if r["asker"].startswith(EU) and r["status"] == 200]
+    assert eu_served and {r["replica"] for r in eu_served} <= eu_replicas

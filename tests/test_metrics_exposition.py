@@ -81,7 +81,8 @@ ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transiti
                            "skymesh_cache_predictions", "skymesh_slo_requests", "skymesh_slo_outcomes",
                            "skymesh_slo_target_misses", "skymesh_http_connections",
                            "skymesh_autoscaling_pending_prefill_seconds_per_replica", "skymesh_sibling_",
-                           "skymesh_client_", "skymesh_harmful_requests", "skymesh_context_refusals")
+                           "skymesh_client_", "skymesh_harmful_requests", "skymesh_context_refusals",
+                           "skymesh_requests_cut")
 # prometheus_client's process, platform and GC collectors: their values are the process's own
 PROCESS_FAMILIES = ("process_", "python_")
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
 from skymesh.routing.model import RegionModel
-from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.offload import RETURN_GRACE_S, OffloadRouter
 from skymesh.routing.region import (
     AbandonAttempt,
     ForwardToRegion,
@@ -499,6 +499,44 @@ def test_a_dead_peer_s_requests_go_to_another_allowed_region_and_a_started_strea
     assert core.state_of("eu1") is RequestState.STREAMING  # bytes sent cannot be taken back
     forwards = [a for a in core.tick(0.2) if isinstance(a, ForwardToRegion)]
     assert forwards == [ForwardToRegion("eu0", "eu-central-1"), ForwardToRegion("eu6", "eu-central-1")]
+
+
+@pytest.mark.fault
+def test_a_peer_the_controller_says_is_back_is_waited_for_until_its_first_heartbeat() -> None:
+    # the hand-back of a failover: eu-west-1's balancer returns; us-east-1 (its replicas
+    # just left for eu-west-1) and ap-northeast-1 have not heard from it yet
+    core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22})
+    assert set(no_capacity(core.peer_down("eu-west-1", 0.2))) == {"eu0", "eu1"}
+    (rej,) = core.submit(eu_client(3), 0.3)  # nothing an EU client may use is up: 503
+    assert isinstance(rej, Reject) and rej.status == 503 and rej.retry_after_s
+    assert core.peer_returning("eu-west-1", 1.0, replicas=3)
+    assert core.offload.snapshot_state(1.0)["eu-west-1"]["expected"]
+    # between owners: an EU client waits for it instead of a 503 ...
+    assert core.submit(eu_client(4), 1.0) == []
+    assert not [a for a in core.tick(1.0) if isinstance(a, (Reject, ForwardToRegion))]
+    # ... and is forwarded at its first heartbeat
+    core.peer_heartbeat("eu-west-1", HeartbeatSnapshot(3, 3, 0, 0), 1.2, epoch=2, seq=1)
+    assert ForwardToRegion("eu4", "eu-west-1") in core.tick(1.2)
+    assert not core.offload.snapshot_state(1.2)["eu-west-1"]["expected"]
+    # a peer heard from already, or one that owns nothing, is not waited for
+    assert not core.peer_returning("eu-west-1", 1.25, replicas=3)
+    assert not core.peer_returning("us-east-1", 1.25, replicas=0)
+
+
+@pytest.mark.fault
+def test_a_peer_said_to_be_back_but_never_heard_within_the_grace_gets_its_waiting_requests_503() -> None:
+    core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22})
+    core.peer_down("eu-west-1", 0.2)
+    core.peer_returning("eu-west-1", 1.0, replicas=3)
+    assert core.submit(eu_client(4), 1.0) == []
+    core.submit(req(5, prefix=5), 1.0)  # its own client, behind q2 on ap0: unaffected
+    assert not no_capacity(core.tick(1.0 + RETURN_GRACE_S - 0.01))
+    acts = core.tick(1.0 + RETURN_GRACE_S)
+    assert set(no_capacity(acts)) == {"eu4"} and "was not heard from" in no_capacity(acts)["eu4"].message
+    assert core.state_of("q5") is RequestState.QUEUED
+    assert not no_capacity(core.tick(1.0 + RETURN_GRACE_S + 0.1))  # decided once
+    (rej,) = core.submit(eu_client(6), 1.0 + RETURN_GRACE_S + 0.1)
+    assert isinstance(rej, Reject) and rej.status == 503
 
 
 def test_a_queue_that_cannot_drain_in_time_rejects_at_once_with_retry_after() -> None:

@@ -55,3 +55,19 @@ def test_nothing_can_serve_only_when_every_allowed_replica_is_out_and_no_peer_co
     for _ in range(HealthSettings().healthy_threshold):
         health.probed("h0", ProbeSample())
     assert not res.nothing_can_serve(request(None), 0.0)  # back in service
+
+
+def test_the_503_says_where_a_request_may_run_and_that_none_of_it_is_reachable() -> None:
+    # an EU client at a balancer whose own replica is closed to it and which holds none of
+    # EU's (handed back): only eu may serve it, and eu's balancer is not heard from
+    queue = BalancerCore(make_policy("least_load", PolicyContext(model=RegionModel())))
+    health = ReplicaHealth(queue, HealthSettings())
+    offload = OffloadRouter("here", {"eu": 0.05}, enabled=True, allowed=lambda src, dst: src == dst)
+    res = Residency("here", offload, health)
+    queue.set_replicas(["h0"])
+    health.track(["h0"])
+    res.set_homes(["h0"], None)
+    assert res.nothing_can_serve(request("eu"), 0.0)
+    why = res.why_nothing_can_serve(request("eu"), 0.0)
+    assert why.startswith("requests from eu may run in eu only; every replica here is closed to it")
+    assert "Retry-After" in why

@@ -38,6 +38,8 @@ class PeerInfo:
     http_url: str
     grpc_address: str
     alive: bool = True
+    # the balancer id the controller's topology last named for it ("" before any)
+    balancer_id: str = ""
     # where forwards go: its peer listener (https:// under the mesh CA; http:// on loopback
     # without tls); None: it has none (a mesh that does not offload)
     peer_url: str | None = None

@@ -272,6 +272,15 @@ class BalancerMetrics:
             "skymesh_harmful_requests_total", "Requests answered instead of retried: judged to have made their "
             "replica fail (a stall or a dropped connection under them alone).", registry=None,
         )
+        # a request that ended with no complete answer and no error status from this
+        # balancer (its client saw its connection close): by why, each with one log line
+        # (skymesh/balancer/request_intake.py; a stream cut by its upstream is
+        # skymesh_midstream_failures_total)
+        self.requests_cut = Counter(
+            "skymesh_requests_cut_total", "Requests that ended without an answer from this balancer, by reason "
+            "(client_gone_<state>: the client's connection closed while the request was queued, placed or "
+            "streaming; stopping: the balancer stopped under it).", ("reason",), registry=None,
+        )
         self.context_refusals = Counter(
             "skymesh_context_refusals_total", "Requests refused at the edge because they cannot fit the model's "
             "context (vLLM's own 400), by what proved it (bytes, tokens, budget).", ("proved_by",), registry=None,
@@ -319,7 +328,7 @@ class BalancerMetrics:
             self.client_ttft, self.client_tpot, self.client_e2e,
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
-            self.harmful_requests, self.context_refusals,
+            self.harmful_requests, self.context_refusals, self.requests_cut,
             self.internal_errors, self.config_reloads, self.cache_predictions,
             self.slo_requests, self.slo_outcomes, self.slo_target_misses,
             self.edge.connections_open, self.edge.connections_refused,

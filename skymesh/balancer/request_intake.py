@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
@@ -32,6 +33,8 @@ from skymesh.slo_judge import apply_slo_class
 if TYPE_CHECKING:  # imported only when tracing is on (server.py)
     from skymesh.balancer.tracing import BalancerTracing, RequestTrace
 
+log = logging.getLogger("skymesh.balancer")
+
 
 class RequestIntake:
     """Turns an HTTP request into a routing request the core has accepted (or the answer
@@ -40,7 +43,7 @@ class RequestIntake:
     def __init__(self, cfg: MeshConfig, region: str, *, core: RegionCore, flow: RequestFlow, gate: ClientGate,
                  metrics: BalancerMetrics, wake: asyncio.Event, counter: PromptCounter,
                  peers: Callable[[], Collection[str]], on_request_end: Callable[[], None],
-                 tracing: BalancerTracing | None = None) -> None:
+                 tracing: BalancerTracing | None = None, stopping: Callable[[], bool] = lambda: False) -> None:
         self.region = region
         self.core = core
         self.flow = flow
@@ -50,6 +53,7 @@ class RequestIntake:
         self.counter = counter
         self._peers = peers
         self._on_request_end = on_request_end
+        self._stopping = stopping  # the balancer is stopping (its handlers are cancelled)
         # OpenTelemetry spans (skymesh/balancer/tracing.py); None: off, no span is made
         self.tracing = tracing
         self._ids = itertools.count()
@@ -124,6 +128,7 @@ class RequestIntake:
             return await self.flow.serve(request, raw, req, parsed.stream, waiter, parsed.batch_size == 1, slo)
         except asyncio.CancelledError:
             self.flow.count_slo_outcome(req, slo, "cancelled")  # the client went away
+            self._cut(request, req, loop.time())
             raise
         finally:
             self.flow.waiters.pop(req.request_id, None)
@@ -131,6 +136,20 @@ class RequestIntake:
             self.core.client_gone(req.request_id, loop.time())
             self.wake.set()
             self._on_request_end()
+
+    def _cut(self, request: web.Request, req: RoutingRequest, now: float) -> None:
+        """The request's handler was cancelled before its answer was complete: its client's
+        connection closed (``handler_cancellation``), or the balancer is stopping. One log
+        line and a count by reason and state (queued, placed, streaming), so a client that
+        saw its connection close can be matched with what the balancer saw."""
+        state = self.core.state_of(req.request_id)
+        where = state.value if state is not None else "unknown"
+        reason = "stopping" if self._stopping() else f"client_gone_{where}"
+        self.metrics.requests_cut.labels(reason).inc()
+        log.info("request ended without an answer", extra={
+            "request_id": req.request_id, "reason": reason, "waited_s": round(now - req.arrival, 3),
+            "client": request.remote or "", "origin": req.origin_region or self.region,
+            "forwarded": req.forwarded, "queue_length": self.core.queue_length})
 
     def origin_of(self, request: web.Request, forwarded: bool) -> str | None:
         """The region whose residency rules bind this request: for a forwarded one, the

@@ -200,7 +200,7 @@ class Balancer:
         self.intake = RequestIntake(cfg, region, core=self.core, flow=self.flow, gate=self.gate,
                                    metrics=self.metrics, wake=self.wake, counter=self.counter,
                                    peers=self.peers.keys, on_request_end=self._request_ended,
-                                   tracing=self.tracing)
+                                   tracing=self.tracing, stopping=lambda: self._stopping)
         self.http = HttpSurface(intake=self.intake, gate=self.gate, metrics=self.metrics,
                                 max_body_bytes=cfg.policy.max_body_bytes, model=lambda: self.cfg.model,
                                 admin_status=lambda: self.admin_status(), draining=lambda: self._stopping)
@@ -279,6 +279,21 @@ class Balancer:
             log.info("peer region down: its requests decided again",
                      extra={"peer": region, "why": why, "requests": len({a.request_id for a in actions})})
         self._apply(actions)
+        self.wake.set()
+
+    def peer_back(self, region: str, replicas: int, why: str) -> None:
+        """The controller says a peer region's balancer is back, owning ``replicas``:
+        re-dial its heartbeat stream now (not at the end of the dial loop's backoff), and
+        until its first heartbeat let the requests only it may serve wait for it
+        (``RegionCore.peer_returning``) rather than be refused while their region is
+        between owners."""
+        waiting = self.core.peer_returning(region, loop_clock(), replicas)
+        for svc in self.extra_services:
+            redial = getattr(svc, "redial", None)
+            if redial is not None:
+                redial(region)
+        log.info("peer region back", extra={"peer": region, "why": why, "replicas": replicas,
+                                            "awaiting_heartbeat": waiting})
         self.wake.set()
 
     def _request_ended(self) -> None:
@@ -440,7 +455,14 @@ class Balancer:
                     # drain: what waits for it is decided again now; forwards in flight are
                     # left to a draining balancer to finish (a dead one's break on their own)
                     self.peer_down(assignment.region, "controller declared its balancer dead", cut_forwards=False)
+                elif assignment.alive and (not peer.alive or (
+                        peer.balancer_id and assignment.balancer_id and assignment.balancer_id != peer.balancer_id)):
+                    # back from a failover, or restarted (a new registration): its heartbeat
+                    # stream is dialled again now, and what only it may serve waits for it
+                    self.peer_back(assignment.region, len(assignment.replicas),
+                                   "alive again" if not peer.alive else "registered anew")
                 peer.alive = assignment.alive
+                peer.balancer_id = assignment.balancer_id or peer.balancer_id
                 if assignment.http_url:
                     peer.http_url = assignment.http_url
                 # the regions whose replicas it owns besides its own: origins its forwards

@@ -122,6 +122,9 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._subscribers: set[asyncio.Event] = set()
+        # per peer region: set to end its dial loop's backoff at once (the controller said
+        # that peer is back)
+        self._redial: dict[str, asyncio.Event] = {}
         # mesh identity (None: loopback-only local mode without TLS)
         self.creds: Credentials | None = balancer.mesh_credentials()
         # heartbeats dropped because they claimed a region the stream is not authenticated
@@ -254,13 +257,25 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         async for pb in self.sibling_link.serve(request_iterator, context):
             yield pb
 
+    def redial(self, region: str) -> None:
+        """Dial ``region``'s heartbeat stream now if it is not up (its balancer is back,
+        says the controller): the next attempt does not wait out the backoff (up to 2 s)."""
+        ev = self._redial.get(region)
+        if ev is not None:
+            ev.set()
+
     async def _dial(self, region: str) -> None:
         backoff = self.interval
+        redial = self._redial.setdefault(region, asyncio.Event())
+        loop = asyncio.get_running_loop()
+        failed_attempts, broke_at = 0, None
         while True:
             address = self.balancer.peer_grpc_address(region)
             if address is None:
                 return
             heard = False
+            redial.clear()  # a wake-up from before this attempt is spent by it
+            attempt_at = loop.time()
             try:
                 # TLS verifies that whoever answers at the address holds region's key
                 channel = (grpc.aio.insecure_channel(address) if self.creds is None
@@ -269,6 +284,13 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
                     stub = mesh_pb2_grpc.MeshPeerStub(channel)
                     call = stub.Heartbeat(self._outgoing())
                     async for hb in call:
+                        if not heard and failed_attempts:
+                            log.info("heartbeat stream to peer back", extra={
+                                "peer": region, "failed_attempts": failed_attempts,
+                                "down_s": round(attempt_at - broke_at, 3) if broke_at is not None else None,
+                                "attempt_took_s": round(loop.time() - attempt_at, 3)})
+                        if not heard:
+                            failed_attempts, broke_at = 0, None
                         backoff = self.interval
                         heard = True
                         self.receive(hb, region)
@@ -278,8 +300,14 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
                 log.debug("heartbeat stream to %s ended: %s", region, type(e).__name__)
             if heard:
                 self.stream_broke(region)
-            await asyncio.sleep(backoff)
-            backoff = min(2.0, backoff * 2)
+                broke_at = loop.time()
+            else:
+                failed_attempts += 1
+                log.debug("heartbeat dial to %s failed after %.3f s", region, loop.time() - attempt_at)
+            if await wait_event(redial, backoff):
+                backoff = self.interval  # told it is back: dial now, and soon again if refused
+            else:
+                backoff = min(2.0, backoff * 2)
 
     async def start(self) -> None:
         server = grpc.aio.server()

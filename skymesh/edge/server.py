@@ -44,6 +44,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -228,12 +229,13 @@ class _BoundedParser:
 class EdgeRequestHandler(RequestHandler):
     """aiohttp's per-connection protocol with the edge's bounds (module doc)."""
 
-    __slots__ = ("_metrics", "_limiter", "_source", "edge_limits")
+    __slots__ = ("_metrics", "_limiter", "_refusals", "_source", "edge_limits")
 
     def __init__(self, manager: EdgeServer, *, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
         self._metrics = manager.metrics
         self._limiter = manager.limiter
+        self._refusals = manager.refusals
         self.edge_limits = manager.limits
         self._source: str | None = None  # set while this connection holds a slot
         # private: aiohttp has no hook between its parser and the queue of parsed requests
@@ -245,6 +247,7 @@ class EdgeRequestHandler(RequestHandler):
         refused = self._limiter.open(source)
         if refused is not None:
             self._metrics.connections_refused.labels(refused).inc()
+            self._refusals.note(refused, source)
             assert isinstance(transport, asyncio.WriteTransport)
             transport.write(_overflow_answer(refused))
             transport.close()  # flushes the 503 first; connection_lost follows
@@ -301,6 +304,28 @@ def json_http_exceptions(handler: RequestHandlerFn, metrics: EdgeMetrics) -> Req
     return answer
 
 
+class RefusalLog:
+    """One log line for connections refused at a cap, at most every ``every_s``: the
+    first refusal is logged at once, later ones are summed into the next line (a flood
+    must not become a flood of lines). A client that saw its connection closed (a 503
+    written before its request was read can reach it as a reset) is found here."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._last = float("-inf")
+        self._since: dict[str, int] = {}
+
+    def note(self, reason: str, source: str) -> None:
+        self._since[reason] = self._since.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        self._last = now
+        log.warning("connections refused at the connection cap (answered 503, closed before reading)",
+                    extra={"refused": dict(self._since), "last_source": source})
+        self._since.clear()
+
+
 class EdgeServer(web.Server):
     """``web.Server`` whose connections are :class:`EdgeRequestHandler`."""
 
@@ -313,6 +338,7 @@ class EdgeServer(web.Server):
         self.metrics = metrics
         self.limits = limits
         self.limiter = ConnectionLimiter(limits.max_connections, limits.max_connections_per_source)
+        self.refusals = RefusalLog()
         self._handler_loop = loop
         self._handler_kwargs = kwargs  # RequestHandler's options, as web.Server passes them
 

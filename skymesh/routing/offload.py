@@ -64,12 +64,25 @@ class PeerState:
     # per balancer of the region (a region may run several, each heartbeating the
     # region's state): the (epoch, seq) of its last heartbeat applied here
     last_by_sender: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the controller said its balancer is back (alive again, or registered anew) while it
+    # is not heard from here: until this time a request only it may serve waits for its
+    # first heartbeat instead of being refused (the hand-back of a failover: its replicas
+    # leave their adopter at once, its heartbeat stream is being dialled again); how many
+    # replicas the controller gave it
+    expected_until: float = float("-inf")
+    expected_replicas: int = 0
 
 
 OffloadTrigger = Literal["predicted_ttft", "saturated"]
 
 # the balancers of one peer region whose heartbeat order is kept (bounds PeerState)
 MAX_SENDERS_PER_PEER = 64
+
+# how long a peer the controller says is back counts as able to serve before its first
+# heartbeat arrives here: a re-dial of its heartbeat stream (connect and TLS over the link,
+# woken by the same topology push) with room for a busy host. Past it, without a heartbeat,
+# the peer is down again and the requests that waited for it are answered 503.
+RETURN_GRACE_S = 3.0
 
 
 def snapshot_trie_max_nodes(trie_max_nodes: int) -> int:
@@ -190,7 +203,38 @@ class OffloadRouter:
         p.last_seen = now
         p.forwarded_since_heartbeat = 0
         p.down = False
+        p.expected_until = float("-inf")
         return True
+
+    def expect(self, region: str, now: float, replicas: int) -> bool:
+        """The controller says ``region``'s balancer is back, owning ``replicas``: while it
+        is not heard from here, it counts as able to serve (:meth:`could_serve`) for
+        ``RETURN_GRACE_S``. False (nothing changes) for this region, a peer already fresh,
+        or one that owns no replica."""
+        if region == self.region or replicas <= 0 or self.is_fresh(region, now):
+            return False
+        p = self.peers.get(region)
+        if p is None:
+            p = self.peers[region] = PeerState(region=region, down=True)
+        p.expected_until = now + RETURN_GRACE_S
+        p.expected_replicas = replicas
+        return True
+
+    def is_expected(self, region: str, now: float) -> bool:
+        """Said to be back by the controller, not heard from yet, within its grace."""
+        p = self.peers.get(region)
+        return p is not None and now < p.expected_until and not self.is_fresh(region, now)
+
+    def lapsed_expectations(self, now: float) -> list[str]:
+        """Peers said to be back whose grace ran out without a heartbeat (each returned
+        once): what waited for them is decided again."""
+        out = []
+        for r, p in self.peers.items():
+            if p.expected_until != float("-inf") and now >= p.expected_until:
+                p.expected_until = float("-inf")
+                if not self.is_fresh(r, now):
+                    out.append(r)
+        return out
 
     def mark_unavailable(self, region: str) -> None:
         """A forward to ``region`` failed: use none of its replicas until it heartbeats."""
@@ -250,11 +294,13 @@ class OffloadRouter:
         ]
 
     def could_serve(self, now: float, source: str | None = None, ttft_target_s: float | None = None) -> bool:
-        """Some allowed and affordable peer is alive and has replicas at all (busy or not)."""
+        """Some allowed and affordable peer is alive and has replicas at all (busy or not),
+        or is said to be back by the controller and not heard from yet (:meth:`expect`)."""
         src = source or self.region
         return self.enabled and any(
-            self.allowed(src, r) and self.affordable(r, ttft_target_s) and self.is_fresh(r, now)
-            and p.replicas_total > 0
+            self.allowed(src, r) and self.affordable(r, ttft_target_s)
+            and ((self.is_fresh(r, now) and p.replicas_total > 0)
+                 or (now < p.expected_until and p.expected_replicas > 0))
             for r, p in self.peers.items()
         )
 
@@ -345,6 +391,7 @@ class OffloadRouter:
                 "epoch": p.epoch,
                 "available": self.peer_available(r, now),
                 "down": p.down,
+                "expected": self.is_expected(r, now),
                 "allowed": self.allowed(self.region, r),
                 "staleness_s": None if p.last_seen == float("-inf") else round(now - p.last_seen, 4),
                 "replicas_total": p.replicas_total,

@@ -564,6 +564,23 @@ class RegionCore:
                 continue
             self._queue_again(t, now)
             actions.append(AbandonAttempt(request_id, region))
+        actions.extend(self._decide_queued_again(region, now, "went down"))
+        return actions
+
+    def peer_returning(self, region: str, now: float, replicas: int) -> bool:
+        """The controller says peer region ``region``'s balancer is back (alive again after
+        a failover, or registered anew), owning ``replicas``, while this balancer has not
+        heard from it yet: its heartbeat stream is being dialled again. Until its first
+        heartbeat (at most ``offload.RETURN_GRACE_S``) a request only it may serve waits
+        for it in the queue instead of being refused; then it is forwarded, or, when the
+        grace runs out without a heartbeat, answered 503 (``tick``)."""
+        return self.offload.expect(region, now, replicas)
+
+    def _decide_queued_again(self, region: str, now: float, what: str) -> list[Action]:
+        """Every queued request that could have gone to ``region`` (which ``what``): 503
+        with Retry-After now where no replica it may use here is healthy (or unprobed) and
+        no other region its residency allows is alive; the rest stay queued."""
+        actions: list[Action] = []
         allowed = self.offload.allowed
         for request_id, t in list(self._requests.items()):
             req = t.req
@@ -573,7 +590,7 @@ class RegionCore:
                 continue
             self._leave(t, RequestState.REJECTED, now)
             actions.append(Reject(request_id, 503, "no_capacity",
-                                  f"peer region {region} went down and no other replica or region that may "
+                                  f"peer region {region} {what} and no other replica or region that may "
                                   "serve this request is available", self.settings.retry_after_s))
         return actions
 
@@ -666,6 +683,9 @@ class RegionCore:
             # work already under way): a dead peer's connections break, and fail() decides
             # those at once
             actions.extend(self.peer_down(region, now, cut_forwards=False))
+        for region in offload.lapsed_expectations(now):
+            # said to be back by the controller, but no heartbeat came within the grace
+            actions.extend(self._decide_queued_again(region, now, "was said to be back but was not heard from"))
         actions.extend(self._forward(self.offload_selection.predicted_ttft(now), now))
         for req, decision in self.local.dispatch(now):
             t = self._requests[req.request_id]

@@ -59,6 +59,24 @@ class Residency:
             self._forbidden_by_origin[origin] = got
         return got
 
+    def why_nothing_can_serve(self, req: RoutingRequest, now: float) -> str:
+        """Why :meth:`nothing_can_serve` holds, in words a client can act on: which
+        regions the request may run in and that none of them is reachable now (a region
+        between owners: its balancer down, or back and not yet heard from)."""
+        origin = req.origin_region or self._region
+        allowed = self._offload.allowed
+        regions = sorted({home for home in self._home.values() if allowed(origin, home)}
+                         | {r for r in self._offload.peers if allowed(origin, r)}
+                         | ({origin} if allowed(origin, origin) else set()))
+        if req.forwarded:
+            return "this region's replicas that may serve it are all unhealthy; Retry-After says when to try again"
+        closed = self.forbidden_replicas(req)
+        here = "every replica here is closed to it by the residency rules" if closed and len(closed) == len(
+            self._home) else "no replica here that it may use is healthy"
+        where = ", ".join(regions) if regions else "none"
+        return (f"requests from {origin} may run in {where} only; {here} and no balancer of those regions "
+                "is reachable from here now (down, or between owners in a failover); Retry-After says when to try again")
+
     def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
         """No replica this request may use is healthy or still unprobed, and no allowed
         peer region is alive with replicas: queueing it could only end in a timeout."""

@@ -46,6 +46,10 @@ class RegionView(Protocol):
         """No replica ``req`` may use is healthy or unprobed and no allowed peer is alive."""
         ...
 
+    def why_nothing_can_serve(self, req: RoutingRequest, now: float) -> str:
+        """Where ``req`` may run and why none of it is reachable (for the 503's message)."""
+        ...
+
 
 class AdmissionRule(Protocol):
     def check(self, req: RoutingRequest, now: float, region: RegionView) -> Refusal | None:

@@ -16,5 +16,6 @@ class NoCapacityRule:
     def check(self, req: RoutingRequest, now: float, region: RegionView) -> Refusal | None:
         if not region.nothing_can_serve(req, now):
             return None
-        return Refusal(503, "no_capacity", "no replica or region that may serve this request is available",
+        return Refusal(503, "no_capacity", "no replica or region that may serve this request is available: "
+                       + region.why_nothing_can_serve(req, now),
                        self.retry_after_s)

@@ -41,3 +41,6 @@ class RegionPartsView:
 
     def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
         return self._residency.nothing_can_serve(req, now)
+
+    def why_nothing_can_serve(self, req: RoutingRequest, now: float) -> str:
+        return self._residency.why_nothing_can_serve(req, now)
