@@ -283,7 +283,7 @@ class BalancerMetrics:
         )
         self.context_refusals = Counter(
             "skymesh_context_refusals_total", "Requests refused at the edge because they cannot fit the model's "
-            "context (vLLM's own 400), by what proved it (bytes, tokens, budget).", ("proved_by",), registry=None,
+            "context (vLLM's own 400), by what proved it (budget, chars, tokens).", ("proved_by",), registry=None,
         )
         # a handler raised something unexpected (skymesh/balancer/middleware.py): always a bug
         self.internal_errors = Counter(

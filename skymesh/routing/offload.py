@@ -80,9 +80,12 @@ MAX_SENDERS_PER_PEER = 64
 
 # how long a peer the controller says is back counts as able to serve before its first
 # heartbeat arrives here: a re-dial of its heartbeat stream (connect and TLS over the link,
-# woken by the same topology push) with room for a busy host. Past it, without a heartbeat,
-# the peer is down again and the requests that waited for it are answered 503.
-RETURN_GRACE_S = 3.0
+# woken by the same topology push), with room for a busy host (a restarted balancer's
+# first seconds compete with its imports and its replicas' probes). Past it, without a
+# heartbeat, the peer is down again and the requests that waited for it are answered 503;
+# a request waits at most this long for a peer that never comes, well within its queue
+# wait bound (60 s by default).
+RETURN_GRACE_S = 10.0
 
 
 def snapshot_trie_max_nodes(trie_max_nodes: int) -> int:
