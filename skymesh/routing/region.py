@@ -156,7 +156,7 @@ class RegionCore:
             shares=sib.shares.message(self.local.queue_length, self.local.wants),
             sent_at=now,
             pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
-            placements_per_s=self.service_rate_per_s(now) or 0.0,
+            placements_per_s=self.offload_rate_per_s(now) or 0.0,
             loads=self.local.loads(),
             placements=sib.take_placements(),
         )
@@ -267,7 +267,7 @@ class RegionCore:
         """The region's state for its peers: with siblings, their queues, prefill and
         placement rates count too (one region, however many balancers)."""
         queue, prefill, rate = self.local.queue_length, max(0, self.local.pending_prefill_tokens()), \
-            self.service_rate_per_s(now) or 0.0
+            self.offload_rate_per_s(now) or 0.0
         if self.siblings is not None:
             queue += self.siblings.queue_length(now)
             prefill += self.siblings.pending_prefill_tokens(now)
@@ -288,6 +288,11 @@ class RegionCore:
     def service_rate_per_s(self, now: float) -> float | None:
         """How fast the queue drains, requests per second (:meth:`DrainRate.service_rate_per_s`)."""
         return self.drain_rate.service_rate_per_s(now)
+
+    def offload_rate_per_s(self, now: float) -> float | None:
+        """How fast offload (and the peers, by the heartbeat) take the queue to drain,
+        requests per second (:meth:`DrainRate.offload_rate_per_s`)."""
+        return self.drain_rate.offload_rate_per_s(now)
 
     def expected_queue_wait_s(self, now: float) -> float | None:
         """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
