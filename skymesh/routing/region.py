@@ -111,7 +111,9 @@ class RegionCore:
         self.transitions: Counter[tuple[str, str]] = Counter()
         # which replicas each request may run on (by home region and the offload rules)
         self.residency = Residency(region, offload, self.health)
-        self._queued_from_elsewhere = 0  # queued requests whose origin is another region
+        # queued requests per origin region (those that name one: forwarded by a peer, or a
+        # failover's clients)
+        self._queued_from: Counter[str] = Counter()
         # the queue's service rate, fed every placement here and the end of every backlog
         self.drain_rate = DrainRate(self.local, offload)
         # which queued requests go to a peer, by either offload trigger
@@ -323,7 +325,7 @@ class RegionCore:
         t.state = to
         self.transitions[(str(frm), str(to))] += 1
         if t.req.origin_region is not None:
-            self._queued_from_elsewhere += (to is RequestState.QUEUED) - (frm is RequestState.QUEUED)
+            self._queued_from[t.req.origin_region] += (to is RequestState.QUEUED) - (frm is RequestState.QUEUED)
 
     def _leave(self, t: _Tracked, to: RequestState, now: float) -> None:
         """The one place a request leaves the core: release what was booked for it."""
@@ -443,7 +445,7 @@ class RegionCore:
         self.transitions[("new", str(RequestState.QUEUED))] += 1
         self._requests[req.request_id] = t
         if req.origin_region is not None:
-            self._queued_from_elsewhere += 1
+            self._queued_from[req.origin_region] += 1
         if req.forwarded:
             self.offloaded_in += 1
         self._arm_deadline(t, req.arrival)
@@ -636,10 +638,18 @@ class RegionCore:
             actions.append(SendToReplica(req.request_id, t.target, decision))
         # residency may close local replicas to some queued requests: those are offered
         # to peers even while the replicas look free
-        restricted = self.residency.adopted or self._queued_from_elsewhere > 0
+        restricted = self.residency.adopted or self._restricted_queued()
         actions.extend(self._forward(self.offload_selection.saturated(now, restricted), now))
         self.drain_rate.end_backlog_if_drained()
         return actions
+
+    def _restricted_queued(self) -> bool:
+        """Some queued request's origin has replicas here closed to it (residency). A
+        request only because it names an origin (every peer's forward does: the sender's
+        region) is not: counting those made any region holding a forward offer its own
+        queue by SkyWalker's rule past the predicted-TTFT trigger (issue 36)."""
+        closes = self.residency.closes_any_to
+        return any(n > 0 and closes(origin) for origin, n in self._queued_from.items())
 
     def _forward(self, chosen: list[tuple[RoutingRequest, str]], now: float) -> list[Action]:
         if not chosen:
