@@ -187,3 +187,73 @@ def test_fit_request_cuts_prompts_the_replica_cannot_run() -> None:
     assert fit_request(long, max_model_len=32_768, kv_tokens=20_000).input_len == 10_000
     fits = TraceRequest(1.0, 1000, 10, (1, 2))
     assert fit_request(fits, 32_768, 200_000) is fits
+
+
+def _sessions(reqs: list[TraceRequest]) -> dict[int, list[TraceRequest]]:
+    by: dict[int, list[TraceRequest]] = {}
+    for r in reqs:
+        by.setdefault(r.session, []).append(r)
+    return by
+
+
+def test_the_default_mix_draws_the_stream_as_it_always_was() -> None:
+    from skymesh.bench.workloads import ConversationMix
+
+    plain = list(synthetic_conversations(500, ["x", "y"], rate_per_s=50.0, seed=4))
+    mixed = list(synthetic_conversations(500, ["x", "y"], rate_per_s=50.0, seed=4, mix=ConversationMix()))
+    assert plain == mixed
+
+
+def test_a_held_out_day_mix_caps_turns_grows_history_and_keeps_prompts_per_region() -> None:
+    from skymesh.bench.workloads import ConversationMix
+
+    regions = ["x", "y", "z"]
+    mix = ConversationMix(turns_mean=3.0, max_turns=4, region_system_prompts=3, system_prompt_blocks=(1, 4),
+                          shared_prefix_share=0.2)
+    reqs = list(synthetic_conversations(6000, regions, rate_per_s=60.0, seed=1, mix=mix))
+    own, shared = mix.prompts(3, 8, seed=1)
+    assert all(1 <= len(p) <= 4 for ps in own for p in ps) and len({len(p) for ps in own for p in ps}) > 1
+    by = _sessions(reqs)
+    turns = Counter(len(v) for v in by.values())
+    assert max(turns) == 4 and turns[4] > 0  # capped, and the cap is reached
+    prompt_region: dict[tuple[int, ...], set[str]] = {}
+    n_shared = 0
+    for convo in by.values():
+        for prev, nxt in zip(convo, convo[1:], strict=False):
+            assert nxt.hash_ids[: len(prev.hash_ids)] == prev.hash_ids and len(nxt.hash_ids) > len(prev.hash_ids)
+        first = convo[0]
+        k = regions.index(first.region)
+        opening = next(p for p in [*own[k], *shared] if first.hash_ids[: len(p)] == p)
+        prompt_region.setdefault(opening, set()).add(first.region)
+        n_shared += opening in shared
+    # a region's own prompt is only ever opened in that region; the shared ones in several
+    assert all(len(prompt_region.get(p, set())) <= 1 for ps in own for p in ps)
+    assert any(len(prompt_region.get(p, set())) > 1 for p in shared)
+    assert 0.1 < n_shared / len(by) < 0.3
+
+
+def test_the_mix_refuses_what_it_cannot_draw() -> None:
+    from skymesh.bench.workloads import ConversationMix
+
+    for bad in ({"max_turns": 0}, {"system_prompt_blocks": (3, 2)}, {"shared_prefix_share": 0.1},
+                {"region_system_prompts": 2, "shared_prefix_share": 1.5}, {"turns_mean": 0.5}):
+        with pytest.raises(ValueError):
+            ConversationMix(**bad)  # type: ignore[arg-type]
+
+
+def test_sim_options_build_the_mix(tmp_path: Path) -> None:
+    import argparse
+
+    from skymesh.bench import sim_main
+
+    p = argparse.ArgumentParser()
+    sim_main.add_arguments(p)
+    args = p.parse_args(["--trace", "synthetic", "--max-turns", "12", "--region-system-prompts", "4",
+                         "--system-prompt-blocks", "1-4", "--shared-prefix-share", "0.025"])
+    mix = sim_main.conversation_mix(args)
+    assert (mix.max_turns, mix.region_system_prompts, mix.system_prompt_blocks, mix.shared_prefix_share) == (
+        12, 4, (1, 4), 0.025)
+    with pytest.raises(SystemExit):
+        sim_main.conversation_mix(p.parse_args(["--trace", "synthetic", "--system-prompt-blocks", "a-b"]))
+    with pytest.raises(SystemExit):
+        sim_main.conversation_mix(p.parse_args(["--trace", "synthetic", "--shared-prefix-share", "0.1"]))

@@ -97,3 +97,36 @@ def test_the_first_token_time_prices_a_typical_queued_prompt_and_never_drops_to_
         first_token_fixed_s = 0.0
 
     assert DrainRate(FakeQueue(), Free()).first_token_s() == MIN_FIRST_TOKEN_S
+
+
+def test_offload_keeps_the_observed_rate_where_admission_falls_back_on_the_model() -> None:
+    # replicas that drain 40 a second from their caches, while the model (every prompt's
+    # full prefill) says they take 2 x 2 / (0.05 + 1e-4 * 2 * 4000) = 4.7 a second
+    queue = FakeQueue(replicas=2, budget=2)
+    queue.prefill_tokens = 5 * 4000
+    rate = DrainRate(queue, FixedPrices())
+    now = steady_backlog(rate, queue, 0.0, 20.0, 40.0)
+    assert rate.offload_rate_per_s(now) == pytest.approx(40.0, rel=0.05)
+    # the queue empties for a moment and refills: the backlog is over for admission
+    queue.length, queue.prefill_tokens = 0, 0
+    rate.end_backlog_if_drained()
+    queue.length, queue.prefill_tokens = 5, 5 * 4000
+    model = queue.sustainable_dispatch_rate(now, rate.first_token_s())
+    assert model == pytest.approx(2 * 2 / 0.85)
+    assert rate.service_rate_per_s(now + 0.1) == pytest.approx(model)  # admission: the model's floor
+    # offload still prices the wait here at what the replicas were seen to take
+    assert rate.offload_rate_per_s(now + 0.1) == pytest.approx(40.0, rel=0.05)
+
+
+def test_offload_rate_after_a_quiet_spell_is_floored_by_the_model() -> None:
+    queue = FakeQueue(replicas=2, budget=2)
+    queue.prefill_tokens = 5 * 1000
+    rate = DrainRate(queue, FixedPrices())
+    now = steady_backlog(rate, queue, 0.0, 10.0, 10.0)
+    queue.length, queue.prefill_tokens = 0, 0
+    rate.end_backlog_if_drained()
+    observed = rate.observed_rate(now + 90.0)
+    assert observed is not None and observed < 0.01  # decayed while nothing came
+    queue.length, queue.prefill_tokens = 5, 5 * 1000
+    floor = queue.sustainable_dispatch_rate(now + 90.0, rate.first_token_s())
+    assert rate.offload_rate_per_s(now + 90.0) == pytest.approx(floor) and floor > 1.0

@@ -645,3 +645,32 @@ def test_a_queue_saturated_replicas_cannot_drain_is_refused_at_once_with_a_bound
     assert isinstance(rej, Reject) and rej.status == 429 and rej.code == "queue_wait"
     assert rej.retry_after_s is not None and 0.0 < rej.retry_after_s <= 30.0  # never past one bound
     assert core.state_of("q500") is None  # not queued to a 504
+
+
+def test_a_peers_forward_queued_here_does_not_put_the_own_queue_under_skywalkers_rule() -> None:
+    # issue 36: every forward names the sender's region as its origin; counting such a
+    # request as one residency restricts made the region offer its own queue by the
+    # saturated rule (to any peer with a free replica) past the predicted-TTFT trigger
+    core = region(n=1, peers={"far": 4.0}, dispatch_budget=1)
+    now = 0.0
+    for i in range(5):  # 2 s of placements: the region has a drain rate to predict with
+        now = i * 0.5
+        probe_all(core, now)
+        core.submit(req(i, now, prefix=i), now)
+        (rid,) = sends(core.tick(now))
+        core.first_token(rid, now + 0.1)
+        core.complete(rid, now + 0.2)
+    now = 2.5
+    probe_all(core, now)
+    core.peer_heartbeat("far", HeartbeatSnapshot(4, 4, 0, 0), now, epoch=1, seq=1)
+    core.submit(req(50, now, prefix=50), now)  # takes r0's budget
+    assert len(sends(core.tick(now))) == 1
+    # a request the peer forwarded here (its origin: the sender, whose replicas it may use)
+    from_peer = RoutingRequest("from-far", req(60, prefix=60).chunk_hashes, 256, now,
+                               forwarded=True, origin_region="far")
+    assert core.submit(from_peer, now) == []
+    core.submit(req(70, now, prefix=70), now)  # an own client, r0 busy
+    acts = core.tick(now)
+    # 4 s away the peer cannot answer sooner than r0 frees: both stay queued here
+    assert [a for a in acts if isinstance(a, ForwardToRegion)] == []
+    assert core.state_of("q70") is RequestState.QUEUED and core.state_of("from-far") is RequestState.QUEUED

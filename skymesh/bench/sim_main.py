@@ -51,7 +51,12 @@ from skymesh.bench.traces import (
     scale_rate,
     window,
 )
-from skymesh.bench.workloads import hot_prefix_workload, synthetic_conversations, tree_of_thoughts
+from skymesh.bench.workloads import (
+    ConversationMix,
+    hot_prefix_workload,
+    synthetic_conversations,
+    tree_of_thoughts,
+)
 from skymesh.config import MeshConfig, load_config_for_command
 from skymesh.config.routing import OffloadConfig, OffloadRule, QueueConfig
 from skymesh.hardware import PROFILES
@@ -223,6 +228,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=0.0, help="exclude requests arriving in the first S seconds")
     p.add_argument("--requests", type=int, default=4000, help="synthetic workloads: number of requests")
     p.add_argument("--rate", type=float, default=20.0, help="synthetic workloads: base arrival rate (req/s)")
+    p.add_argument("--turns-mean", type=float, default=3.0,
+                   help="synthetic: turns per conversation on average (each turn's prompt = the last one + "
+                        "its answer + a new message)")
+    p.add_argument("--max-turns", type=int, default=None, help="synthetic: no conversation has more turns")
+    p.add_argument("--region-system-prompts", type=int, default=0,
+                   help="synthetic: system prompts of each region's own (0: 8 one-block prompts every region uses)")
+    p.add_argument("--system-prompt-blocks", default="1", metavar="LO[-HI]",
+                   help="synthetic, with --region-system-prompts: each prompt's length in 512-token blocks "
+                        "(drawn once per prompt)")
+    p.add_argument("--shared-prefix-share", type=float, default=0.0,
+                   help="synthetic, with --region-system-prompts: share of conversations opening with a "
+                        "prompt every region shares")
     p.add_argument("--hot-prompts", type=int, default=4, help="hot-prefix: number of popular system prompts")
     p.add_argument("--hot-prompt-blocks", type=int, default=4, help="hot-prefix: system prompt length (512-token blocks)")
     p.add_argument("--hot-share", type=float, default=0.8, help="hot-prefix: share of requests on the popular prompts")
@@ -261,7 +278,8 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
     if args.trace == "synthetic":
         if args.slo_mix:
             raise SystemExit("--slo-mix: the synthetic stream carries no classes (use a trace or a workload)")
-        return synthetic_conversations(args.requests, names, args.rate * rate, seed=args.seed, shape=shape)
+        return synthetic_conversations(args.requests, names, args.rate * rate, seed=args.seed, shape=shape,
+                                       mix=conversation_mix(args))
     if args.trace == "hot-prefix":
         reqs = hot_prefix_workload(args.requests, args.rate, n_prompts=args.hot_prompts,
                                    prompt_blocks=args.hot_prompt_blocks, hot_share=args.hot_share, seed=args.seed)
@@ -278,6 +296,22 @@ def build_trace(args: argparse.Namespace, rate: float = 1.0) -> Iterable[TraceRe
         reqs = shape.apply(reqs, names, args.seed)
     reqs = with_slo_mix(reqs, args)
     return scale_rate(reqs, rate) if rate != 1.0 else reqs
+
+
+def conversation_mix(args: argparse.Namespace) -> ConversationMix:
+    """The synthetic stream's conversations as the options describe them (a SystemExit
+    naming what does not fit)."""
+    lo, _, hi = str(args.system_prompt_blocks).partition("-")
+    try:
+        blocks = (int(lo), int(hi or lo))
+    except ValueError:
+        raise SystemExit(f"--system-prompt-blocks: LO or LO-HI blocks, got {args.system_prompt_blocks!r}") from None
+    try:
+        return ConversationMix(turns_mean=args.turns_mean, max_turns=args.max_turns,
+                               region_system_prompts=args.region_system_prompts, system_prompt_blocks=blocks,
+                               shared_prefix_share=args.shared_prefix_share)
+    except ValueError as e:
+        raise SystemExit(f"synthetic workload options: {e}") from None
 
 
 POOLED = "pooled"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from skymesh.bench.traces import TraceRequest, diurnal_factor, region_weights
@@ -23,6 +24,63 @@ HOT_BASE = 1_000_000
 UNIQUE_BASE = 10_000_000
 TOT_BASE = 50_000_000
 CONV_BASE = 100_000_000
+# a region's own system prompts: region k's prompt j starts at
+# PROMPT_BASE + (k + 1) * PROMPT_STRIDE + j * PROMPT_BLOCKS_MAX; the prompts shared across
+# regions live at PROMPT_BASE (k = -1)
+PROMPT_BASE = 90_000_000
+PROMPT_STRIDE = 100_000
+PROMPT_BLOCKS_MAX = 1_000
+
+
+@dataclass(frozen=True)
+class ConversationMix:
+    """How :func:`synthetic_conversations` builds its conversations (the defaults: the
+    stream as it always was).
+
+    - ``turns_mean``: turns per conversation on average (exponential, at least 1);
+    - ``max_turns``: no conversation has more turns (None: no cap);
+    - ``region_system_prompts``: 0: every conversation opens with one of the stream's
+      ``n_system_prompts`` one-block prompts, whatever its region; N > 0: with one of its
+      region's own N prompts, each ``system_prompt_blocks`` long (drawn once per prompt);
+    - ``shared_prefix_share``: with region prompts, the share of conversations that open
+      instead with one of ``n_system_prompts`` prompts shared by every region (as long).
+    """
+
+    turns_mean: float = 3.0
+    max_turns: int | None = None
+    region_system_prompts: int = 0
+    system_prompt_blocks: tuple[int, int] = (1, 1)
+    shared_prefix_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        lo, hi = self.system_prompt_blocks
+        if self.turns_mean < 1.0:
+            raise ValueError("turns_mean: at least 1")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError("max_turns: at least 1 (None: no cap)")
+        if self.region_system_prompts < 0:
+            raise ValueError("region_system_prompts: 0 (off) or more")
+        if not 1 <= lo <= hi < PROMPT_BLOCKS_MAX:
+            raise ValueError(f"system_prompt_blocks: 1 <= low <= high < {PROMPT_BLOCKS_MAX}")
+        if not 0.0 <= self.shared_prefix_share <= 1.0:
+            raise ValueError("shared_prefix_share: in [0, 1]")
+        if self.shared_prefix_share > 0 and not self.region_system_prompts:
+            raise ValueError("shared_prefix_share: needs region_system_prompts (without them every "
+                             "prompt is shared across regions already)")
+
+    def prompts(self, n_regions: int, n_shared: int, seed: int) -> tuple[list[list[tuple[int, ...]]],
+                                                                          list[tuple[int, ...]]]:
+        """Each region's own prompts and the shared ones, as block-id tuples (lengths drawn
+        from a stream of their own, so the conversations' draws do not move)."""
+        rng = random.Random(f"prompts:{seed}")
+        lo, hi = self.system_prompt_blocks
+
+        def prompt(k: int, j: int) -> tuple[int, ...]:
+            start = PROMPT_BASE + (k + 1) * PROMPT_STRIDE + j * PROMPT_BLOCKS_MAX
+            return tuple(range(start, start + rng.randint(lo, hi)))
+
+        own = [[prompt(k, j) for j in range(self.region_system_prompts)] for k in range(n_regions)]
+        return own, [prompt(-1, j) for j in range(n_shared)]
 
 
 def hot_prefix_workload(n: int, rate_per_s: float, n_prompts: int = 4, prompt_blocks: int = 4,
@@ -91,15 +149,24 @@ def synthetic_conversations(n: int, regions: Sequence[str], rate_per_s: float, s
                             think_s: float = 20.0, first_blocks: tuple[int, int] = (2, 6),
                             turn_blocks: tuple[int, int] = (1, 2), output_len: tuple[int, int] = (64, 256),
                             n_system_prompts: int = 8, seed: int = 0,
-                            shape: DayShape | None = None) -> Iterator[TraceRequest]:
+                            shape: DayShape | None = None, mix: ConversationMix | None = None
+                            ) -> Iterator[TraceRequest]:
     """A lazy stream of ``n`` requests in arrival order: conversations start as a Poisson
     process of total rate ``rate_per_s / turns_mean`` (requests then average ``rate_per_s``),
     each in a region drawn with :func:`region_weights` (thinned by that region's diurnal curve
     when ``diurnal_period_s`` > 0) and with one of ``n_system_prompts`` shared system
     prompts (1 block); a turn's prompt = the previous prompt + its answer + the new user
     message (``turn_blocks``), so turns form a prefix chain; turns are ``think_s`` apart
-    on average (exponential). Memory is O(open conversations), not O(n)."""
+    on average (exponential). ``mix`` (:class:`ConversationMix`) caps the turns, gives each
+    region system prompts of its own and a share of conversations a prefix shared across
+    regions (it overrides ``turns_mean``). Memory is O(open conversations), not O(n)."""
     rng = random.Random(seed)
+    if mix is not None:
+        turns_mean = mix.turns_mean
+        max_turns = mix.max_turns
+        own_prompts, shared_prompts = mix.prompts(len(regions), n_system_prompts, seed)
+    else:
+        max_turns, own_prompts, shared_prompts = None, [], []
     # the day's shape (skymesh/bench/day_shape.py), or skew / period / amplitude alone
     if shape is not None:
         weights, diurnal_period_s = list(shape.weights), shape.period_s
@@ -123,9 +190,17 @@ def synthetic_conversations(n: int, regions: Sequence[str], rate_per_s: float, s
                                                                           amplitudes[k]):
                 continue
             nb = rng.randint(*first_blocks)
-            ids = (rng.randrange(n_system_prompts),) + tuple(range(next_id, next_id + nb - 1))
+            if mix is not None and mix.region_system_prompts:
+                shared = mix.shared_prefix_share > 0 and rng.random() < mix.shared_prefix_share
+                pool = shared_prompts if shared else own_prompts[k]
+                system: tuple[int, ...] = pool[rng.randrange(len(pool))]
+            else:
+                system = (rng.randrange(n_system_prompts),)
+            ids = system + tuple(range(next_id, next_id + nb - 1))
             next_id += nb - 1
             turns = max(1, round(rng.expovariate(1.0 / turns_mean)))
+            if max_turns is not None:
+                turns = min(turns, max_turns)
             heapq.heappush(pending, (t_conv, session, regions[k], ids, turns))
             session += 1
         t, s, region, ids, turns = heapq.heappop(pending)

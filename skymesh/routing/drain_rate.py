@@ -1,12 +1,22 @@
-"""How fast a region's queue drains: the service rate admission, offload and the heartbeat
-go by.
+"""How fast a region's queue drains: the rates admission, offload and the heartbeat go by.
 
 :class:`DrainRate` is fed the queue's placements and the end of each backlog (the queue
-empty again) and asked, with ``now``, for requests per second. While a backlog has
-history it measures what the replicas take (an exponentially decayed placement rate);
-before that it falls back on what the healthy replicas can at least take. A quiet spell
-ends the backlog instead of decaying the rate, so an idle region never looks like one
-whose replicas stopped draining.
+empty again) and asked, with ``now``, for requests per second. Two rates, for two uses:
+
+- :meth:`DrainRate.service_rate_per_s`, admission's (the queue-wait refusal, early
+  rejection): while a backlog has history it measures what the replicas take (an
+  exponentially decayed placement rate); before that it falls back on what the healthy
+  replicas can at least take by the TTFT model. A quiet spell ends the backlog instead of
+  decaying the rate, so an idle region never looks like one whose replicas stopped
+  draining, and never refuses its morning.
+- :meth:`DrainRate.offload_rate_per_s`, offload's (the predicted-TTFT trigger's wait here,
+  and the heartbeat's rate peers price a forward's wait there with): the placements over
+  the region's life, never reset, floored by the same capacity. The model's capacity
+  prices every prompt's full prefill, and a backlog measured from its first second knows
+  little; priced with either, a region with high prefix reuse thought its queue slow,
+  forwarded what its own replicas would have served from cache and lost the hits
+  (issue 36, docs/benchmarks.md "Offload's rate vs admission's": on a held-out day at
+  x5, attainment 0.566 -> 0.746 once a peer's forward no longer counted as restricted).
 """
 
 from __future__ import annotations
@@ -54,7 +64,8 @@ class DrainRate:
     """The queue's service rate: placements per second over the current backlog, else the
     replicas' capacity by the TTFT model."""
 
-    __slots__ = ("_queue", "_prices", "_rate", "_rate_at", "_backlog_first_at", "_first_at")
+    __slots__ = ("_queue", "_prices", "_rate", "_rate_at", "_backlog_first_at", "_first_at",
+                 "_life_rate", "_life_rate_at")
 
     def __init__(self, queue: DrainingQueue, prices: FirstTokenPrices) -> None:
         self._queue = queue
@@ -66,6 +77,10 @@ class DrainRate:
         self._rate_at = float("-inf")
         self._backlog_first_at: float | None = None
         self._first_at: float | None = None  # in the region's life
+        # placements per second over the region's life, decayed the same way but never
+        # reset: what the replicas took of what came, under the cache mix it came with
+        self._life_rate = 0.0
+        self._life_rate_at = float("-inf")
 
     def placed(self, now: float) -> None:
         """A queued request was placed (on a replica here) at ``now``."""
@@ -76,6 +91,9 @@ class DrainRate:
         decay = math.exp(-(now - self._rate_at) / PLACEMENT_RATE_TAU_S)
         self._rate = self._rate * decay + 1.0 / PLACEMENT_RATE_TAU_S
         self._rate_at = now
+        life_decay = math.exp(-(now - self._life_rate_at) / PLACEMENT_RATE_TAU_S)
+        self._life_rate = self._life_rate * life_decay + 1.0 / PLACEMENT_RATE_TAU_S
+        self._life_rate_at = now
 
     def end_backlog_if_drained(self) -> None:
         """The queue is empty: the backlog the placement rate measured is over. What was
@@ -95,6 +113,16 @@ class DrainRate:
             return None
         decayed = self._rate * math.exp(-(now - self._rate_at) / PLACEMENT_RATE_TAU_S)
         # an average started at zero is low by this factor until it has tau of history
+        rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
+        return rate if rate > 0.0 else None
+
+    def observed_rate(self, now: float) -> float | None:
+        """Placements per second over the region's life, recent average (backlog or not,
+        decayed while idle); None before ``MIN_RATE_HISTORY_S`` of placements."""
+        first = self._first_at
+        if first is None or now - first < MIN_RATE_HISTORY_S:
+            return None
+        decayed = self._life_rate * math.exp(-(now - self._life_rate_at) / PLACEMENT_RATE_TAU_S)
         rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
         return rate if rate > 0.0 else None
 
@@ -126,6 +154,19 @@ class DrainRate:
             return measured
         capacity = self._queue.sustainable_dispatch_rate(now, self.first_token_s())
         return capacity if capacity > 0.0 else None
+
+    def offload_rate_per_s(self, now: float) -> float | None:
+        """The rate offload prices a queued request's wait here with, and peers are told
+        (the heartbeat): what the replicas have been taking (:meth:`observed_rate`, which
+        prefix hits speed up as they do), never below what the healthy replicas can at
+        least take by the TTFT model (after a quiet spell the observed rate has decayed;
+        the model's floor leaves the cache out, so busy replicas drain faster than it
+        says). None until the region has placed requests for ``MIN_RATE_HISTORY_S``."""
+        observed = self.observed_rate(now)
+        if observed is None:
+            return None
+        capacity = self._queue.sustainable_dispatch_rate(now, self.first_token_s())
+        return max(observed, capacity)
 
     def expected_queue_wait_s(self, now: float) -> float | None:
         """How long a request queued now would wait for its placement, at the service

@@ -72,14 +72,14 @@ class OffloadSelection:
     def saturated(self, now: float, restricted: bool) -> list[Choice]:
         """SkyWalker's rule, after dispatch: what is still queued while no local replica is
         available goes to a peer with a free replica (with the predicted trigger, only while
-        the region has no service rate to predict with). ``restricted``: residency may close
+        the region has no offload rate to predict with). ``restricted``: residency may close
         local replicas to some queued requests (adopted replicas, requests from another
         region); those are offered to peers even while the replicas look free."""
         queue, offload = self._queue, self._offload
         if (
             offload.enabled and queue.queue_length
             and (restricted or not queue.any_available())
-            and (not self.predicted_ttft_on or restricted or self._drain_rate.service_rate_per_s(now) is None)
+            and (not self.predicted_ttft_on or restricted or self._drain_rate.offload_rate_per_s(now) is None)
         ):
             return self.saturated_offload(now, restricted)
         return []
@@ -88,12 +88,13 @@ class OffloadSelection:
         """Queued requests (head first) a peer is expected to answer sooner than this
         region. A request's wait here: nothing while it fits in the replicas' free
         dispatch slots, else its place beyond them (after those forwarded ahead of it)
-        over the queue's service rate; plus the prefill already ahead of it on the least
+        over the queue's offload rate (:meth:`DrainRate.offload_rate_per_s`: what the
+        replicas have been taking, not admission's floor); plus the prefill already ahead of it on the least
         loaded replica it could go to (an available one within the free slots, else any
         healthy one). Only the first ``lookahead`` requests kept here are looked at:
         further back the wait here is long, and they are reached as the head moves."""
         queue, offload = self._queue, self._offload
-        rate = self._drain_rate.service_rate_per_s(now)
+        rate = self._drain_rate.offload_rate_per_s(now)
         free = queue.free_dispatch_slots()
         s_per_token = offload.prefill_s_per_token
         views = queue.replicas.values()

@@ -114,7 +114,9 @@ class RegionCore:
         self.transitions: Counter[tuple[str, str]] = Counter()
         # which replicas each request may run on (by home region and the offload rules)
         self.residency = Residency(region, offload, self.health)
-        self._queued_from_elsewhere = 0  # queued requests whose origin is another region
+        # queued requests per origin region (those that name one: forwarded by a peer, or a
+        # failover's clients)
+        self._queued_from: Counter[str] = Counter()
         # the queue's service rate, fed every placement here and the end of every backlog
         self.drain_rate = DrainRate(self.local, offload)
         # which queued requests go to a peer, by either offload trigger
@@ -159,7 +161,7 @@ class RegionCore:
             shares=sib.shares.message(self.local.queue_length, self.local.wants),
             sent_at=now,
             pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
-            placements_per_s=self.service_rate_per_s(now) or 0.0,
+            placements_per_s=self.offload_rate_per_s(now) or 0.0,
             loads=self.local.loads(),
             placements=sib.take_placements(),
         )
@@ -270,7 +272,7 @@ class RegionCore:
         """The region's state for its peers: with siblings, their queues, prefill and
         placement rates count too (one region, however many balancers)."""
         queue, prefill, rate = self.local.queue_length, max(0, self.local.pending_prefill_tokens()), \
-            self.service_rate_per_s(now) or 0.0
+            self.offload_rate_per_s(now) or 0.0
         if self.siblings is not None:
             queue += self.siblings.queue_length(now)
             prefill += self.siblings.pending_prefill_tokens(now)
@@ -291,6 +293,11 @@ class RegionCore:
     def service_rate_per_s(self, now: float) -> float | None:
         """How fast the queue drains, requests per second (:meth:`DrainRate.service_rate_per_s`)."""
         return self.drain_rate.service_rate_per_s(now)
+
+    def offload_rate_per_s(self, now: float) -> float | None:
+        """How fast offload (and the peers, by the heartbeat) take the queue to drain,
+        requests per second (:meth:`DrainRate.offload_rate_per_s`)."""
+        return self.drain_rate.offload_rate_per_s(now)
 
     def expected_queue_wait_s(self, now: float) -> float | None:
         """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
@@ -321,7 +328,7 @@ class RegionCore:
         t.state = to
         self.transitions[(str(frm), str(to))] += 1
         if t.req.origin_region is not None:
-            self._queued_from_elsewhere += (to is RequestState.QUEUED) - (frm is RequestState.QUEUED)
+            self._queued_from[t.req.origin_region] += (to is RequestState.QUEUED) - (frm is RequestState.QUEUED)
 
     def _leave(self, t: _Tracked, to: RequestState, now: float) -> None:
         """The one place a request leaves the core: release what was booked for it."""
@@ -442,7 +449,7 @@ class RegionCore:
         self.transitions[("new", str(RequestState.QUEUED))] += 1
         self._requests[req.request_id] = t
         if req.origin_region is not None:
-            self._queued_from_elsewhere += 1
+            self._queued_from[req.origin_region] += 1
         if req.forwarded:
             self.offloaded_in += 1
         self._arm_deadline(t, req.arrival)
@@ -697,10 +704,18 @@ class RegionCore:
             actions.append(SendToReplica(req.request_id, t.target, decision))
         # residency may close local replicas to some queued requests: those are offered
         # to peers even while the replicas look free
-        restricted = self.residency.adopted or self._queued_from_elsewhere > 0
+        restricted = self.residency.adopted or self._restricted_queued()
         actions.extend(self._forward(self.offload_selection.saturated(now, restricted), now))
         self.drain_rate.end_backlog_if_drained()
         return actions
+
+    def _restricted_queued(self) -> bool:
+        """Some queued request's origin has replicas here closed to it (residency). A
+        request only because it names an origin (every peer's forward does: the sender's
+        region) is not: counting those made any region holding a forward offer its own
+        queue by SkyWalker's rule past the predicted-TTFT trigger (issue 36)."""
+        closes = self.residency.closes_any_to
+        return any(n > 0 and closes(origin) for origin, n in self._queued_from.items())
 
     def _forward(self, chosen: list[tuple[RoutingRequest, str]], now: float) -> list[Action]:
         if not chosen:

@@ -51,7 +51,17 @@ class Residency:
         origin = req.origin_region
         if origin is None and not self._adopted:
             return frozenset()  # this region's own clients on this region's own replicas
-        origin = origin or self._region
+        return self.forbidden_to(origin or self._region)
+
+    def closes_any_to(self, origin: str) -> bool:
+        """Some replica here is closed to a request from ``origin``. A request forwarded by
+        a peer names the sender's region as its origin; the sender forwarded it only where
+        the rules allow, so this is false for it unless the rules or the replicas' homes
+        changed since (or it is a failover's client under a rule that keeps it off them)."""
+        return bool(self.forbidden_to(origin))
+
+    def forbidden_to(self, origin: str) -> frozenset[str]:
+        """Replicas whose home region the offload rules close to requests from ``origin``."""
         got = self._forbidden_by_origin.get(origin)
         if got is None:
             allowed = self._offload.allowed
