@@ -17,7 +17,6 @@ import contextlib
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -30,6 +29,7 @@ from skymesh.balancer.request_flow import HOP_HEADER, ORIGIN_HEADER, TOKEN_HEADE
 from skymesh.balancer.server import Balancer
 from skymesh.balancer.services import ControllerLink, attach_services
 from skymesh.config import ConfigError, MeshConfig, parse_config
+from skymesh.proto_gen import mesh_pb2
 from skymesh.runtime.procs import free_port
 from skymesh.security.pki import (
     balancer_server_name,
@@ -207,11 +207,11 @@ async def test_an_origin_not_bound_to_the_senders_certificate_is_refused(
         assert status == 200 and us_replica.received == 1
         # once the controller hands eu-west-1 ap-northeast-1's replicas, it may claim that origin
         link = ControllerLink(b)
-        link.apply_topology(SimpleNamespace(version=1, balancers=[
-            SimpleNamespace(region=US, alive=True, http_url="", members=[], replicas=[
-                SimpleNamespace(replica_id=f"{US}-r0", url=us_replica.url, home_region=US, draining=False)]),
-            SimpleNamespace(region=EU, alive=True, http_url="", members=[], replicas=[
-                SimpleNamespace(replica_id=f"{AP}-r0", url="http://127.0.0.1:9", home_region=AP, draining=False)]),
+        link.apply_topology(mesh_pb2.Topology(version=1, balancers=[
+            mesh_pb2.BalancerAssignment(region=US, alive=True, replicas=[
+                mesh_pb2.ReplicaAssignment(replica_id=f"{US}-r0", url=us_replica.url, home_region=US)]),
+            mesh_pb2.BalancerAssignment(region=EU, alive=True, replicas=[
+                mesh_pb2.ReplicaAssignment(replica_id=f"{AP}-r0", url="http://127.0.0.1:9", home_region=AP)]),
         ]))
         assert b.allowed_origins(EU) == {EU, AP}
         status, _ = await forward(b, eu_cert, AP)
