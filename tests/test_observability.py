@@ -210,6 +210,14 @@ async def test_a_real_prometheus_scrapes_the_local_mesh_and_answers_every_dashbo
                     empty = [title for title, expr in queries
                              if not any(math.isfinite(float(x["value"][1])) for x in await _query(s, base, expr))]
                     raise AssertionError(f"panels without data: {empty}") from None
+                # every query having data says nothing of the last scrape of each balancer:
+                # wait until both waves' answers are in (a balancer scraped before its second
+                # wave ended would read short)
+                async def both_waves_scraped() -> bool:
+                    got = await _query(s, base, "sum(skymesh_client_e2e_seconds_count)")
+                    return bool(got) and float(got[0]["value"][1]) == 22
+
+                await wait_for(both_waves_scraped, 30, "both waves' answers scraped")
                 served = await _query(s, base, "sum by (region, served) (skymesh_client_e2e_seconds_count)")
                 by = {(x["metric"]["region"], x["metric"]["served"]): float(x["value"][1]) for x in served}
                 # the forwarded ones are counted once, where their client called
