@@ -60,6 +60,18 @@ class FirstTokenPrices(Protocol):
     def first_token_fixed_s(self) -> float: ...
 
 
+def _recent_average(rate: float, rate_at: float, first: float | None, now: float) -> float | None:
+    """A placement rate kept as an exponentially decayed sum (``rate`` as of ``rate_at``),
+    read at ``now``: requests per second; None with less than ``MIN_RATE_HISTORY_S`` of
+    history since ``first`` (or none), or no placement in it."""
+    if first is None or now - first < MIN_RATE_HISTORY_S:
+        return None
+    decayed = rate * math.exp(-(now - rate_at) / PLACEMENT_RATE_TAU_S)
+    # an average started at zero is low by this factor until it has tau of history
+    average = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
+    return average if average > 0.0 else None
+
+
 class DrainRate:
     """The queue's service rate: placements per second over the current backlog, else the
     replicas' capacity by the TTFT model."""
@@ -108,23 +120,12 @@ class DrainRate:
     def placement_rate(self, now: float) -> float | None:
         """Placements per second over the current backlog, recent average; None while
         the backlog has too little history to go by."""
-        first = self._backlog_first_at
-        if first is None or now - first < MIN_RATE_HISTORY_S:
-            return None
-        decayed = self._rate * math.exp(-(now - self._rate_at) / PLACEMENT_RATE_TAU_S)
-        # an average started at zero is low by this factor until it has tau of history
-        rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
-        return rate if rate > 0.0 else None
+        return _recent_average(self._rate, self._rate_at, self._backlog_first_at, now)
 
     def observed_rate(self, now: float) -> float | None:
         """Placements per second over the region's life, recent average (backlog or not,
         decayed while idle); None before ``MIN_RATE_HISTORY_S`` of placements."""
-        first = self._first_at
-        if first is None or now - first < MIN_RATE_HISTORY_S:
-            return None
-        decayed = self._life_rate * math.exp(-(now - self._life_rate_at) / PLACEMENT_RATE_TAU_S)
-        rate = decayed / (1.0 - math.exp(-(now - first) / PLACEMENT_RATE_TAU_S))
-        return rate if rate > 0.0 else None
+        return _recent_average(self._life_rate, self._life_rate_at, self._first_at, now)
 
     def first_token_s(self) -> float:
         """How long a replica takes, by the TTFT model, to give back a unit of its dispatch
