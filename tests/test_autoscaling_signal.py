@@ -274,7 +274,7 @@ def test_in_a_region_of_several_balancers_each_publishes_the_regions_value() -> 
     assert pending_prefill_s_per_replica(core) == pytest.approx(0.5)
     core.attach_siblings(RegionSiblings("here", "here-b0", core.settings.dispatch_budget, dead_after_s=1.0))
     shares = ShareState(balancer_id="here-b1", epoch=1, seq=1, queue_length=3, wants={}, held=frozenset(),
-                        claims=frozenset(), lends={}, seen={})
+                        claims=frozenset(), grants={}, seen={})
     sibling_pending = 8_000
     msg = SiblingMessage(region="here", shares=shares, sent_at=0.0, pending_prefill_tokens=sibling_pending,
                          placements_per_s=0.0, loads={}, placements=())

@@ -2,14 +2,15 @@
 balancer is the stand-in behind the services' ports with a real region core and the
 real RegionFleet): they split every replica's push budget with no unit held twice over
 one stream, skip messages with nothing new while keepalives keep both alive, each learns
-what the other placed, a sibling that stops is declared dead and its units taken, and a
-message past its bounds is dropped."""
+what the other placed, a sibling that stops keeps its units until the controller's
+topology calls it dead, and a message past its bounds is dropped."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,8 +85,17 @@ async def test_two_siblings_split_the_budget_share_placements_and_outlive_each_o
                     "b applied a's placement")
         assert b.core.model.cache.match_per_target((11, 22, 33), [chosen])[chosen] == 3
 
-        # a stops: after dead_after_s b holds every unit
+        # a stops: silence alone hands b nothing of a's (a stalled a may come back holding
+        # them); the leases a granted end on b's clock
+        held_by_a = units(a)
         await ma.stop()
+        await asyncio.sleep(2 * (1.0 + 0.25))  # past a whole lease and the skew margin
+        assert units(b) == every - held_by_a
+        # the controller's topology calls a dead: b takes a's home units
+        b.fleet.topology_members([
+            SimpleNamespace(balancer_id="us-a", alive=False, epoch=1, http_url="", grpc_address=f"127.0.0.1:{pa}"),
+            SimpleNamespace(balancer_id="us-b", alive=True, epoch=1, http_url="", grpc_address=f"127.0.0.1:{pb}"),
+        ], asyncio.get_running_loop().time())
         await until(lambda: units(b) == every, "b took a's units")
     finally:
         await ma.stop()
@@ -110,7 +120,7 @@ def test_a_replica_s_load_crosses_the_wire_whole() -> None:
     from skymesh.routing.siblings import SiblingLoad, SiblingMessage
 
     shares = ShareState(balancer_id="us-b1", epoch=2, seq=7, queue_length=1, wants={"r1": 2}, held=frozenset(),
-                        claims=frozenset(), lends={}, seen={})
+                        claims=frozenset(), grants={}, seen={})
     loads = {"r0": SiblingLoad(3, 1, 4096), "r1": SiblingLoad(0, 0, 0)}
     sent = SiblingMessage(region="us", shares=shares, sent_at=0.0, pending_prefill_tokens=4096,
                           placements_per_s=0.0, loads=loads, placements=())
@@ -122,7 +132,7 @@ def test_a_message_goes_at_once_only_for_what_a_sibling_waits_for() -> None:
     from skymesh.balancer.sibling_link import _Sent, _why_now
 
     u0, u1 = Unit("r0", 0), Unit("r0", 1)
-    sent = _Sent(held=frozenset({u0}), claims=frozenset({u1}), lends=(), wants=frozenset({"r1"}), draining=False)
+    sent = _Sent(held=frozenset({u0}), claims=frozenset({u1}), grants=frozenset(), wants=frozenset({"r1"}), draining=False)
     assert _why_now(sent, None, False) == "first"
     assert _why_now(sent, sent, False) is None
     assert _why_now(sent, sent, True) == "answer"  # a sibling's claim heard since: our word
@@ -131,7 +141,7 @@ def test_a_message_goes_at_once_only_for_what_a_sibling_waits_for() -> None:
     assert _why_now(held_more, sent, False) is None  # a unit taken: nobody waits for it
     assert _why_now(dataclasses.replace(sent, claims=frozenset({u1, Unit("r1", 0)})), sent, False) == "claim"
     assert _why_now(dataclasses.replace(sent, held=frozenset()), sent, False) == "gave_up"
-    assert _why_now(dataclasses.replace(sent, lends=((u0, "b"),)), sent, False) == "lends"
+    assert _why_now(dataclasses.replace(sent, grants=frozenset({(u0, "b")})), sent, False) == "grants"
     assert _why_now(dataclasses.replace(sent, wants=frozenset({"r1", "r2"})), sent, False) == "wants"
     assert _why_now(dataclasses.replace(sent, wants=frozenset()), sent, False) is None  # a want gone
     assert _why_now(dataclasses.replace(sent, draining=True), sent, False) == "draining"

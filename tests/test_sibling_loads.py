@@ -16,7 +16,7 @@ from tests.test_autoscaling_signal import region_core, req
 
 def sibling_says(core: RegionCore, seq: int, loads: dict[str, SiblingLoad], now: float) -> None:
     shares = ShareState(balancer_id="here-b1", epoch=1, seq=seq, queue_length=0, wants={}, held=frozenset(),
-                        claims=frozenset(), lends={}, seen={})
+                        claims=frozenset(), grants={}, seen={})
     msg = SiblingMessage(region="here", shares=shares, sent_at=now,
                          pending_prefill_tokens=sum(ld.pending_prefill_tokens for ld in loads.values()),
                          placements_per_s=0.0, loads=loads, placements=())

@@ -16,16 +16,21 @@ from skymesh.routing.siblings import RegionSiblings, SiblingMessage
 
 class RegionFleet:
     def __init__(self, region: str, balancer_id: str, epoch: int, core: RegionCore, *,
-                 static_members: Mapping[str, str], dead_after_s: float, page_lag_s: float = 0.25) -> None:
+                 static_members: Mapping[str, str], dead_after_s: float, page_lag_s: float = 0.25,
+                 lease_s: float = 1.0, skew_margin_s: float = 0.25) -> None:
         self.region = region
         self.balancer_id = balancer_id
         self.epoch = epoch
         self.core = core
         self.dead_after_s = dead_after_s
         self.page_lag_s = page_lag_s
+        self.lease_s = lease_s
+        self.skew_margin_s = skew_margin_s
         # sibling id -> its own gRPC address, from the config and from the controller
         self.static = {sid: addr for sid, addr in static_members.items() if sid != balancer_id}
         self.from_topology: dict[str, str] = {}
+        self.topology_known = False
+        self.listed_alive = True
         # the topology's view of every member of the region (for /admin/status)
         self.members: list[dict[str, Any]] = []
 
@@ -38,13 +43,20 @@ class RegionFleet:
     def topology_members(self, members: Iterable[Any], now: float) -> None:
         """The controller's list of the region's balancers (BalancerMember messages):
         the live ones other than this one are siblings."""
+        members = list(members)
         self.members = [
             {"balancer_id": m.balancer_id, "alive": m.alive, "epoch": m.epoch, "http_url": m.http_url,
              "grpc_address": m.grpc_address}
             for m in members if m.balancer_id != self.balancer_id]
         self.from_topology = {m["balancer_id"]: m["grpc_address"] for m in self.members
                               if m["alive"] and m["grpc_address"]}
+        # listed dead (the controller lost it: a stall, a cut): nobody's home until listed
+        # alive again; not listed yet (its registration is on the way): a member
+        self.listed_alive = all(m.alive for m in members if m.balancer_id == self.balancer_id)
+        self.topology_known = True
         self.attach_if_needed(now)
+        if self.core.siblings is not None:
+            self.core.siblings.shares.topology_heard()
 
     def attach_if_needed(self, now: float) -> None:
         """From the first sibling on, the region core shares push budgets (it holds no
@@ -52,9 +64,13 @@ class RegionFleet:
         if self.core.siblings is None and self.has_siblings():
             self.core.attach_siblings(RegionSiblings(
                 self.region, self.balancer_id, self.core.settings.dispatch_budget, epoch=self.epoch,
-                dead_after_s=self.dead_after_s, started_at=now, page_lag_s=self.page_lag_s))
+                dead_after_s=self.dead_after_s, started_at=now, page_lag_s=self.page_lag_s,
+                lease_s=self.lease_s, skew_margin_s=self.skew_margin_s))
         if self.core.siblings is not None:
-            self.core.siblings.expect(self.addresses())
+            # the push budget's homes: the topology's live members once it spoke (a member
+            # it calls dead keeps its units until then), else the config's
+            self.core.siblings.expect(self.from_topology if self.topology_known else self.static,
+                                      self_listed=self.listed_alive)
 
     def message(self, now: float) -> SiblingMessage:
         return self.core.sibling_message(now)
@@ -63,6 +79,11 @@ class RegionFleet:
         if self.core.siblings is None:
             return False
         return self.core.sibling_state(msg, now)
+
+    def units_grew(self) -> bool:
+        """The last sibling step gave this balancer more usable units (a dispatch round
+        may place more)."""
+        return self.core.siblings is not None and self.core.siblings.units_grew
 
     def status(self) -> dict[str, Any]:
         sib = self.core.siblings

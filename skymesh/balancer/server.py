@@ -129,7 +129,8 @@ class Balancer:
         # the region's other balancers (config or controller) and the budgets shared with them
         self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core,
                                  static_members=static_siblings or {}, dead_after_s=cfg.siblings.dead_after_s,
-                                 page_lag_s=cfg.siblings.page_lag_s)
+                                 page_lag_s=cfg.siblings.page_lag_s, lease_s=cfg.siblings.lease_s,
+                                 skew_margin_s=cfg.siblings.clock_skew_s)
         self.fleet.attach_if_needed(loop_clock())
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
@@ -367,7 +368,8 @@ class Balancer:
         applied = self.fleet.apply(msg, loop_clock())
         if applied:
             self.gate.charge_siblings(msg.key_usage)
-            self.wake.set()  # units may have come: a dispatch round
+            if self.fleet.units_grew():
+                self.wake.set()  # units came: a dispatch round
         return applied
 
     def sibling_interval_s(self) -> float:

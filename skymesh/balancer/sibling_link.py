@@ -63,6 +63,9 @@ MAX_UNITS = 4 * MAX_REPLICAS
 MAX_CHUNKS_PER_PLACEMENT = 1 << 14
 MAX_SIBLINGS = 256
 MAX_KEYS = 4096
+# a message's age by the wall clocks is taken as at most this (a clock far off, a field
+# unset: its leases have long ended either way)
+MAX_AGE_S = 60.0
 # per stream: messages built but not yet sent (a slow stream drops its oldest)
 STREAM_BACKLOG = 32
 
@@ -80,7 +83,8 @@ def to_proto(msg: SiblingMessage) -> Any:
         seen=[mesh_pb2.SiblingSeen(balancer_id=b, epoch=e, seq=s) for b, (e, s) in sh.seen.items()],
         held=[mesh_pb2.PushUnit(replica_id=u.replica_id, unit=u.index) for u in sorted(sh.held)],
         claims=[mesh_pb2.PushUnit(replica_id=u.replica_id, unit=u.index) for u in sorted(sh.claims)],
-        lends=[mesh_pb2.UnitLend(replica_id=u.replica_id, unit=u.index, borrower=b) for u, b in sh.lends.items()],
+        lends=[mesh_pb2.UnitLend(replica_id=u.replica_id, unit=u.index, borrower=b, lease_ms=int(ttl * 1000))
+               for u, (b, ttl) in sh.grants.items()],
         loads=[mesh_pb2.ReplicaLoad(replica_id=r, in_flight=ld.in_flight, unseen=ld.unseen,
                                     wanted=sh.wants.get(r, 0), pending_prefill_tokens=ld.pending_prefill_tokens)
                for r, ld in msg.loads.items()],
@@ -92,27 +96,32 @@ def to_proto(msg: SiblingMessage) -> Any:
 
 
 def from_proto(pb: Any, now: float) -> SiblingMessage:
-    """A received SiblingState as the routing core's message; placement times are
-    rebased on the receiver's clock (``now`` less their age). Raises MessageTooLarge."""
+    """A received SiblingState as the routing core's message; its send time and placement
+    times are rebased on the receiver's clock (``now`` less their age by the wall clocks,
+    never less than 0: a lease is counted from when the message was built, so a clock
+    behind the sender's lengthens it by the skew, which the home's margin covers).
+    Raises MessageTooLarge."""
     if (len(pb.loads) > MAX_REPLICAS or len(pb.held) + len(pb.claims) + len(pb.lends) > 3 * MAX_UNITS
             or len(pb.seen) > MAX_SIBLINGS or len(pb.placements) > MAX_PLACEMENTS_PER_MESSAGE
             or len(pb.key_usage) > MAX_KEYS
             or any(len(p.chunk_hashes) > MAX_CHUNKS_PER_PLACEMENT for p in pb.placements)):
         raise MessageTooLarge(f"sibling message from {pb.balancer_id[:64]!r} past its bounds")
+    age_s = min(MAX_AGE_S, max(0.0, time.time() - pb.sent_unix_ms / 1000)) if pb.sent_unix_ms else 0.0
+    sent_at = now - age_s
     shares = ShareState(
         balancer_id=pb.balancer_id, epoch=pb.epoch, seq=pb.seq, queue_length=pb.queue_length,
         wants={ld.replica_id: ld.wanted for ld in pb.loads if ld.wanted > 0},
         held=frozenset(Unit(u.replica_id, u.unit) for u in pb.held),
         claims=frozenset(Unit(u.replica_id, u.unit) for u in pb.claims),
-        lends={Unit(ln.replica_id, ln.unit): ln.borrower for ln in pb.lends},
+        grants={Unit(ln.replica_id, ln.unit): (ln.borrower, ln.lease_ms / 1000) for ln in pb.lends},
         seen={s.balancer_id: (s.epoch, s.seq) for s in pb.seen},
-        draining=pb.draining,
+        draining=pb.draining, sent_at=sent_at,
     )
     return SiblingMessage(
-        region=pb.region, shares=shares, sent_at=now, pending_prefill_tokens=pb.pending_prefill_tokens,
+        region=pb.region, shares=shares, sent_at=sent_at, pending_prefill_tokens=pb.pending_prefill_tokens,
         placements_per_s=pb.placements_per_s,
         loads={ld.replica_id: SiblingLoad(ld.in_flight, ld.unseen, ld.pending_prefill_tokens) for ld in pb.loads},
-        placements=tuple(Placement(p.replica_id, tuple(p.chunk_hashes), now - max(0.0, p.age_s))
+        placements=tuple(Placement(p.replica_id, tuple(p.chunk_hashes), sent_at - max(0.0, p.age_s))
                          for p in pb.placements),
         key_usage={k.key_name: (k.requests, k.prompt_tokens) for k in pb.key_usage},
     )
@@ -124,14 +133,15 @@ class _Sent:
 
     held: frozenset[Unit]
     claims: frozenset[Unit]
-    lends: tuple[tuple[Unit, str], ...]
+    grants: frozenset[tuple[Unit, str]]
     wants: frozenset[str]
     draining: bool
 
 
 def _protocol_state(msg: SiblingMessage) -> _Sent:
     sh = msg.shares
-    return _Sent(sh.held, sh.claims, tuple(sorted(sh.lends.items())), frozenset(sh.wants), sh.draining)
+    return _Sent(sh.held, sh.claims, frozenset((u, b) for u, (b, _) in sh.grants.items()), frozenset(sh.wants),
+                 sh.draining)
 
 
 def _why_now(now_state: _Sent, sent: _Sent | None, unanswered_claim: bool) -> str | None:
@@ -139,15 +149,16 @@ def _why_now(now_state: _Sent, sent: _Sent | None, unanswered_claim: bool) -> st
     it waits for): a new claim of ours (one already sent waits for the answers, and rides
     every later message), a sibling's claim heard since our last message (our next one
     answers it: it shows what we hold and claim, having seen the claim), a unit given up
-    (its home or borrower may claim it), a lend made or taken back, a replica newly wanted
-    (a home may lend), draining. A unit taken, a want gone, placements, key usage, loads
-    and queue length wait for the next keepalive: no sibling waits for them. Safety never
+    (a lease released: its home may use it again), a grant made or recalled, a replica
+    newly wanted (its home may lend), draining. A unit taken, a want gone, a grant renewed
+    (leases outlast several keepalives), placements, key usage, loads and queue length
+    wait for the next keepalive: no sibling waits for them. Safety never
     depends on when a message goes (tests/test_push_shares.py delays and drops them at
     will), only how soon a unit moves."""
     if sent is None:
         return "first"
     for why, changed in (("claim", bool(now_state.claims - sent.claims)), ("answer", unanswered_claim),
-                         ("gave_up", bool(sent.held - now_state.held)), ("lends", now_state.lends != sent.lends),
+                         ("gave_up", bool(sent.held - now_state.held)), ("grants", now_state.grants != sent.grants),
                          ("wants", bool(now_state.wants - sent.wants)), ("draining", now_state.draining != sent.draining)):
         if changed:
             return why

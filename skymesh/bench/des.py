@@ -305,8 +305,9 @@ class Simulator:
             elif kind == self.SIBLING_ARRIVE:
                 name, k, msg = payload
                 reg = self.regions[name]
-                reg.cores[k].sibling_state(msg, t)
-                self._dispatch(reg, k, t)
+                core = reg.cores[k]
+                if core.sibling_state(msg, t) and core.siblings is not None and core.siblings.units_grew:
+                    self._dispatch(reg, k, t)
             elif kind == self.FORWARD_ARRIVE:
                 dst, rreq = payload
                 reg = self.regions[dst]

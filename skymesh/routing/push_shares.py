@@ -1,38 +1,38 @@
-"""Shared push budgets: the balancers of one region together never push a replica past
-the dispatch budget one balancer would (docs/routing.md, "A region is a fleet"), pure.
+"""Shared push budgets by leases: the balancers of one region together never have more
+unseen pushes on a replica than the dispatch budget one balancer would (docs/routing.md,
+"A region is a fleet"), pure.
 
 A replica's ``dispatch_budget`` is cut into that many *units* (replica, index). A balancer
-may have as many of its pushes unseen on a replica as it holds units there
-(:class:`~skymesh.routing.dispatcher.BalancerCore` asks :meth:`PushShares.units_on`). The
-protocol keeps one invariant: no unit is held by two live balancers at once, so the
-region's unseen pushes on a replica stay within one budget however many balancers there
-are.
+may have as many of its pushes unseen on a replica as it has units there
+(:meth:`PushShares.units_on`). The invariant: no unit is usable by two balancers at once,
+under message loss and delay, a member's death, a stalled loop and bounded clock skew.
 
-- **Homes.** Each unit has a home among the live, non-draining balancers: they are
-  sorted by id and unit i of replica r goes to ``(stable_hash(r) + i) mod n``, so two
-  balancers hold one unit of every replica each and three share every replica's two units
-  two by two, rotated by replica.
-- **Lending** (a freed replica is filled by any sibling's queue). Each balancer says
-  which replicas its queue *wants*: its policy picked them for a queued request (seeing
-  the replica free region-wide) but it holds no free unit there. A home not wanting a
-  replica itself lends each unit of it it is not using to the sibling that wants it most;
-  it takes the loan back when it wants the replica itself, when the borrower has nothing
-  queued any more, or when another sibling wants it and the borrower does not.
-- **Claim, confirm, hold.** A balancer entitled to a unit (its home and not lending it,
-  or its home's latest message lends it there) *claims* it in its next message and holds
-  it only once every other live sibling answered with a message that (a) has seen the
-  claim (its ``seen`` sequence for the claimant is at or past the claim's) and (b) neither
-  holds the unit nor claims it from a lower id. A holder no longer entitled gives the
-  unit up once it is unused (its unseen pushes there fit in the units it keeps). Every
-  message is the sender's whole state, so the rule needs no ordering beyond one stream's
-  (gRPC streams are ordered) and survives any lost message: the next one repeats it.
-- **Start.** For ``dead_after_s`` after it starts, a balancer counts every sibling it
-  expects (config, controller) as live even unheard: a claim holds only once each has
-  answered (a sibling heard by some but not yet by this one may hold units).
-- **Death.** A sibling not heard from for ``dead_after_s`` leaves the live set: the
-  units it held are claimed again without its answer. Its pushes in transit may then
-  overlap a new holder's for one probe interval (the replica's page shows them at the
-  next probe): the cost of a sibling dying, never of a message lost.
+- **Homes from the agreed member list.** Every unit has one home: the region's members as
+  the controller's topology (or, without one, the config) lists them, sorted by id, less
+  those that said they are draining; unit i of replica r goes to
+  ``(stable_hash(r) + i) mod n``. A silent member keeps its home units (nobody takes them
+  on a timeout) until the topology drops it; the region serves on the other units
+  meanwhile.
+- **Taking a home unit** (at start, or when the member list changed) is the only step
+  that waits for answers: the new home *claims* it and takes it once every sibling it
+  hears has seen the claim and neither holds it nor claims it from a lower id. A sibling
+  silent for a whole lease and the skew margin holds nothing it could still use: it is
+  not waited for. After that, a home keeps its units with no message at all.
+- **Leases, not consensus.** A home lends units it is not using to the siblings that want
+  that replica (their picks went elsewhere for lack of a unit there), all grants of a
+  round in one message, each valid for ``lease_s`` from the moment the message was built.
+  A borrower uses a leased unit until it releases it or the lease ends (on its own clock:
+  a borrower whose loop stalled finds the lease over when it resumes), with no
+  acknowledgement per use. The home renews a grant in every message while the borrower
+  still holds or wants it and the home does not want it back; a grant missing from the
+  home's latest message is recalled, and the borrower releases it once unused. The home
+  uses the unit again only once a message of the borrower that has seen its last grant no
+  longer holds it, or ``lease_s`` plus ``skew_margin_s`` after its last grant.
+- **A stalled member fences itself.** Steps come at least every keepalive in the daemon;
+  a gap longer than ``stall_fence_s`` means this balancer's loop stood still, during
+  which the topology may have given its home units to others. Until it hears the topology
+  again (:meth:`PushShares.topology_heard`) or a whole takeover time passed, it uses no
+  home unit, only its leases (which its own clock ends).
 
 One balancer alone holds every unit of every replica at once: the protocol changes
 nothing for a region of one.
@@ -60,20 +60,45 @@ class ShareState:
     epoch: int
     seq: int
     queue_length: int
-    # replica -> queued requests here its policy picked it for, with no free unit here
+    # replica -> queued requests its policy picked it for, with no free unit here
     wants: Mapping[str, int]
+    # units it holds: its home units (lent or not) and its leases
     held: frozenset[Unit]
+    # home units it takes (answer: hold none of them, claim none from a lower id)
     claims: frozenset[Unit]
-    lends: Mapping[Unit, str]
+    # home units lent in this message: unit -> (borrower, lease seconds from sent_at)
+    grants: Mapping[Unit, tuple[str, float]] = field(default_factory=dict)
     # per sibling id: the (epoch, seq) of its last message processed here
-    seen: Mapping[str, tuple[int, int]]
+    seen: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     draining: bool = False
+    # when it was built, on the receiver's clock (the daemon rebases it by the wall clocks)
+    sent_at: float = 0.0
 
 
 @dataclass(slots=True)
 class _Sibling:
     state: ShareState
     heard_at: float
+
+
+@dataclass(slots=True)
+class _Grant:
+    """A home unit lent out, as its home sees it."""
+
+    borrower: str
+    expires_at: float  # the home's clock, skew margin included
+    last_seq: int  # the last message that carried it
+    renew: bool = True
+
+
+@dataclass(slots=True)
+class _Lease:
+    """A unit borrowed, as the borrower sees it."""
+
+    home: str
+    expires_at: float  # the borrower's clock
+    recalled: bool = False
+    last_used_at: float = 0.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -87,21 +112,37 @@ class PushShares:
     balancer_id: str
     budget: int
     epoch: int = 1
+    # a sibling silent this long counts as gone for the figures it reported (loads, queue)
     dead_after_s: float = 0.3
+    lease_s: float = 1.0
+    skew_margin_s: float = 0.25
+    stall_fence_s: float = 1.0
     draining: bool = False
     seq: int = 0
     replicas: tuple[str, ...] = ()
-    held: set[Unit] = field(default_factory=set)
+    # home units taken (lent or not)
+    home_held: set[Unit] = field(default_factory=set)
     # unit -> the seq of the first message that carried this claim
     claim_seq: dict[Unit, int] = field(default_factory=dict)
-    lends: dict[Unit, str] = field(default_factory=dict)
+    grants: dict[Unit, _Grant] = field(default_factory=dict)
+    leases: dict[Unit, _Lease] = field(default_factory=dict)
+    # a lease released: the first of our messages without it; a grant of it counts again
+    # only from a home message that has seen that one
+    released: dict[Unit, int] = field(default_factory=dict)
     siblings: dict[str, _Sibling] = field(default_factory=dict)
-    # when this balancer started: until dead_after_s later it holds nothing without
-    # hearing its siblings (one may be up and holding units it has not heard of yet)
     started_at: float = 0.0
-    # the siblings this balancer knows of (config, controller), heard from or not
+    # the other members this balancer knows of (the topology's, else the config's)
     expected: frozenset[str] = frozenset()
+    self_listed: bool = True
     _held_on: dict[str, int] = field(default_factory=dict)
+    # this balancer's unseen pushes per replica, as of the last step
+    _unseen: Mapping[str, int] = field(default_factory=dict)
+    _last_step_at: float | None = None
+    _homes_now: list[str] = field(default_factory=list)
+    # since when this balancer's loop has run without a stall: a sibling's silence counts
+    # from here
+    _awake_since: float = 0.0
+    _fenced_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -113,21 +154,31 @@ class PushShares:
         """How many of its pushes this balancer may have unseen on ``replica_id``."""
         return self._held_on.get(replica_id, 0)
 
+    def usable_counts(self) -> Mapping[str, int]:
+        """Per replica, :meth:`units_on` (as of the last step or expiry)."""
+        return self._held_on
+
+    @property
+    def held(self) -> frozenset[Unit]:
+        """The units this balancer may push on or still has pushes unseen on."""
+        own = {u for u in self.home_held if u not in self.grants}
+        return frozenset(own | self.leases.keys())
+
     def live_ids(self, now: float) -> list[str]:
-        """This balancer and every sibling heard from within ``dead_after_s``, by id; until
-        ``dead_after_s`` after this balancer started, also every expected sibling not
-        heard yet (it may be up and holding units: it must answer before a claim holds)."""
+        """This balancer and every sibling heard from within ``dead_after_s``, by id."""
         ids = {self.balancer_id}
         ids.update(sid for sid, s in self.siblings.items() if now - s.heard_at <= self.dead_after_s)
-        if now - self.started_at <= self.dead_after_s:
-            ids.update(self.expected)
         return sorted(ids)
 
-    def _homes(self, now: float) -> list[str]:
-        """The balancers units have homes at: the live ones not draining, by id."""
-        live = self.live_ids(now)
-        homes = [sid for sid in live if not self._is_draining(sid)]
-        return homes or live  # every live balancer is leaving: they keep what they hold
+    @property
+    def takeover_s(self) -> float:
+        """How long a sibling is silent before it can hold nothing it could still use."""
+        return self.lease_s + self.skew_margin_s
+
+    def _homes(self) -> list[str]:
+        members = sorted({*self.expected, self.balancer_id} if self.self_listed else self.expected)
+        homes = [sid for sid in members if not self._is_draining(sid)]
+        return homes or members or [self.balancer_id]  # all leaving: they keep what they hold
 
     @staticmethod
     def _home(unit: Unit, homes: list[str]) -> str:
@@ -138,10 +189,26 @@ class PushShares:
     def set_replicas(self, replica_ids: Iterable[str]) -> None:
         self.replicas = tuple(dict.fromkeys(replica_ids))
         keep = set(self.replicas)
-        self.held = {u for u in self.held if u.replica_id in keep}
+        self.home_held = {u for u in self.home_held if u.replica_id in keep}
         self.claim_seq = {u: s for u, s in self.claim_seq.items() if u.replica_id in keep}
-        self.lends = {u: b for u, b in self.lends.items() if u.replica_id in keep}
+        self.grants = {u: g for u, g in self.grants.items() if u.replica_id in keep}
+        self.leases = {u: ls for u, ls in self.leases.items() if u.replica_id in keep}
+        self.released = {u: r for u, r in self.released.items() if u.replica_id in keep}
         self._count_held()
+
+    def set_members(self, sibling_ids: Iterable[str], *, self_listed: bool = True) -> None:
+        """The other members of the region (the topology's live ones, else the config's);
+        ``self_listed`` False: the topology calls this balancer dead (it was stalled or cut
+        off): it is nobody's home until listed again."""
+        self.expected = frozenset(sid for sid in sibling_ids if sid != self.balancer_id)
+        self.self_listed = self_listed
+
+    def topology_heard(self) -> None:
+        """The controller's topology arrived: a fence after a stall ends (what it says of
+        the members came with it)."""
+        if self._fenced_at is not None:
+            self._fenced_at = None
+            self._awake_since = max(self._awake_since, self._last_step_at or 0.0)
 
     def on_message(self, state: ShareState, now: float) -> bool:
         """A sibling's state; False when it is older than one already processed."""
@@ -151,6 +218,7 @@ class PushShares:
         if prev is not None and (state.epoch, state.seq) <= (prev.state.epoch, prev.state.seq):
             return False
         self.siblings[state.balancer_id] = _Sibling(state, now)
+        self._take_grants(state, now)
         return True
 
     def forget_dead(self, now: float, keep_for_s: float = 60.0) -> None:
@@ -161,48 +229,60 @@ class PushShares:
     # ------------------------------------------------------------------ one step
 
     def step(self, now: float, unseen_pushes: Mapping[str, int], wants: Mapping[str, int]) -> None:
-        """Lend, take loans back, give up, claim and take units, from the latest message
-        of every sibling. ``unseen_pushes``: per replica, this balancer's pushes its last
-        probe does not show yet (the units it uses); ``wants``: per replica, its queued
-        requests waiting for a unit there."""
-        live = set(self.live_ids(now))
-        homes = self._homes(now)
-        self._lend(homes, unseen_pushes, wants, live)
-        entitled = {u for r in self.replicas for u in self._units_of(r) if self._entitled(u, homes)}
-        self._give_up(entitled, unseen_pushes)
-        for u in list(self.claim_seq):
-            if u not in entitled or u in self.held:
-                del self.claim_seq[u]
-        next_seq = self.seq + 1
-        for u in entitled:
-            if u not in self.held and u not in self.claim_seq:
-                self.claim_seq[u] = next_seq
-        alone = live == {self.balancer_id}
-        if alone and now - self.started_at < self.dead_after_s:
-            self._count_held()
-            return
-        for u, claimed_at in list(self.claim_seq.items()):
-            # alone (every sibling silent past dead_after_s): nobody to confirm
-            if alone or (claimed_at <= self.seq and self._confirmed(u, claimed_at, live)):
-                self.held.add(u)
-                del self.claim_seq[u]
+        """Expire, release and take back leases, give up and take home units, from the
+        latest message of every sibling. ``unseen_pushes``: per replica, this balancer's
+        pushes its last probe does not show yet (the units it uses); ``wants``: per
+        replica, its queued requests that found no free unit there."""
+        if self._last_step_at is not None and now - self._last_step_at > self.stall_fence_s:
+            # this loop stood still: the topology may have given its home units away and
+            # its siblings' silence meant nothing. It holds no home unit, and claims them
+            # again once it heard the topology, waiting for every sibling as at a start
+            self._fenced_at = now
+            self.home_held.clear()
+            self.claim_seq.clear()
+            self._awake_since = now
+        if self._fenced_at is not None and now - self._fenced_at > self.takeover_s + self.stall_fence_s:
+            self._fenced_at = None
+        self._last_step_at = now
+        self._unseen = unseen_pushes
+        homes = self._homes()
+        self._homes_now = homes
+        self._end_grants(now, wants)
+        self._end_leases(now, unseen_pushes, wants)
+        self._give_up_homes(homes, unseen_pushes)
+        self._claim_homes(homes, now)
         self._count_held()
 
-    def message(self, queue_length: int, wants: Mapping[str, int]) -> ShareState:
-        """This balancer's state for its siblings (the next sequence number)."""
+    def expire(self, now: float) -> None:
+        """Drop leases past their end (before a dispatch round: a loop that stood still
+        since the last step must not push on a lease that ended meanwhile)."""
+        if any(ls.expires_at <= now for ls in self.leases.values()):
+            for u in [u for u, ls in self.leases.items() if ls.expires_at <= now]:
+                del self.leases[u]
+            self._count_held()
+
+    def message(self, queue_length: int, wants: Mapping[str, int], now: float = 0.0) -> ShareState:
+        """This balancer's state for its siblings (the next sequence number). Lends the
+        units it does not use to the siblings that want their replica, and renews the
+        grants it keeps: each valid for ``lease_s`` from ``now``."""
         self.seq += 1
+        self._lend(wants, now)
+        granted = {}
+        for u, g in self.grants.items():
+            if g.renew:
+                g.expires_at = now + self.lease_s + self.skew_margin_s
+                g.last_seq = self.seq
+                granted[u] = (g.borrower, self.lease_s)
+        self._count_held()
         return ShareState(
             balancer_id=self.balancer_id, epoch=self.epoch, seq=self.seq, queue_length=queue_length,
             wants={r: n for r, n in wants.items() if n > 0},
-            held=frozenset(self.held), claims=frozenset(self.claim_seq), lends=dict(self.lends),
+            held=frozenset(self.home_held | self.leases.keys()), claims=frozenset(self.claim_seq), grants=granted,
             seen={sid: (s.state.epoch, s.state.seq) for sid, s in self.siblings.items()},
-            draining=self.draining,
+            draining=self.draining, sent_at=now,
         )
 
     # ------------------------------------------------------------------ parts
-
-    def _units_of(self, replica_id: str) -> list[Unit]:
-        return [Unit(replica_id, i) for i in range(self.budget)]
 
     def _is_draining(self, balancer_id: str) -> bool:
         if balancer_id == self.balancer_id:
@@ -210,70 +290,188 @@ class PushShares:
         s = self.siblings.get(balancer_id)
         return s is not None and s.state.draining
 
-    def _entitled(self, unit: Unit, homes: list[str]) -> bool:
-        home = self._home(unit, homes)
-        if home == self.balancer_id:
-            return unit not in self.lends
-        s = self.siblings.get(home)
-        return s is not None and s.state.lends.get(unit) == self.balancer_id
+    def _heard_recently(self, sid: str, now: float) -> bool:
+        s = self.siblings.get(sid)
+        return s is not None and now - s.heard_at <= self.dead_after_s
 
-    def _lend(self, homes: list[str], unseen_pushes: Mapping[str, int], wants: Mapping[str, int],
-              live: set[str]) -> None:
-        others = {sid: s.state for sid, s in self.siblings.items() if sid in live}
+    def _take_grants(self, state: ShareState, now: float) -> None:
+        home = state.balancer_id
+        for u, (borrower, ttl) in state.grants.items():
+            if borrower != self.balancer_id:
+                continue
+            rel = self.released.get(u)
+            if rel is not None:
+                if state.seen.get(self.balancer_id, (0, 0)) < (self.epoch, rel):
+                    continue  # made before the home saw our release of it
+                del self.released[u]
+            expires_at = state.sent_at + min(ttl, self.lease_s)
+            if expires_at <= now:
+                continue
+            lease = self.leases.get(u)
+            if lease is None or lease.home != home:
+                self.leases[u] = _Lease(home, expires_at, last_used_at=now)
+            else:
+                lease.expires_at = max(lease.expires_at, expires_at)
+                lease.recalled = False
+        for u, lease in self.leases.items():
+            if lease.home == home and u not in state.grants:
+                lease.recalled = True
 
-        def wanting(r: str) -> list[str]:
-            return sorted((sid for sid, st in others.items() if st.wants.get(r, 0) > 0),
-                          key=lambda sid: (-others[sid].wants[r], sid))
-
-        # take back: wanted here, a borrower gone or with nothing queued, or another
-        # sibling wants the replica and the borrower does not
-        for u, borrower in list(self.lends.items()):
+    def _end_grants(self, now: float, wants: Mapping[str, int]) -> None:
+        """A grant ends when the borrower showed it released it (having seen the last
+        grant) or its lease ran out; it is not renewed once this balancer wants the
+        replica, or the borrower neither holds it nor wants its replica, or is silent."""
+        for u, g in list(self.grants.items()):
+            if g.expires_at <= now:
+                del self.grants[u]
+                continue
+            st = self.siblings.get(g.borrower)
+            if st is not None and st.state.seen.get(self.balancer_id, (0, 0)) >= (self.epoch, g.last_seq) \
+                    and u not in st.state.held:
+                del self.grants[u]
+                continue
             r = u.replica_id
-            st = others.get(borrower)
             mine = wants.get(r, 0) > 0 and not self.draining
-            if mine or st is None or st.queue_length == 0 or (st.wants.get(r, 0) == 0 and wanting(r)):
-                del self.lends[u]
-        for r in self.replicas:
-            if wants.get(r, 0) > 0 and not self.draining:
-                continue
-            takers = wanting(r)
-            if not takers:
-                continue
-            lent_here = sum(1 for u in self.lends if u.replica_id == r)
-            spare = self._held_on.get(r, 0) - unseen_pushes.get(r, 0) - lent_here
-            for u in sorted((u for u in self.held if u.replica_id == r), reverse=True):
-                if spare <= 0:
-                    break
-                if u not in self.lends and self._home(u, homes) == self.balancer_id:
-                    self.lends[u] = takers[0]
-                    spare -= 1
+            borrower_needs = st is not None and (u in st.state.held or st.state.wants.get(r, 0) > 0)
+            if mine or not borrower_needs or not self._heard_recently(g.borrower, now) \
+                    or u not in self.home_held:
+                g.renew = False
 
-    def _give_up(self, entitled: set[Unit], unseen_pushes: Mapping[str, int]) -> None:
-        for r in {u.replica_id for u in self.held if u not in entitled}:
-            mine = [u for u in self.held if u.replica_id == r]
-            spare = len(mine) - unseen_pushes.get(r, 0)
-            for u in sorted(u for u in mine if u not in entitled):
+    def _end_leases(self, now: float, unseen_pushes: Mapping[str, int], wants: Mapping[str, int]) -> None:
+        """Leases past their end go; a lease recalled by its home, or unused for a whole
+        lease with its replica wanted no more, is released once its pushes were seen."""
+        for u in [u for u, ls in self.leases.items() if ls.expires_at <= now]:
+            del self.leases[u]
+        for r in {u.replica_id for u in self.leases}:
+            mine = sorted((u for u in self.leases if u.replica_id == r), reverse=True)
+            in_use = unseen_pushes.get(r, 0)
+            usable = self._usable_home_on(r) + len(mine)
+            if in_use > 0:
+                for u in mine:
+                    self.leases[u].last_used_at = now
+            for u in mine:
+                lease = self.leases[u]
+                idle = now - lease.last_used_at >= self.lease_s and wants.get(r, 0) == 0
+                if (lease.recalled or idle) and in_use <= usable - 1:
+                    self.released[u] = self.seq + 1
+                    del self.leases[u]
+                    usable -= 1
+
+    def _usable_home_on(self, replica_id: str) -> int:
+        if self._fenced_at is not None:
+            return 0
+        return sum(1 for u in self.home_held if u.replica_id == replica_id and u not in self.grants)
+
+    def _give_up_homes(self, homes: list[str], unseen_pushes: Mapping[str, int]) -> None:
+        """Home units whose home is no longer here go once unused (and are lent no more)."""
+        for r in {u.replica_id for u in self.home_held if self._home(u, homes) != self.balancer_id}:
+            mine = [u for u in self.home_held if u.replica_id == r]
+            spare = self._usable_home_on(r) + sum(1 for u in self.leases if u.replica_id == r) \
+                - unseen_pushes.get(r, 0)
+            for u in sorted((u for u in mine if self._home(u, homes) != self.balancer_id), reverse=True):
+                if u in self.grants:
+                    self.grants[u].renew = False
+                    continue  # its borrower gives it back (or the lease ends) first
                 if spare <= 0:
                     break
-                self.held.discard(u)
+                self.home_held.discard(u)
                 spare -= 1
 
-    def _confirmed(self, unit: Unit, claimed_at: int, live: set[str]) -> bool:
-        for sid in live:
-            if sid == self.balancer_id:
-                continue
+    def _claim_homes(self, homes: list[str], now: float) -> None:
+        for u in list(self.claim_seq):
+            if self._home(u, homes) != self.balancer_id or u in self.home_held:
+                del self.claim_seq[u]
+        next_seq = self.seq + 1
+        for r in self.replicas:
+            for i in range(self.budget):
+                u = Unit(r, i)
+                if u not in self.home_held and u not in self.claim_seq and self._home(u, homes) == self.balancer_id:
+                    self.claim_seq[u] = next_seq
+        if not self.claim_seq or self._fenced_at is not None:
+            return
+        waiting_for_start = now - max(self.started_at, self._awake_since) < self.takeover_s
+        for u, claimed_at in list(self.claim_seq.items()):
+            if u in self.leases:
+                continue  # borrowed from its old home: it becomes ours once given back
+            if self._confirmed(u, claimed_at, now, waiting_for_start):
+                self.home_held.add(u)
+                del self.claim_seq[u]
+
+    def _confirmed(self, unit: Unit, claimed_at: int, now: float, waiting_for_start: bool) -> bool:
+        """Every sibling that may hold ``unit`` said it does not, having seen our claim. A
+        sibling silent for ``takeover_s`` holds nothing it could still use (its leases
+        ended on its own clock; a home unit it took on a view older than ours it stops
+        using once it finds its loop stood still); one expected and never heard is waited
+        for ``takeover_s`` after this balancer started."""
+        sent = claimed_at <= self.seq
+        for sid in self.expected | self.siblings.keys():
             heard = self.siblings.get(sid)
-            if heard is None:  # expected, not heard yet: no word from it
-                return False
+            if heard is None:
+                if waiting_for_start:
+                    return False
+                continue
+            if now - max(heard.heard_at, self._awake_since) > self.takeover_s:
+                continue
             st = heard.state
-            if st.seen.get(self.balancer_id, (0, 0)) < (self.epoch, claimed_at):
+            if not sent or st.seen.get(self.balancer_id, (0, 0)) < (self.epoch, claimed_at):
                 return False
-            if unit in st.held or (unit in st.claims and sid < self.balancer_id):
+            if unit in st.held or unit in st.grants or (unit in st.claims and sid < self.balancer_id):
                 return False
         return True
 
+    def _lend(self, wants: Mapping[str, int], now: float) -> None:
+        """Lend what this balancer does not use of its home units to the siblings that want
+        their replica, the one wanting it most first."""
+        if self._fenced_at is not None:
+            return
+        takers: dict[str, list[tuple[int, str]]] = {}
+        for sid, s in self.siblings.items():
+            if now - s.heard_at > self.dead_after_s or s.state.draining:
+                continue
+            for r, n in s.state.wants.items():
+                if n > 0:
+                    takers.setdefault(r, []).append((-n, sid))
+        if not takers:
+            return
+        for r, who in takers.items():
+            if wants.get(r, 0) > 0 and not self.draining:
+                continue
+            free = sorted(u for u in self.home_held if u.replica_id == r and u not in self.grants)
+            if not free:
+                continue
+            who.sort()
+            # lend only what is not in use here (the highest indexes first)
+            leased = sum(1 for u in self.leases if u.replica_id == r)
+            spare = min(len(free), len(free) + leased - self._unseen.get(r, 0))
+            counts = {sid: -n for n, sid in who}
+            for u in reversed(free):
+                if spare <= 0 or not who:
+                    break
+                _, sid = who[0]
+                if u in self.claim_seq:
+                    continue
+                self.grants[u] = _Grant(sid, now + self.lease_s + self.skew_margin_s, self.seq)
+                spare -= 1
+                counts[sid] -= 1
+                if counts[sid] <= 0:
+                    who.pop(0)
+
+    def units_in_use(self) -> frozenset[Unit]:
+        """The units this balancer may push on, or may still have pushes unseen on (what
+        no other balancer may hold meanwhile)."""
+        return frozenset(self.leases) if self._fenced_at is not None else self.held
+
     def _count_held(self) -> None:
+        """Per replica, the units new pushes may use: home units still homed here, not lent,
+        not fenced, and leases not recalled (units on their way out carry only the pushes
+        already made on them)."""
         counts: dict[str, int] = {}
-        for u in self.held:
-            counts[u.replica_id] = counts.get(u.replica_id, 0) + 1
+        fenced = self._fenced_at is not None
+        homes = self._homes_now
+        for u in self.home_held:
+            if not fenced and u not in self.grants and (not homes or self._home(u, homes) == self.balancer_id):
+                counts[u.replica_id] = counts.get(u.replica_id, 0) + 1
+        for u, ls in self.leases.items():
+            if not ls.recalled:
+                counts[u.replica_id] = counts.get(u.replica_id, 0) + 1
         self._held_on = counts

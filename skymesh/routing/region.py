@@ -158,7 +158,7 @@ class RegionCore:
         self._sibling_step(now)
         return SiblingMessage(
             region=self.region,
-            shares=sib.shares.message(self.local.queue_length, self.local.wants),
+            shares=sib.shares.message(self.local.queue_length, self.local.wants, now),
             sent_at=now,
             pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
             placements_per_s=self.offload_rate_per_s(now) or 0.0,

@@ -62,16 +62,21 @@ class RegionSiblings:
     """This balancer's view of its siblings and its share of the region's push budget."""
 
     def __init__(self, region: str, balancer_id: str, dispatch_budget: int, *, epoch: int = 1,
-                 dead_after_s: float = 0.3, started_at: float = 0.0, page_lag_s: float = 0.25) -> None:
+                 dead_after_s: float = 0.3, started_at: float = 0.0, page_lag_s: float = 0.25,
+                 lease_s: float = 1.0, skew_margin_s: float = 0.25, stall_fence_s: float | None = None) -> None:
         self.region = region
         # a push shows on the replica's page within this long (SiblingsConfig.page_lag_s)
         self.page_lag_s = page_lag_s
         self.shares = PushShares(balancer_id, dispatch_budget, epoch=epoch, dead_after_s=dead_after_s,
-                                 started_at=started_at)
+                                 started_at=started_at, lease_s=lease_s, skew_margin_s=skew_margin_s,
+                                 stall_fence_s=dead_after_s if stall_fence_s is None else stall_fence_s)
         self._heard: dict[str, _Heard] = {}
         self._outbox: list[Placement] = []
         self.placements_applied = 0
         self.messages_in = 0
+        # the last step gave this balancer more usable units somewhere (a dispatch round
+        # may place more; otherwise a sibling's message needs none)
+        self.units_grew = False
         # the live siblings' last messages as of the last step (read between steps)
         self._live: dict[str, SiblingMessage] = {}
 
@@ -79,9 +84,11 @@ class RegionSiblings:
     def balancer_id(self) -> str:
         return self.shares.balancer_id
 
-    def expect(self, sibling_ids: Iterable[str]) -> None:
-        """The siblings this balancer knows of (config, controller), heard from or not."""
-        self.shares.expected = frozenset(sid for sid in sibling_ids if sid != self.balancer_id)
+    def expect(self, sibling_ids: Iterable[str], *, self_listed: bool = True) -> None:
+        """The region's other members: the controller topology's live ones, else the
+        config's (they are the push budget's homes, heard from or not); ``self_listed``
+        False: the topology calls this balancer dead."""
+        self.shares.set_members(sibling_ids, self_listed=self_listed)
 
     def live(self, now: float) -> dict[str, SiblingMessage]:
         """The last message of every sibling heard from within ``dead_after_s``."""
@@ -111,7 +118,10 @@ class RegionSiblings:
         live, from everything heard by ``now``."""
         self.forget_dead(now)
         self._live = self.live(now)
+        before = self.shares.usable_counts()
         self.shares.step(now, unseen_pushes, wants)
+        after = self.shares.usable_counts()
+        self.units_grew = any(n > before.get(r, 0) for r, n in after.items())
 
     def unseen_on(self, replica_id: str) -> int:
         """The live siblings' pushes to ``replica_id`` their last page of it did not show
