@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -209,11 +210,16 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
         async def window(name: str, **kw: Any) -> None:
             assert sampler is not None
             la0 = loadavg()
+            m0 = await sibling_messages(mesh)
             b0, r0, o0, e0 = cpu_of(members), cpu_of(replicas), cpu_of(others), self_cpu()
             res = await run_driver(entry, max_tokens=args.max_tokens, **kw)
             b1, r1, o1, e1 = cpu_of(members), cpu_of(replicas), cpu_of(others), self_cpu()
+            m1 = await sibling_messages(mesh)
             served = max(1, res["served"])
             res.update(
+                # what each member applied of its siblings' messages, per second of the window
+                sibling_messages_applied_per_s_per_member=[round((y - x) / res["wall_s"], 1)
+                                                           for x, y in zip(m0, m1, strict=True)],
                 balancers_cpu_s=round(b1 - b0, 3),
                 cpu_us_per_request=round((b1 - b0) / served * 1e6, 1),
                 # the members' idle CPU over the same wall time, taken off
@@ -226,6 +232,9 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
 
         await window("moderate", rate=args.rate, users=0, duration_s=args.duration,
                      max_requests=int(args.rate * args.duration), connections=args.connections)
+        for rate in args.more_rates:
+            await window(f"open_{rate:g}", rate=rate, users=0, duration_s=args.duration,
+                         max_requests=int(rate * args.duration), connections=args.connections)
         if balancers in args.saturate:
             await window("saturation", rate=0, users=args.users, duration_s=args.duration,
                          max_requests=args.max_requests, connections=args.users)
@@ -240,6 +249,18 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
                  *(out[w]["max_num_requests_waiting"] for w in ("moderate", "saturation") if w in out)])
             out["waiting_samples"] = sampler.samples
         await mesh.stop()
+    return out
+
+
+async def sibling_messages(mesh: Mesh) -> list[int]:
+    """Per member, the sibling messages it applied since it started (0 for a lone one)."""
+    region = mesh.cfg.region(REGION)
+    out = []
+    async with aiohttp.ClientSession(headers=admin_headers(mesh.admin_token),
+                                     timeout=aiohttp.ClientTimeout(total=5)) as s:
+        for m in region.balancer_members:
+            async with s.get(m.listen.http_url + "/admin/status") as r:
+                out.append(int((await r.json()).get("siblings", {}).get("messages_in", 0)))
     return out
 
 
@@ -298,7 +319,7 @@ def top_processes() -> list[str]:
     return [line[:160] for line in done.stdout.splitlines()[1:7]]
 
 
-def summarize(runs: list[dict[str, Any]], variants: list[int]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], variants: list[int], more_rates: Sequence[float] = ()) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     base = [r["moderate"]["cpu_us_per_request"] for r in runs if r["balancers"] == 1]
     base_less = [r["moderate"]["cpu_us_per_request_less_idle"] for r in runs if r["balancers"] == 1]
@@ -316,6 +337,9 @@ def summarize(runs: list[dict[str, Any]], variants: list[int]) -> dict[str, Any]
         s["ratio_to_1_per_round"] = [round(a / b, 3) for a, b in zip(per, base, strict=False)]
         s["ratio_to_1_median"] = round(statistics.median(per) / statistics.median(base), 3)
         s["ratio_to_1_less_idle_median"] = round(statistics.median(less) / statistics.median(base_less), 3)
+        s["sibling_messages_applied_per_s_per_member"] = {
+            f"{w}": [x for r in mine for x in r[w].get("sibling_messages_applied_per_s_per_member", [])]
+            for w in ("moderate", *(f"open_{rate:g}" for rate in more_rates))}
         sat = [r["saturation"] for r in mine if "saturation" in r]
         if sat:
             s["saturation_rps"] = [x["rps"] for x in sat]
@@ -342,7 +366,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 r["round"] = rnd
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 res["runs"].append(r)
-        res["summary"] = summarize(res["runs"], args.variants)
+        res["summary"] = summarize(res["runs"], args.variants, args.more_rates)
     finally:
         res["loadavg_end"] = loadavg()
         res["top_end"] = top_processes()
@@ -356,6 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3], help="balancers per region")
     p.add_argument("--saturate", type=int, nargs="*", default=[1, 2], help="variants also run at saturation")
     p.add_argument("--rate", type=float, default=100.0, help="moderate open-loop rate, requests/s")
+    p.add_argument("--more-rates", type=float, nargs="*", default=[],
+                   help="further open-loop windows at these rates, requests/s (sibling messages per rate)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per load window")
     p.add_argument("--idle-s", type=float, default=3.0)
     p.add_argument("--users", type=int, default=48, help="closed-loop users at saturation")

@@ -17,7 +17,7 @@ from skymesh.routing.siblings import RegionSiblings, SiblingMessage
 class RegionFleet:
     def __init__(self, region: str, balancer_id: str, epoch: int, core: RegionCore, *,
                  static_members: Mapping[str, str], dead_after_s: float, page_lag_s: float = 0.25,
-                 lease_s: float = 1.0, skew_margin_s: float = 0.25) -> None:
+                 lease_s: float = 1.0, skew_margin_s: float = 0.25, keepalive_s: float = 0.25) -> None:
         self.region = region
         self.balancer_id = balancer_id
         self.epoch = epoch
@@ -26,6 +26,7 @@ class RegionFleet:
         self.page_lag_s = page_lag_s
         self.lease_s = lease_s
         self.skew_margin_s = skew_margin_s
+        self.keepalive_s = keepalive_s
         # sibling id -> its own gRPC address, from the config and from the controller
         self.static = {sid: addr for sid, addr in static_members.items() if sid != balancer_id}
         self.from_topology: dict[str, str] = {}
@@ -65,7 +66,7 @@ class RegionFleet:
             self.core.attach_siblings(RegionSiblings(
                 self.region, self.balancer_id, self.core.settings.dispatch_budget, epoch=self.epoch,
                 dead_after_s=self.dead_after_s, started_at=now, page_lag_s=self.page_lag_s,
-                lease_s=self.lease_s, skew_margin_s=self.skew_margin_s))
+                lease_s=self.lease_s, skew_margin_s=self.skew_margin_s, want_memory_s=self.keepalive_s))
         if self.core.siblings is not None:
             # the push budget's homes: the topology's live members once it spoke (a member
             # it calls dead keeps its units until then), else the config's

@@ -130,7 +130,7 @@ class Balancer:
         self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core,
                                  static_members=static_siblings or {}, dead_after_s=cfg.siblings.dead_after_s,
                                  page_lag_s=cfg.siblings.page_lag_s, lease_s=cfg.siblings.lease_s,
-                                 skew_margin_s=cfg.siblings.clock_skew_s)
+                                 skew_margin_s=cfg.siblings.clock_skew_s, keepalive_s=cfg.siblings.keepalive_s)
         self.fleet.attach_if_needed(loop_clock())
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback

@@ -78,7 +78,8 @@ class SimRegion:
                                           dead_after_s=cfg.routing.siblings.dead_after_s,
                                           page_lag_s=cfg.routing.siblings.page_lag_s,
                                           lease_s=cfg.routing.siblings.lease_s,
-                                          skew_margin_s=cfg.routing.siblings.clock_skew_s)
+                                          skew_margin_s=cfg.routing.siblings.clock_skew_s,
+                                          want_memory_s=cfg.routing.siblings.keepalive_s)
                 siblings.expect(f"{name}-b{j}" for j in range(n))
                 core.attach_siblings(siblings)
             if core.kv_indexes is not None:

@@ -142,6 +142,11 @@ class PushShares:
     # since when this balancer's loop has run without a stall: a sibling's silence counts
     # from here
     _awake_since: float = 0.0
+    # replica -> (when this balancer last wanted it, how many requests then): a want is
+    # remembered for want_memory_s, so grants, recalls and the messages they take follow
+    # the demand of a while, not every dispatch round's
+    want_memory_s: float = 0.25
+    _wanted: dict[str, tuple[float, int]] = field(default_factory=dict)
     _fenced_at: float | None = None
 
     def __post_init__(self) -> None:
@@ -245,6 +250,7 @@ class PushShares:
             self._fenced_at = None
         self._last_step_at = now
         self._unseen = unseen_pushes
+        wants = self._remember_wants(wants, now)
         homes = self._homes()
         self._homes_now = homes
         self._end_grants(now, wants)
@@ -266,6 +272,7 @@ class PushShares:
         units it does not use to the siblings that want their replica, and renews the
         grants it keeps: each valid for ``lease_s`` from ``now``."""
         self.seq += 1
+        wants = self._remember_wants(wants, now)
         self._lend(wants, now)
         granted = {}
         for u, g in self.grants.items():
@@ -283,6 +290,15 @@ class PushShares:
         )
 
     # ------------------------------------------------------------------ parts
+
+    def _remember_wants(self, wants: Mapping[str, int], now: float) -> dict[str, int]:
+        """The replicas wanted within ``want_memory_s`` (the latest count of each)."""
+        for r, n in wants.items():
+            if n > 0:
+                self._wanted[r] = (now, n)
+        for r in [r for r, (at, _) in self._wanted.items() if now - at > self.want_memory_s]:
+            del self._wanted[r]
+        return {r: n for r, (_, n) in self._wanted.items()}
 
     def _is_draining(self, balancer_id: str) -> bool:
         if balancer_id == self.balancer_id:

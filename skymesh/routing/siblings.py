@@ -63,13 +63,15 @@ class RegionSiblings:
 
     def __init__(self, region: str, balancer_id: str, dispatch_budget: int, *, epoch: int = 1,
                  dead_after_s: float = 0.3, started_at: float = 0.0, page_lag_s: float = 0.25,
-                 lease_s: float = 1.0, skew_margin_s: float = 0.25, stall_fence_s: float | None = None) -> None:
+                 lease_s: float = 1.0, skew_margin_s: float = 0.25, stall_fence_s: float | None = None,
+                 want_memory_s: float = 0.25) -> None:
         self.region = region
         # a push shows on the replica's page within this long (SiblingsConfig.page_lag_s)
         self.page_lag_s = page_lag_s
         self.shares = PushShares(balancer_id, dispatch_budget, epoch=epoch, dead_after_s=dead_after_s,
                                  started_at=started_at, lease_s=lease_s, skew_margin_s=skew_margin_s,
-                                 stall_fence_s=dead_after_s if stall_fence_s is None else stall_fence_s)
+                                 stall_fence_s=dead_after_s if stall_fence_s is None else stall_fence_s,
+                                 want_memory_s=want_memory_s)
         self._heard: dict[str, _Heard] = {}
         self._outbox: list[Placement] = []
         self.placements_applied = 0
