@@ -19,7 +19,13 @@ from skymesh.config.routing import (
 )
 from skymesh.config.siblings import SiblingsConfig
 from skymesh.hardware import PROFILES, Profile
-from skymesh.routing.assembly import CostSeed, OffloadSettings, PolicySettings, RegionAssembly
+from skymesh.routing.assembly import (
+    CostSeed,
+    OffloadSettings,
+    PolicySettings,
+    RegionAssembly,
+    SiblingSettings,
+)
 from skymesh.routing.health import HealthSettings
 from skymesh.routing.model import DEFAULT_FIRST_TOKEN_FIXED_S, DEFAULT_PREFILL_S_PER_TOKEN
 from skymesh.routing.region import RegionSettings
@@ -43,6 +49,13 @@ class RoutingConfig:
     def of(cls, cfg: MeshConfig) -> RoutingConfig:
         return cls(policy=cfg.policy, queue=cfg.queue, offload=cfg.offload, health=cfg.health,
                    upstream=cfg.upstream, siblings=cfg.siblings, early_rejection=cfg.slo_early_rejection)
+
+
+def sibling_settings(siblings: SiblingsConfig) -> SiblingSettings:
+    """The ``siblings:`` section as the fleet's part of the region core reads it."""
+    return SiblingSettings(dead_after_s=siblings.dead_after_s, page_lag_s=siblings.page_lag_s,
+                           lease_s=siblings.lease_s, clock_skew_s=siblings.clock_skew_s,
+                           want_memory_s=siblings.keepalive_s)
 
 
 def replica_profile(replicas: tuple[ReplicaConfig, ...]) -> tuple[Profile, float] | None:

@@ -12,6 +12,7 @@ from typing import Any
 from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.ports import Registration, StatusReport
 from skymesh.config import HostPort
+from skymesh.routing.assembly import SiblingSettings
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.region import HeartbeatSnapshot, RegionCore
 from skymesh.routing.registry import make_policy
@@ -58,7 +59,9 @@ class StandInBalancer:
         self.grpc_advertise = self.grpc_advertise or f"127.0.0.1:{self.grpc_port}"
         self.fleet = RegionFleet(self.region, self.balancer_id, self.epoch, self.core,
                                  static_members={sid: f"127.0.0.1:{port}" for sid, port in self.sibling_ports.items()},
-                                 dead_after_s=self.sibling_dead_after_s)
+                                 settings=SiblingSettings(dead_after_s=self.sibling_dead_after_s, page_lag_s=0.25,
+                                                          lease_s=1.0, clock_skew_s=0.25,
+                                                          want_memory_s=4 * self.interval_s))
         self.fleet.attach_if_needed(loop_clock())
 
     @property

@@ -10,23 +10,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from skymesh.routing.assembly import SiblingSettings, build_siblings
 from skymesh.routing.region import RegionCore
-from skymesh.routing.siblings import RegionSiblings, SiblingMessage
+from skymesh.routing.siblings import SiblingMessage
 
 
 class RegionFleet:
     def __init__(self, region: str, balancer_id: str, epoch: int, core: RegionCore, *,
-                 static_members: Mapping[str, str], dead_after_s: float, page_lag_s: float = 0.25,
-                 lease_s: float = 1.0, skew_margin_s: float = 0.25, keepalive_s: float = 0.25) -> None:
+                 static_members: Mapping[str, str], settings: SiblingSettings) -> None:
         self.region = region
         self.balancer_id = balancer_id
         self.epoch = epoch
         self.core = core
-        self.dead_after_s = dead_after_s
-        self.page_lag_s = page_lag_s
-        self.lease_s = lease_s
-        self.skew_margin_s = skew_margin_s
-        self.keepalive_s = keepalive_s
+        self.settings = settings
         # sibling id -> its own gRPC address, from the config and from the controller
         self.static = {sid: addr for sid, addr in static_members.items() if sid != balancer_id}
         self.from_topology: dict[str, str] = {}
@@ -63,10 +59,9 @@ class RegionFleet:
         """From the first sibling on, the region core shares push budgets (it holds no
         unit until it heard its siblings or ``dead_after_s`` passed)."""
         if self.core.siblings is None and self.has_siblings():
-            self.core.attach_siblings(RegionSiblings(
-                self.region, self.balancer_id, self.core.settings.dispatch_budget, epoch=self.epoch,
-                dead_after_s=self.dead_after_s, started_at=now, page_lag_s=self.page_lag_s,
-                lease_s=self.lease_s, skew_margin_s=self.skew_margin_s, want_memory_s=self.keepalive_s))
+            self.core.attach_siblings(build_siblings(self.region, self.balancer_id,
+                                                     self.core.settings.dispatch_budget, self.settings,
+                                                     epoch=self.epoch, started_at=now))
         if self.core.siblings is not None:
             # the push budget's homes: the topology's live members once it spoke (a member
             # it calls dead keeps its units until then), else the config's

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from skymesh.assembly import region_settings
+from skymesh.assembly import region_settings, sibling_settings
 from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.gate import ClientGate
@@ -128,9 +128,7 @@ class Balancer:
         self.offload = self.core.offload
         # the region's other balancers (config or controller) and the budgets shared with them
         self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core,
-                                 static_members=static_siblings or {}, dead_after_s=cfg.siblings.dead_after_s,
-                                 page_lag_s=cfg.siblings.page_lag_s, lease_s=cfg.siblings.lease_s,
-                                 skew_margin_s=cfg.siblings.clock_skew_s, keepalive_s=cfg.siblings.keepalive_s)
+                                 static_members=static_siblings or {}, settings=sibling_settings(cfg.siblings))
         self.fleet.attach_if_needed(loop_clock())
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback

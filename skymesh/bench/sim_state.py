@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from skymesh.assembly import sibling_settings
 from skymesh.bench.sim_config import SimConfig, sim_region_assembly
 from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine
 from skymesh.routing import kv_index
-from skymesh.routing.assembly import CostSeed, build_region_core
+from skymesh.routing.assembly import CostSeed, build_region_core, build_siblings
 from skymesh.routing.region import RegionCore
-from skymesh.routing.siblings import RegionSiblings
 
 
 def routing_events(events: Sequence[standin_events.StandInEvent]) -> list[kv_index.KvEvent]:
@@ -74,12 +74,8 @@ class SimRegion:
             core = build_region_core(sim_region_assembly(cfg, name, seed))
             core.set_replicas(self.replica_ids, 0.0, homes=homes)
             if n > 1:
-                siblings = RegionSiblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
-                                          dead_after_s=cfg.routing.siblings.dead_after_s,
-                                          page_lag_s=cfg.routing.siblings.page_lag_s,
-                                          lease_s=cfg.routing.siblings.lease_s,
-                                          skew_margin_s=cfg.routing.siblings.clock_skew_s,
-                                          want_memory_s=cfg.routing.siblings.keepalive_s)
+                siblings = build_siblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
+                                          sibling_settings(cfg.routing.siblings))
                 siblings.expect(f"{name}-b{j}" for j in range(n))
                 core.attach_siblings(siblings)
             if core.kv_indexes is not None:

@@ -21,6 +21,7 @@ from skymesh.routing.offload import OffloadRouter, OffloadTrigger, snapshot_trie
 from skymesh.routing.options import PolicyOptions
 from skymesh.routing.region import RegionCore, RegionSettings
 from skymesh.routing.registry import make_policy
+from skymesh.routing.siblings import RegionSiblings
 
 
 def allow_every_target(source: str, target: str) -> bool:
@@ -76,6 +77,30 @@ class RegionAssembly:
     peer_one_way_s: Mapping[str, float]
     # the replicas publish KV events: the region model gets the per-replica block indexes
     kv_events: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingSettings:
+    """How the balancers of a region share its push budget (``siblings:``; docs/routing.md,
+    "A region is a fleet")."""
+
+    # a sibling silent this long no longer counts in the region's load; a gap this long
+    # between steps means this balancer's loop stood still
+    dead_after_s: float
+    page_lag_s: float
+    lease_s: float
+    clock_skew_s: float
+    # a want is remembered this long (a keepalive)
+    want_memory_s: float
+
+
+def build_siblings(region: str, balancer_id: str, dispatch_budget: int, settings: SiblingSettings, *,
+                   epoch: int = 1, started_at: float = 0.0) -> RegionSiblings:
+    """One balancer's share of its region's fleet: the one builder the daemon's
+    RegionFleet and the simulator's regions both call."""
+    return RegionSiblings(region, balancer_id, dispatch_budget, epoch=epoch, dead_after_s=settings.dead_after_s,
+                          started_at=started_at, page_lag_s=settings.page_lag_s, lease_s=settings.lease_s,
+                          skew_margin_s=settings.clock_skew_s, want_memory_s=settings.want_memory_s)
 
 
 def build_region_core(assembly: RegionAssembly) -> RegionCore:
