@@ -441,6 +441,7 @@ class ControllerLink(SupervisedService):
             grpc_address=r.grpc_address,
             version=r.version,
             member_grpc_address=r.member_grpc_address,
+            member_http_url=r.member_http_url,
         )
 
     async def _report_loop(self, stub: Any) -> None:
@@ -480,6 +481,7 @@ class ControllerLink(SupervisedService):
             prefix_hit_ratio=status.prefix_hit_ratio,
             replicas=reps,
             admin_json=json.dumps(status.admin),
+            unresponsive_siblings=b.unresponsive_siblings(),
         )
 
     def apply_topology(self, topo: Any) -> None:
