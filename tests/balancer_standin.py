@@ -105,6 +105,9 @@ class StandInBalancer:
     def sibling_addresses(self) -> dict[str, str]:
         return self.fleet.addresses()
 
+    def expects_siblings(self) -> bool:
+        return self.fleet.has_siblings()
+
     def sibling_message(self) -> SiblingMessage:
         return self.fleet.message(asyncio.get_running_loop().time())
 

@@ -177,7 +177,10 @@ class RegionFleet:
 
     def status(self) -> dict[str, Any]:
         sib = self.core.siblings
-        out: dict[str, Any] = {"known": sorted(self.addresses()), "members": self.members}
+        now = self.clock()
+        out: dict[str, Any] = {"known": sorted(self.addresses()), "members": self.members,
+                               "last_heard_s": {sid: round(now - t, 3) for sid, t in sorted(self.heard_at.items())},
+                               "unresponsive": self.unresponsive(now)}
         if sib is not None:
             now_units = {r: sib.shares.units_on(r) for r in self.core.replicas}
             out.update(units_held=now_units, messages_in=sib.messages_in,

@@ -6,8 +6,8 @@ region whose ``balancer.fleet`` is ``registered`` lists none (an Auto Scaling gr
 instance boots from one config): each balancer then names itself, in this order
 
 - id: ``--balancer-id``, else ``SKYMESH_BALANCER_ID``, else the EC2 instance id;
-- host: ``--advertise-host``, else ``SKYMESH_ADVERTISE_HOST``, else the instance's private
-  IPv4, else its listen host when that is no wildcard.
+- host: ``--advertise-host``, else ``SKYMESH_ADVERTISE_HOST``, else its listen host when
+  that is no wildcard, else the instance's private IPv4.
 
 The instance's values come from the instance metadata service (IMDSv2: a session token
 by PUT, then GETs carrying it) with a short timeout, so a balancer off EC2 starts within
@@ -115,8 +115,8 @@ def resolve_identity(cfg: MeshConfig, region: str, member: int, *, listen_host: 
     """This balancer's id and reachable host (see the module docstring for the order).
     ``member``: its index in the config's list; ``listen_host``: the host its listeners
     bind; ``balancer_id`` / ``advertise_host``: the command line's. The metadata service is
-    asked at most once, and only for a registered fleet or a wildcard listener that misses
-    one."""
+    asked at most once, and only for what is missing: a registered fleet's id, a wildcard
+    listener's host."""
     env = environ if environ is not None else {}
     rc = cfg.region(region)
     registered = rc.balancer.fleet == "registered"
@@ -137,7 +137,7 @@ def resolve_identity(cfg: MeshConfig, region: str, member: int, *, listen_host: 
         raise ValueError(f"advertised host {host!r} is a wildcard: siblings cannot dial it")
 
     need_id = registered and not bid
-    need_host = not host and (registered or is_wildcard(listen_host))
+    need_host = not host and is_wildcard(listen_host)
     if (need_id or need_host) and env.get(IMDS_DISABLED_ENV, "").lower() not in ("true", "1"):
         meta = imds(env.get(IMDS_ENDPOINT_ENV) or IMDS_DEFAULT_ENDPOINT)
         if meta is not None:

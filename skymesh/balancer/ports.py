@@ -189,3 +189,9 @@ class MeshServicesBalancer(PeerMeshBalancer, ControllerLinkBalancer, Protocol):
     def extra_services(self) -> list[Any]: ...
 
     def offload_enabled(self) -> bool: ...
+
+    def expects_siblings(self) -> bool:
+        """The region runs (or may come to run) more balancers than this one: the config
+        lists siblings, or its balancers register themselves (an Auto Scaling group), so
+        the gRPC listener must serve the sibling channel from the start."""
+        ...

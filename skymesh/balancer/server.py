@@ -364,6 +364,9 @@ class Balancer:
     def sibling_addresses(self) -> dict[str, str]:
         return self.fleet.addresses()
 
+    def expects_siblings(self) -> bool:
+        return self.fleet.has_siblings() or self.region_cfg.balancer.fleet == "registered"
+
     def sibling_message(self) -> SiblingMessage:
         # what each client key took here goes along: its limits hold region-wide
         return dataclasses.replace(self.fleet.message(loop_clock()), key_usage=self.gate.take_usage())

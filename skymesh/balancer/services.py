@@ -490,7 +490,7 @@ class ControllerLink(SupervisedService):
 
 def attach_services(b: MeshServicesBalancer, *, peers: bool = True, controller: bool = True) -> None:
     # the gRPC listener serves peers' heartbeats and the region's siblings
-    if (peers and b.peer_regions() and b.offload_enabled()) or b.has_siblings():
+    if (peers and b.peer_regions() and b.offload_enabled()) or b.expects_siblings():
         b.extra_services.append(PeerMesh(b))
     if controller:
         b.extra_services.append(ControllerLink(b))
