@@ -19,7 +19,6 @@ dead DNS endpoint never delays failover or the topology push.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -48,7 +47,7 @@ from skymesh.config import MeshConfig, RegionConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from skymesh.runtime.procs import cancel_tasks
+from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus
 from skymesh.runtime.supervise import SupervisedLoop
 from skymesh.security.admin_auth import admin_middleware, resolve_admin_token
@@ -330,8 +329,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         """Sync on every change (coalesced) and every DNS_RESYNC_S (repairs drift, e.g.
         a restarted DNS server that came back with every balancer marked healthy)."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dns_dirty.wait(), timeout=DNS_RESYNC_S)
+            # not asyncio.wait_for: on Python 3.11 it can swallow a cancellation arriving as
+            # the event fires, and stop() then waits for this loop forever (procs.wait_event)
+            await wait_event(self._dns_dirty, DNS_RESYNC_S)
             self._dns_dirty.clear()
             if not await self.sync_dns():
                 await asyncio.sleep(min(1.0, DNS_RESYNC_S))
