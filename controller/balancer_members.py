@@ -54,9 +54,6 @@ class MemberState:
     # the epoch the balancer chose itself (its RegisterRequest.epoch): what its sibling
     # messages carry, published so siblings refuse any other (0: not registered yet)
     instance_epoch: int = 0
-    # taken out of the region's entry: its siblings report it unresponsive (controller/
-    # fencing.py); cleared by its next registration
-    fenced: bool = False
 
     @property
     def name(self) -> str:
@@ -66,7 +63,7 @@ class MemberState:
         return {"key": self.key, "balancer_id": self.balancer_id, "alive": self.alive, "draining": self.draining,
                 "epoch": self.epoch, "http_url": self.http_url, "grpc_address": self.grpc_address,
                 "last_seen_unix_ms": self.last_seen_ms, "configured": self.configured,
-                "instance_epoch": self.instance_epoch, "fenced": self.fenced}
+                "instance_epoch": self.instance_epoch}
 
     @property
     def published_grpc_address(self) -> str:

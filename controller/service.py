@@ -181,7 +181,6 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 m.balancer_id = rec.get("balancer_id") or ""
                 m.epoch = rec.get("epoch") or 0
                 m.instance_epoch = rec.get("instance_epoch") or 0
-                m.fenced = bool(rec.get("fenced"))
                 # a balancer not known to be dead is presumed alive until probes say so
                 m.alive = bool(rec.get("alive", True))
                 m.draining = bool(rec.get("draining"))
@@ -222,7 +221,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         for m in self.members[region]:
             out.add(balancer_id=m.name, alive=m.alive, epoch=m.epoch, http_url=m.http_url,
                     grpc_address=m.published_grpc_address, last_seen_unix_ms=m.last_seen_ms or 0,
-                    instance_epoch=m.instance_epoch, fenced=m.fenced)
+                    instance_epoch=m.instance_epoch)
 
     def live_member_reports(self, region: str) -> list[Any]:
         """The latest report of each live member of ``region`` (admin JSON), None for a live
@@ -482,7 +481,6 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         member.balancer_id = request.balancer_id
         # what its sibling messages carry: siblings refuse any other epoch for this id
         member.instance_epoch = int(request.epoch)
-        member.fenced = False
         self.member_reports.setdefault(request.region, {}).pop(member.key, None)  # an earlier process's
         # the controller issues the epoch (each registration its own, monotonic over the
         # region's balancers, persisted before it is handed out); the caller's own

@@ -135,7 +135,7 @@ def test_a_registered_fleet_lists_no_balancer_and_needs_an_entry(tmp_path: Path)
 class _Member:
     def __init__(self, balancer_id: str, alive: bool, instance_epoch: int, grpc_address: str) -> None:
         self.balancer_id, self.alive, self.epoch = balancer_id, alive, 1
-        self.instance_epoch, self.grpc_address, self.http_url, self.fenced = instance_epoch, grpc_address, "", False
+        self.instance_epoch, self.grpc_address, self.http_url = instance_epoch, grpc_address, ""
 
 
 def test_sibling_ids_and_epochs_come_from_the_topology_and_wildcards_are_never_dialled() -> None:

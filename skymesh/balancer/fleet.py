@@ -39,12 +39,11 @@ class TopologyMember:
     instance_epoch: int  # its own (its sibling messages carry it; 0: not registered)
     http_url: str
     grpc_address: str
-    fenced: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {"balancer_id": self.balancer_id, "alive": self.alive, "epoch": self.epoch,
                 "instance_epoch": self.instance_epoch, "http_url": self.http_url,
-                "grpc_address": self.grpc_address, "fenced": self.fenced}
+                "grpc_address": self.grpc_address}
 
 
 class RegionFleet:
@@ -93,8 +92,7 @@ class RegionFleet:
         the live ones other than this one, at a dialable address, are siblings."""
         listed = {m.balancer_id: TopologyMember(
             balancer_id=m.balancer_id, alive=m.alive, epoch=m.epoch,
-            instance_epoch=getattr(m, "instance_epoch", 0), http_url=m.http_url, grpc_address=m.grpc_address,
-            fenced=getattr(m, "fenced", False))
+            instance_epoch=getattr(m, "instance_epoch", 0), http_url=m.http_url, grpc_address=m.grpc_address)
             for m in members if m.balancer_id != self.balancer_id}
         self.topology = listed
         self.from_topology = {sid: m.grpc_address for sid, m in listed.items()
