@@ -8,8 +8,9 @@ A replica id belongs to one source at a time; the YAML wins over every other.
 
 A replica its source removes is not dropped at once: it stays in the topology with
 ``draining=True`` (its balancer sends it nothing new, requests in flight on it finish)
-until ``membership.drain_grace_s`` has passed or its owning balancer reports, at a
-topology version that already marks it draining, nothing in flight on it.
+until ``membership.drain_grace_s`` has passed or every live balancer of its owning region
+(a fleet: each member reports on its own) has reported, at a topology version that already
+marks it draining, nothing in flight on it.
 
 State only, no I/O: the controller pushes a new topology whenever a call here says the
 membership changed. Not persisted: after a controller restart registered replicas come
@@ -245,9 +246,11 @@ class Membership:
         self.update_metrics()
 
     def sweep(self, owners: Mapping[str, str], reports: Mapping[str, Any]) -> bool:
-        """Expired leases start draining; drains end after the grace period or once the
-        owning balancer (``owners``: home region -> owner) reported nothing in flight on
-        the replica. True when the topology changed."""
+        """Expired leases start draining; drains end after the grace period or once every
+        live balancer of the owning region (``owners``: home region -> owner; ``reports``:
+        region -> the latest report of each of its live balancers, None for one that has
+        not reported) reported nothing in flight on the replica. True when the topology
+        changed."""
         now = self._clock()
         grace = self.cfg.membership.drain_grace_s
         changed = False
@@ -260,7 +263,7 @@ class Membership:
             assert m.draining_since is not None
             if now - m.draining_since >= grace:
                 reason = "grace"
-            elif _reported_idle(reports.get(owners.get(m.region, m.region)), m):
+            elif _all_reported_idle(reports.get(owners.get(m.region, m.region)), m):
                 reason = "idle"
             else:
                 continue
@@ -333,6 +336,14 @@ def _static_urls(cfg: MeshConfig) -> dict[str, str]:
 
 def aws_source_name(aws_region: str) -> str:
     return f"aws:{aws_region}"
+
+
+def _all_reported_idle(reports: Any, m: Member) -> bool:
+    """Whether every live balancer of the owning region (at least one) reported ``m``
+    idle: a fleet's members each place requests on it, and one's word is not another's."""
+    if not isinstance(reports, (list, tuple)) or not reports:
+        return False
+    return all(_reported_idle(r, m) for r in reports)
 
 
 def _reported_idle(report: Any, m: Member) -> bool:

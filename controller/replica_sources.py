@@ -34,9 +34,12 @@ class ControllerView(Protocol):
 
     cfg: MeshConfig
     version: int
-    reports: dict[str, dict[str, Any]]
 
     def alive_regions(self) -> set[str]: ...
+
+    def live_member_reports(self, region: str) -> list[Any]:
+        """The latest report of each live balancer of ``region`` (None: none yet)."""
+        ...
 
     async def _changed(self, reason: str) -> None: ...
 
@@ -102,7 +105,7 @@ class MembershipSources:
 
     async def sweep_once(self) -> None:
         owners = region_owners(self._c.cfg, self._c.alive_regions())
-        reports: Mapping[str, Any] = self._c.reports
+        reports: Mapping[str, Any] = {r.name: self._c.live_member_reports(r.name) for r in self._c.cfg.regions}
         if self.table.sweep(owners, reports):
             await self._changed("leases or drains ended")
 

@@ -19,10 +19,10 @@ dead DNS endpoint never delays failover or the topology push.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -34,6 +34,7 @@ from controller.balancer_members import (
     UNPROBED_REPORT_STALE_S,
     MemberState,
     configured_members,
+    dialable,
     member_of_registration,
     registered_member,
 )
@@ -46,7 +47,7 @@ from skymesh.config import MeshConfig, RegionConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from skymesh.runtime.procs import cancel_tasks
+from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus
 from skymesh.runtime.supervise import SupervisedLoop
 from skymesh.security.admin_auth import admin_middleware, resolve_admin_token
@@ -62,10 +63,34 @@ from skymesh.security.pki import (
 log = logging.getLogger("skymesh.controller")
 
 DNS_RESYNC_S = 5.0
+# a member the config does not list, dead and silent this long, is forgotten (an Auto
+# Scaling group replaces instances: their records must not pile up)
+FORGET_UNLISTED_AFTER_S = 900.0
+
+
+@dataclass(slots=True)
+class MemberReport:
+    """One balancer's latest report: its admin JSON (an untrusted shape), the report as
+    sent, and when it came."""
+
+    admin: dict[str, Any]
+    proto: Any  # mesh_pb2.BalancerReport
+    at_ms: int
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _dialable_url(url: str) -> bool:
+    """An http(s) URL whose host is neither empty nor a wildcard."""
+    try:
+        u = urlparse(url)
+        port = u.port
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname) and port is not None \
+        and dialable(f"{u.hostname}:{port}")
 
 
 class ControllerService(mesh_pb2_grpc.ControllerServicer):
@@ -102,11 +127,19 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 "grpc_address": str(r.balancer.grpc_advertise),
                 "last_seen_ms": saved.get("last_seen_ms"),
             }
-            latest = max(self.members[r.name], key=lambda m: m.epoch)
-            if latest.epoch:
+            latest = max(self.members[r.name], key=lambda m: m.epoch, default=None)
+            if latest is not None and latest.epoch:
                 self._latest_member[r.name] = latest.key
+        # a registered fleet with no member known yet (a first start) is presumed alive for
+        # as long as a listed balancer would be: until its first balancers had time to
+        # register (probe rounds to the failure threshold, plus a report's staleness)
+        self._presumed_until = time.monotonic() + (cfg.controller.failure_threshold * cfg.controller.probe_interval_s
+                                                   + UNPROBED_REPORT_STALE_S)
+        for r in cfg.regions:
             self._refresh_region(r.name)
+        # the region's latest report (its view for status), and every member's own
         self.reports: dict[str, dict[str, Any]] = st["reports"]
+        self.member_reports: dict[str, dict[str, MemberReport]] = {r.name: {} for r in cfg.regions}
         self.last_reports: dict[str, Any] = {}
         for region, blob in st["report_protos"].items():
             self.last_reports[region] = mesh_pb2.BalancerReport.FromString(blob)
@@ -147,11 +180,12 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             if rec is not None:
                 m.balancer_id = rec.get("balancer_id") or ""
                 m.epoch = rec.get("epoch") or 0
+                m.instance_epoch = rec.get("instance_epoch") or 0
                 # a balancer not known to be dead is presumed alive until probes say so
                 m.alive = bool(rec.get("alive", True))
                 m.draining = bool(rec.get("draining"))
                 m.last_seen_ms = rec.get("last_seen_ms")
-        if len(members) == 1 and not saved:
+        if len(members) == 1 and members[0].configured and not saved:
             # a state file from before fleets: the region's record was its one balancer's
             m = members[0]
             m.balancer_id = saved_region.get("balancer_id") or ""
@@ -165,8 +199,12 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         are, named by its latest registration."""
         b = self.balancers[region]
         members = self.members[region]
-        b["alive"] = any(m.alive for m in members)
-        b["draining"] = all(m.draining for m in members)
+        if members:
+            b["alive"] = any(m.alive for m in members)
+            b["draining"] = all(m.draining for m in members)
+        else:  # a registered fleet none of whose balancers registered yet
+            b["alive"] = time.monotonic() < self._presumed_until
+            b["draining"] = False
         latest = next((m for m in members if m.key == self._latest_member.get(region)), None)
         if latest is not None:
             b["balancer_id"], b["epoch"] = latest.balancer_id, latest.epoch
@@ -182,7 +220,16 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         """The region's balancers into a repeated BalancerMember field."""
         for m in self.members[region]:
             out.add(balancer_id=m.name, alive=m.alive, epoch=m.epoch, http_url=m.http_url,
-                    grpc_address=m.grpc_address, last_seen_unix_ms=m.last_seen_ms or 0)
+                    grpc_address=m.published_grpc_address, last_seen_unix_ms=m.last_seen_ms or 0,
+                    instance_epoch=m.instance_epoch)
+
+    def live_member_reports(self, region: str) -> list[Any]:
+        """The latest report of each live member of ``region`` (admin JSON), None for a live
+        member that has not reported since it registered: a replica's drain ends only when
+        every one of them says it is idle (controller/membership.py)."""
+        got = self.member_reports.get(region, {})
+        return [got[m.key].admin if m.key in got else None
+                for m in self.members.get(region, []) if m.alive and not m.draining]
 
     # ------------------------------------------------------------------ topology
 
@@ -281,8 +328,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         """Sync on every change (coalesced) and every DNS_RESYNC_S (repairs drift, e.g.
         a restarted DNS server that came back with every balancer marked healthy)."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dns_dirty.wait(), timeout=DNS_RESYNC_S)
+            # not asyncio.wait_for: on Python 3.11 it can swallow a cancellation arriving as
+            # the event fires, and stop() then waits for this loop forever (procs.wait_event)
+            await wait_event(self._dns_dirty, DNS_RESYNC_S)
             self._dns_dirty.clear()
             if not await self.sync_dns():
                 await asyncio.sleep(min(1.0, DNS_RESYNC_S))
@@ -346,7 +394,29 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                     member.failures += 1
                     if member.failures >= self.cfg.controller.failure_threshold:
                         await self._set_alive(region, False, why, member)
+            await self._forget_and_presume()
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _forget_and_presume(self) -> None:
+        """Members the config does not list, dead and silent past FORGET_UNLISTED_AFTER_S,
+        are dropped; a registered fleet none of whose balancers is known stops being
+        presumed alive once its first balancers had time to register."""
+        now = _now_ms()
+        for region, members in self.members.items():
+            gone = [m for m in members if not m.configured and not m.alive
+                    and now - (m.last_seen_ms or 0) > FORGET_UNLISTED_AFTER_S * 1000]
+            for m in gone:
+                members.remove(m)
+                self.member_reports.get(region, {}).pop(m.key, None)
+                if self._latest_member.get(region) == m.key:
+                    self._latest_member.pop(region)
+                await asyncio.to_thread(self.store.forget_member, region, m.key)
+                log.info("forgot a departed balancer", extra={"region": region, "balancer_id": m.name})
+            was_alive = self.balancers[region]["alive"]
+            self._refresh_region(region)
+            if self.balancers[region]["alive"] != was_alive:
+                await self._changed(f"{region} {'alive' if not was_alive else 'dead'}: "
+                                    f"{'no balancer registered' if not members else 'its balancers left'}")
 
     # ------------------------------------------------------------------ gRPC
 
@@ -366,6 +436,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
     async def Register(self, request: Any, context: Any) -> Any:  # noqa: N802
         if request.region not in self.balancers:
             return mesh_pb2.RegisterReply(accepted=False, reason=f"unknown region {request.region!r}")
+        if len(request.balancer_id) > 128:
+            return mesh_pb2.RegisterReply(accepted=False, reason="balancer id longer than 128 characters")
         await self._authorize_region(request.region, context)
         region_cfg = self.cfg.region(request.region)
         # the addresses DNS and peers get come from the config, never from the caller
@@ -377,16 +449,39 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{field} {claimed!r} is not the configured {configured!r} of {request.region}")
         members = self.members[request.region]
-        member = member_of_registration(members, request.balancer_id, request.member_grpc_address)
+        registered_fleet = region_cfg.balancer.fleet == "registered"
+        if registered_fleet and not request.balancer_id:
+            self.metrics.rejected_calls.labels("no_balancer_id").inc()
+            return mesh_pb2.RegisterReply(accepted=False, reason=f"{request.region} is a registered fleet: a balancer "
+                                                                 "registers under its own id")
+        # its own addresses, as it says (the sibling channel and the controller's calls
+        # authenticate themselves); a wildcard is never kept: nobody could dial it
+        own_grpc = request.member_grpc_address if dialable(request.member_grpc_address) else ""
+        own_http = request.member_http_url if _dialable_url(request.member_http_url) else ""
+        member = member_of_registration(members, request.balancer_id, own_grpc)
+        if member is not None and member.configured and len(members) == 1 and request.balancer_id \
+                and member.balancer_id and member.balancer_id != request.balancer_id and member.alive \
+                and member.last_seen_ms is not None and _now_ms() - member.last_seen_ms < UNPROBED_REPORT_STALE_S * 1000:
+            # a listed region of one balancer takes any id (a restart picks a fresh one), so
+            # two live balancers of one config fold onto its one member: say how to fix it
+            log.warning("another balancer took the region's only listed member while the last one still reported;"
+                        " an Auto Scaling group needs balancer.fleet: registered",
+                        extra={"region": request.region, "previous": member.balancer_id,
+                               "balancer_id": request.balancer_id})
         if member is None:
             # a balancer the config does not list: a member of the fleet, known by its id,
-            # alive by its reports (its own gRPC address is what it says: the sibling
-            # channel authenticates itself)
+            # alive by its reports
             member = MemberState(key=request.balancer_id or f"{request.region}-{len(members)}", configured=False,
-                                 http_url="", grpc_address=request.member_grpc_address, probe_url="")
+                                 http_url=own_http, grpc_address=own_grpc, probe_url="")
             members.append(member)
-        changed = member.balancer_id != request.balancer_id
+        elif not member.configured:
+            # the same id again (a restarted process on the same instance): its addresses now
+            member.grpc_address, member.http_url = own_grpc or member.grpc_address, own_http or member.http_url
+        changed = member.balancer_id != request.balancer_id or member.instance_epoch != request.epoch
         member.balancer_id = request.balancer_id
+        # what its sibling messages carry: siblings refuse any other epoch for this id
+        member.instance_epoch = int(request.epoch)
+        self.member_reports.setdefault(request.region, {}).pop(member.key, None)  # an earlier process's
         # the controller issues the epoch (each registration its own, monotonic over the
         # region's balancers, persisted before it is handed out); the caller's own
         # request.epoch is ignored
@@ -425,6 +520,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             report = {}
         self.reports[request.region] = report
         self.last_reports[request.region] = request
+        self.member_reports.setdefault(request.region, {})[member.key] = MemberReport(report, request, _now_ms())
         if request.balancer_id:
             member.balancer_id = request.balancer_id
             # a balancer reporting before it registered (a controller restarted under it)

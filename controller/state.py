@@ -23,9 +23,14 @@ CREATE TABLE IF NOT EXISTS report_protos (region TEXT PRIMARY KEY, report BLOB N
 CREATE TABLE IF NOT EXISTS balancer_members (
     region TEXT NOT NULL, member_key TEXT NOT NULL, balancer_id TEXT, epoch INTEGER, alive INTEGER NOT NULL,
     draining INTEGER NOT NULL DEFAULT 0, http_url TEXT, grpc_address TEXT, last_seen_ms INTEGER,
+    instance_epoch INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (region, member_key)
 );
 """
+# a balancer's own epoch is a uint64 of its choosing; SQLite keeps signed 64-bit integers
+SQLITE_MAX_INT = 2**63 - 1
+# columns added since the table first shipped: (name, declaration) added to an older file
+MEMBER_COLUMNS_ADDED = (("instance_epoch", "INTEGER NOT NULL DEFAULT 0"),)
 
 
 class StateStore:
@@ -37,6 +42,10 @@ class StateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(balancer_members)")}
+        for name, decl in MEMBER_COLUMNS_ADDED:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE balancer_members ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -57,10 +66,10 @@ class StateStore:
             protos = {r[0]: bytes(r[1]) for r in self._db.execute("SELECT region, report FROM report_protos")}
             members: dict[str, dict[str, dict[str, Any]]] = {}
             for r in self._db.execute("SELECT region, member_key, balancer_id, epoch, alive, draining, http_url,"
-                                      " grpc_address, last_seen_ms FROM balancer_members"):
+                                      " grpc_address, last_seen_ms, instance_epoch FROM balancer_members"):
                 members.setdefault(r[0], {})[r[1]] = {
                     "balancer_id": r[2], "epoch": r[3], "alive": bool(r[4]), "draining": bool(r[5]),
-                    "http_url": r[6], "grpc_address": r[7], "last_seen_ms": r[8]}
+                    "http_url": r[6], "grpc_address": r[7], "last_seen_ms": r[8], "instance_epoch": r[9]}
         return {
             "version": int(meta.get("version", "0")),
             "balancers": balancers,
@@ -96,9 +105,11 @@ class StateStore:
                     for m in records:
                         db.execute(
                             "INSERT OR REPLACE INTO balancer_members(region, member_key, balancer_id, epoch, alive,"
-                            " draining, http_url, grpc_address, last_seen_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            " draining, http_url, grpc_address, last_seen_ms, instance_epoch)"
+                            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             (region, m["key"], m["balancer_id"], m["epoch"], int(bool(m["alive"])),
-                             int(bool(m["draining"])), m["http_url"], m["grpc_address"], m["last_seen_unix_ms"]),
+                             int(bool(m["draining"])), m["http_url"], m["grpc_address"], m["last_seen_unix_ms"],
+                             min(int(m.get("instance_epoch") or 0), SQLITE_MAX_INT)),
                         )
                 db.execute("COMMIT")
             except BaseException:
@@ -127,6 +138,11 @@ class StateStore:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+
+    def forget_member(self, region: str, member_key: str) -> None:
+        """Drop one balancer's record (a departed member the config does not list)."""
+        with self._lock:
+            self._db.execute("DELETE FROM balancer_members WHERE region = ? AND member_key = ?", (region, member_key))
 
     def save_report(self, region: str, report: dict[str, Any], at_ms: int, proto: bytes = b"") -> None:
         """The latest report of a region: its admin JSON and (when given) the raw

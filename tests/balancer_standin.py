@@ -108,8 +108,17 @@ class StandInBalancer:
     def sibling_addresses(self) -> dict[str, str]:
         return self.fleet.addresses()
 
+    def expects_siblings(self) -> bool:
+        return self.fleet.has_siblings()
+
     def sibling_message(self) -> SiblingMessage:
         return self.fleet.message(asyncio.get_running_loop().time())
+
+    def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:
+        return self.fleet.refusal(balancer_id, epoch)
+
+    def unresponsive_siblings(self) -> list[str]:
+        return self.fleet.unresponsive(loop_clock())
 
     def apply_sibling_message(self, msg: SiblingMessage) -> bool:
         applied = self.fleet.apply(msg, asyncio.get_running_loop().time())

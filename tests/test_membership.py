@@ -115,13 +115,32 @@ def test_a_drain_ends_once_the_owner_reports_nothing_in_flight_at_a_version_that
     assert m.deregister("new-1") and not m.deregister("new-1")
     owners = {"eu-west-1": "us-east-1"}  # adopted by us-east-1
     drain_v = version[0] + 1
-    stale = {"us-east-1": {"topology_version": drain_v - 1, "replicas": {"new-1": {"in_flight": 0}}}}
-    busy = {"us-east-1": {"topology_version": drain_v, "replicas": {"new-1": {"in_flight": 2}}}}
-    elsewhere = {"eu-west-1": {"topology_version": drain_v, "replicas": {}}}
-    hostile = {"us-east-1": {"topology_version": True, "replicas": {"new-1": {"in_flight": False}}}}
-    for reports in (stale, busy, elsewhere, hostile, {"us-east-1": "junk"}):
+    idle = {"topology_version": drain_v, "replicas": {"new-1": {"in_flight": 0}}}
+    stale = {"us-east-1": [{"topology_version": drain_v - 1, "replicas": {"new-1": {"in_flight": 0}}}]}
+    busy = {"us-east-1": [{"topology_version": drain_v, "replicas": {"new-1": {"in_flight": 2}}}]}
+    elsewhere = {"eu-west-1": [{"topology_version": drain_v, "replicas": {}}]}
+    hostile = {"us-east-1": [{"topology_version": True, "replicas": {"new-1": {"in_flight": False}}}]}
+    for reports in (stale, busy, elsewhere, hostile, {"us-east-1": "junk"}, {"us-east-1": []}, {"us-east-1": [None]}):
         assert not m.sweep(owners, reports), reports
-    assert m.sweep(owners, {"us-east-1": {"topology_version": drain_v, "replicas": {"new-1": {"in_flight": 0}}}})
+    assert m.sweep(owners, {"us-east-1": [idle]})
+    assert "new-1" not in m.members
+
+
+def test_a_fleets_drain_ends_only_when_every_live_member_reports_the_replica_idle() -> None:
+    cfg = config(drain_grace_s=60.0)
+    m, _, version = table(cfg)
+    m.register("new-1", "http://10.0.0.9:8000", "eu-west-1", 10.0)
+    assert m.deregister("new-1")
+    owners = {"eu-west-1": "eu-west-1"}
+    drain_v = version[0] + 1
+    idle = {"topology_version": drain_v, "replicas": {"new-1": {"in_flight": 0}}}
+    busy = {"topology_version": drain_v, "replicas": {"new-1": {"in_flight": 1}}}
+    # one member idle, the other still streaming on it; then one that has not reported yet
+    assert not m.sweep(owners, {"eu-west-1": [idle, busy]})
+    assert not m.sweep(owners, {"eu-west-1": [busy, idle]})
+    assert not m.sweep(owners, {"eu-west-1": [idle, None]})
+    assert "new-1" in m.members and m.members["new-1"].draining
+    assert m.sweep(owners, {"eu-west-1": [idle, idle]})
     assert "new-1" not in m.members
 
 

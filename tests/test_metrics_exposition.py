@@ -147,6 +147,7 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_sibling_messages_dropped_total{reason="too_large"}': 1.0,
         'skymesh_sibling_state_looks_total{outcome="sent"}': 7.0,
         'skymesh_sibling_state_looks_total{outcome="quiet"}': 2.0,
+        "skymesh_sibling_streams_refused_total": 0.0,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import sys
 
 from skymesh.balancer.autoscaling_signal import attach_autoscaling_signal
+from skymesh.balancer.identity import resolve_identity
 from skymesh.balancer.reload_rules import reload_balancer
 from skymesh.balancer.server import Balancer
 from skymesh.balancer.services import attach_services
@@ -31,7 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--member", type=int, default=0,
                    help="which balancer of the region's fleet this is: 0 the region's `balancer:` listeners,"
                         " K its balancer.siblings[K-1] (default 0); its id is the member's unless --balancer-id")
-    p.add_argument("--balancer-id", default=None)
+    p.add_argument("--balancer-id", default=None,
+                   help="this balancer's id (default: SKYMESH_BALANCER_ID, the listed member's, in a registered"
+                        " fleet the EC2 instance id, else a fresh one per process)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the host its siblings and the controller reach this balancer at (default:"
+                        " SKYMESH_ADVERTISE_HOST, in a registered fleet or on a wildcard listener the EC2"
+                        " private IPv4, else its listen host)")
+    p.add_argument("--listen-host", default=None,
+                   help="bind every listener (HTTP, gRPC, peer) on this host instead of the config's")
     p.add_argument("--no-controller", action="store_true", help="run from the YAML alone")
     p.add_argument("--no-peers", action="store_true", help="region-local: no heartbeats, no offload")
     p.add_argument("--http-port", type=int, default=None,
@@ -87,17 +98,18 @@ def static_siblings(cfg: MeshConfig, region: str, member: int) -> dict[str, str]
 
 
 def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_port: int | None,
-                      peer_port: int | None = None) -> MeshConfig:
+                      peer_port: int | None = None, host: str | None = None) -> MeshConfig:
     """``cfg`` with ``region``'s balancer listening on the given ports (None: the config's;
-    a peer port without a configured peer_listen listens on the HTTP listen host)."""
+    a peer port without a configured peer_listen listens on the HTTP listen host) and, with
+    ``host``, on that host."""
 
     def override(hp: HostPort, port: int | None) -> HostPort:
-        return hp if port is None else HostPort(hp.host, port)
+        return HostPort(host or hp.host, hp.port if port is None else port)
 
     def peer(b: BalancerConfig) -> HostPort | None:
         if peer_port is None:
-            return b.peer_listen
-        return HostPort((b.peer_listen or b.listen).host, peer_port)
+            return None if b.peer_listen is None else override(b.peer_listen, None)
+        return HostPort(host or (b.peer_listen or b.listen).host, peer_port)
 
     # model_copy: the config models are frozen; the advertised addresses stay as validated
     regions = tuple(
@@ -114,13 +126,19 @@ def with_listen_ports(cfg: MeshConfig, region: str, http_port: int | None, grpc_
 async def serve(args: argparse.Namespace) -> int:
     def prepare(cfg: MeshConfig) -> MeshConfig:  # the command line's overrides, at start and on reload
         return with_listen_ports(as_member(cfg, args.region, args.member), args.region, args.http_port,
-                                 args.grpc_port, args.peer_port)
+                                 args.grpc_port, args.peer_port, host=args.listen_host)
 
     cfg, digest = load_config_digest(args.config)
-    balancer = Balancer(prepare(cfg), args.region,
-                        balancer_id=member_balancer_id(cfg, args.region, args.member, args.balancer_id),
-                        policy_name=args.policy, config_sha256=digest,
-                        static_siblings=static_siblings(cfg, args.region, args.member))
+    prepared = prepare(cfg)
+    identity = await asyncio.to_thread(
+        resolve_identity, cfg, args.region, args.member, listen_host=prepared.region(args.region).balancer.listen.host,
+        balancer_id=args.balancer_id, advertise_host=args.advertise_host, environ=dict(os.environ))
+    logging.getLogger("skymesh.balancer").info("member identity", extra={
+        "region": args.region, "balancer_id": identity.balancer_id or "(fresh)", "id_source": identity.id_source,
+        "advertise_host": identity.advertise_host or "(listen host)", "host_source": identity.host_source})
+    balancer = Balancer(prepared, args.region, balancer_id=identity.balancer_id, policy_name=args.policy,
+                        config_sha256=digest, static_siblings=static_siblings(cfg, args.region, args.member),
+                        advertise_host=identity.advertise_host)
     attach_services(balancer, peers=not args.no_peers, controller=not args.no_controller)
     attach_autoscaling_signal(balancer)  # with autoscaling.cloudwatch: the signal to CloudWatch
 

@@ -177,6 +177,9 @@ class _LoadCollector:
         dropped = CounterMetricFamily(
             "skymesh_sibling_messages_dropped", "Sibling messages dropped before the core, by reason.",
             labels=("reason",))
+        refused_streams = CounterMetricFamily(
+            "skymesh_sibling_streams_refused", "Sibling streams refused: the caller's certificate is not this "
+            "region's balancer's.")
         looks = CounterMetricFamily(
             "skymesh_sibling_state_looks", "Times the balancer looked at its state for its siblings, and of those "
             "the ones that sent nothing (quiet).", labels=("outcome",))
@@ -185,11 +188,13 @@ class _LoadCollector:
             messages.add_metric(("applied",), sib.get("applied", 0))
             looks.add_metric(("sent",), sib.get("looks", 0) - sib.get("quiet_looks", 0))
             looks.add_metric(("quiet",), sib.get("quiet_looks", 0))
+            refused_streams.add_metric((), sib.get("refused_streams", 0))
             for key, n in sorted(sib.items()):
                 if key.startswith("dropped_"):
                     dropped.add_metric((key.removeprefix("dropped_"),), n)
         yield messages
         yield dropped
+        yield refused_streams
         yield looks
         restarts = CounterMetricFamily(
             "skymesh_loop_restarts", "Background loops restarted after an exception.", labels=("loop",))

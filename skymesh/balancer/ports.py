@@ -32,8 +32,10 @@ class Registration:
     grpc_address: str
     version: str = VERSION
     # this balancer's own gRPC listener (one member of the region's fleet); grpc_address
-    # is the region's advertised one
+    # is the region's advertised one ("": no reachable one known, never a wildcard)
     member_grpc_address: str = ""
+    # and its own HTTP URL ("": none known); http_url is the region's entry
+    member_http_url: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,12 @@ class SiblingLinkBalancer(MeshMember, Protocol):
 
     def apply_sibling_message(self, msg: SiblingMessage) -> bool:
         """A sibling's state (the region core's ``sibling_state``); False: ignored."""
+        ...
+
+    def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:
+        """Why a sibling message claiming ``balancer_id`` at ``epoch`` is refused (the
+        controller's topology, or the config, does not list that id or that epoch); None:
+        accepted."""
         ...
 
     def sibling_interval_s(self) -> float:
@@ -163,6 +171,11 @@ class ControllerLinkBalancer(MeshMember, Protocol):
 
     def set_controller_connected(self, connected: bool) -> None: ...
 
+    def unresponsive_siblings(self) -> list[str]:
+        """Siblings the topology lists alive that this balancer has not heard from past
+        the siblings' dead-after time (its reports name them to the controller)."""
+        ...
+
     def apply_topology(self, topology: Any) -> None:
         """Take the controller's topology (a mesh_pb2.Topology): this region's replicas
         and the peers' liveness; an older version than the one applied is ignored."""
@@ -176,3 +189,9 @@ class MeshServicesBalancer(PeerMeshBalancer, ControllerLinkBalancer, Protocol):
     def extra_services(self) -> list[Any]: ...
 
     def offload_enabled(self) -> bool: ...
+
+    def expects_siblings(self) -> bool:
+        """The region runs (or may come to run) more balancers than this one: the config
+        lists siblings, or its balancers register themselves (an Auto Scaling group), so
+        the gRPC listener must serve the sibling channel from the start."""
+        ...

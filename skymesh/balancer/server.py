@@ -41,6 +41,7 @@ from skymesh.balancer.auth import ClientKeyring
 from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.gate import ClientGate
 from skymesh.balancer.http_surface import HttpSurface
+from skymesh.balancer.identity import member_host
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.membership import PeerInfo, ReplicaInfo, merge_replicas, prefix_hit_ratio
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
@@ -109,9 +110,12 @@ class Balancer:
         policy_name: str | None = None,
         config_sha256: str | None = None,
         static_siblings: Mapping[str, str] | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         """``static_siblings``: the region's other balancers the config lists (id -> its
-        own gRPC address); the controller's topology may name more."""
+        own gRPC address); the controller's topology may name more. ``advertise_host``:
+        where the siblings and the controller reach this balancer (skymesh/balancer/
+        identity.py; None: its listen host unless that is a wildcard)."""
         self.cfg = cfg
         # the loaded config file: its SHA-256 (None: not from a file) and when it was loaded
         self.config_sha256 = config_sha256
@@ -120,6 +124,7 @@ class Balancer:
         self.region_cfg = cfg.region(region)
         self.region = region
         self.balancer_id = balancer_id or f"{region}-{uuid.uuid4().hex[:8]}"
+        self.advertise_host = advertise_host
         # epoch bumps on every start so peers can tell a restarted balancer's heartbeats
         self.epoch = time.time_ns() // 1_000_000
         self.policy_name = policy_name or cfg.policy.name
@@ -358,9 +363,18 @@ class Balancer:
     def sibling_addresses(self) -> dict[str, str]:
         return self.fleet.addresses()
 
+    def expects_siblings(self) -> bool:
+        return self.fleet.has_siblings() or self.region_cfg.balancer.fleet == "registered"
+
     def sibling_message(self) -> SiblingMessage:
         # what each client key took here goes along: its limits hold region-wide
         return dataclasses.replace(self.fleet.message(loop_clock()), key_usage=self.gate.take_usage())
+
+    def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:
+        return self.fleet.refusal(balancer_id, epoch)
+
+    def unresponsive_siblings(self) -> list[str]:
+        return self.fleet.unresponsive(loop_clock())
 
     def apply_sibling_message(self, msg: SiblingMessage) -> bool:
         applied = self.fleet.apply(msg, loop_clock())
@@ -420,16 +434,31 @@ class Balancer:
             http_url=self.region_cfg.balancer.advertise_url,
             grpc_address=str(self.region_cfg.balancer.grpc_advertise),
             member_grpc_address=self.member_grpc_address(),
+            member_http_url=self.member_http_url(),
         )
 
+    def _member_host(self, listen: HostPort) -> str | None:
+        return member_host(self.advertise_host, listen.host)
+
     def member_grpc_address(self) -> str:
-        """This balancer's own gRPC listener (the bound port when it listens on port 0)."""
+        """This balancer's own gRPC address (the bound port when it listens on port 0) at
+        its reachable host; "" when it knows none (a wildcard listener, no advertised host)."""
         listen = self.region_cfg.balancer.grpc_listen
+        host = self._member_host(listen)
+        if host is None:
+            return ""
+        port = listen.port
         for svc in self.extra_services:
-            port = getattr(svc, "bound_port", None)
-            if isinstance(port, int) and port > 0:  # the peers' gRPC server
-                return f"{listen.host}:{port}"
-        return str(listen)
+            bound = getattr(svc, "bound_port", None)
+            if isinstance(bound, int) and bound > 0:  # the peers' gRPC server
+                port = bound
+        return str(HostPort(host, port))
+
+    def member_http_url(self) -> str:
+        """This balancer's own HTTP URL (its bound port) at its reachable host ("": none)."""
+        listen = self.region_cfg.balancer.listen
+        host = self._member_host(listen)
+        return "" if host is None else HostPort(host, self.bound_port).http_url
 
     def set_controller_connected(self, connected: bool) -> None:
         self.controller_connected = connected
@@ -586,8 +615,12 @@ class Balancer:
             if self._peer_site is not None:
                 await self._peer_site.stop()  # and peers forward elsewhere
             self._drained.clear()  # a request that ended during drain_listen_s set it
+            deadline = loop_clock() + drain_timeout_s
+            if self.fleet.has_siblings():
+                await self._hand_off_units(deadline)
             if self.core.active_requests:
-                await wait_event(self._drained, drain_timeout_s)  # set by the last handler out
+                # set by the last handler out
+                await wait_event(self._drained, max(0.0, deadline - loop_clock()))
             log.info("drained", extra={"region": self.region, "left": self.core.active_requests})
         for svc in reversed(self.extra_services):
             with contextlib.suppress(Exception):
@@ -604,6 +637,33 @@ class Balancer:
                 await s.close()
         if self.tracing is not None:
             await self.tracing.shutdown()  # the spans of the last requests are exported first
+
+    async def _hand_off_units(self, deadline: float) -> None:
+        """A member of a fleet leaving: once nothing of its own waits in its queue, its
+        push-budget units go to its siblings (it stops holding and wanting them; a message
+        says so at once); wait, until ``deadline``, for it to hold none (a unit still in use
+        is given up when its push is seen, a unit it lent when the borrower gives it back
+        or the lease ends) and for the message that says so to go out."""
+        step = max(0.01, self.cfg.siblings.interval_s)
+        handing_off = False
+        while loop_clock() < deadline:
+            if not handing_off and not self.core.queue_length:
+                handing_off = self.fleet.start_draining()
+                if not handing_off:
+                    return
+                log.info("handing push-budget units off", extra={"region": self.region,
+                                                                 "units_held": self.fleet.units_held()})
+                self.wake.set()  # a dispatch round, then the sibling channel looks at once
+            for listener in self._dispatch_listeners:
+                listener()
+            if handing_off and not self.fleet.units_held():
+                # the message that says so goes out before the channel closes
+                await asyncio.sleep(min(2 * step, max(0.0, deadline - loop_clock())))
+                break
+            await asyncio.sleep(step)
+        log.info("push-budget units handed off" if not self.fleet.units_held() else "units still held at the end",
+                 extra={"region": self.region, "units_held": self.fleet.units_held(),
+                        "requests_left": self.core.active_requests})
 
     # ------------------------------------------------------------------ probing
 

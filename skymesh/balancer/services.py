@@ -441,6 +441,7 @@ class ControllerLink(SupervisedService):
             grpc_address=r.grpc_address,
             version=r.version,
             member_grpc_address=r.member_grpc_address,
+            member_http_url=r.member_http_url,
         )
 
     async def _report_loop(self, stub: Any) -> None:
@@ -480,6 +481,7 @@ class ControllerLink(SupervisedService):
             prefix_hit_ratio=status.prefix_hit_ratio,
             replicas=reps,
             admin_json=json.dumps(status.admin),
+            unresponsive_siblings=b.unresponsive_siblings(),
         )
 
     def apply_topology(self, topo: Any) -> None:
@@ -488,7 +490,7 @@ class ControllerLink(SupervisedService):
 
 def attach_services(b: MeshServicesBalancer, *, peers: bool = True, controller: bool = True) -> None:
     # the gRPC listener serves peers' heartbeats and the region's siblings
-    if (peers and b.peer_regions() and b.offload_enabled()) or b.has_siblings():
+    if (peers and b.peer_regions() and b.offload_enabled()) or b.expects_siblings():
         b.extra_services.append(PeerMesh(b))
     if controller:
         b.extra_services.append(ControllerLink(b))

@@ -68,6 +68,9 @@ MAX_KEYS = 4096
 MAX_AGE_S = 60.0
 # per stream: messages built but not yet sent (a slow stream drops its oldest)
 STREAM_BACKLOG = 32
+# a refused message or stream is logged at most once per cause this often (with the count
+# since); every one is counted (skymesh_sibling_messages_dropped_total{reason})
+DROP_LOG_INTERVAL_S = 60.0
 
 
 class MessageTooLarge(ValueError):
@@ -181,6 +184,8 @@ class SiblingLink:
         self.messages_out = 0
         self.refused_streams = 0
         self.dropped: dict[str, int] = {}  # incoming messages dropped, by reason
+        # reason -> (when it was last logged, drops since then): one log line per cause a minute
+        self._drop_logged: dict[str, tuple[float, int]] = {}
         self.skipped_quiet = 0  # looks that sent nothing: nothing new since the last message
         self.looks = 0  # times the state was looked at (a message built)
         self.sent_because: dict[str, int] = {}  # messages sent, by the first reason (_why_now)
@@ -280,20 +285,39 @@ class SiblingLink:
 
     # ------------------------------------------------------------------ receiving
 
+    def _drop(self, reason: str, pb: Any) -> None:
+        """Count a dropped message; log its cause at most once per DROP_LOG_INTERVAL_S."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        now = time.monotonic()
+        last, since = self._drop_logged.get(reason, (float("-inf"), 0))
+        if now - last < DROP_LOG_INTERVAL_S:
+            self._drop_logged[reason] = (last, since + 1)
+            return
+        self._drop_logged[reason] = (now, 0)
+        log.warning("dropped a sibling message", extra={
+            "region": self.balancer.region, "reason": reason, "claimed_id": str(pb.balancer_id)[:64],
+            "claimed_epoch": int(pb.epoch), "dropped_since_last_log": since, "dropped_total": self.dropped[reason]})
+
     def receive(self, pb: Any, stream_region: str | None) -> None:
         b = self.balancer
         if self.creds is not None and stream_region != b.region:
-            self.dropped["wrong_region"] = self.dropped.get("wrong_region", 0) + 1
+            self._drop("wrong_region", pb)
             return
         if pb.region != b.region or pb.balancer_id == b.balancer_id:
-            self.dropped["not_a_sibling"] = self.dropped.get("not_a_sibling", 0) + 1
+            self._drop("not_a_sibling", pb)
+            return
+        # who may speak as a sibling: the controller's topology (or the config) names the
+        # id and the epoch it registered with (skymesh/balancer/fleet.py)
+        refused = b.sibling_refusal(pb.balancer_id, pb.epoch)
+        if refused is not None:
+            self._drop(refused, pb)
             return
         if len(pb.claims) > 0 and (pb.balancer_id in self._unanswered or len(self._unanswered) < MAX_SIBLINGS):
             self._unanswered.add(pb.balancer_id)
         try:
             msg = from_proto(pb, asyncio.get_running_loop().time())
         except MessageTooLarge:
-            self.dropped["too_large"] = self.dropped.get("too_large", 0) + 1
+            self._drop("too_large", pb)
             return
         if b.apply_sibling_message(msg):
             self.messages_in += 1
@@ -303,6 +327,9 @@ class SiblingLink:
         stream_region = region_of_identity(peer_identity(context))
         if self.creds is not None and stream_region != self.balancer.region:
             self.refused_streams += 1
+            log.warning("refused a sibling stream from another identity",
+                        extra={"region": self.balancer.region, "identity_region": stream_region or "none",
+                               "refused_total": self.refused_streams})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only this region's balancers are siblings")
 
         async for pb in answer_stream(request_iterator, lambda m: self.receive(m, stream_region), self._outgoing()):

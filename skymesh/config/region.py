@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -85,6 +85,13 @@ class BalancerConfig(ConfigModel):
     # further balancers of the region (a fleet): every one serves the advertised
     # addresses above, which must then be an entry in front of them all
     siblings: tuple[SiblingBalancerConfig, ...] = ()
+    # who the region's balancers are: "listed", the config's (this section, member 0, and
+    # its siblings); "registered", whoever registers with the controller (an Auto Scaling
+    # group): every balancer is a member of its own, named by its own id (--balancer-id,
+    # SKYMESH_BALANCER_ID, else the EC2 instance id) at its own reachable address
+    # (--advertise-host, SKYMESH_ADVERTISE_HOST, else the instance's private IPv4); the
+    # listeners here are each instance's, the advertised addresses the region's entry
+    fleet: Literal["listed", "registered"] = "listed"
 
     @model_validator(mode="after")
     def _advertise_defaults_to_listen(self) -> BalancerConfig:
@@ -96,7 +103,9 @@ class BalancerConfig(ConfigModel):
             set_derived(self, "peer_advertise", self.peer_listen)
         elif self.peer_listen is None:
             raise ConfigError("peer_advertise", "needs peer_listen (the listener it reaches)")
-        if self.siblings:
+        if self.fleet == "registered" and self.siblings:
+            raise ConfigError("siblings", "a registered fleet lists no balancer: each one registers itself")
+        if self.siblings or self.fleet == "registered":
             self._check_fleet_entry()
         return self
 

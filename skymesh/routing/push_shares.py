@@ -442,8 +442,8 @@ class PushShares:
             return
         takers: dict[str, list[tuple[int, str]]] = {}
         for sid, s in self.siblings.items():
-            if now - s.heard_at > self.dead_after_s or s.state.draining:
-                continue
+            if now - s.heard_at > self.dead_after_s:
+                continue  # a draining sibling still borrows: it serves what its kept-alive connections bring
             for r, n in s.state.wants.items():
                 if n > 0:
                     takers.setdefault(r, []).append((-n, sid))

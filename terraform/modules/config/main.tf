@@ -57,6 +57,10 @@ locals {
             grpc_advertise = "${r.balancer_private_ip}:${r.grpc_port}"
             peer_listen    = "0.0.0.0:${r.peer_port}"
             peer_advertise = "${r.balancer_private_ip}:${r.peer_port}"
+            # the region's balancers are an Auto Scaling group: the config lists none, each
+            # registers itself under its EC2 instance id at its private IPv4 (IMDSv2), and
+            # finds its siblings in the controller's topology
+            fleet = "registered"
           },
           r.balancer_public_ip == null ? {} : { public_ip = r.balancer_public_ip },
         )

@@ -83,6 +83,13 @@ resource "aws_security_group" "balancer" {
     cidr_blocks = var.peer_cidrs
   }
   ingress {
+    description = "sibling channel: the balancers of this region dial each other (gRPC)"
+    from_port   = var.ports.grpc
+    to_port     = var.ports.grpc
+    protocol    = "tcp"
+    self        = true
+  }
+  ingress {
     description = "forwarded requests from peer balancers (HTTPS, mesh-CA client certificates)"
     from_port   = var.ports.peer
     to_port     = var.ports.peer
@@ -384,6 +391,10 @@ locals {
           # Secrets Manager, on every start (a restart picks up rotated values)
           ExecStartPre=/usr/local/sbin/skymesh-fetch-credentials
           EnvironmentFile=-${var.credentials_dir}/peer-token.env
+          # its identity in the region's fleet (the config lists no balancer: fleet =
+          # registered): the instance id and private IPv4 from IMDSv2 (hop limit 1 is
+          # enough for a process on the instance); SKYMESH_BALANCER_ID and
+          # SKYMESH_ADVERTISE_HOST in an Environment= line would override them
           ExecStart=/opt/skymesh/bin/skymesh balancer --config /etc/skymesh/mesh.yaml --region ${var.name} --drain-listen-s ${local.balancer_drain_listen_s} --drain-timeout-s ${local.balancer_drain_timeout_s}
           ExecReload=/bin/kill -HUP $MAINPID
           # SIGTERM drains: deregister (DNS moves), fail /health while still serving for

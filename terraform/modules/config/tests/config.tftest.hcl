@@ -29,6 +29,10 @@ run "renders_the_config" {
     condition     = yamldecode(output.skymesh_config).dns.provider == "route53"
     error_message = "the AWS deployment uses the Route53 provider"
   }
+  assert {
+    condition     = alltrue([for r in yamldecode(output.skymesh_config).regions : r.balancer.fleet == "registered" && !contains(keys(r.balancer), "siblings")])
+    error_message = "every region's balancers are a registered fleet (an Auto Scaling group), listed nowhere"
+  }
 }
 
 run "rejects_bad_policy" {

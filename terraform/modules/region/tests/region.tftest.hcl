@@ -242,6 +242,11 @@ run "peer_forwards_port_only_from_peers" {
     condition     = length([for r in aws_security_group.balancer.ingress : r if r.from_port == 8443 && r.to_port == 8443 && toset(r.cidr_blocks) == toset(var.peer_cidrs)]) == 1
     error_message = "the peer listener (8443, mTLS forwards) is open to peer networks only"
   }
+
+  assert {
+    condition     = length([for r in aws_security_group.balancer.ingress : r if r.from_port == 9000 && r.to_port == 9000 && coalesce(r.self, false) && length(coalesce(r.cidr_blocks, [])) == 0]) == 1
+    error_message = "the region's balancers reach each other's gRPC listener (the sibling channel) through the security group itself"
+  }
 }
 
 run "rejects_a_replica_pool_out_of_bounds" {
