@@ -16,8 +16,8 @@ by a page scraped ``siblings.page_lag_s`` after it (the count cannot tell whose 
 page shows). The policy still sees a replica as available when it is free region-wide
 (its budget less every balancer's unseen pushes there, as they last said); a pick of one
 where this balancer holds no free unit is counted as a *want*, which the unit's home
-answers with a lease in its next message, and the request goes meanwhile to the policy's
-pick among the replicas where a unit is held here (dispatch never waits for a sibling).
+answers with a lease in its next message; the request keeps its pick and waits for it
+(no per-use answer: one message of the home's, which a want sends at once).
 A replica's ``pending_prefill_tokens`` in the views the policy sees is the region's: this
 balancer's own plus what its siblings last said they have there without a first token
 (the load a policy weighs; a sibling's share is as old as its last message).
@@ -409,27 +409,20 @@ class BalancerCore:
                     f"policy {self.policy.name!r} chose unavailable replica {decision.replica_id!r}"
                 )
             if self.siblings is not None and not self._has_unit_free(decision.replica_id):
-                # free region-wide, not here: its home lends a unit in its next round (the
-                # want says so); meanwhile the best replica where a unit is held here
-                if wanted < WANT_LOOKAHEAD:
-                    self.wants[decision.replica_id] = self.wants.get(decision.replica_id, 0) + 1
-                    wanted += 1
-                decision = self._choose_where_held(q, views, now)
-                if decision is None:
-                    held += 1
-                    continue
+                # free region-wide, not here: the unit's home leases it in its next message
+                # (the want says so); the request keeps its cache-affine pick meanwhile
+                # (sending it to a replica held here instead cost a third of the hit rate
+                # and 11% of the SLO attainment with 3 balancers: docs/benchmarks.md)
+                self.wants[decision.replica_id] = self.wants.get(decision.replica_id, 0) + 1
+                held += 1
+                wanted += 1
+                if wanted >= WANT_LOOKAHEAD:
+                    break
+                continue
             self._dequeue(rid)
             self._commit(q, decision, now)
             placed.append((q.req, decision))
         return placed
-
-    def _choose_where_held(self, q: _Queued, views: dict[str, ReplicaView], now: float) -> Decision | None:
-        """The policy's pick among the replicas where this balancer holds a free unit."""
-        held_here = {k: v for k, v in views.items() if v.available and self._has_unit_free(k)}
-        if not held_here:
-            return None
-        decision = self.policy.choose(q.req, held_here, now)
-        return decision if decision.replica_id in held_here else None
 
     def _free_slots(self) -> dict[str, int]:
         """Per available replica, the requests this balancer can still send it before its
