@@ -43,6 +43,64 @@ FINAL_ANSWER_HEADER = "X-Skymesh-Final"
 DISCONNECT_JUDGED_AFTER_S = 1.0
 
 
+class SilenceBound:
+    """``async with SilenceBound(limit_s) as watch``: the longest silence of a stream.
+
+    Time counts only while the stream is ``listening``; after ``limit_s`` of it without
+    :meth:`heard`, the task is cancelled and the block raises :class:`TimeoutError` (as
+    ``asyncio.timeout`` around each read would, which made and cancelled a timer per
+    chunk). One timer for the whole stream: when it fires early (something was heard in
+    between) it is set again for the time still left."""
+
+    __slots__ = ("_loop", "_limit_s", "_task", "_since", "_handle", "_expired", "_cancelling")
+
+    def __init__(self, limit_s: float) -> None:
+        self._limit_s = limit_s
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # None: not listening (the clock is stopped)
+        self._handle: asyncio.TimerHandle | None = None
+        self._expired = False
+        self._cancelling = 0
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+
+    async def __aenter__(self) -> SilenceBound:
+        self._cancelling = self._task.cancelling()
+        self.heard()
+        self._handle = self._loop.call_at(self._loop.time() + self._limit_s, self._check)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self._expired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc
+
+    def heard(self) -> None:
+        """Something arrived, or listening begins: the silence counts from now."""
+        self._since = self._loop.time()
+
+    def paused(self) -> None:
+        """Not listening (writing to the client): no silence counts until :meth:`heard`."""
+        self._since = None
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._since is None:
+            self._handle = self._loop.call_at(now + self._limit_s, self._check)
+            return
+        due = self._since + self._limit_s
+        if now < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._handle = None
+        self._expired = True
+        self._task.cancel()
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamTimeouts:
     connect_s: float = 2.0
@@ -155,15 +213,17 @@ async def attempt(
         await resp.prepare(request)
         await resp.write(first)
         tail = bytearray(first[-TAIL_BYTES:])
-        while True:
-            async with asyncio.timeout(timeouts.stream_idle_s):
-                chunk = await upstream.content.readany()
-            if not chunk:
-                break
-            await resp.write(chunk)
-            tail += chunk
-            if len(tail) > 2 * TAIL_BYTES:  # trimmed in halves: amortised O(1) per byte
-                del tail[:-TAIL_BYTES]
+        async with SilenceBound(timeouts.stream_idle_s) as silence:
+            while True:
+                chunk = await upstream.content.readany()  # the silence between chunks is bounded
+                if not chunk:
+                    break
+                silence.paused()  # a slow client's writes are not the upstream's silence
+                await resp.write(chunk)
+                silence.heard()
+                tail += chunk
+                if len(tail) > 2 * TAIL_BYTES:  # trimmed in halves: amortised O(1) per byte
+                    del tail[:-TAIL_BYTES]
         await resp.write_eof()
         return AttemptOutcome(Outcome.SERVED, resp, tail=bytes(tail[-TAIL_BYTES:]))
     except (TimeoutError, aiohttp.ClientError) as e:

@@ -1,0 +1,130 @@
+"""The bound on a stream's silence between chunks (skymesh/balancer/proxy.py SilenceBound):
+one timer per stream, the same answers as ``asyncio.timeout`` around each read."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from skymesh.balancer.proxy import (
+    AttemptOutcome,
+    AttemptTarget,
+    Outcome,
+    SilenceBound,
+    UpstreamTimeouts,
+    attempt,
+)
+from skymesh.balancer.usage import TAIL_BYTES
+from skymesh.edge.openai_errors import sse_error_event
+
+
+async def test_a_silent_stream_ends_in_a_timeout() -> None:
+    with pytest.raises(TimeoutError):
+        async with SilenceBound(0.05):
+            await asyncio.Event().wait()  # nothing ever arrives
+
+
+async def test_a_stream_that_keeps_talking_is_not_cut() -> None:
+    # 1.5 s of chunks 50 ms apart under a 1 s bound: the silence never reaches it
+    async with SilenceBound(1.0) as silence:
+        for _ in range(30):
+            await asyncio.sleep(0.05)
+            silence.heard()
+
+
+async def test_no_silence_counts_while_paused() -> None:
+    # a slow client's write (paused) of four times the bound is not the upstream's silence
+    async with SilenceBound(0.05) as silence:
+        silence.paused()
+        await asyncio.sleep(0.2)
+        silence.heard()
+
+
+async def test_silence_after_a_pause_still_counts() -> None:
+    with pytest.raises(TimeoutError):
+        async with SilenceBound(0.05) as silence:
+            silence.paused()
+            await asyncio.sleep(0.1)
+            silence.heard()
+            await asyncio.Event().wait()
+
+
+async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
+    started = asyncio.Event()
+
+    async def stream() -> None:
+        async with SilenceBound(60.0):
+            started.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(stream())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+
+
+async def test_a_timeout_leaves_the_task_uncancelled() -> None:
+    # as asyncio.timeout: the TimeoutError is caught and the task goes on, not cancelling
+    with pytest.raises(TimeoutError):
+        async with SilenceBound(0.01):
+            await asyncio.sleep(10)
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+    await asyncio.sleep(0)  # still runs
+
+
+async def _proxied(upstream_chunks: list[tuple[float, bytes]], hang: bool, idle_s: float) -> tuple[bytes, AttemptOutcome]:
+    """A client's answer through proxy.attempt from an upstream that writes each chunk after
+    its delay (then hangs, or ends), and the attempt's outcome."""
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for delay, chunk in upstream_chunks:
+            await asyncio.sleep(delay)
+            await resp.write(chunk)
+        if hang:
+            await asyncio.Event().wait()
+        await resp.write_eof()
+        return resp
+
+    outcomes: list[AttemptOutcome] = []
+
+    async def balancer(request: web.Request) -> web.StreamResponse:
+        target = AttemptTarget(str(up.make_url("/v1/completions")), {"Content-Type": "application/json"}, session,
+                               lambda u: {"Content-Type": u.headers.get("Content-Type", "")})
+        outcome = await attempt(request, b"{}", target, UpstreamTimeouts(stream_idle_s=idle_s), 30.0,
+                                lambda is_stream: None)
+        outcomes.append(outcome)
+        assert outcome.response is not None
+        return outcome.response
+
+    up_app = web.Application()
+    up_app.router.add_post("/v1/completions", upstream)
+    front_app = web.Application()
+    front_app.router.add_post("/v1/completions", balancer)
+    async with TestServer(up_app) as up, TestServer(front_app) as front, aiohttp.ClientSession() as session, \
+            session.post(front.make_url("/v1/completions"), data=b"{}") as r:
+        body = await r.read()
+    return body, outcomes[0]
+
+
+async def test_an_upstream_silent_mid_stream_ends_the_answer_with_an_error_event() -> None:
+    body, outcome = await _proxied([(0, b"data: one\n\n")], hang=True, idle_s=0.1)
+    assert outcome.outcome is Outcome.FAILED_MIDSTREAM and outcome.reason == "TimeoutError"
+    assert body.startswith(b"data: one\n\n")
+    assert body[len(b"data: one\n\n"):] == sse_error_event("upstream failed mid-response")
+
+
+async def test_an_upstream_that_keeps_talking_is_served_whole() -> None:
+    chunks = [(0.0, b"data: one\n\n")] + [(0.02, f"data: {i}\n\n".encode()) for i in range(20)]
+    body, outcome = await _proxied(chunks, hang=False, idle_s=1.0)
+    assert outcome.outcome is Outcome.SERVED
+    assert body == b"".join(c for _, c in chunks)
+    assert outcome.tail == body[-TAIL_BYTES:]
