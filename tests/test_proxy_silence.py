@@ -128,3 +128,11 @@ async def test_an_upstream_that_keeps_talking_is_served_whole() -> None:
     assert outcome.outcome is Outcome.SERVED
     assert body == b"".join(c for _, c in chunks)
     assert outcome.tail == body[-TAIL_BYTES:]
+
+
+async def test_an_answer_in_one_piece_is_passed_on_whole() -> None:
+    # the first chunk may arrive with the answer's end: it leaves with the client's end
+    whole = b'data: {"choices":[{"text":"hi"}],"usage":{"completion_tokens":1}}\n\ndata: [DONE]\n\n'
+    body, outcome = await _proxied([(0.0, whole)], hang=False, idle_s=1.0)
+    assert outcome.outcome is Outcome.SERVED
+    assert body == whole and outcome.tail == whole

@@ -211,20 +211,28 @@ async def attempt(
         on_first_byte("text/event-stream" in headers.get("Content-Type", ""))
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
-        await resp.write(first)
         tail = bytearray(first[-TAIL_BYTES:])
+        # the answer's last bytes, when they are in hand with its end, leave with the end of
+        # the client's answer in one write (the same bytes as a write and then the end)
+        if upstream.content.at_eof():
+            await resp.write_eof(first)
+            return AttemptOutcome(Outcome.SERVED, resp, tail=bytes(tail))
+        await resp.write(first)
         async with SilenceBound(timeouts.stream_idle_s) as silence:
             while True:
                 chunk = await upstream.content.readany()  # the silence between chunks is bounded
                 if not chunk:
                     break
-                silence.paused()  # a slow client's writes are not the upstream's silence
-                await resp.write(chunk)
-                silence.heard()
                 tail += chunk
                 if len(tail) > 2 * TAIL_BYTES:  # trimmed in halves: amortised O(1) per byte
                     del tail[:-TAIL_BYTES]
-        await resp.write_eof()
+                silence.paused()  # a slow client's writes are not the upstream's silence
+                if upstream.content.at_eof():
+                    await resp.write_eof(chunk)
+                    break
+                await resp.write(chunk)
+                silence.heard()
+        await resp.write_eof()  # no-op when the last chunk ended it
         return AttemptOutcome(Outcome.SERVED, resp, tail=bytes(tail[-TAIL_BYTES:]))
     except (TimeoutError, aiohttp.ClientError) as e:
         # after the first byte: end the stream with an error event
