@@ -18,6 +18,7 @@ from skymesh.balancer.proxy import (
     UpstreamTimeouts,
     attempt,
 )
+from skymesh.balancer.upstream_http import UpstreamPool
 from skymesh.balancer.usage import TAIL_BYTES
 from skymesh.edge.openai_errors import sse_error_event
 
@@ -79,9 +80,11 @@ async def test_a_timeout_leaves_the_task_uncancelled() -> None:
     await asyncio.sleep(0)  # still runs
 
 
-async def _proxied(upstream_chunks: list[tuple[float, bytes]], hang: bool, idle_s: float) -> tuple[bytes, AttemptOutcome]:
+async def _proxied(upstream_chunks: list[tuple[float, bytes]], hang: bool, idle_s: float,
+                   lean: bool) -> tuple[bytes, AttemptOutcome]:
     """A client's answer through proxy.attempt from an upstream that writes each chunk after
-    its delay (then hangs, or ends), and the attempt's outcome."""
+    its delay (then hangs, or ends), and the attempt's outcome; ``lean``: sent by the lean
+    client (skymesh/balancer/upstream_http.py), else by aiohttp's."""
 
     async def upstream(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -98,7 +101,8 @@ async def _proxied(upstream_chunks: list[tuple[float, bytes]], hang: bool, idle_
 
     async def balancer(request: web.Request) -> web.StreamResponse:
         target = AttemptTarget(str(up.make_url("/v1/completions")), {"Content-Type": "application/json"}, session,
-                               lambda u: {"Content-Type": u.headers.get("Content-Type", "")})
+                               lambda u: {"Content-Type": u.headers.get("Content-Type", "")},
+                               pool=pool if lean else None)
         outcome = await attempt(request, b"{}", target, UpstreamTimeouts(stream_idle_s=idle_s), 30.0,
                                 lambda is_stream: None)
         outcomes.append(outcome)
@@ -109,30 +113,37 @@ async def _proxied(upstream_chunks: list[tuple[float, bytes]], hang: bool, idle_
     up_app.router.add_post("/v1/completions", upstream)
     front_app = web.Application()
     front_app.router.add_post("/v1/completions", balancer)
-    async with TestServer(up_app) as up, TestServer(front_app) as front, aiohttp.ClientSession() as session, \
-            session.post(front.make_url("/v1/completions"), data=b"{}") as r:
-        body = await r.read()
+    pool = UpstreamPool(keepalive_s=4.0)
+    try:
+        async with TestServer(up_app) as up, TestServer(front_app) as front, aiohttp.ClientSession() as session, \
+                session.post(front.make_url("/v1/completions"), data=b"{}") as r:
+            body = await r.read()
+    finally:
+        await pool.close()
     return body, outcomes[0]
 
 
-async def test_an_upstream_silent_mid_stream_ends_the_answer_with_an_error_event() -> None:
-    body, outcome = await _proxied([(0, b"data: one\n\n")], hang=True, idle_s=0.1)
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-client", "aiohttp-client"])
+async def test_an_upstream_silent_mid_stream_ends_the_answer_with_an_error_event(lean: bool) -> None:
+    body, outcome = await _proxied([(0, b"data: one\n\n")], hang=True, idle_s=0.1, lean=lean)
     assert outcome.outcome is Outcome.FAILED_MIDSTREAM and outcome.reason == "TimeoutError"
     assert body.startswith(b"data: one\n\n")
     assert body[len(b"data: one\n\n"):] == sse_error_event("upstream failed mid-response")
 
 
-async def test_an_upstream_that_keeps_talking_is_served_whole() -> None:
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-client", "aiohttp-client"])
+async def test_an_upstream_that_keeps_talking_is_served_whole(lean: bool) -> None:
     chunks = [(0.0, b"data: one\n\n")] + [(0.02, f"data: {i}\n\n".encode()) for i in range(20)]
-    body, outcome = await _proxied(chunks, hang=False, idle_s=1.0)
+    body, outcome = await _proxied(chunks, hang=False, idle_s=1.0, lean=lean)
     assert outcome.outcome is Outcome.SERVED
     assert body == b"".join(c for _, c in chunks)
     assert outcome.tail == body[-TAIL_BYTES:]
 
 
-async def test_an_answer_in_one_piece_is_passed_on_whole() -> None:
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-client", "aiohttp-client"])
+async def test_an_answer_in_one_piece_is_passed_on_whole(lean: bool) -> None:
     # the first chunk may arrive with the answer's end: it leaves with the client's end
     whole = b'data: {"choices":[{"text":"hi"}],"usage":{"completion_tokens":1}}\n\ndata: [DONE]\n\n'
-    body, outcome = await _proxied([(0.0, whole)], hang=False, idle_s=1.0)
+    body, outcome = await _proxied([(0.0, whole)], hang=False, idle_s=1.0, lean=lean)
     assert outcome.outcome is Outcome.SERVED
     assert body == whole and outcome.tail == whole

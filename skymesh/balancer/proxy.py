@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from enum import Enum
 import aiohttp
 from aiohttp import web
 
+from skymesh.balancer.upstream_http import UpstreamPool, UpstreamResponse
 from skymesh.balancer.usage import TAIL_BYTES
 from skymesh.edge.openai_errors import sse_error_event
 from skymesh.routing.harm import Harm
@@ -139,17 +141,30 @@ class AttemptOutcome:
     harm: Harm | None = None
 
 
+# an upstream's answer: aiohttp's, or the lean client's for plain-http replicas
+Upstream = aiohttp.ClientResponse | UpstreamResponse
+
+
 @dataclass(slots=True)
 class AttemptTarget:
     url: str
     headers: dict[str, str]
     session: aiohttp.ClientSession
     # response headers for the client, given the upstream's headers
-    client_headers: Callable[[aiohttp.ClientResponse], dict[str, str]]
+    client_headers: Callable[[Upstream], dict[str, str]]
     # TLS of the connection (a peer balancer's listener): the context, and the name its
     # certificate must carry; True / None: aiohttp's defaults
     ssl: ssl.SSLContext | bool = True
     server_hostname: str | None = None
+    # the lean client's pool (a plain-http replica; skymesh/balancer/upstream_http.py);
+    # None: ``session`` sends it
+    pool: UpstreamPool | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def _client_timeout(connect_s: float) -> aiohttp.ClientTimeout:
+    """aiohttp's timeouts of an attempt (made once per connect bound, not per attempt)."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
 
 
 async def attempt(
@@ -165,15 +180,19 @@ async def attempt(
     ``on_first_byte(is_stream)`` runs once, synchronously, right before the first byte is
     written to the client.
     """
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
     resp: web.StreamResponse | None = None
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: Upstream | None = None
     try:
         async with asyncio.timeout(first_byte_deadline_s):
-            upstream = await target.session.post(target.url, data=raw, headers=target.headers, timeout=timeout,
-                                                 ssl=target.ssl, server_hostname=target.server_hostname)
+            if target.pool is not None:
+                upstream = await target.pool.post(target.url, raw, target.headers,
+                                                  connect_timeout_s=timeouts.connect_s)
+            else:
+                upstream = await target.session.post(target.url, data=raw, headers=target.headers,
+                                                     timeout=_client_timeout(timeouts.connect_s), ssl=target.ssl,
+                                                     server_hostname=target.server_hostname)
             if upstream.status != 200:
                 body = await upstream.read()
                 if upstream.status in RETRYABLE_STATUSES and upstream.headers.get(FINAL_ANSWER_HEADER) != "1":
