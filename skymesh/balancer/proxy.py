@@ -141,6 +141,15 @@ class AttemptOutcome:
     harm: Harm | None = None
 
 
+class _RelayedAnswer(web.StreamResponse):
+    """The client's answer to a proxied request: its head leaves with the first body bytes
+    in one write (a plain StreamResponse sends it alone at ``prepare``; aiohttp's own
+    ``web.Response`` buffers it the same way, by this class attribute). ``attempt``
+    writes the first bytes right after ``prepare``, with no await between."""
+
+    _send_headers_immediately = False
+
+
 # an upstream's answer: aiohttp's, or the lean client's for plain-http replicas
 Upstream = aiohttp.ClientResponse | UpstreamResponse
 
@@ -228,7 +237,7 @@ async def attempt(
     try:
         headers = target.client_headers(upstream)
         on_first_byte("text/event-stream" in headers.get("Content-Type", ""))
-        resp = web.StreamResponse(status=200, headers=headers)
+        resp = _RelayedAnswer(status=200, headers=headers)
         await resp.prepare(request)
         tail = bytearray(first[-TAIL_BYTES:])
         # the answer's last bytes, when they are in hand with its end, leave with the end of

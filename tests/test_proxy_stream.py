@@ -1,5 +1,6 @@
-"""The bound on a stream's silence between chunks (skymesh/balancer/proxy.py SilenceBound):
-one timer per stream, the same answers as ``asyncio.timeout`` around each read."""
+"""A proxied stream (skymesh/balancer/proxy.py): the bound on its silence between chunks
+(SilenceBound: one timer per stream, the same answers as ``asyncio.timeout`` around each
+read), the bytes the client gets through either upstream client, and how they are written."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ async def test_a_timeout_leaves_the_task_uncancelled() -> None:
 
 
 async def _proxied(upstream_chunks: list[tuple[float, bytes]], hang: bool, idle_s: float,
-                   lean: bool) -> tuple[bytes, AttemptOutcome]:
+                   lean: bool, writes: list[bytes] | None = None) -> tuple[bytes, AttemptOutcome]:
     """A client's answer through proxy.attempt from an upstream that writes each chunk after
     its delay (then hangs, or ends), and the attempt's outcome; ``lean``: sent by the lean
     client (skymesh/balancer/upstream_http.py), else by aiohttp's."""
@@ -100,6 +101,16 @@ async def _proxied(upstream_chunks: list[tuple[float, bytes]], hang: bool, idle_
     outcomes: list[AttemptOutcome] = []
 
     async def balancer(request: web.Request) -> web.StreamResponse:
+        if writes is not None:  # what the balancer writes to its client, write by write
+            transport = request.transport
+            assert transport is not None
+            write = transport.write
+
+            def recorded(data: bytes) -> None:
+                writes.append(bytes(data))
+                write(data)
+
+            transport.write = recorded  # type: ignore[method-assign]
         target = AttemptTarget(str(up.make_url("/v1/completions")), {"Content-Type": "application/json"}, session,
                                lambda u: {"Content-Type": u.headers.get("Content-Type", "")},
                                pool=pool if lean else None)
@@ -147,3 +158,12 @@ async def test_an_answer_in_one_piece_is_passed_on_whole(lean: bool) -> None:
     body, outcome = await _proxied([(0.0, whole)], hang=False, idle_s=1.0, lean=lean)
     assert outcome.outcome is Outcome.SERVED
     assert body == whole and outcome.tail == whole
+
+
+async def test_the_answers_head_leaves_with_its_first_bytes() -> None:
+    writes: list[bytes] = []
+    chunks = [(0.0, b"data: one\n\n"), (0.05, b"data: two\n\n")]
+    body, outcome = await _proxied(chunks, hang=False, idle_s=1.0, lean=True, writes=writes)
+    assert outcome.outcome is Outcome.SERVED and body == b"data: one\n\ndata: two\n\n"
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert writes[0].endswith(b"\r\n\r\nb\r\ndata: one\n\n\r\n")  # one write: the head and the first chunk
