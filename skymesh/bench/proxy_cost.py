@@ -9,7 +9,7 @@ user+system time of that process tree, less its idle CPU over the same wall time
 
 ``--tracing`` adds the balancer with OpenTelemetry tracing on (every request sampled,
 and none: ``sampling_ratio`` 0), exporting to a sink in this process; ``--baseline-src
-DIR`` adds the balancer of another source tree (e.g. the commit before a change), tracing
+DIR`` (repeatable) adds the balancer of another source tree (e.g. the commit before a change), tracing
 off both; ``--stdlib-loop`` adds the balancer on the stdlib event loop instead of uvloop
 (``SKYMESH_EVENT_LOOP=asyncio``, skymesh/runtime/event_loop.py). ``--rounds N`` runs every
 variant and peer router N times in turn (each round starting one further on) and reports
@@ -152,7 +152,8 @@ def _median_of(runs: list[dict[str, float]]) -> dict[str, Any]:
 
 
 async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prompt_chars: int = 0,
-                  tokenizer: str | None = None, tracing: bool = False, baseline_src: str | None = None,
+                  tokenizer: str | None = None, tracing: bool = False,
+                  baseline_src: str | list[str] | None = None,
                   rounds: int = 1, stdlib_loop: bool = False,
                   peers: tuple[str, ...] = PEERS) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-proxy-"))
@@ -188,8 +189,12 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
         variants: list[tuple[str, dict[str, Any], dict[str, str] | None]] = [("skymesh", {}, None)]
         if stdlib_loop:
             variants.append(("skymesh_stdlib_loop", {}, {ENV_VAR: STDLIB}))
-        if baseline_src is not None:
-            variants.append(("skymesh_baseline", {}, {"PYTHONPATH": baseline_src}))
+        baselines = [baseline_src] if isinstance(baseline_src, str) else list(baseline_src or [])
+        for i, src in enumerate(baselines):
+            # the first is "skymesh_baseline" (as with one), the others "skymesh_baseline_2", ...
+            name = "skymesh_baseline" if i == 0 else f"skymesh_baseline_{i + 1}"
+            variants.append((name, {}, {"PYTHONPATH": src}))
+            results.setdefault("baseline_src", {})[name] = src
         if tracing:
             await sink.start()
             batch = {"schedule_delay_ms": 200}
@@ -267,9 +272,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a tokenizer.json: also measure the balancer hashing token ids with it")
     p.add_argument("--tracing", action="store_true",
                    help="also measure the balancer with OpenTelemetry tracing on (all sampled, and none)")
-    p.add_argument("--baseline-src", default=None,
+    p.add_argument("--baseline-src", default=None, action="append",
                    help="a source tree (its skymesh/ package) whose balancer is measured too, e.g. the "
-                        "commit before a change (git archive REV | tar -x -C DIR)")
+                        "commit before a change (git archive REV | tar -x -C DIR); repeat it for several "
+                        "(skymesh_baseline, skymesh_baseline_2, ...)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the balancer variants this many times in turn; each one's median is reported")
     p.add_argument("--stdlib-loop", action="store_true",
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     res = asyncio.run(measure(args.requests, args.replicas, args.concurrency, args.max_tokens,
                               args.prompt_chars, os.path.abspath(args.tokenizer) if args.tokenizer else None,
                               tracing=args.tracing,
-                              baseline_src=os.path.abspath(args.baseline_src) if args.baseline_src else None,
+                              baseline_src=[os.path.abspath(b) for b in args.baseline_src or []],
                               rounds=args.rounds, stdlib_loop=args.stdlib_loop,
                               peers=tuple(p for p in args.peers.split(",") if p)))
     print(json.dumps(res, indent=2))
