@@ -222,9 +222,14 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
                 if name in by_name:
                     extra, env = by_name[name]
                     (tmp / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
+                    # another tree's balancer runs from that tree: `python -m` puts the working
+                    # directory first on sys.path, ahead of PYTHONPATH (from this clone's root it
+                    # would import this tree's skymesh, whatever PYTHONPATH says)
+                    src = (env or {}).get("PYTHONPATH")
                     child = Child(name, skymesh_cmd("balancer", "--config", str(tmp / f"{name}.yaml"), "--region",
                                                     "bench-1", "--http-port", "0", "--no-controller", "--no-peers",
-                                                    "--log-level", "WARNING"), tmp, env=env)
+                                                    "--log-level", "WARNING"), tmp, env=env,
+                                  cwd=Path(src) if src else None)
                     child.start()
                     children.append(child)
                     url = f"http://127.0.0.1:{(await child.wait_ready())['http']}"
