@@ -209,6 +209,9 @@ class _Sink:
             def is_closing(self) -> bool:
                 return False
 
+            def close(self) -> None:
+                pass
+
         self.conn.connection_made(_Transport())
 
     async def answer(self, pieces: list[bytes]) -> tuple[UpstreamResponse, bytes]:
@@ -233,3 +236,27 @@ async def test_chunked_bodies_decode_however_the_bytes_are_split(chunks: list[by
     response, body = await _Sink().answer(pieces)
     assert body == b"".join(chunks)
     assert response._eof
+
+
+@pytest.mark.parametrize("size", [b"+a", b"-1", b"1_0", b"", b"zz", b"0x1"])
+async def test_a_chunk_size_that_is_not_hex_digits_breaks_the_answer(size: bytes) -> None:
+    sink = _Sink()
+    head = sink.conn.send(b"")
+    sink.conn.data_received(_CHUNKED_HEAD + b"1\r\na\r\n" + size + b"\r\n")
+    response = await head
+    with pytest.raises(aiohttp.ClientPayloadError):
+        while await response.readany():
+            pass
+
+
+async def test_headers_are_read_case_blind_first_of_repeats() -> None:
+    sink = _Sink()
+    head = sink.conn.send(b"")
+    sink.conn.data_received(b"HTTP/1.1 503 Service Unavailable\r\ncontent-TYPE: application/json\r\n"
+                            b"X-Skymesh-Final: 1\r\nX-Skymesh-Final: 0\r\nContent-Length: 2\r\n\r\n{}")
+    response = await head
+    assert response.status == 503
+    assert response.headers.get("Content-Type") == "application/json"
+    assert response.headers["x-skymesh-final"] == "1" and "X-SKYMESH-FINAL" in response.headers
+    assert response.headers.get("Missing", "d") == "d"
+    assert await response.read() == b"{}"

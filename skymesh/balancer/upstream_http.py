@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 from collections import deque
@@ -39,7 +40,6 @@ from aiohttp import (
 )
 from aiohttp.client_reqrep import ConnectionKey
 from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError, LineTooLong
-from multidict import CIMultiDict
 
 # a head longer than this is refused (aiohttp's client bound: 8190 bytes a line)
 MAX_HEAD_BYTES = 64 * 1024
@@ -48,7 +48,23 @@ MAX_CHUNK_LINE = 1024
 # body bytes held for the proxy before the socket stops being read (until the proxy reads them)
 HIGH_WATER = 256 * 1024
 
+_HEX_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _TO_CLOSE, _DONE = range(8)
+
+
+class UpstreamHeaders(dict[str, str]):
+    """An answer's headers by lower-case name (the first of repeated ones), read case
+    blind as aiohttp's ``CIMultiDictProxy`` is for what the proxy asks of them."""
+
+    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        return dict.get(self, name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and dict.__contains__(self, name.lower())
 
 
 class UpstreamResponse:
@@ -58,7 +74,7 @@ class UpstreamResponse:
     __slots__ = ("status", "headers", "_conn", "_chunks", "_size", "_eof", "_error", "_waiter", "_keep_alive",
                  "_released")
 
-    def __init__(self, conn: _Connection, status: int, headers: CIMultiDict[str], keep_alive: bool) -> None:
+    def __init__(self, conn: _Connection, status: int, headers: UpstreamHeaders, keep_alive: bool) -> None:
         self.status = status
         self.headers = headers
         self._conn = conn
@@ -282,22 +298,24 @@ class _Connection(asyncio.Protocol):
 
     def _start(self, head: bytes) -> None:
         """The answer's head: status, headers, and how its body is framed."""
-        lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
+        lines = head.decode("latin-1").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
         code = rest[:3]
-        if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise BadStatusLine(lines[0].decode("latin-1"))
+        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+            raise BadStatusLine(lines[0])
         status = int(code)
-        headers: CIMultiDict[str] = CIMultiDict()
+        headers = UpstreamHeaders()
         for line in lines[1:]:
-            name, colon, value = line.partition(b":")
+            name, colon, value = line.partition(":")
             if not colon or not name or name != name.strip():
-                raise BadStatusLine(line.decode("latin-1"))
-            headers.add(name.decode("latin-1"), value.strip().decode("latin-1"))
+                raise BadStatusLine(line)
+            name = name.lower()
+            if name not in headers:
+                dict.__setitem__(headers, name, value.strip())
         if 100 <= status < 200:
             return  # interim: stay in _HEAD
         connection = headers.get("Connection", "").lower()
-        keep_alive = "close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection
+        keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
         response = self._response = UpstreamResponse(self, status, headers, keep_alive)
         if "chunked" in headers.get("Transfer-Encoding", "").lower():
             self._state = _CHUNK_SIZE
@@ -318,60 +336,64 @@ class _Connection(asyncio.Protocol):
             self._head.set_result(response)
 
     def _chunked(self, data: bytes, response: UpstreamResponse) -> None:
-        buf = self._buf
-        buf += data
+        """Decode chunked framing: ``data`` read by position (a whole answer often comes in
+        one read), what is left of an incomplete line kept for the next read."""
+        if self._buf:
+            data = bytes(self._buf) + data
+            self._buf.clear()
+        pos = 0
+        end_of_data = len(data)
         out: list[bytes] = []
         try:
-            while buf:
+            while pos < end_of_data:
                 state = self._state
                 if state == _CHUNK_DATA:
-                    take = bytes(buf[:self._remaining])
-                    del buf[:len(take)]
-                    out.append(take)
-                    self._remaining -= len(take)
+                    stop = min(pos + self._remaining, end_of_data)
+                    out.append(data[pos:stop])
+                    self._remaining -= stop - pos
+                    pos = stop
                     if not self._remaining:
                         self._state = _CHUNK_END
                 elif state == _CHUNK_END:
-                    if len(buf) < 2:
-                        return
-                    if buf[:2] != b"\r\n":
+                    if end_of_data - pos < 2:
+                        break
+                    if data[pos:pos + 2] != b"\r\n":
                         raise BadStatusLine("chunk not ended by CRLF")
-                    del buf[:2]
+                    pos += 2
                     self._state = _CHUNK_SIZE
                 elif state == _CHUNK_SIZE:
-                    end = buf.find(b"\r\n")
+                    end = data.find(b"\r\n", pos)
                     if end < 0:
-                        if len(buf) > MAX_CHUNK_LINE:
-                            raise LineTooLong("chunk size", str(MAX_CHUNK_LINE), str(len(buf)))
-                        return
-                    size = bytes(buf[:end]).split(b";", 1)[0].strip()
-                    del buf[:end + 2]
-                    try:
-                        self._remaining = int(size, 16)
-                    except ValueError:
-                        raise BadStatusLine(f"chunk size {size!r}") from None
-                    if self._remaining < 0:
+                        if end_of_data - pos > MAX_CHUNK_LINE:
+                            raise LineTooLong("chunk size", str(MAX_CHUNK_LINE), str(end_of_data - pos))
+                        break
+                    size = data[pos:end].split(b";", 1)[0].strip()
+                    pos = end + 2
+                    if _HEX_SIZE.fullmatch(size) is None:  # int() would take "+a", "1_0"
                         raise BadStatusLine(f"chunk size {size!r}")
+                    self._remaining = int(size, 16)
                     self._state = _CHUNK_DATA if self._remaining else _TRAILER
                 elif state == _TRAILER:
-                    end = buf.find(b"\r\n")
+                    end = data.find(b"\r\n", pos)
                     if end < 0:
-                        if len(buf) > MAX_HEAD_BYTES:
-                            raise LineTooLong("trailer", str(MAX_HEAD_BYTES), str(len(buf)))
-                        return
-                    del buf[:end + 2]
-                    if end == 0:  # the empty line after the last chunk (and any trailers)
+                        if end_of_data - pos > MAX_HEAD_BYTES:
+                            raise LineTooLong("trailer", str(MAX_HEAD_BYTES), str(end_of_data - pos))
+                        break
+                    line_empty = end == pos
+                    pos = end + 2
+                    if line_empty:  # the empty line after the last chunk (and any trailers)
                         self._state = _DONE
-                        if out:
-                            response._feed(b"".join(out))
-                            out = []
-                        response._end()
-                        return
-                else:  # _DONE: what follows is not this answer's (kept: the connection is not reused)
-                    return
+                        break
+                else:  # _DONE
+                    break
+            if pos < end_of_data:
+                # an incomplete line, or bytes after the answer (then the connection is not reused)
+                self._buf += data[pos:]
         finally:
             if out:
                 response._feed(out[0] if len(out) == 1 else b"".join(out))
+        if self._state == _DONE:
+            response._end()
 
 
 class UpstreamPool:
