@@ -367,12 +367,21 @@ class _Connection(asyncio.Protocol):
                         if end_of_data - pos > MAX_CHUNK_LINE:
                             raise LineTooLong("chunk size", str(MAX_CHUNK_LINE), str(end_of_data - pos))
                         break
-                    size = data[pos:end].split(b";", 1)[0].strip()
-                    pos = end + 2
+                    size = data[pos:end]
+                    if b";" in size:  # a chunk extension: ignored
+                        size = size.split(b";", 1)[0].strip()
                     if _HEX_SIZE.fullmatch(size) is None:  # int() would take "+a", "1_0"
                         raise BadStatusLine(f"chunk size {size!r}")
-                    self._remaining = int(size, 16)
-                    self._state = _CHUNK_DATA if self._remaining else _TRAILER
+                    length = int(size, 16)
+                    start = end + 2
+                    stop = start + length
+                    if length and data[stop:stop + 2] == b"\r\n":  # the whole chunk is here: one step
+                        out.append(data[start:stop])
+                        pos = stop + 2
+                        continue
+                    pos = start
+                    self._remaining = length
+                    self._state = _CHUNK_DATA if length else _TRAILER
                 elif state == _TRAILER:
                     end = data.find(b"\r\n", pos)
                     if end < 0:
