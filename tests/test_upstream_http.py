@@ -99,10 +99,15 @@ async def test_an_error_answer_with_a_length_is_read_whole(pool: UpstreamPool) -
     app = web.Application()
     app.router.add_post("/v1/completions", refuse)
     async with TestServer(app) as server:
-        r = await pool.post(str(server.make_url("/v1/completions")), b"{}", {}, connect_timeout_s=2.0)
+        url = str(server.make_url("/v1/completions"))
+        r = await pool.post(url, b"{}", {}, connect_timeout_s=2.0)
         assert r.status == 400
         assert await r.read() == b'{"error": {"message": "no"}}'
-        r.release()
+        # not released by the caller (proxy.attempt returns on an error answer): read to
+        # its end, the connection went back to the pool by itself and carries the next one
+        again = await pool.post(url, b"{}", {}, connect_timeout_s=2.0)
+        assert again._conn is r._conn
+        assert await again.read() == b'{"error": {"message": "no"}}'
 
 
 async def test_a_refused_connection_is_aiohttps_connector_error(pool: UpstreamPool) -> None:

@@ -127,6 +127,9 @@ class UpstreamResponse:
                 self._conn.resume()  # no-op unless HIGH_WATER paused it
                 return data
             if self._eof:
+                # read to its end: the connection goes back now, as aiohttp's does at the
+                # payload's end (an attempt that returns on an error answer never releases)
+                self.release()
                 return b""
             self._waiter = asyncio.get_running_loop().create_future()
             try:
