@@ -17,6 +17,10 @@ connect bound ``ConnectionTimeoutError`` (a ``TimeoutError``); closed before a w
 ``ServerDisconnectedError`` (``ClientOSError`` on a reset); closed or broken inside the body
 ``ClientPayloadError``; a head that does not parse ``HttpProcessingError``.
 
+The request carries the attempt's headers with ``Host`` and ``Content-Length`` only: not
+aiohttp's default ``Accept``, ``Accept-Encoding: gzip, deflate`` and ``User-Agent`` (the
+answer is relayed as it comes, so it must not come compressed).
+
 Peer balancers (mTLS, the egress source address) and https replicas keep aiohttp's client.
 """
 
