@@ -4,10 +4,18 @@ on the shapes real vLLM 0.32 writes with --enable-prompt-tokens-details (capture
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from skymesh.balancer.usage import reported_cached_tokens
+from skymesh.balancer.usage import (
+    _CACHED,
+    _COMPLETION,
+    reported_cached_tokens,
+    reported_completion_tokens,
+)
 from skymesh.cache_prediction import PredictionResult, judge_prediction
 
 STREAM_END = (
@@ -69,3 +77,35 @@ def test_generated_text_cannot_fake_a_count() -> None:
 ])
 def test_judged_within_one_block(predicted: int, cached: int, result: PredictionResult) -> None:
     assert judge_prediction(predicted, cached, 128) is result
+
+
+# the reading before it searched from the end: every usage match, left to right, the last one
+_USAGE_BEFORE = re.compile(rb'(?<!\\)"usage"\s*:\s*(null|\{)')
+
+
+def _field_before(tail: bytes, field: re.Pattern[bytes]) -> int | None:
+    last = next(reversed(list(_USAGE_BEFORE.finditer(tail))), None)
+    if last is None or last.group(1) == b"null":
+        return None
+    found = field.search(tail, last.end())
+    return int(found.group(1)) if found is not None else None
+
+
+_PIECES = [b'"usage"', b'\\"usage\\"', b'\\', b':', b' ', b'\n', b'null', b'{', b'}', b'"cached_tokens"',
+           b'"completion_tokens"', b'7', b'42', b',', b'"text":"', b'data: [DONE]\n\n', b'"', b'usage']
+
+
+@given(st.lists(st.sampled_from(_PIECES), max_size=40))
+def test_the_search_from_the_end_reads_what_the_regex_over_all_read(pieces: list[bytes]) -> None:
+    tail = b"".join(pieces)
+    assert reported_cached_tokens(tail) == _field_before(tail, _CACHED)
+    assert reported_completion_tokens(tail) == _field_before(tail, _COMPLETION)
+
+
+def test_the_last_usage_counts_and_an_escaped_one_does_not() -> None:
+    two = b'"usage":{"completion_tokens":3} "usage" : {"completion_tokens":5}'
+    assert reported_completion_tokens(two) == 5
+    faked = b'"usage":{"completion_tokens":3} \\"usage\\":{\\"completion_tokens\\":9}'
+    assert reported_completion_tokens(faked) == 3
+    assert reported_completion_tokens(b'"usage":{"completion_tokens":3} "usage": null') is None
+    assert reported_completion_tokens(b'"usage" "usage":{"completion_tokens":4}') == 4

@@ -326,6 +326,8 @@ class BalancerMetrics:
             "skymesh_slo_target_misses_total", "Served requests that missed a target of their SLO class (ttft, tpot, e2e).",
             ("slo_class", "target"), registry=None,
         )
+        # labelled children of the per-request metrics, by (metric, labels): see _child
+        self._children: dict[tuple[int, tuple[str, ...]], Histogram | Counter] = {}
         # the HTTP edge's connection gauge and cap refusals (skymesh/edge/server.py)
         self.edge = EdgeMetrics.create(None, rejections=self.rejections, internal_errors=self.internal_errors)
         # registration order is the page's order: request-path metrics, then the load gauges
@@ -345,19 +347,30 @@ class BalancerMetrics:
         self.registry.register(PLATFORM_COLLECTOR)
         self.registry.register(GC_COLLECTOR)
 
+    def _child(self, metric: Histogram | Counter, *labels: str) -> Histogram | Counter:
+        """``metric.labels(*labels)``, looked up once per label set (a series is never
+        removed here, so the child stays the registry's): the requests' own metrics skip
+        prometheus_client's per-call label checks and lock."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_client_latency(self, *, slo_class: str | None, served_by_peer: bool, e2e_s: float,
                                ttft_s: float | None, completion_tokens: int | None) -> None:
         """One served answer as its client saw it (``ttft_s`` None: not streamed)."""
         labels = (self.region, slo_class or NO_SLO_CLASS, "peer" if served_by_peer else "local")
-        self.client_e2e.labels(*labels).observe(e2e_s)
+        self._child(self.client_e2e, *labels).observe(e2e_s)  # type: ignore[union-attr]
         if ttft_s is None:
             return
-        self.client_ttft.labels(*labels).observe(ttft_s)
+        self._child(self.client_ttft, *labels).observe(ttft_s)  # type: ignore[union-attr]
         if completion_tokens is not None and completion_tokens > 1:
-            self.client_tpot.labels(*labels).observe((e2e_s - ttft_s) / (completion_tokens - 1))
+            self._child(self.client_tpot, *labels).observe(  # type: ignore[union-attr]
+                (e2e_s - ttft_s) / (completion_tokens - 1))
 
     def observe_decision(self, req: RoutingRequest, d: Decision) -> None:
-        self.dispatches.labels(d.replica_id or "").inc()
+        self._child(self.dispatches, d.replica_id or "").inc()
         if d.estimated_ttft_s is not None:
             self.estimated_ttft.observe(d.estimated_ttft_s)
         if req.prompt_tokens:

@@ -22,6 +22,7 @@ replica would reject anyway, so bad input never costs a replica slot and never b
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -88,6 +89,13 @@ def _bad(message: str, param: str | None = None) -> NoReturn:
     raise RequestError(400, message, param=param)
 
 
+@functools.cache
+def _decoder() -> json.JSONDecoder:
+    """The one decoder of request bodies: ``json.loads`` with these hooks would build a
+    new one for every request."""
+    return json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def load_json_body(raw: bytes) -> Any:
     """The parsed body, or a 400 :class:`RequestError` saying why it cannot be read."""
     try:
@@ -95,7 +103,9 @@ def load_json_body(raw: bytes) -> Any:
     except UnicodeDecodeError as e:
         _bad(f"request body is not valid UTF-8: {e}")
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        if text.startswith("\ufeff"):  # as json.loads says it (the decoder alone would not)
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        body = _decoder().decode(text)
     except json.JSONDecodeError as e:
         _bad(f"request body is not valid JSON: {e}")
     except _NonFiniteNumber as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from enum import Enum
 import aiohttp
 from aiohttp import web
 
+from skymesh.balancer.upstream_http import UpstreamPool, UpstreamResponse
 from skymesh.balancer.usage import TAIL_BYTES
 from skymesh.edge.openai_errors import sse_error_event
 from skymesh.routing.harm import Harm
@@ -41,6 +43,64 @@ FINAL_ANSWER_HEADER = "X-Skymesh-Final"
 # the request: a keep-alive connection the server closed just as it was reused fails
 # within a round trip, a request that kills its server takes its work's time first
 DISCONNECT_JUDGED_AFTER_S = 1.0
+
+
+class SilenceBound:
+    """``async with SilenceBound(limit_s) as watch``: the longest silence of a stream.
+
+    Time counts only while the stream is ``listening``; after ``limit_s`` of it without
+    :meth:`heard`, the task is cancelled and the block raises :class:`TimeoutError` (as
+    ``asyncio.timeout`` around each read would, which made and cancelled a timer per
+    chunk). One timer for the whole stream: when it fires early (something was heard in
+    between) it is set again for the time still left."""
+
+    __slots__ = ("_loop", "_limit_s", "_task", "_since", "_handle", "_expired", "_cancelling")
+
+    def __init__(self, limit_s: float) -> None:
+        self._limit_s = limit_s
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # None: not listening (the clock is stopped)
+        self._handle: asyncio.TimerHandle | None = None
+        self._expired = False
+        self._cancelling = 0
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+
+    async def __aenter__(self) -> SilenceBound:
+        self._cancelling = self._task.cancelling()
+        self.heard()
+        self._handle = self._loop.call_at(self._loop.time() + self._limit_s, self._check)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self._expired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc
+
+    def heard(self) -> None:
+        """Something arrived, or listening begins: the silence counts from now."""
+        self._since = self._loop.time()
+
+    def paused(self) -> None:
+        """Not listening (writing to the client): no silence counts until :meth:`heard`."""
+        self._since = None
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._since is None:
+            self._handle = self._loop.call_at(now + self._limit_s, self._check)
+            return
+        due = self._since + self._limit_s
+        if now < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._handle = None
+        self._expired = True
+        self._task.cancel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,17 +141,39 @@ class AttemptOutcome:
     harm: Harm | None = None
 
 
+class _RelayedAnswer(web.StreamResponse):
+    """The client's answer to a proxied request: its head leaves with the first body bytes
+    in one write (a plain StreamResponse sends it alone at ``prepare``; aiohttp's own
+    ``web.Response`` buffers it the same way, by this class attribute). ``attempt``
+    writes the first bytes right after ``prepare``, with no await between."""
+
+    _send_headers_immediately = False
+
+
+# an upstream's answer: aiohttp's, or the lean client's for plain-http replicas
+Upstream = aiohttp.ClientResponse | UpstreamResponse
+
+
 @dataclass(slots=True)
 class AttemptTarget:
     url: str
     headers: dict[str, str]
     session: aiohttp.ClientSession
     # response headers for the client, given the upstream's headers
-    client_headers: Callable[[aiohttp.ClientResponse], dict[str, str]]
+    client_headers: Callable[[Upstream], dict[str, str]]
     # TLS of the connection (a peer balancer's listener): the context, and the name its
     # certificate must carry; True / None: aiohttp's defaults
     ssl: ssl.SSLContext | bool = True
     server_hostname: str | None = None
+    # the lean client's pool (a plain-http replica; skymesh/balancer/upstream_http.py);
+    # None: ``session`` sends it
+    pool: UpstreamPool | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def _client_timeout(connect_s: float) -> aiohttp.ClientTimeout:
+    """aiohttp's timeouts of an attempt (made once per connect bound, not per attempt)."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
 
 
 async def attempt(
@@ -107,15 +189,19 @@ async def attempt(
     ``on_first_byte(is_stream)`` runs once, synchronously, right before the first byte is
     written to the client.
     """
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
     resp: web.StreamResponse | None = None
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: Upstream | None = None
     try:
         async with asyncio.timeout(first_byte_deadline_s):
-            upstream = await target.session.post(target.url, data=raw, headers=target.headers, timeout=timeout,
-                                                 ssl=target.ssl, server_hostname=target.server_hostname)
+            if target.pool is not None:
+                upstream = await target.pool.post(target.url, raw, target.headers,
+                                                  connect_timeout_s=timeouts.connect_s)
+            else:
+                upstream = await target.session.post(target.url, data=raw, headers=target.headers,
+                                                     timeout=_client_timeout(timeouts.connect_s), ssl=target.ssl,
+                                                     server_hostname=target.server_hostname)
             if upstream.status != 200:
                 body = await upstream.read()
                 if upstream.status in RETRYABLE_STATUSES and upstream.headers.get(FINAL_ANSWER_HEADER) != "1":
@@ -151,20 +237,30 @@ async def attempt(
     try:
         headers = target.client_headers(upstream)
         on_first_byte("text/event-stream" in headers.get("Content-Type", ""))
-        resp = web.StreamResponse(status=200, headers=headers)
+        resp = _RelayedAnswer(status=200, headers=headers)
         await resp.prepare(request)
-        await resp.write(first)
         tail = bytearray(first[-TAIL_BYTES:])
-        while True:
-            async with asyncio.timeout(timeouts.stream_idle_s):
-                chunk = await upstream.content.readany()
-            if not chunk:
-                break
-            await resp.write(chunk)
-            tail += chunk
-            if len(tail) > 2 * TAIL_BYTES:  # trimmed in halves: amortised O(1) per byte
-                del tail[:-TAIL_BYTES]
-        await resp.write_eof()
+        # the answer's last bytes, when they are in hand with its end, leave with the end of
+        # the client's answer in one write (the same bytes as a write and then the end)
+        if upstream.content.at_eof():
+            await resp.write_eof(first)
+            return AttemptOutcome(Outcome.SERVED, resp, tail=bytes(tail))
+        await resp.write(first)
+        async with SilenceBound(timeouts.stream_idle_s) as silence:
+            while True:
+                chunk = await upstream.content.readany()  # the silence between chunks is bounded
+                if not chunk:
+                    break
+                tail += chunk
+                if len(tail) > 2 * TAIL_BYTES:  # trimmed in halves: amortised O(1) per byte
+                    del tail[:-TAIL_BYTES]
+                silence.paused()  # a slow client's writes are not the upstream's silence
+                if upstream.content.at_eof():
+                    await resp.write_eof(chunk)
+                    break
+                await resp.write(chunk)
+                silence.heard()
+        await resp.write_eof()  # no-op when the last chunk ended it
         return AttemptOutcome(Outcome.SERVED, resp, tail=bytes(tail[-TAIL_BYTES:]))
     except (TimeoutError, aiohttp.ClientError) as e:
         # after the first byte: end the stream with an error event

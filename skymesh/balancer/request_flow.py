@@ -26,11 +26,13 @@ from skymesh.balancer.proxy import (
     AttemptOutcome,
     AttemptTarget,
     Outcome,
+    Upstream,
     UpstreamTimeouts,
     attempt,
 )
 from skymesh.balancer.ratelimit import retry_after_header
 from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER
+from skymesh.balancer.upstream_http import UpstreamPool
 from skymesh.balancer.usage import reported_cached_tokens, reported_completion_tokens
 from skymesh.cache_prediction import judge_prediction
 from skymesh.edge.openai_errors import error_response
@@ -62,10 +64,11 @@ TargetFor = Callable[[web.Request, RoutingRequest, SendToReplica | ForwardToRegi
 
 
 def replica_target(base_url: str, request: web.Request, session: aiohttp.ClientSession, *,
-                   region: str, replica_id: str, request_id: str) -> AttemptTarget:
-    """An attempt on one of this region's replicas, and the headers of its answer."""
+                   region: str, replica_id: str, request_id: str, pool: UpstreamPool | None = None) -> AttemptTarget:
+    """An attempt on one of this region's replicas, and the headers of its answer; sent by
+    ``pool`` (the lean client) when the replica's URL is plain http, else by ``session``."""
 
-    def local_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    def local_headers(upstream: Upstream) -> dict[str, str]:
         return {
             "Content-Type": upstream.headers.get("Content-Type", "application/json"),
             "X-Skymesh-Region": region,
@@ -75,7 +78,9 @@ def replica_target(base_url: str, request: web.Request, session: aiohttp.ClientS
             "X-Request-Id": request_id,
         }
 
-    return AttemptTarget(base_url + request.path, {"Content-Type": "application/json"}, session, local_headers)
+    url = base_url + request.path
+    return AttemptTarget(url, {"Content-Type": "application/json"}, session, local_headers,
+                         pool=pool if pool is not None and pool.serves(url) else None)
 
 
 def peer_target(peer_url: str, request: web.Request, session: aiohttp.ClientSession, *, region: str,
@@ -87,7 +92,7 @@ def peer_target(peer_url: str, request: web.Request, session: aiohttp.ClientSess
     if req.slo_class:  # the peer judges placement by the same class
         headers[SLO_CLASS_HEADER] = req.slo_class
 
-    def peer_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    def peer_headers(upstream: Upstream) -> dict[str, str]:
         return {
             "Content-Type": upstream.headers.get("Content-Type", "application/json"),
             "X-Skymesh-Region": upstream.headers.get("X-Skymesh-Region", peer_region),

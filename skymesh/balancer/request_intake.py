@@ -35,6 +35,10 @@ if TYPE_CHECKING:  # imported only when tracing is on (server.py)
 
 log = logging.getLogger("skymesh.balancer")
 
+# client addresses whose region is remembered (a client keeps its address across its
+# requests; the table is dropped whole when full, and on a reload)
+REMOTE_REGIONS_KEPT = 4096
+
 
 class RequestIntake:
     """Turns an HTTP request into a routing request the core has accepted (or the answer
@@ -63,6 +67,7 @@ class RequestIntake:
         """A reloaded config: requests admitted from now on read it."""
         self.cfg = cfg
         self._source_networks = cfg.source_network_table()
+        self._remote_regions: dict[str, str | None] = {}
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         if self.tracing is None:
@@ -161,5 +166,16 @@ class RequestIntake:
             if origin not in self._peers():
                 raise RequestError(400, "forwarded request without a known origin region")
             return origin
-        region = region_of_address(self._source_networks, request.remote or "")
+        region = self._region_of_remote(request.remote or "")
         return None if region == self.region else region
+
+    def _region_of_remote(self, remote: str) -> str | None:
+        """``region_of_address`` of a client address, parsed once per address (not per request)."""
+        try:
+            return self._remote_regions[remote]
+        except KeyError:
+            pass
+        if len(self._remote_regions) >= REMOTE_REGIONS_KEPT:
+            self._remote_regions.clear()
+        region = self._remote_regions[remote] = region_of_address(self._source_networks, remote)
+        return region

@@ -61,6 +61,7 @@ from skymesh.balancer.request_flow import (
 from skymesh.balancer.request_intake import RequestIntake
 from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls, sibling_link_counts
 from skymesh.balancer.status_report import build_status_report
+from skymesh.balancer.upstream_http import UpstreamPool
 from skymesh.balancer.wiring import (
     build_encoder,
     build_region_core,
@@ -180,6 +181,8 @@ class Balancer:
         self._peer_site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self._egress: aiohttp.ClientSession | None = None
+        # the attempts on plain-http replicas (skymesh/balancer/upstream_http.py)
+        self._upstream: UpstreamPool | None = None
         self._stopping = False
         self.extra_services: list[Any] = []  # peer mesh / controller link (started by main)
         self._dispatch_listeners: list[Callable[[], None]] = []  # called after every dispatch round
@@ -549,6 +552,7 @@ class Balancer:
         # sent on a connection the server is closing at that instant fails for nothing
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_IDLE_S)
         self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+        self._upstream = UpstreamPool(keepalive_s=UPSTREAM_IDLE_S)
         egress_addr = self.region_cfg.egress_source
         econn = aiohttp.TCPConnector(
             limit=0, local_addr=(egress_addr, 0) if egress_addr else None, keepalive_timeout=UPSTREAM_IDLE_S
@@ -635,6 +639,8 @@ class Balancer:
         for s in (self._session, self._egress):
             if s is not None:
                 await s.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         if self.tracing is not None:
             await self.tracing.shutdown()  # the spans of the last requests are exported first
 
@@ -777,7 +783,7 @@ class Balancer:
                 return None
             assert self._session is not None
             return replica_target(info.url, request, self._session, region=self.region,
-                                  replica_id=action.replica_id, request_id=req.request_id)
+                                  replica_id=action.replica_id, request_id=req.request_id, pool=self._upstream)
         assert self._egress is not None
         peer_url = self.peers[action.region].peer_url
         if peer_url is None:  # no peer listener configured there (the config needs one to offload)

@@ -24,7 +24,10 @@ TAIL_BYTES = 4096
 
 # an unescaped quote opens a JSON key; inside a JSON string every quote is preceded by a
 # backslash, so generated text cannot fake these
-_USAGE = re.compile(rb'(?<!\\)"usage"\s*:\s*(null|\{)')
+_USAGE_KEY = b'"usage"'
+_BACKSLASH = 0x5C
+# what follows the key of a usage object (or of a usage the answer left null)
+_AFTER_USAGE_KEY = re.compile(rb'\s*:\s*(null|\{)')
 _CACHED = re.compile(rb'(?<!\\)"cached_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
 
@@ -42,8 +45,22 @@ def reported_completion_tokens(tail: bytes) -> int | None:
     return _usage_field(tail, _COMPLETION)
 
 
+def _last_usage(tail: bytes) -> re.Match[bytes] | None:
+    """The last ``"usage": null`` or ``"usage": {`` in ``tail`` whose key is unescaped (what
+    follows the key, as a match; None: none). Searched from the end (``rfind``, in C): the
+    tail of every answer is scanned, and most hold no usage at all."""
+    end = len(tail)
+    while (at := tail.rfind(_USAGE_KEY, 0, end)) >= 0:
+        if at == 0 or tail[at - 1] != _BACKSLASH:
+            after = _AFTER_USAGE_KEY.match(tail, at + len(_USAGE_KEY))
+            if after is not None:
+                return after
+        end = at
+    return None
+
+
 def _usage_field(tail: bytes, field: re.Pattern[bytes]) -> int | None:
-    last = next(reversed(list(_USAGE.finditer(tail))), None)
+    last = _last_usage(tail)
     if last is None or last.group(1) == b"null":
         return None
     found = field.search(tail, last.end())

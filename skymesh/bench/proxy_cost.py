@@ -3,15 +3,19 @@
 In one run, against the same stand-in replicas (time scale tiny, so the replicas answer
 at once): (1) requests straight to the replicas (the direct baseline: client latency),
 (2) through a skymesh balancer (its process CPU per request, from /proc), (3) through
-sglang-router (round_robin) when it is installed (`.venv/bin/pip install -e '.[peers]'`). The routers
-run as their own processes; CPU is user+system time of that process tree.
+sglang-router and vllm-router (round_robin) when they are installed (`.venv/bin/pip install
+-e '.[peers]'`; ``--peers`` picks which). The routers run as their own processes; CPU is
+user+system time of that process tree, less its idle CPU over the same wall time.
 
 ``--tracing`` adds the balancer with OpenTelemetry tracing on (every request sampled,
 and none: ``sampling_ratio`` 0), exporting to a sink in this process; ``--baseline-src
-DIR`` adds the balancer of another source tree (e.g. the commit before a change), tracing
-off both. ``--rounds N`` runs the balancer variants N times in turn (each round starting
-one variant further on) and reports each one's median; ``ratios`` divides each variant's
-CPU by the plain balancer's of the same run.
+DIR`` (repeatable) adds the balancer of another source tree (e.g. the commit before a change), tracing
+off both; ``--stdlib-loop`` adds the balancer on the stdlib event loop instead of uvloop
+(``SKYMESH_EVENT_LOOP=asyncio``, skymesh/runtime/event_loop.py). ``--rounds N`` runs every
+variant and peer router N times in turn (each round starting one further on) and reports
+each one's median; ``ratios`` divides each variant's CPU by the plain balancer's of the
+same run, ``ratios_to_sglang_router`` (and ``_vllm_router``) each one's by that router's of
+the same round (median, lowest, highest and every round's).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +35,8 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from skymesh.bench.peers import INSTALL_HINT
+from skymesh.bench.peers import INSTALL_HINT, PEERS, peer_available, peer_child
+from skymesh.runtime.event_loop import ENV_VAR, STDLIB, loop_factory
 from skymesh.runtime.procs import Child, free_port, skymesh_cmd, start_sim_replicas, wait_healthy
 
 
@@ -132,6 +136,13 @@ class TraceSink:
             await self._runner.cleanup()
 
 
+def _round_ratios(runs: list[dict[str, float]], reference: list[dict[str, float]]) -> dict[str, Any]:
+    """CPU per request of ``runs`` over ``reference``'s, round by round: the median, the
+    lowest and highest, and every round's."""
+    each = [round(r["cpu_us_per_request"] / ref["cpu_us_per_request"], 3) for r, ref in zip(runs, reference, strict=True)]
+    return {"median": round(statistics.median(each), 3), "min": min(each), "max": max(each), "rounds": each}
+
+
 def _median_of(runs: list[dict[str, float]]) -> dict[str, Any]:
     """Each figure's median over the rounds (and, with several, every round's CPU)."""
     out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
@@ -141,13 +152,15 @@ def _median_of(runs: list[dict[str, float]]) -> dict[str, Any]:
 
 
 async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prompt_chars: int = 0,
-                  tokenizer: str | None = None, tracing: bool = False, baseline_src: str | None = None,
-                  rounds: int = 1) -> dict[str, Any]:
+                  tokenizer: str | None = None, tracing: bool = False,
+                  baseline_src: str | list[str] | None = None,
+                  rounds: int = 1, stdlib_loop: bool = False,
+                  peers: tuple[str, ...] = PEERS) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="skymesh-proxy-"))
     children: list[Child] = []
     results: dict[str, Any] = {"requests": n, "concurrency": concurrency, "replicas": replicas,
                                "max_tokens": max_tokens, "prompt_chars": prompt_chars, "tokenizer": tokenizer,
-                               "rounds": rounds}
+                               "rounds": rounds, "event_loop": loop_factory()[0]}
     sink = TraceSink()
     try:
         reps, urls = await start_sim_replicas(replicas, "tiny-test", 0.001, tmp)
@@ -172,10 +185,16 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
             "offload": {"enabled": False},
         }
         # the byte fallback, and with a tokenizer (token-true prefixes) when one is given;
-        # (name, config keys, environment: another source tree's balancer)
+        # (name, config keys, environment: another source tree's balancer, another loop)
         variants: list[tuple[str, dict[str, Any], dict[str, str] | None]] = [("skymesh", {}, None)]
-        if baseline_src is not None:
-            variants.append(("skymesh_baseline", {}, {"PYTHONPATH": baseline_src}))
+        if stdlib_loop:
+            variants.append(("skymesh_stdlib_loop", {}, {ENV_VAR: STDLIB}))
+        baselines = [baseline_src] if isinstance(baseline_src, str) else list(baseline_src or [])
+        for i, src in enumerate(baselines):
+            # the first is "skymesh_baseline" (as with one), the others "skymesh_baseline_2", ...
+            name = "skymesh_baseline" if i == 0 else f"skymesh_baseline_{i + 1}"
+            variants.append((name, {}, {"PYTHONPATH": src}))
+            results.setdefault("baseline_src", {})[name] = src
         if tracing:
             await sink.start()
             batch = {"schedule_delay_ms": 200}
@@ -185,44 +204,60 @@ async def measure(n: int, replicas: int, concurrency: int, max_tokens: int, prom
                              {"tracing": {"endpoint": sink.endpoint, "sampling_ratio": 0.0, "batch": batch}}, None))
         if tokenizer is not None:
             variants.append(("skymesh_tokenizer", {"tokenizer": {"path": tokenizer}}, None))
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
+        # 3) the peer routers (round_robin), when installed: measured in the same rounds
+        routers: list[str] = []
+        for system in peers:
+            key = system.replace("-", "_")
+            if peer_available(system):
+                routers.append(system)
+            else:
+                results[key] = f"not installed ({INSTALL_HINT})"
+        names = [name for name, _, _ in variants] + routers
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        by_name = {name: (extra, env) for name, extra, env in variants}
         for round_no in range(rounds):
             # each round starts one variant further on: none always runs first or after the same one
-            start = round_no % len(variants)
-            for name, extra, env in variants[start:] + variants[:start]:
-                (tmp / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
-                b = Child(name, skymesh_cmd("balancer", "--config", str(tmp / f"{name}.yaml"), "--region",
-                                            "bench-1", "--http-port", "0", "--no-controller", "--no-peers",
-                                            "--log-level", "WARNING"), tmp, env=env)
-                b.start()
-                children.append(b)
-                burl = f"http://127.0.0.1:{(await b.wait_ready())['http']}"
-                runs[name].append(await _router_cost(b, burl, n, concurrency, max_tokens, prompt_chars))
-                await b.stop()
-                children.remove(b)
+            start = round_no % len(names)
+            for name in names[start:] + names[:start]:
+                if name in by_name:
+                    extra, env = by_name[name]
+                    (tmp / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
+                    # another tree's balancer runs from that tree: `python -m` puts the working
+                    # directory first on sys.path, ahead of PYTHONPATH (from this clone's root it
+                    # would import this tree's skymesh, whatever PYTHONPATH says)
+                    src = (env or {}).get("PYTHONPATH")
+                    child = Child(name, skymesh_cmd("balancer", "--config", str(tmp / f"{name}.yaml"), "--region",
+                                                    "bench-1", "--http-port", "0", "--no-controller", "--no-peers",
+                                                    "--log-level", "WARNING"), tmp, env=env,
+                                  cwd=Path(src) if src else None)
+                    child.start()
+                    children.append(child)
+                    url = f"http://127.0.0.1:{(await child.wait_ready())['http']}"
+                else:
+                    port = free_port()
+                    made = peer_child(name, urls, port, tmp, policy="round_robin")
+                    assert made is not None  # installed: checked above
+                    child = made
+                    child.start()
+                    children.append(child)
+                    url = f"http://127.0.0.1:{port}"
+                    await wait_healthy(url + "/health", child, within_s=60)
+                runs[name].append(await _router_cost(child, url, n, concurrency, max_tokens, prompt_chars))
+                await child.stop()
+                children.remove(child)
         for name, measured in runs.items():
-            results[name] = _median_of(measured)
+            results[name.replace("-", "_")] = _median_of(measured)
         if len(variants) > 1:
             plain = results["skymesh"]["cpu_us_per_request"]
             results["ratios"] = {name: round(results[name]["cpu_us_per_request"] / plain, 3)
                                  for name, _, _ in variants[1:]}
+        for router in routers:
+            # each balancer variant's CPU over the router's, round by round (the same
+            # round's conditions), then their median and spread
+            results[f"ratios_to_{router.replace('-', '_')}"] = {
+                name: _round_ratios(runs[name], runs[router]) for name in names if name != router}
         if tracing:
             results["trace_sink"] = {"batches": sink.batches, "bytes": sink.bytes}
-        # 3) sglang-router, when installed
-        sport = free_port()
-        sgl = Child("sglang-router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                      "--port", str(sport), "--policy", "round_robin", "--worker-urls", *urls],
-                    tmp, env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
-        try:
-            import sglang_router  # noqa: F401
-        except ImportError:
-            results["sglang_router"] = f"not installed ({INSTALL_HINT})"
-        else:
-            sgl.start()
-            children.append(sgl)
-            surl = f"http://127.0.0.1:{sport}"
-            await wait_healthy(surl + "/health", sgl, within_s=60)
-            results["sglang_router"] = await _router_cost(sgl, surl, n, concurrency, max_tokens, prompt_chars)
         return results
     finally:
         for c in reversed(children):
@@ -242,11 +277,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a tokenizer.json: also measure the balancer hashing token ids with it")
     p.add_argument("--tracing", action="store_true",
                    help="also measure the balancer with OpenTelemetry tracing on (all sampled, and none)")
-    p.add_argument("--baseline-src", default=None,
+    p.add_argument("--baseline-src", default=None, action="append",
                    help="a source tree (its skymesh/ package) whose balancer is measured too, e.g. the "
-                        "commit before a change (git archive REV | tar -x -C DIR)")
+                        "commit before a change (git archive REV | tar -x -C DIR); repeat it for several "
+                        "(skymesh_baseline, skymesh_baseline_2, ...)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the balancer variants this many times in turn; each one's median is reported")
+    p.add_argument("--stdlib-loop", action="store_true",
+                   help="also measure the balancer on the stdlib event loop (SKYMESH_EVENT_LOOP=asyncio)")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="the peer routers measured in the same rounds, when installed (comma-separated; "
+                        "empty: none)")
     p.add_argument("--json", default=None)
 
 
@@ -254,8 +295,9 @@ def run(args: argparse.Namespace) -> int:
     res = asyncio.run(measure(args.requests, args.replicas, args.concurrency, args.max_tokens,
                               args.prompt_chars, os.path.abspath(args.tokenizer) if args.tokenizer else None,
                               tracing=args.tracing,
-                              baseline_src=os.path.abspath(args.baseline_src) if args.baseline_src else None,
-                              rounds=args.rounds))
+                              baseline_src=[os.path.abspath(b) for b in args.baseline_src or []],
+                              rounds=args.rounds, stdlib_loop=args.stdlib_loop,
+                              peers=tuple(p for p in args.peers.split(",") if p)))
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -148,6 +148,11 @@ async def read_body_or_reject(request: web.BaseRequest, limits: BodyLimits) -> w
     cannot be (413, 415, 400, or 408 when it does not arrive within the timeout), with
     the connection closed after it."""
     try:
+        if request.content.is_eof() and content_coding(request) == "identity":
+            # the whole body came with the head (most requests): nothing left to wait for,
+            # so no timer (an encoded body keeps it: its decoding yields to the loop)
+            await read_bounded(request, limits.max_body_bytes)
+            return None
         async with asyncio.timeout(limits.body_timeout_s):
             await read_bounded(request, limits.max_body_bytes)
     except TimeoutError:

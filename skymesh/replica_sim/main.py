@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from skymesh.hardware import PROFILES
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import tcp_port
 from skymesh.replica_sim.server import ReplicaServer, start_replica
+from skymesh.runtime.event_loop import run_loop
 from skymesh.runtime.logging_setup import setup_logging
 from skymesh.runtime.procs import READY_HELP, report_ready, serve_until_signal
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     import zmq
 
     try:
-        return asyncio.run(_serve(args))
+        return run_loop(_serve(args))
     except OSError as e:  # e.g. the port is taken: one line, not a traceback
         print(f"skymesh replica-sim: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
               file=sys.stderr)

@@ -442,15 +442,17 @@ async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
 
 
 def run_daemon(name: str, main: Coroutine[Any, Any, int]) -> int:
-    """``asyncio.run(main)`` for a daemon's CLI: a missing secret (a component that would
-    listen beyond loopback without one) or a file the config names that cannot be read is
-    one line on stderr and exit code 2."""
+    """``asyncio.run(main)`` for a daemon's CLI, on uvloop where it loads
+    (skymesh/runtime/event_loop.py): a missing secret (a component that would listen
+    beyond loopback without one) or a file the config names that cannot be read is one
+    line on stderr and exit code 2."""
     # lazy: procs stays below skymesh.config (test helpers import it alone); only daemons need these
     from skymesh.config import ConfigError
+    from skymesh.runtime.event_loop import run_loop
     from skymesh.security.admin_auth import MissingSecretError
 
     try:
-        return asyncio.run(main)
+        return run_loop(main)
     except MissingSecretError as e:
         print(f"skymesh {name}: {e}", file=sys.stderr)
         return 2
