@@ -31,9 +31,12 @@ from tests.test_fleet import RecordingDns
 from tests.test_fleet_asg import FakeImds
 
 US = "us-east-1"
+# what terraform's config module renders for a registered fleet's listeners: config text
+# these tests parse and check is never advertised or dialled (nothing here binds it)
+RENDERED_WILDCARD = "0.0.0.0"
 
 
-def registered_fleet(tmp_path: Path, listen_host: str = "0.0.0.0", **controller: Any) -> dict[str, Any]:
+def registered_fleet(tmp_path: Path, listen_host: str = RENDERED_WILDCARD, **controller: Any) -> dict[str, Any]:
     return {
         "model": "skymesh-sim",
         "regions": [{
@@ -61,12 +64,12 @@ def no_imds(_endpoint: str) -> InstanceMetadata | None:
 def test_flag_beats_environment_beats_the_metadata_service(tmp_path: Path) -> None:
     cfg = parse_config(registered_fleet(tmp_path))
     ec2 = InstanceMetadata("i-0abc12345678", "10.0.1.7")
-    both = resolve_identity(cfg, US, 0, listen_host="0.0.0.0", balancer_id="mine", advertise_host="10.9.9.9",
+    both = resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, balancer_id="mine", advertise_host="10.9.9.9",
                             environ={"SKYMESH_BALANCER_ID": "env-id", "SKYMESH_ADVERTISE_HOST": "10.8.8.8"},
                             imds=no_imds)
     assert (both.balancer_id, both.advertise_host, both.id_source, both.host_source) == (
         "mine", "10.9.9.9", "flag", "flag")
-    env = resolve_identity(cfg, US, 0, listen_host="0.0.0.0",
+    env = resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD,
                            environ={"SKYMESH_BALANCER_ID": "env-id", "SKYMESH_ADVERTISE_HOST": "10.8.8.8"},
                            imds=no_imds)
     assert (env.balancer_id, env.advertise_host) == ("env-id", "10.8.8.8")
@@ -76,20 +79,20 @@ def test_flag_beats_environment_beats_the_metadata_service(tmp_path: Path) -> No
         asked.append(endpoint)
         return ec2
 
-    on_ec2 = resolve_identity(cfg, US, 0, listen_host="0.0.0.0", environ={}, imds=imds)
+    on_ec2 = resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, environ={}, imds=imds)
     assert (on_ec2.balancer_id, on_ec2.advertise_host, on_ec2.id_source) == ("i-0abc12345678", "10.0.1.7", "imds")
     assert asked == ["http://169.254.169.254"]  # once, at EC2's address
     # a specific listen host is its own address: only the id comes from EC2
     specific = resolve_identity(cfg, US, 0, listen_host="10.0.1.8", environ={}, imds=imds)
     assert (specific.balancer_id, specific.advertise_host) == ("i-0abc12345678", None)
     # turned off, or off EC2: a fresh id per process and no address (never the wildcard)
-    off = resolve_identity(cfg, US, 0, listen_host="0.0.0.0", environ={"AWS_EC2_METADATA_DISABLED": "true"},
+    off = resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, environ={"AWS_EC2_METADATA_DISABLED": "true"},
                            imds=no_imds)
     assert (off.balancer_id, off.advertise_host) == (None, None)
     with pytest.raises(ValueError, match="wildcard"):
-        resolve_identity(cfg, US, 0, listen_host="0.0.0.0", advertise_host="0.0.0.0", environ={}, imds=no_imds)
+        resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, advertise_host="0.0.0.0", environ={}, imds=no_imds)
     with pytest.raises(ValueError, match="letters"):
-        resolve_identity(cfg, US, 0, listen_host="0.0.0.0", balancer_id="a b", environ={}, imds=no_imds)
+        resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, balancer_id="a b", environ={}, imds=no_imds)
 
 
 def test_a_listed_member_keeps_its_config_id_and_never_asks_ec2(tmp_path: Path) -> None:

@@ -169,12 +169,6 @@ class PushShares:
         own = {u for u in self.home_held if u not in self.grants}
         return frozenset(own | self.leases.keys())
 
-    def live_ids(self, now: float) -> list[str]:
-        """This balancer and every sibling heard from within ``dead_after_s``, by id."""
-        ids = {self.balancer_id}
-        ids.update(sid for sid, s in self.siblings.items() if now - s.heard_at <= self.dead_after_s)
-        return sorted(ids)
-
     @property
     def takeover_s(self) -> float:
         """How long a sibling is silent before it can hold nothing it could still use."""
@@ -442,7 +436,7 @@ class PushShares:
             return
         takers: dict[str, list[tuple[int, str]]] = {}
         for sid, s in self.siblings.items():
-            if now - s.heard_at > self.dead_after_s:
+            if not self._heard_recently(sid, now):
                 continue  # a draining sibling still borrows: it serves what its kept-alive connections bring
             for r, n in s.state.wants.items():
                 if n > 0:
