@@ -220,6 +220,33 @@ def test_a_disconnect_under_ordinary_load_retries_every_request() -> None:
         assert core.state_of(f"q{i}") is RequestState.QUEUED
 
 
+def test_a_disconnect_told_after_the_replica_failed_under_another_request_blames_none() -> None:
+    """A killed replica's connections end one after another: a stream it had started
+    (or a refused attempt) told first leaves the unstarted request looking alone. The
+    replica failed under the other one a moment before, so this one is retried."""
+    for first_failure in ("midstream", "refused"):
+        core = region(n=2, policy="round_robin", max_retries=2, health=HealthSettings(unhealthy_threshold=10))
+        probe_all(core)
+        for i in range(3):
+            core.submit(req(i), 0.0)
+        placed = sends(core.tick(0.0))
+        assert placed["q0"] == placed["q2"] != placed["q1"]
+        if first_failure == "midstream":
+            core.first_token("q0", 0.5)
+            assert core.fail("q0", 1.0, reason="ServerDisconnectedError") == []
+        else:
+            core.fail("q0", 1.0, reason="ClientConnectorError")
+        actions = core.fail("q2", 1.2, reason="ServerDisconnectedError", harm=Harm.DISCONNECT)
+        assert not any(isinstance(a, Reject) for a in actions), (first_failure, actions)
+        assert core.state_of("q2") is RequestState.QUEUED, first_failure
+        # the other replica has no such failure: q2's disconnect there, held alone, is judged
+        assert sends(core.tick(5.0)) == {"q2": placed["q1"]}
+        core.complete("q1", 5.5)
+        (rej,) = [a for a in core.fail("q2", 9.0, reason="ServerDisconnectedError", harm=Harm.DISCONNECT)
+                  if isinstance(a, Reject)]
+        assert rej.code == HARMFUL_REQUEST_CODE
+
+
 def test_a_replica_that_stalls_under_a_huge_prompt_is_blamed_on_it_and_comes_back_on_one_probe() -> None:
     core = region(n=2, policy="round_robin", health=HealthSettings(unhealthy_threshold=2, healthy_threshold=3))
     probe_all(core)

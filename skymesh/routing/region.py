@@ -629,6 +629,11 @@ class RegionCore:
         if t is None:
             return []
         if t.state is RequestState.STREAMING:
+            if not t.on_peer:
+                # the replica failed under a request it had started answering, which is
+                # not blamed: a disconnect told to another of its requests a moment
+                # later is the same failure, not one that request caused alone
+                self._unblamed_failure_at[t.target] = now
             self._leave(t, RequestState.FAILED, now)
             return []
         if t.state is not RequestState.PLACED:
@@ -660,6 +665,10 @@ class RegionCore:
             actions.append(self._harmful(request_id, target, reason))
             return actions
         else:
+            if harm is None and counts_against_health:
+                # failed for a reason no request causes (refused, a 5xx, no first byte
+                # in time): the replica was failing before any later disconnect
+                self._unblamed_failure_at[target] = now
             if exhausted:
                 self.local.give_up(request_id, now)
             else:
