@@ -11,6 +11,7 @@ from typing import Any
 
 from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.ports import Registration, StatusReport
+from skymesh.balancer.prober import SharedPage
 from skymesh.config import HostPort
 from skymesh.routing.assembly import SiblingSettings
 from skymesh.routing.offload import OffloadRouter
@@ -53,6 +54,9 @@ class StandInBalancer:
     # called after every "dispatch round" (here: every applied sibling message, as the
     # balancer's wake-up after one ends in a dispatch round)
     dispatch_listeners: list[Callable[[], None]] = field(default_factory=list)
+    # replica pages to share with the next sibling message, and those siblings shared
+    pages_out: list[SharedPage] = field(default_factory=list)
+    pages_in: list[SharedPage] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.core = region_core(self.region)
@@ -126,6 +130,13 @@ class StandInBalancer:
             for listener in self.dispatch_listeners:
                 listener()
         return applied
+
+    def take_shared_pages(self) -> list[SharedPage]:
+        pages, self.pages_out = self.pages_out, []
+        return pages
+
+    def apply_shared_pages(self, pages: list[SharedPage]) -> None:
+        self.pages_in.extend(pages)
 
     def sibling_interval_s(self) -> float:
         return self.interval_s

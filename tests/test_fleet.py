@@ -167,6 +167,23 @@ async def test_up_starts_every_member_behind_one_entry(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.1)
         assert await budget_split()
+        # shared probing: each replica is probed by one member, whose pages the other applies
+        seen = [await member_status(m) for m in region.balancer_members]
+        owned = [s["siblings"]["probes_owned"] for s in seen if s is not None]
+        assert sorted(owned[0] + owned[1]) == sorted(r.id for r in region.replicas), owned
+
+        async def sibling_pages(m: BalancerMember) -> float:
+            async with aiohttp.ClientSession(headers=admin_auth()) as s, \
+                    s.get(m.listen.http_url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                text = await r.text()
+            wanted = 'skymesh_replica_pages_total{source="sibling"}'
+            return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted))
+
+        for _ in range(200):  # hang guard
+            if all([await sibling_pages(m) > 0 for m in region.balancer_members]):
+                break
+            await asyncio.sleep(0.1)
+        assert all([await sibling_pages(m) > 0 for m in region.balancer_members])
         entry = region.balancer.advertise_url
         codes = [await complete_on_a_new_connection(entry, SOURCE, f"hello {i}") for i in range(6)]
         assert codes == [200] * 6

@@ -145,3 +145,50 @@ def test_a_message_goes_at_once_only_for_what_a_sibling_waits_for() -> None:
     assert _why_now(dataclasses.replace(sent, wants=frozenset({"r1", "r2"})), sent, False) == "wants"
     assert _why_now(dataclasses.replace(sent, wants=frozenset()), sent, False) is None  # a want gone
     assert _why_now(dataclasses.replace(sent, draining=True), sent, False) == "draining"
+
+
+def test_a_shared_page_is_dated_by_its_arrival_less_its_age_and_a_bad_one_is_dropped() -> None:
+    from skymesh.balancer.prober import ProbeResult
+    from skymesh.balancer.sibling_link import page_from_proto, page_to_proto
+
+    res = ProbeResult(healthy=True, num_running=3, num_waiting=1, kv_usage=0.4, prefix_queries=100.0,
+                      prefix_hits=60.0, sent_at=100.0)
+    pb = mesh_pb2.ReplicaPage.FromString(page_to_proto(("r0", res), built_at=100.25).SerializeToString())
+    got = page_from_proto(pb, received_at=7.0)  # the receiver's own clock, any origin
+    assert got is not None
+    rid, page = got
+    assert rid == "r0" and page.sent_at == pytest.approx(6.75)
+    assert (page.healthy, page.num_running, page.num_waiting, page.kv_usage, page.prefix_hits) == (True, 3, 1, 0.4, 60.0)
+    silent = ProbeResult(healthy=False, error="TimeoutError", timed_out=True, sent_at=99.0)
+    _, page = page_from_proto(page_to_proto(("r1", silent), built_at=100.0), received_at=7.0) or ("", silent)
+    assert not page.healthy and page.timed_out and page.error == "TimeoutError"
+    for bad in (mesh_pb2.ReplicaPage(replica_id="r0", kv_usage=float("nan")),
+                mesh_pb2.ReplicaPage(replica_id="r0", age_s=-1.0),
+                mesh_pb2.ReplicaPage(replica_id="", healthy=True)):
+        assert page_from_proto(bad, 7.0) is None
+
+
+async def test_pages_a_member_scraped_reach_its_sibling_at_once() -> None:
+    from skymesh.balancer.prober import ProbeResult
+
+    pa, pb = free_port(), free_port()
+    a = member("a", pa, {"us-b": pb})
+    b = member("b", pb, {"us-a": pa})
+    ma, mb = PeerMesh(a), PeerMesh(b)
+    await ma.start()
+    await mb.start()
+    try:
+        assert ma.sibling_link is not None
+        await until(lambda: ma.sibling_link is not None and ma.sibling_link.skipped_quiet > 5, "a quiet channel")
+        scraped_at = asyncio.get_running_loop().time()
+        a.pages_out = [("r1", ProbeResult(healthy=True, num_running=5, sent_at=scraped_at))]
+        for listener in a.dispatch_listeners:  # a probe round ends in a dispatch round
+            listener()
+        await until(lambda: bool(b.pages_in), "b got a's page")
+        ((rid, page),) = b.pages_in
+        assert rid == "r1" and page.num_running == 5
+        assert page.sent_at is not None and page.sent_at >= scraped_at  # no older than it was (one clock here)
+        assert page.sent_at <= asyncio.get_running_loop().time()
+    finally:
+        await ma.stop()
+        await mb.stop()

@@ -121,10 +121,14 @@ class RegionFleet:
                                                      self.core.settings.dispatch_budget, self.settings,
                                                      epoch=self.epoch, started_at=now))
         if self.core.siblings is not None:
-            # the push budget's homes: the topology's live members once it spoke (a member
-            # it calls dead keeps its units until then), else the config's
-            self.core.siblings.expect(self.from_topology if self.topology is not None else self.static,
-                                      self_listed=self.listed_alive)
+            self.core.siblings.expect(self.member_ids(), self_listed=self.listed_alive)
+
+    def member_ids(self) -> list[str]:
+        """The region's other members, heard from or not: the topology's live ones once it
+        spoke (a member it calls dead keeps its units until then), else the config's. The
+        push budget's homes and the probe owners (skymesh/routing/probe_owners.py) are
+        chosen among them and this balancer."""
+        return list(self.from_topology if self.topology is not None else self.static)
 
     def refusal(self, balancer_id: str, epoch: int) -> str | None:
         """Why a sibling message claiming ``balancer_id`` at ``epoch`` is refused; None when

@@ -302,6 +302,15 @@ class BalancerMetrics:
         )
         for result in ("ok", "error"):
             self.config_reloads.labels(result)
+        # replica pages applied, by where they came from: probed (this balancer scraped the
+        # replica) or sibling (the member of the fleet that probes it shared its scrape;
+        # skymesh/routing/probe_owners.py)
+        self.replica_pages = Counter(
+            "skymesh_replica_pages_total", "Replica metrics pages applied, by source (probed here, or shared by "
+            "the sibling balancer that probes the replica).", ("source",), registry=None,
+        )
+        for source in ("probed", "sibling"):
+            self.replica_pages.labels(source)
         # the policy's expected cached prefix (Decision.matched_tokens) against the replica's
         # own count in the answer's usage (vLLM's --enable-prompt-tokens-details; see
         # skymesh/balancer/usage.py), by what the policy read the cache from
@@ -336,7 +345,7 @@ class BalancerMetrics:
             self.decision_seconds, self.estimated_ttft, self.observed_ttft, self.prefix_hit_estimate,
             self.dispatches, self.retries, self.rejections, self.offloaded, self.midstream_failures,
             self.harmful_requests, self.context_refusals, self.requests_cut,
-            self.internal_errors, self.config_reloads, self.cache_predictions,
+            self.internal_errors, self.config_reloads, self.cache_predictions, self.replica_pages,
             self.slo_requests, self.slo_outcomes, self.slo_target_misses,
             self.edge.connections_open, self.edge.connections_refused,
         ]))

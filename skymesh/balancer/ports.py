@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from skymesh.balancer.prober import SharedPage
 from skymesh.config import HostPort
 from skymesh.routing.region import HeartbeatSnapshot
 from skymesh.routing.siblings import SiblingMessage
@@ -98,6 +99,16 @@ class SiblingLinkBalancer(MeshMember, Protocol):
 
     def apply_sibling_message(self, msg: SiblingMessage) -> bool:
         """A sibling's state (the region core's ``sibling_state``); False: ignored."""
+        ...
+
+    def take_shared_pages(self) -> list[SharedPage]:
+        """The replica pages this balancer scraped since the last call (its siblings do not
+        probe those replicas: skymesh/routing/probe_owners.py); [] without siblings."""
+        ...
+
+    def apply_shared_pages(self, pages: list[SharedPage]) -> None:
+        """Replica pages a sibling scraped, dated on this balancer's clock: each one newer
+        than what it saw of the replica counts as its own probe."""
         ...
 
     def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:

@@ -38,6 +38,10 @@ class ProbeResult:
     timed_out: bool = False
 
 
+# one replica's page as the member of a fleet that probes it shares it: (replica id, result)
+SharedPage = tuple[str, ProbeResult]
+
+
 def parse_probe(text: str) -> ProbeResult:
     """The probe signals of a metrics page; never raises: a page with a missing, NaN,
     infinite or negative value is an unhealthy result (a replica we cannot read is one we

@@ -47,7 +47,7 @@ from skymesh.balancer.membership import PeerInfo, ReplicaInfo, merge_replicas, p
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
 from skymesh.balancer.ports import Registration, StatusReport
-from skymesh.balancer.prober import ProbeResult, fetch_max_model_len, probe_rounds
+from skymesh.balancer.prober import ProbeResult, SharedPage, fetch_max_model_len, probe_rounds
 from skymesh.balancer.prompt_count import PromptCounter
 from skymesh.balancer.proxy import AttemptTarget
 from skymesh.balancer.request_flow import (
@@ -76,6 +76,7 @@ from skymesh.config import (
 from skymesh.context_window import ContextWindow
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
 from skymesh.routing.base import RoutingRequest
+from skymesh.routing.probe_owners import ProbeOwners
 from skymesh.routing.region import (
     Action,
     ForwardToRegion,
@@ -136,6 +137,13 @@ class Balancer:
         self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core,
                                  static_members=static_siblings or {}, settings=sibling_settings(cfg.siblings))
         self.fleet.attach_if_needed(loop_clock())
+        # which replicas this member scrapes (all of them in a region of one): the others'
+        # pages come from the siblings that probe them; a page older than a member's rank
+        # times this is probed here too (an owner gone quiet)
+        self.probe_owners = ProbeOwners(self.balancer_id, stale_after_s=max(
+            3 * cfg.policy.probe_interval_s, 2 * cfg.siblings.keepalive_s))
+        # pages scraped here since the last sibling message (they go with the next one)
+        self._pages_out: list[SharedPage] = []
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
         self.encoder = build_encoder(cfg)
@@ -386,6 +394,21 @@ class Balancer:
             if self.fleet.units_grew():
                 self.wake.set()  # units came: a dispatch round
         return applied
+
+    def take_shared_pages(self) -> list[SharedPage]:
+        pages, self._pages_out = self._pages_out, []
+        return pages
+
+    def apply_shared_pages(self, pages: list[SharedPage]) -> None:
+        applied = 0
+        for rid, res in pages:
+            info = self.replicas.get(rid)
+            if info is not None and res.sent_at is not None and self.probe_owners.take_page(rid, res.sent_at):
+                self._apply_probe(info, res)
+                applied += 1
+        if applied:
+            self.metrics.replica_pages.labels("sibling").inc(applied)
+            self.wake.set()
 
     def sibling_interval_s(self) -> float:
         return self.cfg.siblings.interval_s
@@ -676,13 +699,32 @@ class Balancer:
     async def _probe_loop(self) -> None:
         assert self._session is not None
 
+        owners = self.probe_owners
+
+        def targets() -> list[tuple[ReplicaInfo, str]]:
+            # in a fleet each replica is probed by one member, its page shared with the
+            # others (skymesh/routing/probe_owners.py); a region of one probes every replica
+            owners.set_members(self.fleet.member_ids() if self.fleet.has_siblings() else ())
+            owners.forget(self.replicas)
+            return [(self.replicas[rid], self.replicas[rid].url)
+                    for rid in owners.to_probe(self.replicas, loop_clock())]
+
         def apply(results: Sequence[tuple[ReplicaInfo, ProbeResult]]) -> None:
+            share = self.fleet.has_siblings()
+            applied = 0
             for info, res in results:
-                self._apply_probe(info, res)
+                rid = info.replica_id
+                if res.sent_at is None or owners.take_page(rid, res.sent_at):
+                    self._apply_probe(info, res)
+                    applied += 1
+                if share:
+                    self._pages_out.append((rid, res))
+            self.metrics.replica_pages.labels("probed").inc(applied)
+            if share and len(self._pages_out) > 4 * max(1, len(self.replicas)):
+                del self._pages_out[: -len(self.replicas)]  # no sibling channel took them: keep the newest
             self.wake.set()
 
-        await probe_rounds(self._session, self.cfg.policy.probe_interval_s,
-                           lambda: [(info, info.url) for info in self.replicas.values()], apply)
+        await probe_rounds(self._session, self.cfg.policy.probe_interval_s, targets, apply)
 
     def _apply_probe(self, info: ReplicaInfo, res: ProbeResult) -> None:
         if self.replicas.get(info.replica_id) is not info:
@@ -768,7 +810,10 @@ class Balancer:
             config={"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
                     "last_reload": self.reload_status.as_json()},
             control={"controller_connected": self.controller_connected,
-                     "topology_version": self.topology_version, "siblings": {**self.fleet.status(), "channel": self.sibling_link_counts()}},
+                     "topology_version": self.topology_version,
+                     "siblings": {**self.fleet.status(), "channel": self.sibling_link_counts(),
+                                  # the replicas this member probes for the fleet (probe_owners.py)
+                                  "probes_owned": [rid for rid in self.replicas if self.probe_owners.owns(rid)]}},
             kv_events=self.kv_events_status(),
         )
 

@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -39,6 +40,7 @@ import grpc
 
 from skymesh.balancer.grpc_streams import answer_stream
 from skymesh.balancer.ports import SiblingLinkBalancer
+from skymesh.balancer.prober import ProbeResult, SharedPage
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.push_shares import ShareState, Unit
 from skymesh.routing.siblings import (
@@ -63,6 +65,7 @@ MAX_UNITS = 4 * MAX_REPLICAS
 MAX_CHUNKS_PER_PLACEMENT = 1 << 14
 MAX_SIBLINGS = 256
 MAX_KEYS = 4096
+MAX_PAGE_ERROR = 200  # characters of a shared page's error kept
 # a message's age by the wall clocks is taken as at most this (a clock far off, a field
 # unset: its leases have long ended either way)
 MAX_AGE_S = 60.0
@@ -77,9 +80,35 @@ class MessageTooLarge(ValueError):
     """A sibling message past the bounds above: dropped, counted."""
 
 
-def to_proto(msg: SiblingMessage) -> Any:
+def page_to_proto(page: SharedPage, built_at: float) -> Any:
+    rid, res = page
+    sent_at = built_at if res.sent_at is None else res.sent_at
+    return mesh_pb2.ReplicaPage(
+        replica_id=rid, healthy=res.healthy, num_running=res.num_running, num_waiting=res.num_waiting,
+        kv_usage=res.kv_usage, prefix_queries=res.prefix_queries, prefix_hits=res.prefix_hits,
+        timed_out=res.timed_out, error=res.error[:MAX_PAGE_ERROR], age_s=max(0.0, built_at - sent_at))
+
+
+def page_from_proto(pb: Any, received_at: float) -> SharedPage | None:
+    """A shared page as this balancer's probe result, dated by its arrival less its age
+    by the prober's own clock (never later than it was scraped: the transit only makes it
+    look older, and no wall clock is read); None when a value makes no sense (dropped)."""
+    floats = (pb.kv_usage, pb.prefix_queries, pb.prefix_hits, pb.age_s)
+    if not pb.replica_id or not all(math.isfinite(v) and v >= 0 for v in floats):
+        return None
+    res = ProbeResult(healthy=pb.healthy, num_running=pb.num_running, num_waiting=pb.num_waiting,
+                      kv_usage=pb.kv_usage, prefix_queries=pb.prefix_queries, prefix_hits=pb.prefix_hits,
+                      error=pb.error[:MAX_PAGE_ERROR], timed_out=pb.timed_out,
+                      sent_at=received_at - min(MAX_AGE_S, pb.age_s))
+    return pb.replica_id, res
+
+
+def to_proto(msg: SiblingMessage, pages: list[SharedPage] | None = None) -> Any:
+    """``pages``: replica pages this balancer scraped since its last message, dated
+    against the message's build time (``msg.sent_at``, the same loop clock)."""
     sh = msg.shares
     return mesh_pb2.SiblingState(
+        pages=[page_to_proto(p, msg.sent_at) for p in pages or ()],
         region=msg.region, balancer_id=sh.balancer_id, epoch=sh.epoch, seq=sh.seq,
         sent_unix_ms=int(time.time() * 1000), queue_length=sh.queue_length,
         pending_prefill_tokens=msg.pending_prefill_tokens, placements_per_s=msg.placements_per_s,
@@ -104,7 +133,7 @@ def from_proto(pb: Any, now: float) -> SiblingMessage:
     never less than 0: a lease is counted from when the message was built, so a clock
     behind the sender's lengthens it by the skew, which the home's margin covers).
     Raises MessageTooLarge."""
-    if (len(pb.loads) > MAX_REPLICAS or len(pb.held) + len(pb.claims) + len(pb.lends) > 3 * MAX_UNITS
+    if (len(pb.loads) > MAX_REPLICAS or len(pb.pages) > MAX_REPLICAS or len(pb.held) + len(pb.claims) + len(pb.lends) > 3 * MAX_UNITS
             or len(pb.seen) > MAX_SIBLINGS or len(pb.placements) > MAX_PLACEMENTS_PER_MESSAGE
             or len(pb.key_usage) > MAX_KEYS
             or any(len(p.chunk_hashes) > MAX_CHUNKS_PER_PLACEMENT for p in pb.placements)):
@@ -244,6 +273,11 @@ class SiblingLink:
         msg = self._with_carried(self.balancer.sibling_message())
         state = _protocol_state(msg)
         why = _why_now(state, self._last_sent, bool(self._unanswered))
+        # replica pages this member scraped go at once: the siblings that do not probe
+        # those replicas route by them (skymesh/routing/probe_owners.py)
+        pages = self.balancer.take_shared_pages()
+        if why is None and pages:
+            why = "pages"
         if why is None and now - self._last_sent_at < self._keepalive_s:
             # what it gathered (placements, key usage) goes with the next one sent
             self._carried_placements = list(msg.placements[-MAX_PLACEMENTS_PER_MESSAGE:])
@@ -255,7 +289,7 @@ class SiblingLink:
         self._unanswered.clear()  # this message has seen every claim heard so far
         why = why or "keepalive"
         self.sent_because[why] = self.sent_because.get(why, 0) + 1
-        pb = to_proto(msg)
+        pb = to_proto(msg, pages)
         self.messages_out += 1
         for q in self._streams:
             if q.full():
@@ -314,13 +348,19 @@ class SiblingLink:
             return
         if len(pb.claims) > 0 and (pb.balancer_id in self._unanswered or len(self._unanswered) < MAX_SIBLINGS):
             self._unanswered.add(pb.balancer_id)
+        now = asyncio.get_running_loop().time()
         try:
-            msg = from_proto(pb, asyncio.get_running_loop().time())
+            msg = from_proto(pb, now)
         except MessageTooLarge:
             self._drop("too_large", pb)
             return
         if b.apply_sibling_message(msg):
             self.messages_in += 1
+            pages = [page for page in (page_from_proto(p, now) for p in pb.pages) if page is not None]
+            if len(pages) < len(pb.pages):
+                self._drop("bad_page", pb)
+            if pages:
+                b.apply_shared_pages(pages)
 
     async def serve(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """The server side of ``MeshPeer.Siblings`` (PeerMesh delegates here)."""
