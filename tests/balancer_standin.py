@@ -144,6 +144,9 @@ class StandInBalancer:
     def sibling_keepalive_s(self) -> float:
         return 4 * self.interval_s
 
+    def sibling_page_wait_s(self) -> float:
+        return 2 * self.interval_s
+
     def on_dispatch_round(self, listener: Callable[[], None]) -> None:
         self.dispatch_listeners.append(listener)
 

@@ -125,6 +125,11 @@ class SiblingLinkBalancer(MeshMember, Protocol):
         """How often a balancer with nothing new still speaks (siblings.keepalive_s)."""
         ...
 
+    def sibling_page_wait_s(self) -> float:
+        """The longest a replica page scraped here waits for a message going anyway
+        before one goes for it alone (half a probe interval, at most a keepalive)."""
+        ...
+
     def on_dispatch_round(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after every dispatch round (on the event loop)."""
         ...

@@ -416,6 +416,9 @@ class Balancer:
     def sibling_keepalive_s(self) -> float:
         return self.cfg.siblings.keepalive_s
 
+    def sibling_page_wait_s(self) -> float:
+        return min(self.cfg.siblings.keepalive_s, self.cfg.policy.probe_interval_s / 2)
+
     def on_dispatch_round(self, listener: Callable[[], None]) -> None:
         self._dispatch_listeners.append(listener)
 

@@ -229,6 +229,10 @@ class SiblingLink:
         # gathered for messages that were skipped: sent with the next one
         self._carried_placements: list[Placement] = []
         self._carried_usage: dict[str, tuple[float, float]] = {}
+        # replica pages scraped here not sent yet, and when the oldest was taken
+        self._pages: list[SharedPage] = []
+        self._pages_since = 0.0
+        self._page_wait_s = balancer.sibling_page_wait_s()
 
     def _with_carried(self, msg: SiblingMessage) -> SiblingMessage:
         if not self._carried_placements and not self._carried_usage:
@@ -273,11 +277,21 @@ class SiblingLink:
         msg = self._with_carried(self.balancer.sibling_message())
         state = _protocol_state(msg)
         why = _why_now(state, self._last_sent, bool(self._unanswered))
-        # replica pages this member scraped go at once: the siblings that do not probe
-        # those replicas route by them (skymesh/routing/probe_owners.py)
-        pages = self.balancer.take_shared_pages()
-        if why is None and pages:
-            why = "pages"
+        # replica pages this member scraped ride the next message; none goes for pages
+        # alone until the oldest waited PAGE_WAIT_S (a probe round's pages then share a
+        # message with the protocol's moves instead of adding one): the siblings that do not
+        # probe those replicas route by them (skymesh/routing/probe_owners.py)
+        fresh = self.balancer.take_shared_pages()
+        if fresh:
+            if not self._pages:
+                self._pages_since = now
+            self._pages = (self._pages + fresh)[-MAX_REPLICAS:]
+        if why is None and self._pages:
+            if now - self._pages_since >= self._page_wait_s:
+                why = "pages"
+            elif self._look_scheduled is None:
+                self._look_scheduled = asyncio.get_running_loop().call_later(
+                    self._pages_since + self._page_wait_s - now, self._look)
         if why is None and now - self._last_sent_at < self._keepalive_s:
             # what it gathered (placements, key usage) goes with the next one sent
             self._carried_placements = list(msg.placements[-MAX_PLACEMENTS_PER_MESSAGE:])
@@ -289,7 +303,8 @@ class SiblingLink:
         self._unanswered.clear()  # this message has seen every claim heard so far
         why = why or "keepalive"
         self.sent_because[why] = self.sent_because.get(why, 0) + 1
-        pb = to_proto(msg, pages)
+        pb = to_proto(msg, self._pages)
+        self._pages = []
         self.messages_out += 1
         for q in self._streams:
             if q.full():
