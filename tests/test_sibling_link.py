@@ -189,6 +189,14 @@ async def test_pages_a_member_scraped_reach_its_sibling_at_once() -> None:
         assert rid == "r1" and page.num_running == 5
         assert page.sent_at is not None and page.sent_at >= scraped_at  # no older than it was (one clock here)
         assert page.sent_at <= asyncio.get_running_loop().time()
+        sent_for_pages = ma.sibling_link.sent_because.get("pages", 0)
+        # the same page again shows no change: it rides the next keepalive, no message of its own
+        b.pages_in.clear()
+        a.pages_out = [("r1", ProbeResult(healthy=True, num_running=5, sent_at=asyncio.get_running_loop().time()))]
+        for listener in a.dispatch_listeners:
+            listener()
+        await until(lambda: bool(b.pages_in), "b got the unchanged page")
+        assert ma.sibling_link.sent_because.get("pages", 0) == sent_for_pages
     finally:
         await ma.stop()
         await mb.stop()

@@ -159,6 +159,12 @@ def from_proto(pb: Any, now: float) -> SiblingMessage:
     )
 
 
+def _page_shows(res: ProbeResult) -> tuple[bool, bool, int, int]:
+    """What of a page its siblings act on at once: health, silence, running, waiting
+    (a change sends a message after the page wait; the rest rides the next message)."""
+    return res.healthy, res.timed_out, res.num_running, res.num_waiting
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Sent:
     """What the siblings were last told of the push-budget protocol."""
@@ -229,9 +235,12 @@ class SiblingLink:
         # gathered for messages that were skipped: sent with the next one
         self._carried_placements: list[Placement] = []
         self._carried_usage: dict[str, tuple[float, float]] = {}
-        # replica pages scraped here not sent yet, and when the oldest was taken
-        self._pages: list[SharedPage] = []
-        self._pages_since = 0.0
+        # replica pages scraped here not sent yet (the newest of each replica); what the
+        # last one sent of each replica showed; when the oldest page that shows a change
+        # was taken (None: none waits)
+        self._pages: dict[str, ProbeResult] = {}
+        self._page_shown: dict[str, tuple[bool, bool, int, int]] = {}
+        self._change_since: float | None = None
         self._page_wait_s = balancer.sibling_page_wait_s()
 
     def _with_carried(self, msg: SiblingMessage) -> SiblingMessage:
@@ -277,21 +286,18 @@ class SiblingLink:
         msg = self._with_carried(self.balancer.sibling_message())
         state = _protocol_state(msg)
         why = _why_now(state, self._last_sent, bool(self._unanswered))
-        # replica pages this member scraped ride the next message; none goes for pages
-        # alone until the oldest waited PAGE_WAIT_S (a probe round's pages then share a
-        # message with the protocol's moves instead of adding one): the siblings that do not
-        # probe those replicas route by them (skymesh/routing/probe_owners.py)
-        fresh = self.balancer.take_shared_pages()
-        if fresh:
-            if not self._pages:
-                self._pages_since = now
-            self._pages = (self._pages + fresh)[-MAX_REPLICAS:]
-        if why is None and self._pages:
-            if now - self._pages_since >= self._page_wait_s:
+        # replica pages this member scraped (the siblings that do not probe those replicas
+        # route by them: skymesh/routing/probe_owners.py) ride the next message. One that
+        # shows a change (health, running, waiting) sends one after the page wait, so a
+        # probe round's pages share a message with the protocol's moves; pages that show
+        # none ride the keepalive (an idle fleet sends no more messages for its probes)
+        self._take_pages(now)
+        if why is None and self._change_since is not None:
+            if now - self._change_since >= self._page_wait_s:
                 why = "pages"
             elif self._look_scheduled is None:
                 self._look_scheduled = asyncio.get_running_loop().call_later(
-                    self._pages_since + self._page_wait_s - now, self._look)
+                    self._change_since + self._page_wait_s - now, self._look)
         if why is None and now - self._last_sent_at < self._keepalive_s:
             # what it gathered (placements, key usage) goes with the next one sent
             self._carried_placements = list(msg.placements[-MAX_PLACEMENTS_PER_MESSAGE:])
@@ -303,13 +309,27 @@ class SiblingLink:
         self._unanswered.clear()  # this message has seen every claim heard so far
         why = why or "keepalive"
         self.sent_because[why] = self.sent_because.get(why, 0) + 1
-        pb = to_proto(msg, self._pages)
-        self._pages = []
+        pages = list(self._pages.items())
+        for rid, res in pages:
+            self._page_shown[rid] = _page_shows(res)
+        self._pages, self._change_since = {}, None
+        pb = to_proto(msg, pages)
         self.messages_out += 1
         for q in self._streams:
             if q.full():
                 q.get_nowait()  # a slow stream loses its oldest (the next one repeats the state)
             q.put_nowait(pb)
+
+    def _take_pages(self, now: float) -> None:
+        for rid, res in self.balancer.take_shared_pages():
+            self._pages.pop(rid, None)  # the newest last: the dict keeps the scrape order
+            if len(self._pages) >= MAX_REPLICAS:
+                self._pages.pop(next(iter(self._pages)))
+            self._pages[rid] = res
+            if self._change_since is None and self._page_shown.get(rid) != _page_shows(res):
+                self._change_since = now
+        if len(self._page_shown) > 2 * MAX_REPLICAS:
+            self._page_shown.clear()  # replicas that left, many times over: start afresh
 
     async def _keepalive(self) -> None:
         """The keepalive (when nothing else sent a message for ``keepalive_s``)
