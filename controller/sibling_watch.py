@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 
 REPORT_INTERVAL_MS = 1000
 QUIET_MS = REPORT_INTERVAL_MS * 5 // 2
-# the most names read from one report (a fleet is far smaller; the rest is ignored)
+# the most names read from one report (a fleet is far smaller; the rest is ignored), and
+# the longest name that can be a balancer id
 MAX_NAMED = 256
+MAX_NAME_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +57,14 @@ class WatchedMember:
 
 
 def bounded_names(names: Iterable[str], limit: int = MAX_NAMED) -> frozenset[str]:
-    """At most ``limit`` names of a report (an untrusted list), each as given."""
+    """At most ``limit`` names of a report (an untrusted list), each as given; a name too
+    long to be a balancer id is skipped."""
     out: set[str] = set()
     for i, name in enumerate(names):
         if i >= limit:
             break
-        out.add(name)
+        if len(name) <= MAX_NAME_CHARS:
+            out.add(name)
     return frozenset(out)
 
 
