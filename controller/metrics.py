@@ -19,6 +19,7 @@ from skymesh.edge.connection_metrics import EdgeMetrics
 # before the first restart
 LOOPS = ("probe", "dns-sync")
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+TAKEN_OUT_REASONS = ("probes", "siblings")
 
 
 class ControllerMetrics:
@@ -60,6 +61,18 @@ class ControllerMetrics:
                                ("region",), registry=self.registry)
         self.balancers_alive = Gauge("skymesh_controller_balancers_alive", "Balancers of a region alive.",
                                      ("region",), registry=self.registry)
+
+        # members marked dead by the controller: "probes" (failure_threshold failed probes,
+        # or no report lately where it cannot probe), "siblings" (controller/sibling_watch.py)
+        self.members_taken_out = Counter(
+            "skymesh_controller_members_taken_out", "Balancers of a region marked dead, by what showed it.",
+            ("region", "reason"), registry=self.registry,
+        )
+
+    def region_known(self, region: str) -> None:
+        """The region's series, at 0 before anything happens."""
+        for reason in TAKEN_OUT_REASONS:
+            self.members_taken_out.labels(region, reason)
 
     def loop_restarted(self, name: str, exc: BaseException) -> None:
         """The on_restart hook of the controller's supervised loops."""

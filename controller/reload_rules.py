@@ -8,7 +8,7 @@ a dead region's replicas) and the admin token / metrics access.
 
 Restart: the controller's own addresses and state file, the DNS provider and its name,
 zone, endpoint and routing, the region set, the balancers' advertised addresses, the
-policy name (the topology carries it), TLS files, the peer token. Settings only the
+entry's target groups and their endpoint, the policy name (the topology carries it), TLS files, the peer token. Settings only the
 balancers or the DNS server read are reported as unused here (the embedded DNS server's
 TTL is its own: restart it).
 """
@@ -49,6 +49,9 @@ def controller_rules(dns_provider: str) -> Rules:
         (("regions", ANY, "balancer", "grpc_advertise"), Kind.RESTART),
         # the region's balancers: the members the controller probes and lists
         (("regions", ANY, "balancer", "siblings"), Kind.RESTART),
+        # the entry's target groups and their API: the controller's client is made at start
+        (("regions", ANY, "balancer", "entry_target_groups"), Kind.RESTART),
+        (("regions", ANY, "balancer", "entry_endpoint_url"), Kind.RESTART),
         (("regions", ANY, "balancer"), Kind.UNUSED),  # listen addresses: the balancer's own
         (("regions", ANY, "source_networks"), Kind.UNUSED),  # the DNS server's and balancers'
         (("regions", ANY, "egress_source"), Kind.UNUSED),

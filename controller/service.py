@@ -38,9 +38,11 @@ from controller.balancer_members import (
     member_of_registration,
     registered_member,
 )
+from controller.entry_targets import EntryTargets
 from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
 from controller.replica_sources import MembershipSources
+from controller.sibling_watch import WatchedMember, bounded_names, taken_out
 from controller.state import StateStore
 from controller.topology import assign_owners, nearest_alive
 from skymesh.config import MeshConfig, RegionConfig
@@ -63,6 +65,7 @@ from skymesh.security.pki import (
 log = logging.getLogger("skymesh.controller")
 
 DNS_RESYNC_S = 5.0
+SIBLINGS_TOOK_OUT = "its siblings report it unresponsive and its reports stopped"
 # a member the config does not list, dead and silent this long, is forgotten (an Auto
 # Scaling group replaces instances: their records must not pile up)
 FORGET_UNLISTED_AFTER_S = 900.0
@@ -161,6 +164,12 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self._lock = asyncio.Lock()
         # replicas that join and leave besides the YAML ones (registration API, AWS)
         self.membership = MembershipSources(self, self.metrics.registry)
+        for r in cfg.regions:
+            self.metrics.region_known(r.name)
+        # the regions' entry target groups on AWS follow their members (None: none named)
+        self.entry: EntryTargets | None = None
+        if EntryTargets.configured(cfg.regions):
+            self.entry = EntryTargets(cfg.regions, self.metrics.registry)
 
     # ------------------------------------------------------------------ members
 
@@ -352,6 +361,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         member_changed = member.alive != alive
         member.alive = alive
         self._refresh_region(region)
+        if self.entry is not None and (member_changed or member.draining):
+            self.entry.poke()
         if not member_changed:
             return
         if self.balancers[region]["alive"] != region_was_alive:
@@ -393,9 +404,37 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 else:
                     member.failures += 1
                     if member.failures >= self.cfg.controller.failure_threshold:
+                        if member.alive and not member.draining:
+                            self.metrics.members_taken_out.labels(region, "probes").inc()
                         await self._set_alive(region, False, why, member)
+            for region in list(self.members):
+                await self._watch_siblings(region)
             await self._forget_and_presume()
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def _watched(self, region: str) -> list[WatchedMember]:
+        """The region's members as the sibling watch reads them: heard from at their latest
+        report, registration or good probe, and never before this controller started (no
+        report could reach it earlier); each report's names bounded."""
+        reports = self.member_reports.get(region, {})
+        out = []
+        for m in self.members[region]:
+            rep = reports.get(m.key)
+            heard = max(t for t in (rep.at_ms if rep else None, m.last_seen_ms, self.started_ms) if t is not None)
+            out.append(WatchedMember(
+                key=m.key, balancer_id=m.balancer_id, alive=m.alive, draining=m.draining, heard_at_ms=heard,
+                named_unresponsive=bounded_names(rep.proto.unresponsive_siblings) if rep else frozenset(),
+                report_at_ms=rep.at_ms if rep else None))
+        return out
+
+    async def _watch_siblings(self, region: str) -> None:
+        """Take out the members of ``region`` their siblings' reports say are gone
+        (controller/sibling_watch.py); one comes back as ever, by a report or good probe."""
+        gone = set(taken_out(self._watched(region), _now_ms()))
+        for m in [m for m in self.members[region] if m.key in gone and m.alive]:
+            self.metrics.members_taken_out.labels(region, "siblings").inc()
+            log.warning("balancer taken out by its siblings", extra={"region": region, "balancer_id": m.name})
+            await self._set_alive(region, False, SIBLINGS_TOOK_OUT, m)
 
     async def _forget_and_presume(self) -> None:
         """Members the config does not list, dead and silent past FORGET_UNLISTED_AFTER_S,
@@ -527,6 +566,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             # names its region until a registration does
             self._latest_member.setdefault(request.region, member.key)
         await self._set_alive(request.region, True, "report", member)
+        await self._watch_siblings(request.region)
         now = _now_ms()
         await asyncio.to_thread(self.store.save_report, request.region, report, now,
                                 request.SerializeToString())
@@ -684,9 +724,13 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         await web.TCPSite(self._runner, h.host, h.port, reuse_address=True).start()
         self.bound_ports["http"] = int(self._runner.addresses[0][1])
         interval = self.cfg.controller.probe_interval_s
-        for name, body, backoff_s in (("probe", self._probe_loop, interval),
-                                      ("dns-sync", self._dns_loop, min(1.0, DNS_RESYNC_S)),
-                                      *self.membership.loops()):
+        loops = [("probe", self._probe_loop, interval), ("dns-sync", self._dns_loop, min(1.0, DNS_RESYNC_S)),
+                 *self.membership.loops()]
+        if self.entry is not None:
+            entry = self.entry
+            loops.append(("entry-targets", lambda: entry.run(self.members, lambda: self.cfg.controller.probe_interval_s),
+                          interval))
+        for name, body, backoff_s in loops:
             self._tasks.append(SupervisedLoop(
                 name, body, on_restart=self.metrics.loop_restarted, logger=log,
                 backoff_s=backoff_s, max_backoff_s=max(backoff_s, 5.0)).start())

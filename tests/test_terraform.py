@@ -79,7 +79,7 @@ def test_config_module_terraform_test(tf_env: dict[str, str], tmp_path: Path) ->
     mod = TF_DIR / "modules" / "config"
     tf(["init", "-backend=false", "-input=false"], mod, tf_env, tmp_path)
     out = tf(["test"], mod, tf_env, tmp_path)
-    assert "14 passed, 0 failed" in out.stdout, out.stdout
+    assert "16 passed, 0 failed" in out.stdout, out.stdout
 
 
 @needs_tf

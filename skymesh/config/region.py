@@ -19,7 +19,14 @@ from skymesh.config.base import (
     matching,
     set_derived,
 )
-from skymesh.config.network import DerivedHostPort, HostPort, HostPortField, IpAddress, Network
+from skymesh.config.network import (
+    DerivedHostPort,
+    HostPort,
+    HostPortField,
+    HttpUrlStr,
+    IpAddress,
+    Network,
+)
 from skymesh.config.replica import REPLICA_ID_RE, ReplicaConfig
 
 REGION_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{1,62}$")
@@ -33,6 +40,16 @@ RegionName = Annotated[
 AwsRegion = Annotated[
     Text, AfterValidator(matching(REGION_NAME_RE, "an AWS region")),
     Field(json_schema_extra={"pattern": REGION_NAME_RE.pattern}),
+]
+# a target group of an Elastic Load Balancing load balancer (its region is group 1); \Z:
+# no trailing newline either
+TARGET_GROUP_ARN_PATTERN = (r"^arn:aws(?:-[a-z]+)*:elasticloadbalancing:([a-z][a-z0-9-]{1,62}):[0-9]{12}:"
+                            r"targetgroup/[A-Za-z0-9-]{1,32}/[0-9a-f]{16}$")
+TARGET_GROUP_ARN_RE = re.compile(TARGET_GROUP_ARN_PATTERN[:-1] + r"\Z")
+TargetGroupArn = Annotated[
+    Text, AfterValidator(matching(TARGET_GROUP_ARN_RE, "a target group ARN "
+                                  "(arn:aws:elasticloadbalancing:<region>:<account>:targetgroup/<name>/<id>)")),
+    Field(json_schema_extra={"pattern": TARGET_GROUP_ARN_PATTERN}),
 ]
 BalancerId = Annotated[
     Text,
@@ -92,6 +109,13 @@ class BalancerConfig(ConfigModel):
     # (--advertise-host, SKYMESH_ADVERTISE_HOST, else the instance's private IPv4); the
     # listeners here are each instance's, the advertised addresses the region's entry
     fleet: Literal["listed", "registered"] = "listed"
+    # the region's entry on AWS: the target groups (ARNs, in the region's aws_region) of the
+    # load balancers in front of its balancers. The controller takes a member named by an
+    # EC2 instance id out of every one when it is dead or draining, and puts it back when
+    # it is alive (controller/entry_targets.py), sooner than the groups' own health checks
+    entry_target_groups: Annotated[tuple[TargetGroupArn, ...], Field(max_length=20)] = ()
+    # the Elastic Load Balancing API endpoint override (an emulator on loopback in tests); None: AWS
+    entry_endpoint_url: HttpUrlStr | None = None
 
     @model_validator(mode="after")
     def _advertise_defaults_to_listen(self) -> BalancerConfig:
@@ -107,6 +131,12 @@ class BalancerConfig(ConfigModel):
             raise ConfigError("siblings", "a registered fleet lists no balancer: each one registers itself")
         if self.siblings or self.fleet == "registered":
             self._check_fleet_entry()
+        repeat = first_repeat(self.entry_target_groups)
+        if repeat is not None:
+            i, first = repeat
+            raise ConfigError(f"entry_target_groups[{i}]", f"listed twice (also [{first}])")
+        if self.entry_endpoint_url is not None and not self.entry_target_groups:
+            raise ConfigError("entry_endpoint_url", "names the API of entry_target_groups, and there are none")
         return self
 
     def _check_fleet_entry(self) -> None:
@@ -167,7 +197,20 @@ class RegionConfig(ConfigModel):
             i, first = repeat
             raise ConfigError(f"balancer.siblings[{i - 1}].id",
                               f"duplicate balancer id {ids[i]!r} (also member {first} of this region)")
+        self._check_entry_target_groups()
         return self
+
+    def _check_entry_target_groups(self) -> None:
+        """The entry's target groups are in the region's own AWS region (the controller's
+        Elastic Load Balancing client is that region's)."""
+        groups = self.balancer.entry_target_groups
+        if groups and self.aws_region is None:
+            raise ConfigError("balancer.entry_target_groups", "needs the region's aws_region (where the groups are)")
+        for i, arn in enumerate(groups):
+            m = TARGET_GROUP_ARN_RE.match(arn)
+            if m is not None and m.group(1) != self.aws_region:
+                raise ConfigError(f"balancer.entry_target_groups[{i}]",
+                                  f"is in {m.group(1)}, not the region's aws_region {self.aws_region}")
 
     @property
     def balancer_members(self) -> tuple[BalancerMember, ...]:

@@ -90,6 +90,8 @@ module "config" {
     replica_ips         = local.replica_ips[k]
     # the controller lists the scaling pool's InService instances (membership.aws)
     replica_asg_names = local.replica_scaling_on ? [local.replica_asg_name[k]] : []
+    # the controller takes a dead balancer out of its region's load balancers at once
+    entry_target_group_arns = local.entry_target_group_arns[k]
   }]
   latencies     = local.latencies
   policy        = { name = var.policy }
@@ -209,6 +211,16 @@ module "controller" {
   replica_discovery = local.replica_scaling_on
   # each mesh region is named after its AWS region (the config's aws_region default)
   replica_discovery_regions = local.replica_scaling_on ? keys(local.regions) : []
+  # it moves dead balancers out of (and live ones back into) the regions' target groups
+  entry_target_group_arns = flatten(values(local.entry_target_group_arns))
+}
+
+locals {
+  entry_target_group_arns = {
+    "us-east-1"      = module.use1.entry_target_group_arns
+    "eu-west-1"      = module.euw1.entry_target_group_arns
+    "ap-northeast-1" = module.apne1.entry_target_group_arns
+  }
 }
 
 module "peer_use1_euw1" {

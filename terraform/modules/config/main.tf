@@ -63,6 +63,8 @@ locals {
             fleet = "registered"
           },
           r.balancer_public_ip == null ? {} : { public_ip = r.balancer_public_ip },
+          # the controller deregisters a dead balancer from these (and registers it again)
+          length(r.entry_target_group_arns) == 0 ? {} : { entry_target_groups = distinct(r.entry_target_group_arns) },
         )
         replicas = [for i, ip in r.replica_ips : {
           id  = "${r.name}-gpu${i}"

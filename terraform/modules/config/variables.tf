@@ -20,6 +20,9 @@ variable "regions" {
     balancer_port     = optional(number, 8000)
     grpc_port         = optional(number, 9000)
     peer_port         = optional(number, 8443) # forwards from peer balancers (mTLS)
+    # the target groups in front of the region's balancers (the region module's
+    # entry_target_group_arns): the controller takes a dead balancer out of them at once
+    entry_target_group_arns = optional(list(string), [])
   }))
 
   validation {
@@ -45,6 +48,11 @@ variable "regions" {
   validation {
     condition     = alltrue([for n in flatten(var.regions[*].replica_asg_names) : length(n) >= 1 && length(n) <= 255])
     error_message = "regions[].replica_asg_names must be Auto Scaling group names (1 to 255 characters)."
+  }
+  validation {
+    condition = alltrue(flatten([for r in var.regions : [for a in r.entry_target_group_arns :
+    can(regex("^arn:aws(-[a-z]+)*:elasticloadbalancing:${coalesce(r.aws_region, r.name)}:[0-9]{12}:targetgroup/[A-Za-z0-9-]{1,32}/[0-9a-f]{16}$", a))]]))
+    error_message = "regions[].entry_target_group_arns must be target group ARNs in the region's AWS region (aws_region, default its name)."
   }
   validation {
     condition     = alltrue(flatten([for r in var.regions : [for n in r.source_networks : can(cidrhost(n, 0))]]))

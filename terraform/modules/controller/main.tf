@@ -77,6 +77,24 @@ resource "aws_iam_role_policy" "discovery" {
   })
 }
 
+# balancer.entry_target_groups: a balancer the controller finds dead (its probes, its
+# siblings' reports) leaves the load balancers' target groups at once, sooner than their own
+# health checks, and comes back when alive. Only these two calls, only on these groups.
+resource "aws_iam_role_policy" "entry_targets" {
+  count = length(var.entry_target_group_arns) > 0 ? 1 : 0
+  name  = "${var.name}-entry-targets"
+  role  = aws_iam_role.this.id
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Sid      = "MoveBalancersInAndOutOfTheEntry"
+      Effect   = "Allow"
+      Action   = ["elasticloadbalancing:DeregisterTargets", "elasticloadbalancing:RegisterTargets"]
+      Resource = sort(distinct(var.entry_target_group_arns))
+    }]
+  })
+}
+
 # The controller's mesh credentials (the CA certificate, the admin token, its own
 # certificate and key) and nothing else: no balancer's key, not the peer token.
 locals {

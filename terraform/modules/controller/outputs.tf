@@ -17,3 +17,8 @@ output "replica_discovery_policy" {
   description = "The controller role's replica discovery policy (JSON; membership.aws), null unless replica_discovery is set."
   value       = one(aws_iam_role_policy.discovery[*].policy)
 }
+
+output "entry_targets_policy" {
+  description = "The controller role's policy (JSON) for moving balancers in and out of the regions' target groups (balancer.entry_target_groups), null unless entry_target_group_arns is set."
+  value       = one(aws_iam_role_policy.entry_targets[*].policy)
+}

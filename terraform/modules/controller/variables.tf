@@ -80,6 +80,17 @@ variable "replica_discovery_regions" {
   }
 }
 
+variable "entry_target_group_arns" {
+  description = "Target groups in front of the regions' balancers (the config's balancer.entry_target_groups): the controller may deregister a dead balancer from them and register it again (elasticloadbalancing:DeregisterTargets, RegisterTargets on these groups only); empty: none."
+  type        = list(string)
+  default     = []
+
+  validation {
+    condition     = alltrue([for a in var.entry_target_group_arns : can(regex("^arn:aws(-[a-z]+)*:elasticloadbalancing:[a-z0-9-]+:[0-9]{12}:targetgroup/[A-Za-z0-9-]{1,32}/[0-9a-f]{16}$", a))])
+    error_message = "entry_target_group_arns must be target group ARNs (no wildcards)."
+  }
+}
+
 variable "admin_cidrs" {
   description = "Networks allowed to read the status API (7002) for `skymesh status`."
   type        = list(string)

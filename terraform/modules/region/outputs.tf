@@ -28,6 +28,11 @@ output "mesh_dns_name" {
   value       = aws_lb.mesh.dns_name
 }
 
+output "entry_target_group_arns" {
+  description = "The target groups of the region's balancers (the entry's and the mesh load balancer's listeners): the config's balancer.entry_target_groups, from which the controller deregisters a balancer it finds dead and registers it again when alive."
+  value       = [for k in sort(keys(aws_lb_target_group.balancer)) : aws_lb_target_group.balancer[k].arn]
+}
+
 output "balancer_asg_name" {
   description = "Auto Scaling group of the region's balancers."
   value       = aws_autoscaling_group.balancer.name

@@ -34,6 +34,30 @@ override_resource {
   override_during = plan
 }
 
+# the balancers' target groups get their ARNs at apply; fixed here so the config (which
+# names them) is known in the plan (every listener's group gets this one ARN)
+override_resource {
+  target          = module.use1.aws_lb_target_group.balancer
+  values          = { arn = "arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/skymesh-use1/0123456789abcdef" }
+  override_during = plan
+}
+
+# the balancers' target groups get their ARNs at apply; fixed here so the config (which
+# names them) is known in the plan (every listener's group gets this one ARN)
+override_resource {
+  target          = module.euw1.aws_lb_target_group.balancer
+  values          = { arn = "arn:aws:elasticloadbalancing:eu-west-1:123456789012:targetgroup/skymesh-euw1/0123456789abcdef" }
+  override_during = plan
+}
+
+# the balancers' target groups get their ARNs at apply; fixed here so the config (which
+# names them) is known in the plan (every listener's group gets this one ARN)
+override_resource {
+  target          = module.apne1.aws_lb_target_group.balancer
+  values          = { arn = "arn:aws:elasticloadbalancing:ap-northeast-1:123456789012:targetgroup/skymesh-apne1/0123456789abcdef" }
+  override_during = plan
+}
+
 override_data {
   target = module.controller.data.aws_iam_policy_document.assume
   values = { json = "{\"Version\":\"2012-10-17\",\"Statement\":[]}" }
@@ -83,6 +107,10 @@ run "config_names_the_planned_addresses" {
   assert {
     condition     = yamldecode(output.skymesh_config).controller.listen == "${module.controller.private_ip}:7001"
     error_message = "the config must name the controller's fixed private address"
+  }
+  assert {
+    condition     = yamldecode(output.skymesh_config).regions[1].balancer.entry_target_groups == ["arn:aws:elasticloadbalancing:eu-west-1:123456789012:targetgroup/skymesh-euw1/0123456789abcdef"]
+    error_message = "the config names each region's target groups: the controller takes a dead balancer out of them"
   }
   assert {
     condition     = module.dns.record_set_identifiers["eu-west-1"] == "skymesh-eu-west-1"

@@ -200,3 +200,32 @@ run "rejects_a_bad_replica_scheme_and_poll_interval" {
   }
   expect_failures = [var.replica_discovery]
 }
+
+run "entry_target_groups_pass_through" {
+  command = plan
+  variables {
+    regions = [
+      { name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", replica_ips = ["10.10.1.10"],
+      entry_target_group_arns = ["arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/skymesh-use1-entry-http/50dc6c495c0c9188"] },
+      { name = "eu-west-1", source_networks = ["10.20.0.0/16"], balancer_private_ip = "10.20.0.10", replica_ips = ["10.20.1.10"] },
+    ]
+  }
+
+  assert {
+    condition     = yamldecode(output.skymesh_config).regions[0].balancer.entry_target_groups == ["arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/skymesh-use1-entry-http/50dc6c495c0c9188"]
+    error_message = "the region's target groups are rendered as balancer.entry_target_groups"
+  }
+  assert {
+    condition     = !contains(keys(yamldecode(output.skymesh_config).regions[1].balancer), "entry_target_groups")
+    error_message = "a region without target groups renders none"
+  }
+}
+
+run "rejects_a_target_group_of_another_region" {
+  command = plan
+  variables {
+    regions = [{ name = "us-east-1", source_networks = ["10.10.0.0/16"], balancer_private_ip = "10.10.0.10", replica_ips = ["10.10.1.10"],
+    entry_target_group_arns = ["arn:aws:elasticloadbalancing:eu-west-1:123456789012:targetgroup/skymesh-use1-entry-http/50dc6c495c0c9188"] }]
+  }
+  expect_failures = [var.regions]
+}

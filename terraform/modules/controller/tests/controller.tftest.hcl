@@ -159,3 +159,39 @@ run "rejects_a_discovery_region_that_is_not_an_aws_region" {
   }
   expect_failures = [var.replica_discovery_regions]
 }
+
+run "entry_targets_are_off_by_default" {
+  command = plan
+
+  assert {
+    condition     = length(aws_iam_role_policy.entry_targets) == 0 && output.entry_targets_policy == null
+    error_message = "no target group permissions unless entry_target_group_arns is set"
+  }
+}
+
+run "entry_targets_move_only_the_named_groups" {
+  command = plan
+  variables {
+    entry_target_group_arns = [
+      "arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/skymesh-use1-entry-http/50dc6c495c0c9188",
+      "arn:aws:elasticloadbalancing:eu-west-1:123456789012:targetgroup/skymesh-euw1-entry-http/60dc6c495c0c9188",
+    ]
+  }
+
+  assert {
+    condition     = tolist(jsondecode(output.entry_targets_policy).Statement[0].Action) == tolist(["elasticloadbalancing:DeregisterTargets", "elasticloadbalancing:RegisterTargets"])
+    error_message = "the controller may only move targets in and out"
+  }
+  assert {
+    condition     = length(jsondecode(output.entry_targets_policy).Statement[0].Resource) == 2
+    error_message = "on the named target groups only"
+  }
+}
+
+run "rejects_a_wildcard_target_group" {
+  command = plan
+  variables {
+    entry_target_group_arns = ["arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/*"]
+  }
+  expect_failures = [var.entry_target_group_arns]
+}
