@@ -82,7 +82,7 @@ ADDED_BALANCER_FAMILIES = ("skymesh_replicas_ejected", "skymesh_request_transiti
                            "skymesh_slo_target_misses", "skymesh_http_connections",
                            "skymesh_autoscaling_pending_prefill_seconds_per_replica", "skymesh_sibling_",
                            "skymesh_client_", "skymesh_harmful_requests", "skymesh_context_refusals",
-                           "skymesh_requests_cut")
+                           "skymesh_requests_cut", "skymesh_replica_pages")
 # prometheus_client's process, platform and GC collectors: their values are the process's own
 PROCESS_FAMILIES = ("process_", "python_")
 
@@ -148,6 +148,8 @@ def test_balancer_page_has_the_golden_names_labels_and_values() -> None:
         'skymesh_sibling_state_looks_total{outcome="sent"}': 7.0,
         'skymesh_sibling_state_looks_total{outcome="quiet"}': 2.0,
         "skymesh_sibling_streams_refused_total": 0.0,
+        'skymesh_replica_pages_total{source="probed"}': 0.0,
+        'skymesh_replica_pages_total{source="sibling"}': 0.0,
     }
     # prometheus_client writes a histogram's _count before its _sum: the sample set is what
     # a scraper sees, so that is what must match; no _created series is added
