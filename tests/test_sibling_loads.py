@@ -84,7 +84,7 @@ def one_unit_member() -> RegionCore:
     core.attach_siblings(RegionSiblings("here", "here-b0", 1, dead_after_s=1.0, started_at=-10.0,
                                         page_lag_s=0.25))
     core.sibling_message(0.0)
-    assert core.local.budget_of("r0") == 1
+    assert core.local.budget.budget_of("r0") == 1
     return core
 
 

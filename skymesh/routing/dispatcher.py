@@ -1,21 +1,11 @@
 """The balancer's queue and dispatch core (SkyWalker's selective pushing), pure.
 
 Requests wait here, at the balancer, not at a busy replica: a replica is *available* only
-while its last probe reported no waiting request (``vllm:num_requests_waiting == 0``) and
-the balancer has not already pushed ``dispatch_budget`` requests to it since that probe
-(so it never overfills between probes). Requests it pushed that a probe's page does not
-show yet (without a first token here, beyond what the page's running + waiting count
-leaves after this balancer's streaming requests) stay charged to the budget. A first
-token coming back proves the replica admitted that request, so it returns one unit of
-budget early.
-
-A region of several balancers shares each replica's budget (``siblings``,
-skymesh/routing/push_shares.py): this balancer may push to a replica only within the
-units it holds there (its home's, or leased from their home), and a push counts as seen
-by a page scraped ``siblings.page_lag_s`` after it (the count cannot tell whose pushes a
-page shows). The policy still sees a replica as available when it is free region-wide
-(its budget less every balancer's unseen pushes there, as they last said); a pick of one
-where this balancer holds no free unit is counted as a *want*, which the unit's home
+while its last probe reported no waiting request (``vllm:num_requests_waiting == 0``),
+it is not draining, and its push budget has room (skymesh/routing/push_budget.py: how
+many requests may be pushed to it between probes, which pushes a page shows, and how a
+region of several balancers shares each budget). A pick of a replica where this balancer
+holds no free unit of a shared budget is counted as a *want*, which the unit's home
 answers with a lease in its next message; the request keeps its pick and waits for it
 (no per-use answer: one message of the home's, which a want sends at once).
 A replica's ``pending_prefill_tokens`` in the views the policy sees is the region's: this
@@ -28,7 +18,6 @@ drive this class; it never reads a clock or touches I/O.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -36,8 +25,9 @@ from typing import Any
 
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import QueueDiscipline
+from skymesh.routing.push_budget import PushBudget
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.siblings import RegionSiblings, SiblingLoad
+from skymesh.routing.siblings import SiblingLoad
 
 # in a region of several balancers: the most queued requests per dispatch round that a
 # pick of a replica without a free unit here holds back (each one a want; the rest wait)
@@ -89,14 +79,12 @@ class BalancerCore:
     ) -> None:
         self.policy = policy
         self.queue_bound = queue_bound
-        self.dispatch_budget = dispatch_budget
+        # each replica's push budget: what this balancer may still push there before its
+        # next probe (alone, or sharing it with the region's other balancers)
+        self.budget = PushBudget(dispatch_budget)
         self.lookahead = lookahead
         self.rebalance_interval_s = rebalance_interval_s
         self.replicas: dict[str, ReplicaView] = {}
-        self._since_probe: dict[str, int] = {}
-        # per replica whose dispatch budget is spent: when the dispatch that spent it was
-        # (absent for a replica held after a failed probe or attempt: no signal to go by)
-        self._budget_spent_at: dict[str, float] = {}
         # highest priority first (SLO classes), FCFS within a priority
         self._queue: PriorityQueue[_Queued] = PriorityQueue()
         self._queued_prompt_tokens = 0  # the prompt tokens of every queued request
@@ -114,56 +102,36 @@ class BalancerCore:
         # records a dispatch in the region's routing history once the discipline and the
         # policy were told of it (both read that history; set by the region core)
         self.record_dispatch: Callable[[RoutingRequest, str, float], None] | None = None
-        # a region of several balancers: this one's units of each replica's budget and
-        # what its siblings said (None: a region of one)
-        self.siblings: RegionSiblings | None = None
         # replica -> queued requests the last dispatch round's policy picked it for while
         # this balancer had no free unit there (siblings lend to them)
         self.wants: dict[str, int] = {}
         # replicas leaving membership: no new dispatch, requests in flight on them finish
         self.draining: frozenset[str] = frozenset()
-        # per replica, the siblings' prefill tokens there without a first token (their last
-        # word), included in the view's pending_prefill_tokens
-        self._sibling_prefill: dict[str, int] = {}
-        # per replica, when this balancer pushed each of its requests there that has no
-        # first token yet (in push order; its length is how many are unstarted), and the push time up to which the last page
-        # showed them (a region of several balancers: see update_replica)
-        self._unstarted_pushed_at: dict[str, list[float]] = {}
-        self._page_shows_until: dict[str, float] = {}
 
-    def budget_of(self, replica_id: str) -> int:
-        """Pushes this balancer may have unseen on ``replica_id``: the dispatch budget,
-        or in a region of several balancers the units of it this one holds."""
-        return self.dispatch_budget if self.siblings is None else self.siblings.shares.units_on(replica_id)
-
-    def unseen_pushes(self) -> dict[str, int]:
-        """Per replica, this balancer's pushes its last probe does not show yet."""
-        return dict(self._since_probe)
+    @property
+    def dispatch_budget(self) -> int:
+        """Requests each replica may be pushed between probes (region-wide)."""
+        return self.budget.dispatch_budget
 
     def loads(self) -> dict[str, SiblingLoad]:
         """Per replica, what this balancer has on it (what its siblings are told)."""
-        return {rid: SiblingLoad(v.in_flight, self._since_probe.get(rid, 0), self.own_pending_prefill(rid))
+        return {rid: SiblingLoad(v.in_flight, self.budget.charged(rid), self.own_pending_prefill(rid))
                 for rid, v in self.replicas.items()}
 
     def own_pending_prefill(self, replica_id: str) -> int:
         """Prefill tokens this balancer's requests on ``replica_id`` still have to go (the
         view's figure less the siblings' share in it)."""
         view = self.replicas.get(replica_id)
-        return 0 if view is None else view.pending_prefill_tokens - self._sibling_prefill.get(replica_id, 0)
+        return 0 if view is None else view.pending_prefill_tokens - self.budget.sibling_prefill_on(replica_id)
 
     def refresh_budgets(self) -> None:
         """A sibling step: the units held changed (availability follows) and the siblings'
         prefill on each replica is their latest word."""
-        sibling_prefill = self.siblings.pending_prefill_on() if self.siblings is not None else {}
+        prefill_changes = self.budget.renew_sibling_prefill()
         for rid, view in self.replicas.items():
-            new = sibling_prefill.get(rid, 0)
-            old = self._sibling_prefill.get(rid, 0)
-            if new != old:
-                view.pending_prefill_tokens += new - old
-                if new:
-                    self._sibling_prefill[rid] = new
-                else:
-                    del self._sibling_prefill[rid]
+            change = prefill_changes.get(rid)
+            if change is not None:
+                view.pending_prefill_tokens += change
             self._refresh_available(view)
 
     # ------------------------------------------------------------------ membership/probes
@@ -174,15 +142,11 @@ class BalancerCore:
         for rid in list(self.replicas):
             if rid not in wanted:
                 del self.replicas[rid]
-                self._since_probe.pop(rid, None)
-                self._budget_spent_at.pop(rid, None)
-                self._sibling_prefill.pop(rid, None)
-                self._unstarted_pushed_at.pop(rid, None)
-                self._page_shows_until.pop(rid, None)
+                self.budget.remove_replica(rid)
         for rid in wanted:
             if rid not in self.replicas:
                 self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
-                self._since_probe[rid] = 0
+                self.budget.add_replica(rid)
                 self.dispatches_per_replica.setdefault(rid, 0)
         self.policy.set_replicas(wanted)
         if self.discipline is not None:
@@ -207,44 +171,14 @@ class BalancerCore:
         view.num_running = num_running
         view.num_waiting = num_waiting
         view.kv_usage = kv_usage
-        # requests this balancer pushed that the page does not show yet (still in transit
-        # to the replica's scheduler, or a page older than them: vLLM moves its gauges once
-        # per engine step) stay charged to the budget; resetting it to 0 would let the
-        # balancer push a second budget on top of them
-        if healthy and self.siblings is not None:
-            # The page counts the siblings' requests too, and what they pushed since they
-            # last said is not known here, so its count cannot tell which pushes it shows
-            # (a credit could count a sibling's push as this balancer's own). Time can: a
-            # push reaches the replica's page within page_lag_s (the proxy's send, the
-            # server's tokenizing, one engine step), so a page scraped later shows it,
-            # running or waiting. Pushes since stay charged; without a send time, every
-            # push without a first token does.
-            pushed = self._unstarted_pushed_at.get(replica_id, [])
-            if sent_at is None:
-                self._page_shows_until.pop(replica_id, None)
-                self._since_probe[replica_id] = len(pushed)
-            else:
-                shows_until = sent_at - self.siblings.page_lag_s
-                self._page_shows_until[replica_id] = shows_until
-                self._since_probe[replica_id] = len(pushed) - bisect.bisect_right(pushed, shows_until)
-        elif healthy:
-            unstarted = len(self._unstarted_pushed_at.get(replica_id, ()))
-            started = view.in_flight - unstarted
-            self._since_probe[replica_id] = max(0, unstarted - max(0, num_running + num_waiting - started))
-        else:
-            self._since_probe[replica_id] = 0
+        # the page credits the pushes it shows; the rest stay charged to the budget
+        self.budget.on_page(replica_id, healthy=healthy, in_flight=view.in_flight, num_running=num_running,
+                            num_waiting=num_waiting, sent_at=sent_at)
         self._refresh_available(view)
 
     def _refresh_available(self, view: ReplicaView) -> None:
         rid = view.replica_id
-        budget_left = self._since_probe[rid] < self.budget_of(rid)
-        if budget_left:
-            # a spent budget that comes back ends its wait; a page lagging the pushes that
-            # spends it again gives no time to go by (only a dispatch does)
-            self._budget_spent_at.pop(rid, None)
-        if self.siblings is not None:
-            # free region-wide: the whole budget less every balancer's unseen pushes
-            budget_left = self._since_probe[rid] + self.siblings.unseen_on(rid) < self.dispatch_budget
+        budget_left = self.budget.refresh(rid)
         view.available = view.healthy and view.num_waiting == 0 and budget_left and rid not in self.draining
 
     def set_draining(self, replica_ids: Iterable[str]) -> None:
@@ -254,9 +188,6 @@ class BalancerCore:
         self.draining = frozenset(rid for rid in replica_ids if rid in self.replicas)
         for rid in self.draining:
             self.replicas[rid].available = False
-
-    def _has_unit_free(self, replica_id: str) -> bool:
-        return self._since_probe[replica_id] < self.budget_of(replica_id)
 
     def eject(self, replica_id: str) -> None:
         """No dispatch to ``replica_id`` at all until a probe says it is healthy again."""
@@ -268,8 +199,7 @@ class BalancerCore:
         """No new dispatch to ``replica_id`` until its next successful probe."""
         view = self.replicas.get(replica_id)
         if view is not None:
-            self._since_probe[replica_id] = self.dispatch_budget
-            self._budget_spent_at.pop(replica_id, None)
+            self.budget.hold(replica_id)
             view.available = False
 
     def is_in_flight(self, request_id: str) -> bool:
@@ -305,15 +235,7 @@ class BalancerCore:
         for rid, view in self.replicas.items():
             if not view.healthy or view.num_waiting > 0 or rid in self.draining:
                 continue
-            budget = self.budget_of(rid)
-            if budget == 0:
-                continue
-            if self._since_probe[rid] < budget:
-                rate += budget / first_token_s
-                continue
-            spent_at = self._budget_spent_at.get(rid)
-            if spent_at is not None:
-                rate += budget / max(first_token_s, now - spent_at)
+            rate += self.budget.push_rate(rid, now, first_token_s)
         return rate
 
     # ------------------------------------------------------------------ admission
@@ -359,7 +281,7 @@ class BalancerCore:
     def pending_prefill_tokens(self) -> int:
         """This balancer's own: its requests' prefill still to go on every replica, and its
         queue's (the siblings' share in the views is theirs to report)."""
-        own = sum(v.pending_prefill_tokens for v in self.replicas.values()) - sum(self._sibling_prefill.values())
+        own = sum(v.pending_prefill_tokens for v in self.replicas.values()) - self.budget.sibling_prefill_total()
         return own + self.queued_prefill_tokens()
 
     # ------------------------------------------------------------------ dispatch
@@ -375,8 +297,7 @@ class BalancerCore:
             self.wants = {}
         if not self._queue:
             return []
-        if self.siblings is not None:
-            self.siblings.shares.expire(now)  # a lease that ended since the last step
+        self.budget.expire(now)  # a lease that ended since the last step
         if now - self._last_rebalance >= self.rebalance_interval_s:
             self._last_rebalance = now
             self.migrations = self.policy.rebalance(self.queued_requests(), self.replicas, now)
@@ -408,7 +329,7 @@ class BalancerCore:
                 raise RuntimeError(
                     f"policy {self.policy.name!r} chose unavailable replica {decision.replica_id!r}"
                 )
-            if self.siblings is not None and not self._has_unit_free(decision.replica_id):
+            if self.budget.awaits_lease(decision.replica_id):
                 # free region-wide, not here: the unit's home leases it in its next message
                 # (the want says so); the request keeps its cache-affine pick meanwhile
                 # (sending it to a replica held here instead cost a third of the hit rate
@@ -427,10 +348,7 @@ class BalancerCore:
     def _free_slots(self) -> dict[str, int]:
         """Per available replica, the requests this balancer can still send it before its
         next probe."""
-        return {
-            rid: self.budget_of(rid) - self._since_probe[rid]
-            for rid, v in self.replicas.items() if v.available and self._since_probe[rid] < self.budget_of(rid)
-        }
+        return {rid: slots for rid, v in self.replicas.items() if v.available and (slots := self.budget.free_slots(rid)) > 0}
 
     def _excluded(self, request_id: str) -> AbstractSet[str]:
         """The replicas a queued request may not run on (the discipline's question)."""
@@ -474,10 +392,7 @@ class BalancerCore:
         prefill = max(0, q.req.prompt_tokens - decision.matched_tokens)
         view.pending_prefill_tokens += prefill
         view.in_flight += 1
-        self._since_probe[rid] += 1
-        if self._since_probe[rid] >= self.budget_of(rid):
-            self._budget_spent_at[rid] = now
-        self._unstarted_pushed_at.setdefault(rid, []).append(now)
+        self.budget.pushed(rid, now)
         self._refresh_available(view)
         self._in_flight[q.req.request_id] = _InFlight(
             req=q.req,
@@ -526,10 +441,10 @@ class BalancerCore:
         if view is not None:
             view.pending_prefill_tokens -= f.prefill_tokens
             # the replica admitted it: its unit of dispatch budget comes back early
-            self._unit_back(f)
+            self.budget.unit_back(f.replica_id, f.dispatched_at)
             self._refresh_available(view)
         else:
-            self._forget_unstarted(f)
+            self.budget.forget_unstarted(f.replica_id, f.dispatched_at)
         ttft = now - f.dispatched_at
         if observe:
             self.policy.on_first_token(f.req, f.replica_id, ttft, now)
@@ -590,39 +505,8 @@ class BalancerCore:
         if f.first_token_at is None:
             view.pending_prefill_tokens -= f.prefill_tokens
             # it left before its first token gave the budget back: give it back now
-            self._unit_back(f)
+            self.budget.unit_back(f.replica_id, f.dispatched_at)
         self._refresh_available(view)
-
-    def _unit_back(self, f: _InFlight) -> None:
-        """A request pushed to ``f.replica_id`` got its first token, or left before one: its
-        unit of budget comes back, unless the last probe's page already showed it (the
-        page's credit took it off the budget then; giving it back twice would let one push
-        more than the budget past the page). In a region of several balancers the page
-        showed it when it was pushed by the page's ``shows until`` time. Alone, which of
-        the unstarted requests the page showed is not known: the oldest, as the replica
-        admits in arrival order, so while the page showed any, the one leaving is taken as
-        one of them. A held replica (more charged than unstarted) gives one back, as
-        before."""
-        replica_id = f.replica_id
-        unstarted = len(self._unstarted_pushed_at.get(replica_id, ()))
-        charged = self._since_probe[replica_id]
-        self._forget_unstarted(f)
-        if self.siblings is not None:
-            shown = f.dispatched_at <= self._page_shows_until.get(replica_id, float("-inf"))
-        else:
-            shown = charged < unstarted
-        if not shown:  # not shown by the page (or held): its unit comes back
-            self._since_probe[replica_id] = max(0, charged - 1)
-
-    def _forget_unstarted(self, f: _InFlight) -> None:
-        # a request may outlive its replica's removal and re-adding under one id: its push
-        # is not in the new list (found by its push time)
-        replica_id = f.replica_id
-        pushed = self._unstarted_pushed_at.get(replica_id)
-        if pushed:
-            i = bisect.bisect_left(pushed, f.dispatched_at)
-            if i < len(pushed) and pushed[i] == f.dispatched_at:
-                del pushed[i]
 
     # ------------------------------------------------------------------ introspection
 
@@ -638,7 +522,7 @@ class BalancerCore:
                     "num_waiting": v.num_waiting,
                     "kv_cache_usage": v.kv_usage,
                     "pending_prefill_tokens": self.own_pending_prefill(rid),
-                    **({"region_pending_prefill_tokens": v.pending_prefill_tokens} if self.siblings else {}),
+                    **({"region_pending_prefill_tokens": v.pending_prefill_tokens} if self.budget.shared else {}),
                     "in_flight": v.in_flight,
                     "dispatched": self.dispatches_per_replica.get(rid, 0),
                 }

@@ -39,7 +39,8 @@ MIN_FIRST_TOKEN_S = 1e-3
 class DrainingQueue(Protocol):
     """The queue's read side the estimator needs (:class:`~skymesh.routing.dispatcher.BalancerCore`)."""
 
-    dispatch_budget: int
+    @property
+    def dispatch_budget(self) -> int: ...
 
     @property
     def queue_length(self) -> int: ...

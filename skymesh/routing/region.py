@@ -142,7 +142,7 @@ class RegionCore:
         what it places (docs/routing.md, "A region is a fleet")."""
         self.siblings = siblings
         siblings.shares.set_replicas(self.local.replicas)
-        self.local.siblings = siblings
+        self.local.budget.attach_siblings(siblings)
         record = self.model.record_dispatch
 
         def record_and_tell(req: RoutingRequest, replica_id: str, now: float) -> None:
@@ -188,7 +188,7 @@ class RegionCore:
 
     def _sibling_step(self, now: float) -> None:
         if self.siblings is not None:
-            self.siblings.step(now, self.local.unseen_pushes(), self.local.wants)
+            self.siblings.step(now, self.local.budget.unseen_pushes(), self.local.wants)
             self.local.refresh_budgets()
 
     @property
@@ -373,7 +373,7 @@ class RegionCore:
         self.settings = settings
         local = self.local
         local.queue_bound = settings.queue_bound
-        local.dispatch_budget = settings.dispatch_budget
+        local.budget.dispatch_budget = settings.dispatch_budget
         local.lookahead = settings.lookahead
         local.rebalance_interval_s = settings.rebalance_interval_s
         self.offload.reconfigure(allowed=allowed, max_remote_queue=max_remote_queue, miss_limit=miss_limit,
