@@ -54,9 +54,15 @@ def wanted_targets(members: Mapping[str, Sequence[MemberState]],
                    regions: Iterable[str]) -> dict[tuple[str, str], bool]:
     """(region, instance id) -> whether it belongs in the region's entry (alive and not
     draining), for the members of ``regions`` named by an instance id. One instance under
-    two records (a restart) belongs while any of them is alive."""
+    two records (a restart) belongs while any of them is alive. A region none of whose
+    members is alive is left out (nothing is called for it): the controller losing every
+    balancer of a region at once is as likely its own cut-off as theirs, and emptying the
+    entry would turn that into an outage; the groups' own health checks decide then, as
+    an NLB fails open when no target is healthy."""
     out: dict[tuple[str, str], bool] = {}
     for region in regions:
+        if not any(m.alive and not m.draining for m in members.get(region, ())):
+            continue
         for m in members.get(region, ()):
             if not INSTANCE_ID_RE.match(m.balancer_id):
                 continue

@@ -92,6 +92,10 @@ def test_only_instance_ids_are_entry_targets_and_an_instance_belongs_while_any_r
                "eu-west-1": [m("x", "i-0123456789abcdef9", True)]}
     assert wanted_targets(members, [US]) == {(US, "i-0123456789abcdef0"): True, (US, "i-0123456789abcdef1"): False,
                                              (US, "i-0123456789abcdef2"): True}
+    # every member of a region dead (the controller cut off from it, as likely as the
+    # reverse): nothing is deregistered, the groups' own health checks decide
+    all_dead = {US: [m("a", "i-0123456789abcdef0", False), m("b", "i-0123456789abcdef1", True, draining=True)]}
+    assert wanted_targets(all_dead, [US]) == {}
 
 
 class Elb:
