@@ -8,8 +8,9 @@ topology calls it dead, and a message past its bounds is dropped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 
 import pytest
@@ -53,7 +54,10 @@ def units(b: StandInBalancer) -> set[Unit]:
     return set(b.core.siblings.shares.held)
 
 
-async def test_two_siblings_split_the_budget_share_placements_and_outlive_each_other() -> None:
+@contextlib.asynccontextmanager
+async def two_members() -> AsyncIterator[tuple[StandInBalancer, StandInBalancer, PeerMesh, PeerMesh]]:
+    """Siblings us-a and us-b over the real channel on loopback (each mesh stops at the end,
+    again if a test stopped it already)."""
     pa, pb = free_port(), free_port()
     a = member("a", pa, {"us-b": pb})
     b = member("b", pb, {"us-a": pa})
@@ -61,6 +65,14 @@ async def test_two_siblings_split_the_budget_share_placements_and_outlive_each_o
     await ma.start()
     await mb.start()
     try:
+        yield a, b, ma, mb
+    finally:
+        await ma.stop()
+        await mb.stop()
+
+
+async def test_two_siblings_split_the_budget_share_placements_and_outlive_each_other() -> None:
+    async with two_members() as (a, b, ma, mb):
         budget = a.core.settings.dispatch_budget
         every = {Unit(r, i) for r in REPLICAS for i in range(budget)}
         await until(lambda: units(a) | units(b) == every, "every unit held")
@@ -93,13 +105,10 @@ async def test_two_siblings_split_the_budget_share_placements_and_outlive_each_o
         assert units(b) == every - held_by_a
         # the controller's topology calls a dead: b takes a's home units
         b.fleet.topology_members([
-            SimpleNamespace(balancer_id="us-a", alive=False, epoch=1, http_url="", grpc_address=f"127.0.0.1:{pa}"),
-            SimpleNamespace(balancer_id="us-b", alive=True, epoch=1, http_url="", grpc_address=f"127.0.0.1:{pb}"),
+            SimpleNamespace(balancer_id="us-a", alive=False, epoch=1, http_url="", grpc_address=f"127.0.0.1:{a.grpc_port}"),
+            SimpleNamespace(balancer_id="us-b", alive=True, epoch=1, http_url="", grpc_address=f"127.0.0.1:{b.grpc_port}"),
         ], asyncio.get_running_loop().time())
         await until(lambda: units(b) == every, "b took a's units")
-    finally:
-        await ma.stop()
-        await mb.stop()
 
 
 def test_a_sibling_message_past_its_bounds_is_refused_before_it_reaches_the_core() -> None:
@@ -171,13 +180,7 @@ def test_a_shared_page_is_dated_by_its_arrival_less_its_age_and_a_bad_one_is_dro
 async def test_pages_a_member_scraped_reach_its_sibling_at_once() -> None:
     from skymesh.balancer.prober import ProbeResult
 
-    pa, pb = free_port(), free_port()
-    a = member("a", pa, {"us-b": pb})
-    b = member("b", pb, {"us-a": pa})
-    ma, mb = PeerMesh(a), PeerMesh(b)
-    await ma.start()
-    await mb.start()
-    try:
+    async with two_members() as (a, b, ma, mb):
         assert ma.sibling_link is not None
         await until(lambda: ma.sibling_link is not None and ma.sibling_link.skipped_quiet > 5, "a quiet channel")
         scraped_at = asyncio.get_running_loop().time()
@@ -197,6 +200,3 @@ async def test_pages_a_member_scraped_reach_its_sibling_at_once() -> None:
             listener()
         await until(lambda: bool(b.pages_in), "b got the unchanged page")
         assert ma.sibling_link.sent_because.get("pages", 0) == sent_for_pages
-    finally:
-        await ma.stop()
-        await mb.stop()
