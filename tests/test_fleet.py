@@ -670,3 +670,39 @@ async def one_completion_of(session: aiohttp.ClientSession, url: str, prompt: st
     async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
         data = await r.read()
         return {"status": r.status, "complete": data.rstrip().endswith(b"data: [DONE]")}
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.timeout(240)
+async def test_a_frozen_member_is_taken_out_of_the_entry_on_the_controllers_word(tmp_path: Path) -> None:
+    """SIGSTOP one of two members: it keeps its listener (the kernel still completes
+    connections nobody answers). Once the controller lists it dead (its siblings' reports
+    or its probes), the entry sends it no new connection, whatever its own checks say yet;
+    every request through the entry from then on is served by the sibling."""
+    async with running_fleet(tmp_path) as mesh:
+        region = mesh.cfg.region(US)
+        entry = http_entry(mesh)
+        assert entry.health is not None and entry.health.controller is not None
+        frozen = region.balancer_members[1]
+        frozen_health = frozen.listen.http_url + "/health"
+        frozen_target = (frozen.listen.host, frozen.listen.port)
+        child = mesh.balancer_members[(US, 1)]
+        # both members serve through the entry first
+        codes = [await complete_on_a_new_connection(region.balancer.advertise_url, SOURCE, f"warm {i}")
+                 for i in range(4)]
+        assert codes == [200] * 4
+        child.signal_group(signal.SIGSTOP)
+        try:
+            def listed_dead() -> bool:
+                assert entry.health is not None
+                return frozen_health in entry.health.listed_dead
+
+            await eventually(listed_dead, "the entry reads the controller's word on the frozen member")
+            carried = entry.connections_by_target[frozen_target]
+            codes = [await complete_on_a_new_connection(region.balancer.advertise_url, SOURCE, f"after {i}")
+                     for i in range(6)]
+            assert codes == [200] * 6
+            assert entry.connections_by_target[frozen_target] == carried
+        finally:
+            child.signal_group(signal.SIGCONT)

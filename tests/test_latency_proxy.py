@@ -18,10 +18,12 @@ from skymesh.config import parse_config
 from skymesh.operations.latency_proxy import (
     HEALTHY_THRESHOLD,
     UNHEALTHY_THRESHOLD,
+    ControllerFeed,
     DelayProxy,
     MemberHealth,
     _DelayLine,
     delay_for,
+    listed_dead,
     proxies_for,
     start_egress_forwarder,
 )
@@ -405,10 +407,17 @@ async def test_a_dead_member_gets_no_new_connections_and_no_client_sees_a_refusa
 
 
 class HealthAnswers:
-    """A /health endpoint per member name, answering 200 or 503 as told."""
+    """A /health endpoint per member name, answering 200 or 503 as told; and a controller's
+    /v1/topology listing the members of ``dead`` dead (status ``topology_status``, the
+    admin token ``TOKEN`` required), counting its reads."""
+
+    TOKEN = "entry-test-token"
 
     def __init__(self) -> None:
         self.passing = {"b0": True, "b1": True}
+        self.dead: set[str] = set()
+        self.topology_status = 200
+        self.topology_reads = 0
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -416,8 +425,18 @@ class HealthAnswers:
         async def health(request: web.Request) -> web.Response:
             return web.Response(status=200 if self.passing[request.match_info["name"]] else 503)
 
+        async def topology(request: web.Request) -> web.Response:
+            self.topology_reads += 1
+            if request.headers.get("Authorization") != f"Bearer {self.TOKEN}":
+                return web.Response(status=401)
+            members = [{"balancer_id": name, "alive": name not in self.dead,
+                        "http_url": f"http://127.0.0.1:{self.port}/{name}"} for name in self.passing]
+            return web.json_response({"balancers": [{"region": "us-east-1", "members": members}]},
+                                     status=self.topology_status)
+
         app = web.Application()
         app.router.add_get("/{name}/health", health)
+        app.router.add_get("/v1/topology", topology)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -474,6 +493,68 @@ async def test_a_member_failing_its_health_check_gets_no_new_connections_until_i
     finally:
         await answers.runner.cleanup()
     assert health._task is None  # the checks stop with the last proxy using them
+
+
+async def test_the_entry_takes_out_the_members_its_controller_lists_dead(
+        two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:
+    """A frozen member may still pass nothing and fail nothing for seconds (its checks time
+    out one by one); the controller's word takes it out at once. Every member listed
+    dead, or a controller that does not answer, leaves the entry on its own checks."""
+    _, port_a, _, port_b = two_members
+    answers = HealthAnswers()
+    await answers.start()
+    assert answers.runner is not None
+    feed = ControllerFeed(f"http://127.0.0.1:{answers.port}/v1/topology", HealthAnswers.TOKEN, "us-east-1")
+    health = MemberHealth([answers.url("b0"), answers.url("b1")], controller=feed)
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.0,
+                       more_targets=[("127.0.0.1", port_b)], health=health)
+
+    async def names(n: int) -> list[bytes]:
+        out = []
+        for _ in range(n):
+            name, _, w = await greeting(proxy.port)
+            out.append(name)
+            w.close()
+        return out
+
+    async def two_more_reads() -> None:
+        start = answers.topology_reads
+        await until(lambda: answers.topology_reads >= start + 2)
+
+    try:
+        async with running(proxy):
+            answers.dead = {"b1"}
+            await until(lambda: health.listed_dead == {answers.url("b1")})
+            assert health.healthy[answers.url("b1")]  # its own checks still pass
+            assert await names(4) == [b"b0"] * 4
+            answers.dead = {"b0", "b1"}  # the controller lost the whole region: fail open
+            await two_more_reads()
+            assert health.listed_dead == frozenset()
+            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+            answers.dead = {"b1"}
+            await until(lambda: health.listed_dead == {answers.url("b1")})
+            answers.topology_status = 500  # the controller is away: its last word is not kept
+            await two_more_reads()
+            assert health.listed_dead == frozenset()
+            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+    finally:
+        await answers.runner.cleanup()
+
+
+def test_what_a_topology_lists_dead_is_read_defensively() -> None:
+    urls = ["http://m0/health", "http://m1/health"]
+
+    def doc(*members: object, region: str = "r") -> dict[str, object]:
+        return {"balancers": [{"region": region, "members": list(members)}]}
+
+    assert listed_dead(doc({"alive": False, "http_url": "http://m1"}, {"alive": True, "http_url": "http://m0"}),
+                       "r", urls) == {"http://m1/health"}
+    assert listed_dead(doc({"alive": False, "http_url": "http://m1"}, region="other"), "r", urls) == frozenset()
+    assert listed_dead(doc({"alive": False, "http_url": "http://elsewhere"}), "r", urls) == frozenset()
+    for junk in (None, [], {"balancers": 3}, {"balancers": [7, {"region": "r", "members": [5, {"alive": "no"}]}]},
+                 {"balancers": [{"region": "r", "members": 5}]},
+                 doc({"alive": 0, "http_url": "http://m1"}), doc({"alive": False, "http_url": 9})):
+        assert listed_dead(junk, "r", urls) == frozenset()
 
 
 def test_member_health_needs_consecutive_failures_to_go_out_and_passes_to_come_back() -> None:

@@ -18,7 +18,12 @@ HTTP ``/health`` like an NLB target group (every ``HEALTH_INTERVAL_S``, out afte
 ``UNHEALTHY_THRESHOLD`` failures in a row, back after ``HEALTHY_THRESHOLD`` answers) and
 sends new connections only to healthy members (to all when none is, failing open as an
 NLB does): a draining member fails its health check while it still serves, so no new
-connection reaches it in the instant its listener closes.
+connection reaches it in the instant its listener closes. A fleet's entry that `skymesh
+up` starts also reads the controller's topology and sends no new connection to a member
+it lists dead (a frozen member, taken out by its siblings' reports or the controller's
+probes: docs/reliability.md "Members watch each other"), as the controller deregisters
+it from the target groups on AWS; every member listed dead, or no answer from the
+controller, leaves the entry on its own checks.
 
 Each direction is a queue of (release time, bytes): chunks leave in order at arrival +
 delay, so delays never add up along a stream (no sleep-per-chunk serialisation). The
@@ -33,10 +38,12 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
 from skymesh.config import MeshConfig, region_of_address
+from skymesh.security.admin_auth import admin_headers
 
 log = logging.getLogger("skymesh.operations.latency_proxy")
 _CHUNK = 64 * 1024
@@ -52,6 +59,40 @@ UNHEALTHY_THRESHOLD = 3
 HEALTHY_THRESHOLD = 2
 # what `skymesh up` gives a fleet's members: the checks above with room for a slow loop
 LOCAL_DRAIN_LISTEN_S = 2.0
+# how often the entry reads which members the controller lists dead (as the controller
+# deregisters them from an NLB's target groups on AWS: controller/entry_targets.py)
+CONTROLLER_POLL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerFeed:
+    """Where the entry of ``region`` reads the controller's topology (its HTTP
+    ``/v1/topology``, with the admin token)."""
+
+    topology_url: str
+    token: str
+    region: str
+
+
+def listed_dead(topology: object, region: str, health_urls: Sequence[str]) -> frozenset[str]:
+    """The health URLs (``<member http_url>/health``) of ``region``'s members the
+    controller's topology document lists dead; none when it lists every one of them dead
+    (the controller cut off from the region is as likely as the reverse: the entry then
+    fails open on its own checks, as an NLB does), or when the document makes no sense."""
+    if not isinstance(topology, dict) or not isinstance(topology.get("balancers"), list):
+        return frozenset()
+    wanted = set(health_urls)
+    dead: set[str] = set()
+    for assignment in topology["balancers"]:
+        if not isinstance(assignment, dict) or assignment.get("region") != region:
+            continue
+        members = assignment.get("members")
+        for m in members if isinstance(members, list) else ():
+            if isinstance(m, dict) and m.get("alive") is False and isinstance(m.get("http_url"), str):
+                url = m["http_url"] + "/health"
+                if url in wanted:
+                    dead.add(url)
+    return frozenset() if dead >= wanted else frozenset(dead)
 
 
 def delay_for(cfg: MeshConfig, region: str) -> Callable[[str], float]:
@@ -139,10 +180,16 @@ class MemberHealth:
     UNHEALTHY_THRESHOLD failures in a row (an error, a timeout or a non-200 answer), back
     after HEALTHY_THRESHOLD passes.
     Members start healthy (a refused connect is skipped anyway). One per region, shared by
-    its proxies; it checks while any of them runs."""
+    its proxies; it checks while any of them runs. With ``controller`` it also takes out
+    the members the controller's topology lists dead (read every CONTROLLER_POLL_S; a
+    failed read trusts its own checks alone), as the controller deregisters them from
+    the target groups on AWS."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    def __init__(self, urls: Sequence[str], controller: ControllerFeed | None = None) -> None:
         self.urls = tuple(urls)
+        self.controller = controller
+        # members the controller lists dead (their health URLs), as last read
+        self.listed_dead: frozenset[str] = frozenset()
         self.healthy: dict[str, bool] = dict.fromkeys(self.urls, True)
         self.checks: dict[str, int] = dict.fromkeys(self.urls, 0)  # checks done, per member
         self._streak: dict[str, int] = dict.fromkeys(self.urls, 0)  # + passes, - failures in a row
@@ -159,6 +206,11 @@ class MemberHealth:
         while self._task is not None and not (self.checks[url] >= start + 2 and self.healthy[url]):
             self._checked.clear()
             await self._checked.wait()
+
+    def in_service(self, url: str) -> bool:
+        """New connections may go to this member: its checks pass and the controller does
+        not list it dead."""
+        return self.healthy[url] and url not in self.listed_dead
 
     def note(self, url: str, passed: bool) -> None:
         """One check's outcome."""
@@ -187,7 +239,25 @@ class MemberHealth:
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as s:
             # each member on its own cadence: a slow one never delays another's checks
-            await asyncio.gather(*(self._check_every_interval(s, url) for url in self.urls))
+            loops = [self._check_every_interval(s, url) for url in self.urls]
+            if self.controller is not None:
+                loops.append(self._follow_controller(s, self.controller))
+            await asyncio.gather(*loops)
+
+    async def _follow_controller(self, session: aiohttp.ClientSession, feed: ControllerFeed) -> None:
+        loop = asyncio.get_running_loop()
+        headers = admin_headers(feed.token)
+        while True:
+            started = loop.time()
+            dead: frozenset[str] = frozenset()
+            try:
+                async with session.get(feed.topology_url, headers=headers) as r:
+                    if r.status == 200:
+                        dead = listed_dead(await r.json(content_type=None), feed.region, self.urls)
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+                pass  # the controller is away: the entry's own checks alone
+            self.listed_dead = dead
+            await asyncio.sleep(max(0.0, CONTROLLER_POLL_S - (loop.time() - started)))
 
     async def _check_every_interval(self, session: aiohttp.ClientSession, url: str) -> None:
         loop = asyncio.get_running_loop()
@@ -260,7 +330,7 @@ class DelayProxy:
         in_turn = [*self.targets[first:], *self.targets[:first]]
         if self.health is None:
             return in_turn
-        healthy = [t for t in in_turn if self.health.healthy[self.health_of[t]]]
+        healthy = [t for t in in_turn if self.health.in_service(self.health_of[t])]
         return healthy or in_turn
 
     async def _connect_upstream(
@@ -400,11 +470,12 @@ class DelayProxy:
             self._upstream_of.pop(task, None)
 
 
-def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
+def proxies_for(cfg: MeshConfig, admin_token: str | None = None) -> list[DelayProxy]:
     """One HTTP, one gRPC and one peer-listener delay proxy per region whose advertised
     address differs from its listen address, each in front of every balancer of the region.
     Without ``emulate_latency``: only a fleet's, without delay (they still spread its
-    connections)."""
+    connections). With ``admin_token`` a fleet's entry also follows the controller's
+    topology (members it lists dead get no new connection)."""
     out = []
     for r in cfg.regions:
         b = r.balancer
@@ -413,7 +484,10 @@ def proxies_for(cfg: MeshConfig) -> list[DelayProxy]:
             continue
         d = delay_for(cfg, r.name) if cfg.emulate_latency else _no_delay
         # like an NLB's target groups, every listener's group checks the members' HTTP /health
-        health = MemberHealth([m.listen.http_url + "/health" for m in members]) if len(members) > 1 else None
+        feed = None if admin_token is None else ControllerFeed(
+            cfg.controller.http_listen.http_url + "/v1/topology", admin_token, r.name)
+        health = (MemberHealth([m.listen.http_url + "/health" for m in members], controller=feed)
+                  if len(members) > 1 else None)
         if b.advertise != b.listen:
             http = [(m.listen.host, m.listen.port) for m in members]
             out.append(DelayProxy((b.advertise.host, b.advertise.port), http[0], d, more_targets=http[1:],

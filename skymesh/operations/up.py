@@ -193,7 +193,7 @@ class Mesh:
         raise KeyError(rid)
 
     async def start_proxies(self) -> None:
-        for p in proxies_for(self.cfg):
+        for p in proxies_for(self.cfg, admin_token=self.admin_token):
             try:
                 await p.start()
             except OSError as e:
