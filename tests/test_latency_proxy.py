@@ -353,6 +353,16 @@ async def greeting(port: int) -> tuple[bytes, asyncio.StreamReader, asyncio.Stre
     return (await r.readline()).strip(), r, w
 
 
+async def names_reached(port: int, n: int) -> list[bytes]:
+    """The members that ``n`` new connections through the proxy reach, in order."""
+    out = []
+    for _ in range(n):
+        name, _, w = await greeting(port)
+        out.append(name)
+        w.close()
+    return out
+
+
 async def test_new_connections_alternate_over_the_members(
         two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:
     _, port_a, _, port_b = two_members
@@ -460,30 +470,22 @@ async def test_a_member_failing_its_health_check_gets_no_new_connections_until_i
     proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.0,
                        more_targets=[("127.0.0.1", port_b)], health=health)
 
-    async def names(n: int) -> list[bytes]:
-        out = []
-        for _ in range(n):
-            name, _, w = await greeting(proxy.port)
-            out.append(name)
-            w.close()
-        return out
-
     def checks_of_b1_from_now(k: int) -> Callable[[], bool]:
         start = health.checks[answers.url("b1")]
         return lambda: health.checks[answers.url("b1")] >= start + k
 
     try:
         async with running(proxy):
-            assert await names(4) == [b"b0", b"b1"] * 2
+            assert await names_reached(proxy.port, 4) == [b"b0", b"b1"] * 2
             answers.passing["b1"] = False
             await until(lambda: not health.healthy[answers.url("b1")])
-            assert await names(4) == [b"b0"] * 4  # b1 still listens, yet gets nothing new
+            assert await names_reached(proxy.port, 4) == [b"b0"] * 4  # b1 still listens, yet gets nothing new
             answers.passing["b0"] = False  # none passes: fail open, spread over all
             await until(lambda: not health.healthy[answers.url("b0")])
-            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+            assert sorted(await names_reached(proxy.port, 4)) == [b"b0", b"b0", b"b1", b"b1"]
             answers.passing.update(b0=True, b1=True)
             await until(lambda: all(health.healthy.values()))
-            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+            assert sorted(await names_reached(proxy.port, 4)) == [b"b0", b"b0", b"b1", b"b1"]
             # fewer failed checks in a row than the threshold do not take a member out
             answers.passing["b1"] = False
             await until(checks_of_b1_from_now(UNHEALTHY_THRESHOLD - 1))
@@ -509,14 +511,6 @@ async def test_the_entry_takes_out_the_members_its_controller_lists_dead(
     proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.0,
                        more_targets=[("127.0.0.1", port_b)], health=health)
 
-    async def names(n: int) -> list[bytes]:
-        out = []
-        for _ in range(n):
-            name, _, w = await greeting(proxy.port)
-            out.append(name)
-            w.close()
-        return out
-
     async def two_more_reads() -> None:
         start = answers.topology_reads
         await until(lambda: answers.topology_reads >= start + 2)
@@ -526,17 +520,17 @@ async def test_the_entry_takes_out_the_members_its_controller_lists_dead(
             answers.dead = {"b1"}
             await until(lambda: health.listed_dead == {answers.url("b1")})
             assert health.healthy[answers.url("b1")]  # its own checks still pass
-            assert await names(4) == [b"b0"] * 4
+            assert await names_reached(proxy.port, 4) == [b"b0"] * 4
             answers.dead = {"b0", "b1"}  # the controller lost the whole region: fail open
             await two_more_reads()
             assert health.listed_dead == frozenset()
-            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+            assert sorted(await names_reached(proxy.port, 4)) == [b"b0", b"b0", b"b1", b"b1"]
             answers.dead = {"b1"}
             await until(lambda: health.listed_dead == {answers.url("b1")})
             answers.topology_status = 500  # the controller is away: its last word is not kept
             await two_more_reads()
             assert health.listed_dead == frozenset()
-            assert sorted(await names(4)) == [b"b0", b"b0", b"b1", b"b1"]
+            assert sorted(await names_reached(proxy.port, 4)) == [b"b0", b"b0", b"b1", b"b1"]
     finally:
         await answers.runner.cleanup()
 
