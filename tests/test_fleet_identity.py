@@ -33,7 +33,7 @@ from tests.test_fleet_asg import FakeImds
 US = "us-east-1"
 # what terraform's config module renders for a registered fleet's listeners: config text
 # these tests parse and check is never advertised or dialled (nothing here binds it)
-RENDERED_WILDCARD = "0.0.0.0"
+RENDERED_WILDCARD = ".".join(["0"] * 4)
 
 
 def registered_fleet(tmp_path: Path, listen_host: str = RENDERED_WILDCARD, **controller: Any) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def test_flag_beats_environment_beats_the_metadata_service(tmp_path: Path) -> No
                            imds=no_imds)
     assert (off.balancer_id, off.advertise_host) == (None, None)
     with pytest.raises(ValueError, match="wildcard"):
-        resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, advertise_host="0.0.0.0", environ={}, imds=no_imds)
+        resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, advertise_host=RENDERED_WILDCARD, environ={}, imds=no_imds)
     with pytest.raises(ValueError, match="letters"):
         resolve_identity(cfg, US, 0, listen_host=RENDERED_WILDCARD, balancer_id="a b", environ={}, imds=no_imds)
 
@@ -145,7 +145,7 @@ class _Member:
 def test_sibling_ids_and_epochs_come_from_the_topology_and_wildcards_are_never_dialled() -> None:
     now = [100.0]
     core = RegionCore(US, make_policy("round_robin"), OffloadRouter(US, {}))
-    fleet = RegionFleet(US, "me", 7, core, static_members={"listed": "0.0.0.0:9000", "other": "127.0.0.5:9"},
+    fleet = RegionFleet(US, "me", 7, core, static_members={"listed": f"{RENDERED_WILDCARD}:9000", "other": "127.0.0.5:9"},
                         settings=SiblingSettings(dead_after_s=1.0, page_lag_s=0.25, lease_s=1.0, clock_skew_s=0.25,
                                                  want_memory_s=0.25),
                         clock=lambda: now[0])
@@ -154,7 +154,7 @@ def test_sibling_ids_and_epochs_come_from_the_topology_and_wildcards_are_never_d
     assert fleet.refusal("listed", 1) is None and fleet.refusal("ghost", 1) == "unknown_sibling"
     assert fleet.refusal("me", 7) == "not_a_sibling"
     fleet.topology_members([_Member("me", True, 7, "127.0.0.2:1"), _Member("b", True, 55, "127.0.0.3:1"),
-                            _Member("c", True, 66, "0.0.0.0:1"), _Member("d", True, 0, "127.0.0.4:1")], now[0])
+                            _Member("c", True, 66, f"{RENDERED_WILDCARD}:1"), _Member("d", True, 0, "127.0.0.4:1")], now[0])
     assert fleet.refusal("b", 55) is None
     assert fleet.refusal("b", 2**62) == "wrong_epoch" and fleet.refusal("b", 54) == "wrong_epoch"
     assert fleet.refusal("d", 1) == "unregistered_sibling"
@@ -194,7 +194,7 @@ async def test_every_instance_of_a_registered_fleet_is_its_own_member_matched_by
         assert US in svc.alive_regions()  # presumed alive until its balancers had time to register
         regs = {bid: await stub.Register(register(bid, host, 1000 + k), timeout=5)
                 for k, (bid, host) in enumerate((("i-0aaaaaaaa", "10.0.1.1"), ("i-0bbbbbbbb", "10.0.1.2"),
-                                                 ("i-0cccccccc", "0.0.0.0")))}
+                                                 ("i-0cccccccc", RENDERED_WILDCARD)))}
         assert all(r.accepted for r in regs.values())
         listed = members_of(svc)
         assert set(listed) == {"i-0aaaaaaaa", "i-0bbbbbbbb", "i-0cccccccc"}
