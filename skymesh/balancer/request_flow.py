@@ -3,8 +3,9 @@ word, proxy an attempt (a local replica or a peer region), report the outcome ba
 core, and count it (retries, mid-stream failures, SLO classes, cache predictions).
 
 :class:`RequestFlow` owns the handlers' waiters and carries out the core's actions
-(``apply``); the balancer (skymesh/balancer/server.py) admits a request, submits it to
-the core and hands it to :meth:`RequestFlow.serve`. The headers of an attempt and of the
+(``apply``); the request's intake (skymesh/balancer/request_intake.py
+:class:`~skymesh.balancer.request_intake.RequestIntake`) parses and admits it, submits it
+to the core and hands it to :meth:`RequestFlow.serve`. The headers of an attempt and of the
 answer are built here too (:func:`replica_target`, :func:`peer_target`).
 """
 

@@ -50,9 +50,9 @@ The bound ``skymesh sim`` runs (``NAME@pooled``) carries **no** rule, on purpose
 the EU rule the pool by the same policy is no bound. Its policy spreads the US and AP
 clients over every replica by hash, the EU's included, so at the EU's peak they hold EU
 replicas that the EU's clients alone may use, where the mesh sends them to the EU only
-when the EU is expected to answer sooner: on the geo day at 3 replicas per region (seed
-0, docs/benchmarks.md "The pooled bound") the pool under the EU rule reached 14.2 req/s,
-the mesh 16.1. A rule only takes placements away, so the free pool is the ceiling for a
+when the EU is expected to answer sooner (on the geo day the pool under the EU rule
+reaches less goodput than the mesh: the figures are in docs/benchmarks.md, "The pooled
+bound"). A rule only takes placements away, so the free pool is the ceiling for a
 mesh under any rules; under a rule the mesh's fraction of it is what the rule and the
 mesh together cost.
 

@@ -36,7 +36,3 @@ class EngineRequest:
     @property
     def prompt_tokens(self) -> int:
         return self.prompt_len
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.target_tokens

@@ -423,10 +423,6 @@ class BalancerCore:
 
     # ------------------------------------------------------------------ request lifecycle
 
-    def replica_of(self, request_id: str) -> str | None:
-        f = self._in_flight.get(request_id)
-        return f.replica_id if f else None
-
     def on_first_token(self, request_id: str, now: float, observe: bool = True) -> float | None:
         """Returns the TTFT seen from the balancer (dispatch → first token).
 

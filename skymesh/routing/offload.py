@@ -260,10 +260,6 @@ class OffloadRouter:
         return [r for r, p in self.peers.items()
                 if not p.down and p.last_seen != float("-inf") and not self.is_fresh(r, now)]
 
-    def remove_peer(self, region: str) -> None:
-        self.peers.pop(region, None)
-        self.snapshot.remove_target(region)
-
     def staleness_s(self, region: str, now: float) -> float:
         p = self.peers.get(region)
         return float("inf") if p is None else now - p.last_seen
