@@ -49,6 +49,7 @@ from skymesh.routing.region_actions import (
     SendToReplica,
 )
 from skymesh.routing.region_settings import RegionSettings
+from skymesh.routing.region_view import RegionView
 from skymesh.routing.request_state import ALLOWED_TRANSITIONS, TERMINAL, RequestState
 from skymesh.routing.residency import Residency
 from skymesh.routing.siblings import RegionSiblings, SiblingMessage
@@ -135,6 +136,10 @@ class RegionCore:
                                                self.residency)
         # the region's other balancers (None: this balancer is the region's only one)
         self.siblings: RegionSiblings | None = None
+        # the read side (daemon, simulator, /admin/status, heartbeat, metrics): reads the
+        # parts above live, siblings as attached at the moment it is asked
+        self.view = RegionView(self.local, self.health, self.drain_rate, self.offload_selection, self._requests,
+                               self.transitions, lambda: self.siblings)
 
     def attach_siblings(self, siblings: RegionSiblings) -> None:
         """This balancer is one of several in its region: it shares each replica's push
