@@ -95,10 +95,10 @@ class StandInBalancer:
         return None if port is None else f"127.0.0.1:{port}"
 
     def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
-        return self.core.heartbeat(now)
+        return self.core.view.heartbeat(now)
 
     def availability(self) -> tuple[int, int]:
-        return self.core.available_count(), self.core.queue_length
+        return self.core.view.available_count(), self.core.view.queue_length
 
     def offload_counts(self) -> tuple[int, int]:
         return 0, 0
@@ -153,7 +153,7 @@ class StandInBalancer:
     def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
                              balancer_id: str, epoch: int, seq: int) -> None:
         self.core.peer_heartbeat(region, snapshot, now, balancer_id=balancer_id, epoch=epoch, seq=seq)
-        if self.core.queue_length:
+        if self.core.view.queue_length:
             self.wake.set()
 
     def peer_down(self, region: str, why: str, *, cut_forwards: bool = True) -> None:
@@ -166,7 +166,7 @@ class StandInBalancer:
         return Registration(self.region, self.balancer_id, self.epoch, self.advertise_url, self.grpc_advertise)
 
     def status_report(self) -> StatusReport:
-        return StatusReport(queue_length=self.core.queue_length, offloaded_out=0, offloaded_in=0,
+        return StatusReport(queue_length=self.core.view.queue_length, offloaded_out=0, offloaded_in=0,
                             prefix_hit_ratio=0.0, replicas=())
 
     def set_controller_connected(self, connected: bool) -> None:

@@ -47,7 +47,7 @@ def region_core(n: int) -> RegionCore:
     core = RegionCore("here", make_policy("least_load", PolicyContext(model=model)),
                       OffloadRouter("here", {}, enabled=False), RegionSettings(), model)
     core.set_replicas([f"r{i}" for i in range(n)], 0.0)
-    for rid in list(core.replicas):
+    for rid in list(core.view.replicas):
         core.probe(rid, ProbeSample(), 0.0)
     return core
 
@@ -58,10 +58,10 @@ def req(i: int, tokens: int) -> RoutingRequest:
 
 
 def eject(core: RegionCore, replica_id: str) -> None:
-    before = core.ejected_count()
+    before = core.view.ejected_count()
     for _ in range(20):  # failed probes until the health tracker ejects it
         core.probe(replica_id, None, 0.0)
-        if core.ejected_count() > before:
+        if core.view.ejected_count() > before:
             return
     raise AssertionError(f"{replica_id} was never ejected")
 

@@ -270,7 +270,7 @@ async def balancer() -> AsyncIterator[Balancer]:
     await b.start(port=0)
     try:
         for _ in range(200):
-            if all(v.healthy for v in b.core.replicas.values()):
+            if all(v.healthy for v in b.core.view.replicas.values()):
                 break
             await asyncio.sleep(0.05)
         yield b
@@ -452,5 +452,5 @@ async def test_generated_bad_input_never_gets_a_5xx(balancer: Balancer) -> None:
     assert counted == 0
     assert aiohttp_errors.messages == []
     assert balancer.loop_restart_counts() == {}
-    assert balancer.core.active_requests == 0
+    assert balancer.core.view.active_requests == 0
     assert rss_after - rss_before < RSS_GROWTH_BOUND_MB

@@ -91,7 +91,7 @@ async def start_balancer(replicas: list[FakeReplica], policy: dict[str, Any] | N
     b = Balancer(parse_config(data), "us-east-1")
     await b.start(port=0)
     for _ in range(200):
-        if all(v.healthy for v in b.core.replicas.values()):
+        if all(v.healthy for v in b.core.view.replicas.values()):
             return b
         await asyncio.sleep(0.05)
     await b.stop()
@@ -130,10 +130,10 @@ async def test_a_frozen_replica_is_ejected_and_its_unstarted_requests_go_elsewhe
             results = await asyncio.gather(*(post(s, b, i) for i in range(4)))
         assert frozen.received >= 2  # round robin sent it some
         assert results == [(200, "good")] * 4
-        assert b.core.health_of("frozen")["ejected"]
-        assert b.core.active_requests == 0
-        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
-        snap = b.core.snapshot()
+        assert b.core.view.health_of("frozen")["ejected"]
+        assert b.core.view.active_requests == 0
+        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.view.replicas.values())
+        snap = b.core.view.snapshot()
         assert snap["transitions"].get("placed>queued", 0) >= 1  # abandoned, queued again
         report_figures("replica_frozen", requests=len(results), served=sum(st == 200 for st, _ in results),
                        sent_to_frozen=frozen.received, requeued=snap["transitions"]["placed>queued"],
@@ -159,7 +159,7 @@ async def test_no_first_byte_in_time_is_retried_on_another_replica(fakes: list[F
         # the only target kind here is a replica: the family's sum is its count
         assert parse_samples(page, ("skymesh_retries_total",))["skymesh_retries_total"] >= 1
         assert b.core.transitions[("placed", "queued")] >= 1
-        assert not b.core.health_of("silent")["ejected"]  # slow answers are not sickness here
+        assert not b.core.view.health_of("silent")["ejected"]  # slow answers are not sickness here
     finally:
         await b.stop()
 
@@ -234,7 +234,7 @@ async def test_residency_holds_on_replicas_adopted_on_failover(fakes: list[FakeR
         # the controller hands us-east-1's replica to eu-west-1 (its balancer died)
         b.set_replicas([ReplicaInfo("eu0", eu.url, "eu-west-1"), ReplicaInfo("us0", us.url, "us-east-1")])
         for _ in range(200):
-            if all(v.healthy for v in b.core.replicas.values()):
+            if all(v.healthy for v in b.core.view.replicas.values()):
                 break
             await asyncio.sleep(0.05)
         async with aiohttp.ClientSession() as s:
@@ -265,10 +265,10 @@ async def test_sigterm_drain_finishes_accepted_requests_and_refuses_new_ones(fak
     async with aiohttp.ClientSession() as s:
         accepted = [asyncio.create_task(post(s, b, i)) for i in range(3)]
         for _ in range(200):
-            if b.core.active_requests == 3:
+            if b.core.view.active_requests == 3:
                 break
             await asyncio.sleep(0.02)
-        assert b.core.active_requests == 3
+        assert b.core.view.active_requests == 3
         stopping = asyncio.create_task(b.stop(drain_timeout_s=60))
         for _ in range(200):  # the listening socket closes first
             try:
@@ -283,7 +283,7 @@ async def test_sigterm_drain_finishes_accepted_requests_and_refuses_new_ones(fak
         release.set()
         assert await asyncio.gather(*accepted) == [(200, "slow")] * 3
         await asyncio.wait_for(stopping, 30)
-    assert b.core.active_requests == 0
+    assert b.core.view.active_requests == 0
 
 
 async def test_a_draining_balancer_fails_its_health_check_while_it_still_serves_new_connections(
@@ -356,7 +356,7 @@ async def test_a_burst_of_ten_times_capacity_gets_only_fast_429s_with_retry_afte
         assert refused, "a burst of 10x capacity must be refused in part"
         assert all(ra is not None and int(ra) >= 1 for _, ra, _ in refused)
         assert status == 200  # served normally right after
-        assert b.core.active_requests == 0 and b.core.queue_length == 0
+        assert b.core.view.active_requests == 0 and b.core.view.queue_length == 0
     finally:
         await b.stop()
 

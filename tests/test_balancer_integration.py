@@ -66,7 +66,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 
 async def wait_available(b: Balancer, n: int = N_REPLICAS) -> None:
     for _ in range(200):
-        if sum(v.healthy for v in b.core.replicas.values()) >= n:
+        if sum(v.healthy for v in b.core.view.replicas.values()) >= n:
             return
         await asyncio.sleep(0.05)
     raise TimeoutError("replicas never became healthy at the balancer")
@@ -96,7 +96,7 @@ async def test_shared_prefix_requests_land_on_their_dualmap_pair(cluster: Cluste
     assert all(len(reps) <= 2 for reps in served.values()), served
     # and the groups do not all pile on one pair
     assert len(set().union(*served.values())) >= 3, served
-    snap = cluster.balancer.core.snapshot()
+    snap = cluster.balancer.core.view.snapshot()
     assert all(r["in_flight"] == 0 for r in snap["replicas"].values())
 
 
@@ -150,7 +150,7 @@ async def test_queue_bound_gives_429_with_retry_after(tmp_path: Path) -> None:
         async with aiohttp.ClientSession() as s:
             first = asyncio.create_task(complete(s, base, "a b c"))
             for _ in range(100):
-                if b.core.queue_length == 1:
+                if b.core.view.queue_length == 1:
                     break
                 await asyncio.sleep(0.02)
             status, headers, data = await complete(s, base, "d e f")
@@ -161,10 +161,10 @@ async def test_queue_bound_gives_429_with_retry_after(tmp_path: Path) -> None:
             with pytest.raises(asyncio.CancelledError):
                 await first
         for _ in range(100):
-            if b.core.queue_length == 0:
+            if b.core.view.queue_length == 0:
                 break
             await asyncio.sleep(0.02)
-        assert b.core.queue_length == 0  # the abandoned request left the queue
+        assert b.core.view.queue_length == 0  # the abandoned request left the queue
     finally:
         await b.stop()
 
@@ -177,10 +177,10 @@ async def _sample_replicas(b: Balancer, urls: dict[str, str], stop: asyncio.Even
 
     async with aiohttp.ClientSession() as s:
         while not stop.is_set():
-            before = b.core.queue_length
+            before = b.core.view.queue_length
             res = await asyncio.gather(*(probe_replica(s, u, 1.0) for u in urls.values()))
             snap = {rid: (p.num_running, p.num_waiting) for rid, p in zip(urls, res, strict=True) if p.healthy}
-            out.append((before, snap, b.core.queue_length))
+            out.append((before, snap, b.core.view.queue_length))
             await asyncio.sleep(0.05)
 
 
@@ -209,7 +209,7 @@ async def _stuck_report(s: aiohttp.ClientSession, b: Balancer, urls: dict[str, s
         except (aiohttp.ClientError, TimeoutError) as e:
             lines.append(f"replica {rid}: metrics unreadable ({e!r})")
     now = asyncio.get_running_loop().time()
-    for request_id, (state, age) in sorted(b.core.ages(now).items(), key=lambda kv: -kv[1][1]):
+    for request_id, (state, age) in sorted(b.core.view.ages(now).items(), key=lambda kv: -kv[1][1]):
         lines.append(f"request {request_id}: {state} for {age:.2f} s")
     lines.append("balancer: " + json.dumps(b.admin_status())[:4000])
     return "\n".join(lines)
@@ -239,9 +239,9 @@ async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -
         stop.set()
         await sampler
         assert all(st == 200 for st, _, _ in results)
-        assert b.core.counters.completed == 48
+        assert b.core.view.counters.completed == 48
         # the balancer held requests back: its queue was used...
-        assert b.core.counters.dispatched == 48
+        assert b.core.view.counters.dispatched == 48
         assert max(max(before, after) for before, _, after in samples) >= 10
         # ...and no replica kept a waiting queue while another sat idle and the balancer
         # held requests. One sample alone can catch the probe's own staleness (an idle
@@ -250,7 +250,7 @@ async def test_selective_pushing_keeps_waiting_at_the_balancer(tmp_path: Path) -
         # then the balancer must have used the idle replica.
         for prev, cur in itertools.pairwise(samples):
             assert not (_overfilled_while_idle(prev) and _overfilled_while_idle(cur)), (prev, cur)
-        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
+        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.view.replicas.values())
     finally:
         await b.stop()
         await asyncio.gather(*(p.stop() for p in procs.values()))
@@ -292,8 +292,8 @@ async def test_kill_a_replica_mid_load_loses_no_unstarted_request(tmp_path: Path
             # a request either finished, or it was cut after it had started streaming and
             # then got an explicit SSE error event
             assert r["done"] or (r["started"] and r["error_event"]), r
-        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.replicas.values())
-        assert b.core.queue_length == 0
+        assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in b.core.view.replicas.values())
+        assert b.core.view.queue_length == 0
         report_figures("replica_killed", requests=len(results), completed=sum(r["done"] for r in results),
                        cut_mid_stream_with_sse_error=sum(not r["done"] and r["error_event"] for r in results),
                        unstarted_lost=len(unstarted_failures),

@@ -330,7 +330,7 @@ def test_a_region_of_three_balancers_serves_everything_within_one_push_budget(po
     budget = sim.regions["c"].core.settings.dispatch_budget
     assert 0 < res.max_replica_unadmitted <= budget
     cores = sim.regions["c"].cores
-    assert all(c.counters.dispatched > 50 for c in cores)  # each took its share of the work
+    assert all(c.view.counters.dispatched > 50 for c in cores)  # each took its share of the work
     assert all(c.siblings is not None and c.siblings.placements_applied > 50 for c in cores)
 
 
@@ -363,7 +363,7 @@ def test_pooled_bound_is_not_below_the_mesh_and_beats_region_local(rate: float) 
     # the pool is one region core holding every replica (the mesh's ids), with their homes
     pool = Simulator(_geo("pooled", {"a": 1, "b": 3}, {("a", "b"): 5.0}))
     assert list(pool.regions) == ["pool"] and len(pool.regions["pool"].cores) == 1
-    assert sorted(pool.regions["pool"].core.replicas) == ["a/r0", "b/r0", "b/r1", "b/r2"]
+    assert sorted(pool.regions["pool"].core.view.replicas) == ["a/r0", "b/r0", "b/r1", "b/r2"]
     assert {r.region for r in pool.replicas.values()} == {"a", "b"}
     local, mesh, pooled = got["local"], got["mesh"], got["pooled"]
     assert pooled["slo_attainment"] >= mesh["slo_attainment"] >= local["slo_attainment"]

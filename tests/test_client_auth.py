@@ -420,6 +420,6 @@ async def test_half_sent_body_gets_408_after_the_body_timeout(replica: FakeRepli
         assert b"request_timeout" in data
         writer.close()
         assert replica.received == 0
-        assert b.core.active_requests == 0
+        assert b.core.view.active_requests == 0
     finally:
         await b.stop()

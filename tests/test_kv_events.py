@@ -281,7 +281,7 @@ async def balancer_with_events(tokenizer: Path, replay_with_topic: bool
     b = Balancer(parse_config(data), "us-east-1")
     await b.start(port=0)
     try:
-        await until(lambda: all(v.healthy for v in b.core.replicas.values()), "replicas healthy")
+        await until(lambda: all(v.healthy for v in b.core.view.replicas.values()), "replicas healthy")
         yield b, fakes, pub
     finally:
         await b.stop()

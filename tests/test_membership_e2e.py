@@ -81,7 +81,7 @@ async def mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator
         attach_services(b, peers=False, controller=True)
         await b.start()
         await wait_until(lambda: b is not None and b.controller_connected and b.topology_version > 0
-                         and b.core.replicas.get("r0") is not None and b.core.replicas["r0"].healthy,
+                         and b.core.view.replicas.get("r0") is not None and b.core.view.replicas["r0"].healthy,
                          "the balancer follows the controller and r0 is healthy")
         yield Mesh(svc, b, f"http://127.0.0.1:{b.bound_port}", f"http://127.0.0.1:{svc.bound_ports['http']}",
                    urls[1], children[1])
@@ -128,7 +128,7 @@ async def test_a_registered_replica_gets_work_and_drains_without_failures(mesh: 
             # pushed over WatchTopology (the balancer polls nothing), probed on its next round
             await wait_until(lambda: JOINER in b.replicas and b.topology_version > version,
                              "the balancer learned of the new replica")
-            await wait_until(lambda: b.core.replicas[JOINER].healthy, "the new replica probed healthy")
+            await wait_until(lambda: b.core.view.replicas[JOINER].healthy, "the new replica probed healthy")
             eligible = time.monotonic() - registered
             await wait_until(lambda: b.core.local.dispatches_per_replica.get(JOINER, 0) > 0,
                              "the balancer sent the new replica a request")
@@ -139,7 +139,7 @@ async def test_a_registered_replica_gets_work_and_drains_without_failures(mesh: 
             await wait_until(lambda: any(x.replica == JOINER for x in results), "the new replica served requests")
 
             # deregister while requests are in flight on it
-            await wait_until(lambda: b.core.replicas[JOINER].in_flight >= 1, "requests in flight on the new replica")
+            await wait_until(lambda: b.core.view.replicas[JOINER].in_flight >= 1, "requests in flight on the new replica")
             async with s.delete(mesh.controller + f"/membership/v1/replicas/{JOINER}", headers=AUTH) as r:
                 assert r.status == 200, await r.text()
             await wait_until(lambda: JOINER in b.core.local.draining, "the balancer marked it draining")

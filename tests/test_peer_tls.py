@@ -190,7 +190,7 @@ async def test_an_origin_not_bound_to_the_senders_certificate_is_refused(
                                  region(AP, "127.3.0.0/16", f"http://127.0.0.1:{free_port()}")])
     b = await started(cfg, US)
     try:
-        await wait_for(lambda: all(v.healthy for v in b.core.replicas.values()), "us0 healthy")
+        await wait_for(lambda: all(v.healthy for v in b.core.view.replicas.values()), "us0 healthy")
         eu_cert = peer_client(cfg, EU)
         # an EU balancer's certificate and the peer token, claiming an Asian origin (whose
         # rules allow us-east-1's replicas): refused, 10 of 10, and never served
@@ -232,7 +232,7 @@ async def test_a_forward_to_the_plain_client_port_is_refused(tmp_path: Path, fak
                                  region(AP, "127.3.0.0/16", f"http://127.0.0.1:{free_port()}")])
     b = await started(cfg, US)
     try:
-        await wait_for(lambda: all(v.healthy for v in b.core.replicas.values()), "us0 healthy")
+        await wait_for(lambda: all(v.healthy for v in b.core.view.replicas.values()), "us0 healthy")
         # the valid peer token, in clear on the client port, for every origin: refused
         for origin in (AP, EU, US) * 3:
             status, answer = await forward(b, None, origin, port=b.bound_port)
@@ -260,7 +260,7 @@ async def test_only_peer_balancers_with_mesh_certificates_reach_the_peer_listene
     assert cfg.tls is not None
     b = await started(cfg, US)
     try:
-        await wait_for(lambda: all(v.healthy for v in b.core.replicas.values()), "us0 healthy")
+        await wait_for(lambda: all(v.healthy for v in b.core.view.replicas.values()), "us0 healthy")
         # trusts the mesh CA but has no certificate of its own
         anonymous = ssl.create_default_context(cafile=cfg.tls.ca_cert)
         # a certificate naming eu-west-1 from a CA of the caller's own making

@@ -196,7 +196,7 @@ async def test_japanese_prompts_sharing_3000_characters_go_to_the_same_replica(
     b.policy.choose = observed_choose  # type: ignore[method-assign]
     try:
         for _ in range(400):
-            if all(v.healthy for v in b.core.replicas.values()):
+            if all(v.healthy for v in b.core.view.replicas.values()):
                 break
             await asyncio.sleep(0.05)
         pairs = [prompt_pair(10 * i) for i in range(4)]

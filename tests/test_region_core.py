@@ -45,7 +45,7 @@ def region(n: int = 3, *, policy: str = "least_load", peers: dict[str, float] | 
 
 def probe_all(core: RegionCore, now: float = 0.0, sample: ProbeSample | None = OK) -> list[object]:
     out: list[object] = []
-    for rid in list(core.replicas):
+    for rid in list(core.view.replicas):
         out.extend(core.probe(rid, sample, now))
     return out
 
@@ -58,13 +58,13 @@ def test_a_request_walks_queued_placed_streaming_done() -> None:
     core = region(n=1)
     probe_all(core)
     assert core.submit(req(0), 0.0) == []
-    assert core.state_of("q0") is RequestState.QUEUED
+    assert core.view.state_of("q0") is RequestState.QUEUED
     assert sends(core.tick(0.0)) == {"q0": "r0"}
-    assert core.state_of("q0") is RequestState.PLACED
+    assert core.view.state_of("q0") is RequestState.PLACED
     core.first_token("q0", 0.1)
-    assert core.state_of("q0") is RequestState.STREAMING
+    assert core.view.state_of("q0") is RequestState.STREAMING
     core.complete("q0", 0.2)
-    assert core.state_of("q0") is None and core.active_requests == 0
+    assert core.view.state_of("q0") is None and core.view.active_requests == 0
     assert core.transitions == {("new", "queued"): 1, ("queued", "placed"): 1,
                                 ("placed", "streaming"): 1, ("streaming", "done"): 1}
 
@@ -84,11 +84,11 @@ def test_one_failed_probe_pauses_dispatch_but_does_not_eject() -> None:
     (placed,) = core.tick(0.0)
     core.submit(req(1), 0.0)
     assert core.probe("r0", None, 0.1) == []  # one bad probe: no abandonment...
-    assert core.replicas["r0"].healthy
+    assert core.view.replicas["r0"].healthy
     assert core.tick(0.1) == []  # ...but no new dispatch until a good probe
     core.probe("r0", OK, 0.2)
     assert sends(core.tick(0.2)) == {"q1": "r0"}
-    assert core.state_of(placed.request_id) is RequestState.PLACED
+    assert core.view.state_of(placed.request_id) is RequestState.PLACED
 
 
 def test_ejection_after_n_failures_abandons_unstarted_requests_at_once() -> None:
@@ -103,18 +103,18 @@ def test_ejection_after_n_failures_abandons_unstarted_requests_at_once() -> None
     assert core.probe("r0", None, 0.1) == [] and core.probe("r0", None, 0.2) == []
     abandoned = core.probe("r0", None, 0.3)
     assert abandoned == [AbandonAttempt(on_r0[1], "r0")]
-    assert not core.replicas["r0"].healthy
-    assert core.state_of(on_r0[1]) is RequestState.QUEUED
-    assert core.state_of(on_r0[0]) is RequestState.STREAMING  # never taken from its client
+    assert not core.view.replicas["r0"].healthy
+    assert core.view.state_of(on_r0[1]) is RequestState.QUEUED
+    assert core.view.state_of(on_r0[0]) is RequestState.STREAMING  # never taken from its client
     core.probe("r1", OK, 0.3)
     # r1 is still busy with its own two: the abandoned one waits, never for r0
     core.complete(next(r for r, rep in placed.items() if rep == "r1"), 0.35)
     assert sends(core.tick(0.35)) == {on_r0[1]: "r1"}
     # an ejected replica needs healthy_threshold good probes to come back
     core.probe("r0", OK, 0.4)
-    assert not core.replicas["r0"].healthy
+    assert not core.view.replicas["r0"].healthy
     core.probe("r0", OK, 0.5)
-    assert core.replicas["r0"].healthy and core.ejected_count() == 0
+    assert core.view.replicas["r0"].healthy and core.view.ejected_count() == 0
 
 
 def test_connection_failures_count_towards_ejection() -> None:
@@ -123,13 +123,13 @@ def test_connection_failures_count_towards_ejection() -> None:
     core.submit(req(0), 0.0)
     first = sends(core.tick(0.0))["q0"]
     assert core.fail("q0", 0.1, reason="connect") == []  # 1 of 2: held, not ejected
-    assert core.replicas[first].healthy
+    assert core.view.replicas[first].healthy
     core.probe(first, OK, 0.15)  # a good probe resets the streak
     core.submit(req(1, prefix=1), 0.2)
     for a in core.tick(0.2):
         if isinstance(a, SendToReplica) and a.replica_id == first:
             core.fail(a.request_id, 0.3, reason="connect")
-    assert core.replicas[first].healthy  # the streak was reset: still one failure
+    assert core.view.replicas[first].healthy  # the streak was reset: still one failure
 
 
 def test_overload_answers_do_not_count_against_health() -> None:
@@ -138,7 +138,7 @@ def test_overload_answers_do_not_count_against_health() -> None:
     core.submit(req(0), 0.0)
     rep = sends(core.tick(0.0))["q0"]
     core.fail("q0", 0.1, reason="HTTP 429", counts_against_health=False)
-    assert core.replicas[rep].healthy
+    assert core.view.replicas[rep].healthy
 
 
 def test_retries_exhausted_is_one_502() -> None:
@@ -151,8 +151,8 @@ def test_retries_exhausted_is_one_502() -> None:
     assert len(sends(core.tick(0.2))) == 1
     (rej,) = core.fail("q0", 0.3, reason="x")
     assert isinstance(rej, Reject) and rej.status == 502
-    assert core.active_requests == 0
-    assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in core.replicas.values())
+    assert core.view.active_requests == 0
+    assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in core.view.replicas.values())
 
 
 def test_a_failure_after_the_first_byte_fails_the_request() -> None:
@@ -162,7 +162,7 @@ def test_a_failure_after_the_first_byte_fails_the_request() -> None:
     core.tick(0.0)
     core.first_token("q0", 0.1)
     assert core.fail("q0", 0.2, reason="reset") == []
-    assert core.state_of("q0") is None
+    assert core.view.state_of("q0") is None
     assert core.transitions[("streaming", "failed")] == 1
 
 
@@ -172,7 +172,7 @@ def test_queue_wait_deadline_is_a_504() -> None:
     assert core.tick(4.9) == []
     (rej,) = core.tick(5.0)
     assert isinstance(rej, Reject) and rej.status == 504 and rej.code == "queue_timeout"
-    assert core.queue_length == 0 and core.active_requests == 0
+    assert core.view.queue_length == 0 and core.view.active_requests == 0
 
 
 def test_a_placed_request_is_not_expired_and_may_wait_again_after_a_retry() -> None:
@@ -181,7 +181,7 @@ def test_a_placed_request_is_not_expired_and_may_wait_again_after_a_retry() -> N
     core.submit(req(0), 0.0)
     core.tick(0.0)
     assert core.tick(6.0) == []  # placed: its deadline moves on
-    assert core.state_of("q0") is RequestState.PLACED
+    assert core.view.state_of("q0") is RequestState.PLACED
     core.fail("q0", 7.0, reason="x")  # queued again: a fresh bound from now
     assert core.tick(11.9) == []  # its one replica failed it: it can only wait
     (rej,) = core.tick(12.0)
@@ -198,12 +198,12 @@ def test_offload_only_when_no_local_replica_is_available_and_never_twice() -> No
     acts = core.tick(0.0)
     assert sends(acts) == {"q0": "r0"}
     assert [a for a in acts if isinstance(a, ForwardToRegion)] == [ForwardToRegion("q1", "there")]
-    assert core.state_of("q2") is RequestState.QUEUED  # came from a peer: never forwarded again
+    assert core.view.state_of("q2") is RequestState.QUEUED  # came from a peer: never forwarded again
     # the peer fails before any output: served here, the peer skipped until it heartbeats
     assert core.fail("q1", 0.1, reason="HTTP 503") == []
-    assert core.state_of("q1") is RequestState.QUEUED
+    assert core.view.state_of("q1") is RequestState.QUEUED
     assert core.offload.candidates(0.1) == []
-    assert core.heartbeat(0.1) == HeartbeatSnapshot(1, 0, 2, core.pending_prefill_tokens())
+    assert core.view.heartbeat(0.1) == HeartbeatSnapshot(1, 0, 2, core.view.pending_prefill_tokens())
 
 
 @pytest.mark.parametrize("trigger", ["predicted_ttft", "saturated"])
@@ -217,7 +217,7 @@ def test_a_region_busy_with_long_prefills_forwards_before_its_replicas_are_satur
     assert sends(core.tick(0.0)) == {"q0": "r0"}
     core.submit(req(1, prefix=1), 0.0)
     acts = core.tick(0.0)
-    assert core.replicas["r0"].available  # r0 could still take it ...
+    assert core.view.replicas["r0"].available  # r0 could still take it ...
     if trigger == "predicted_ttft":
         # ... but 50 ms away a free replica answers seconds sooner
         assert acts == [ForwardToRegion("q1", "there")]
@@ -265,8 +265,8 @@ def test_client_gone_in_any_state_releases_everything() -> None:
     core.submit(req(9), 0.1)
     for rid in ("q0", "q1", "q2", "q9"):
         core.client_gone(rid, 0.2)
-    assert core.active_requests == 0 and core.queue_length == 0 and core.in_flight_count == 0
-    v = core.replicas["r0"]
+    assert core.view.active_requests == 0 and core.view.queue_length == 0 and core.view.in_flight_count == 0
+    v = core.view.replicas["r0"]
     assert v.in_flight == 0 and v.pending_prefill_tokens == 0
 
 
@@ -278,7 +278,7 @@ def test_illegal_transitions_are_refused() -> None:
     # complete/first_token of a queued request are not transitions the core accepts
     core.complete("q0", 0.1)
     assert core.first_token("q0", 0.1) is None
-    assert core.state_of("q0") is RequestState.QUEUED
+    assert core.view.state_of("q0") is RequestState.QUEUED
 
 
 EVENTS = st.lists(
@@ -333,12 +333,12 @@ def test_any_event_sequence_returns_every_counter_to_zero(events: list[tuple[str
             core.peer_heartbeat("there", HeartbeatSnapshot(2, i % 3, 0, 0), now, epoch=1, seq=int(now * 1000))
         elif ev == "later":
             now += 0.6  # crosses queue-wait deadlines
-        for v in core.replicas.values():
+        for v in core.view.replicas.values():
             assert v.in_flight >= 0 and v.pending_prefill_tokens >= 0
     for i in seen:
         core.client_gone(f"q{i}", now)
-    assert core.active_requests == 0 and core.queue_length == 0 and core.in_flight_count == 0
-    assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in core.replicas.values())
+    assert core.view.active_requests == 0 and core.view.queue_length == 0 and core.view.in_flight_count == 0
+    assert all(v.in_flight == 0 and v.pending_prefill_tokens == 0 for v in core.view.replicas.values())
     terminal = sum(n for (_, to), n in core.transitions.items()
                    if to in ("done", "failed", "rejected", "cancelled"))
     assert terminal == submitted
@@ -427,7 +427,7 @@ def ap_core_forwarding_eu_clients(peers: dict[str, float]) -> RegionCore:
     acts = core.tick(0.0)
     assert [a for a in acts if isinstance(a, ForwardToRegion)] == [ForwardToRegion("eu0", "eu-west-1")]
     assert sends(acts) == {"q2": "ap0"}
-    assert core.state_of("eu1") is RequestState.QUEUED
+    assert core.view.state_of("eu1") is RequestState.QUEUED
     return core
 
 
@@ -445,9 +445,9 @@ def test_requests_queued_for_or_forwarded_to_a_dead_peer_get_503_at_that_moment(
     # no other region their residency allows is alive, and ap0 is closed to them
     assert [a for a in acts if isinstance(a, AbandonAttempt)] == [AbandonAttempt("eu0", "eu-west-1")]
     assert set(no_capacity(acts)) == {"eu0", "eu1"} and len(acts) == 3
-    assert core.state_of("eu0") is None and core.state_of("eu1") is None
+    assert core.view.state_of("eu0") is None and core.view.state_of("eu1") is None
     assert core.transitions[("placed", "queued")] == 1 and core.transitions[("queued", "rejected")] == 2
-    assert core.state_of("q3") is RequestState.QUEUED  # its own clients wait for ap0 as usual
+    assert core.view.state_of("q3") is RequestState.QUEUED  # its own clients wait for ap0 as usual
     assert core.peer_down("eu-west-1", 0.3) == []  # declared once
     assert not core.offload.could_serve(0.3, "eu-west-1")
     # a new EU client gets the same answer; the peer's next heartbeat brings it back
@@ -463,14 +463,14 @@ def test_a_peer_whose_heartbeats_time_out_is_declared_dead_by_the_tick_at_the_ti
     core = ap_core_forwarding_eu_clients({"eu-west-1": 0.22})
     bound = core.offload.heartbeat_interval_s * core.offload.miss_limit
     assert not no_capacity(core.tick(bound))  # fresh up to the bound: nothing happens
-    assert core.state_of("eu0") is RequestState.PLACED and core.state_of("eu1") is RequestState.QUEUED
+    assert core.view.state_of("eu0") is RequestState.PLACED and core.view.state_of("eu1") is RequestState.QUEUED
     acts = core.tick(bound + 1e-6)  # the first tick past it decides the queued one
     assert not [a for a in acts if isinstance(a, AbandonAttempt)]  # a late heartbeat cuts no forward
     assert set(no_capacity(acts)) == {"eu1"}
-    assert core.state_of("eu0") is RequestState.PLACED
+    assert core.view.state_of("eu0") is RequestState.PLACED
     # the dead peer's connection breaks: nowhere else may take it, 503 at once
     assert set(no_capacity(core.fail("eu0", bound + 0.01, reason="ServerDisconnectedError"))) == {"eu0"}
-    assert core.active_requests == 1  # q2, on ap0
+    assert core.view.active_requests == 1  # q2, on ap0
 
 
 @pytest.mark.fault
@@ -480,10 +480,10 @@ def test_the_controller_s_word_keeps_forwards_in_flight_and_one_that_breaks_gets
     # finish what it holds): the waiting client is answered, the forward is left alone
     acts = core.peer_down("eu-west-1", 0.2, cut_forwards=False)
     assert set(no_capacity(acts)) == {"eu1"} and len(acts) == 1
-    assert core.state_of("eu0") is RequestState.PLACED
+    assert core.view.state_of("eu0") is RequestState.PLACED
     # its connection breaks before any output: nowhere else may take it, 503 now (not a wait)
     assert set(no_capacity(core.fail("eu0", 0.3, reason="ServerDisconnectedError"))) == {"eu0"}
-    assert core.active_requests == 1
+    assert core.view.active_requests == 1
 
 
 @pytest.mark.fault
@@ -496,7 +496,7 @@ def test_a_dead_peer_s_requests_go_to_another_allowed_region_and_a_started_strea
     core.peer_heartbeat("eu-central-1", HeartbeatSnapshot(3, 3, 0, 0), 0.1, epoch=1, seq=1)
     acts = core.peer_down("eu-west-1", 0.2)
     assert acts == [AbandonAttempt("eu0", "eu-west-1")]  # queued again; eu6 keeps waiting
-    assert core.state_of("eu1") is RequestState.STREAMING  # bytes sent cannot be taken back
+    assert core.view.state_of("eu1") is RequestState.STREAMING  # bytes sent cannot be taken back
     forwards = [a for a in core.tick(0.2) if isinstance(a, ForwardToRegion)]
     assert forwards == [ForwardToRegion("eu0", "eu-central-1"), ForwardToRegion("eu6", "eu-central-1")]
 
@@ -533,7 +533,7 @@ def test_a_peer_said_to_be_back_but_never_heard_within_the_grace_gets_its_waitin
     assert not no_capacity(core.tick(1.0 + RETURN_GRACE_S - 0.01))
     acts = core.tick(1.0 + RETURN_GRACE_S)
     assert set(no_capacity(acts)) == {"eu4"} and "was not heard from" in no_capacity(acts)["eu4"].message
-    assert core.state_of("q5") is RequestState.QUEUED
+    assert core.view.state_of("q5") is RequestState.QUEUED
     assert not no_capacity(core.tick(1.0 + RETURN_GRACE_S + 0.1))  # decided once
     (rej,) = core.submit(eu_client(6), 1.0 + RETURN_GRACE_S + 0.1)
     assert isinstance(rej, Reject) and rej.status == 503
@@ -542,15 +542,15 @@ def test_a_peer_said_to_be_back_but_never_heard_within_the_grace_gets_its_waitin
 def test_a_queue_that_cannot_drain_in_time_rejects_at_once_with_retry_after() -> None:
     core = region(n=1, dispatch_budget=1, max_queue_wait_s=10.0)
     probe_all(core)
-    assert core.expected_queue_wait_s(0.0) is None  # no rate yet: never rejects blind
+    assert core.view.expected_queue_wait_s(0.0) is None  # no rate yet: never rejects blind
     core.submit(req(0), 0.0)
     assert sends(core.tick(0.0)) == {"q0": "r0"}  # one placement in the last second
-    assert core.expected_queue_wait_s(0.5) is None  # too little history yet
+    assert core.view.expected_queue_wait_s(0.5) is None  # too little history yet
     outcomes = []
     for i in range(1, 40):
-        expected = core.expected_queue_wait_s(1.0)
+        expected = core.view.expected_queue_wait_s(1.0)
         got = core.submit(req(i, prefix=i), 1.0)
-        outcomes.append((core.queue_length > 0 and expected is not None and expected > 10.0, bool(got)))
+        outcomes.append((core.view.queue_length > 0 and expected is not None and expected > 10.0, bool(got)))
         if got:
             (rej,) = got
             assert isinstance(rej, Reject) and rej.status == 429 and rej.code == "queue_wait"
@@ -570,10 +570,10 @@ def test_offload_prices_prefill_with_the_policy_s_refitted_model() -> None:
     # a policy that learns a TTFT model refits the region model's, which offload reads; one
     # that learns none leaves it (and offload) on the profile's seed
     learning = region(policy="dualmap", peers={"there": 0.05})
-    assert learning.policy.estimator is learning.model.estimator  # type: ignore[attr-defined]
+    assert learning.view.policy.estimator is learning.model.estimator  # type: ignore[attr-defined]
     assert learning.offload.model is learning.model
-    learning.policy.estimator.observe(0, 1000, 5.0)  # type: ignore[attr-defined]
-    learning.policy.estimator.observe(0, 2000, 10.0)  # type: ignore[attr-defined]
+    learning.view.policy.estimator.observe(0, 1000, 5.0)  # type: ignore[attr-defined]
+    learning.view.policy.estimator.observe(0, 2000, 10.0)  # type: ignore[attr-defined]
     assert learning.offload.prefill_s_per_token == learning.model.estimator.s_per_token
     assert learning.offload.prefill_s_per_token != learning.offload.seed_prefill_s_per_token
     fixed = region(policy="least_load", peers={"there": 0.05})
@@ -611,14 +611,14 @@ def test_a_burst_after_a_quiet_spell_is_served_not_refused() -> None:
     refused = [a for i in range(30) for a in core.submit(req(1000 + i, now, prefix=1000 + i), now)]
     assert refused == []
     # the wait is still judged (by what the replicas can take), and it is short
-    expected = core.expected_queue_wait_s(now)
+    expected = core.view.expected_queue_wait_s(now)
     assert expected is not None and expected < 60.0
     served = 0
     for step in range(50):  # and they are served, well within the bound
         t = now + step * 0.1
         probe_all(core, t)
         served += _serve_placed(core, core.tick(t), t)
-    assert served == 30 and core.active_requests == 0
+    assert served == 30 and core.view.active_requests == 0
     assert core.transitions[("new", "rejected")] == 0 and core.transitions[("queued", "rejected")] == 0
 
 
@@ -632,19 +632,19 @@ def test_a_queue_saturated_replicas_cannot_drain_is_refused_at_once_with_a_bound
     placed = 0
     for step in range(13):
         now = float(step)
-        for k, rid in enumerate(sorted(core.replicas)):
+        for k, rid in enumerate(sorted(core.view.replicas)):
             room = step < 9 and step % (2 * (k + 1)) == 0
             core.probe(rid, ProbeSample(num_running=8, num_waiting=0 if room else 4), now)
         placed += _serve_placed(core, core.tick(now), now, ttft_s=0.5)
-    assert 0 < placed < 10 and core.queue_length > 70
+    assert 0 < placed < 10 and core.view.queue_length > 70
     # the replicas can take nothing more by their own account: only the measured rate counts
-    assert core.local.sustainable_dispatch_rate(now, core.first_token_s()) == 0.0
-    expected = core.expected_queue_wait_s(now)
+    assert core.local.sustainable_dispatch_rate(now, core.view.first_token_s()) == 0.0
+    expected = core.view.expected_queue_wait_s(now)
     assert expected is not None and expected > 3 * 30.0  # far over the bound
     (rej,) = core.submit(req(500, now), now)
     assert isinstance(rej, Reject) and rej.status == 429 and rej.code == "queue_wait"
     assert rej.retry_after_s is not None and 0.0 < rej.retry_after_s <= 30.0  # never past one bound
-    assert core.state_of("q500") is None  # not queued to a 504
+    assert core.view.state_of("q500") is None  # not queued to a 504
 
 
 def test_a_peers_forward_queued_here_does_not_put_the_own_queue_under_skywalkers_rule() -> None:
@@ -673,4 +673,4 @@ def test_a_peers_forward_queued_here_does_not_put_the_own_queue_under_skywalkers
     acts = core.tick(now)
     # 4 s away the peer cannot answer sooner than r0 frees: both stay queued here
     assert [a for a in acts if isinstance(a, ForwardToRegion)] == []
-    assert core.state_of("q70") is RequestState.QUEUED and core.state_of("from-far") is RequestState.QUEUED
+    assert core.view.state_of("q70") is RequestState.QUEUED and core.view.state_of("from-far") is RequestState.QUEUED

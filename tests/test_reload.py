@@ -219,12 +219,12 @@ def test_new_settings_leave_placed_and_queued_requests_where_they_are() -> None:
     assert [a.request_id for a in core.tick(0.0) if isinstance(a, SendToReplica)] == ["q0"]
     core.reconfigure(RegionSettings(dispatch_budget=1, queue_bound=1, max_queue_wait_s=100.0),
                      allowed=lambda s, t: True, max_remote_queue=4, miss_limit=3)
-    assert core.state_of("q0") is RequestState.PLACED and core.state_of("q1") is RequestState.QUEUED
+    assert core.view.state_of("q0") is RequestState.PLACED and core.view.state_of("q1") is RequestState.QUEUED
     (full,) = core.submit(req(2, prefix=2, now=5.0), 5.0)  # the new bound of 1: q1 fills it
     assert isinstance(full, Reject) and (full.status, full.code) == (429, "queue_full")
     # q1 keeps the deadline it was queued with (10 s), not the new bound's
     assert [(a.request_id, a.status) for a in core.tick(10.0) if isinstance(a, Reject)] == [("q1", 504)]
-    assert core.state_of("q0") is RequestState.PLACED
+    assert core.view.state_of("q0") is RequestState.PLACED
 
 
 def gate_for(cfg: MeshConfig) -> ClientGate:

@@ -43,4 +43,4 @@ async def test_a_forward_taken_back_before_its_attempt_began_is_never_sent_and_i
     response = await flow.serve(None, b"", eu0, False, waiter)  # type: ignore[arg-type]
     assert response.status == 503 and response.headers["Retry-After"]
     assert json.loads(response.body)["error"]["code"] == "no_capacity"
-    assert core.state_of("eu0") is None
+    assert core.view.state_of("eu0") is None

@@ -205,7 +205,7 @@ def test_a_disconnect_under_one_request_answers_it_instead_of_placing_it_again()
     (rej,) = actions
     assert isinstance(rej, Reject) and rej.status == 502 and rej.code == HARMFUL_REQUEST_CODE
     assert target in rej.message
-    assert core.state_of("q0") is None and core.active_requests == 0
+    assert core.view.state_of("q0") is None and core.view.active_requests == 0
     assert sends(core.tick(1.0)) == {}  # placed nowhere else
 
 
@@ -217,7 +217,7 @@ def test_a_disconnect_under_ordinary_load_retries_every_request() -> None:
     assert len(sends(core.tick(0.0))) == 2
     for i in range(2):
         assert core.fail(f"q{i}", 1.0, reason="ServerDisconnectedError", harm=Harm.DISCONNECT) == []
-        assert core.state_of(f"q{i}") is RequestState.QUEUED
+        assert core.view.state_of(f"q{i}") is RequestState.QUEUED
 
 
 def test_a_disconnect_told_after_the_replica_failed_under_another_request_blames_none() -> None:
@@ -238,7 +238,7 @@ def test_a_disconnect_told_after_the_replica_failed_under_another_request_blames
             core.fail("q0", 1.0, reason="ClientConnectorError")
         actions = core.fail("q2", 1.2, reason="ServerDisconnectedError", harm=Harm.DISCONNECT)
         assert not any(isinstance(a, Reject) for a in actions), (first_failure, actions)
-        assert core.state_of("q2") is RequestState.QUEUED, first_failure
+        assert core.view.state_of("q2") is RequestState.QUEUED, first_failure
         # the other replica has no such failure: q2's disconnect there, held alone, is judged
         assert sends(core.tick(5.0)) == {"q2": placed["q1"]}
         core.complete("q1", 5.5)
@@ -266,10 +266,10 @@ def test_a_replica_that_stalls_under_a_huge_prompt_is_blamed_on_it_and_comes_bac
     abandoned = {a.request_id for a in actions if isinstance(a, AbandonAttempt)}
     assert abandoned == {"q0", *ordinary_there}
     for rid in ordinary_there:
-        assert core.state_of(rid) is RequestState.QUEUED  # retried elsewhere
-    assert core.health_of(stalled)["ejected"]
+        assert core.view.state_of(rid) is RequestState.QUEUED  # retried elsewhere
+    assert core.view.health_of(stalled)["ejected"]
     core.probe(stalled, OK, 0.3)  # one good probe, not healthy_threshold (3)
-    assert not core.health_of(stalled)["ejected"]
+    assert not core.view.health_of(stalled)["ejected"]
 
 
 def test_an_ejection_by_refused_probes_blames_no_request() -> None:
@@ -279,4 +279,4 @@ def test_an_ejection_by_refused_probes_blames_no_request() -> None:
     target = sends(core.tick(0.0))["q0"]
     actions = core.probe(target, None, 0.1)  # connection refused: the replica went away
     assert not any(isinstance(a, Reject) for a in actions)
-    assert core.state_of("q0") is RequestState.QUEUED
+    assert core.view.state_of("q0") is RequestState.QUEUED

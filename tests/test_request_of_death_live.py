@@ -54,7 +54,7 @@ async def mesh(tmp_path: Path) -> AsyncIterator[tuple[Balancer, dict[str, str]]]
     b = None
     try:
         b = await start(by_name, tokenizer={"path": str(SIM_TOKENIZER)})
-        await wait_for(lambda: all(v.healthy for v in b.core.replicas.values()), "replicas never became healthy")
+        await wait_for(lambda: all(v.healthy for v in b.core.view.replicas.values()), "replicas never became healthy")
         await wait_for(lambda: b.context_window() is not None, "max_model_len never learned from /v1/models")
         yield b, by_name
     finally:
@@ -115,7 +115,7 @@ async def test_oversized_prompts_are_refused_at_the_edge_and_the_region_keeps_se
             assert body["error"]["message"] == d_body["error"]["message"], name
     assert served and all(st == 200 and replica in urls for st, replica in served)
     for rid in urls:
-        assert b.core.health_of(rid)["ejections"] == 0, rid
+        assert b.core.view.health_of(rid)["ejections"] == 0, rid
     dispatched = parse_samples(page, ("skymesh_dispatches_total",))["skymesh_dispatches_total"]
     assert dispatched == len(served)  # not one refused request reached a replica
     refusals = parse_samples(page, ("skymesh_context_refusals_total",))["skymesh_context_refusals_total"]
@@ -154,7 +154,7 @@ async def test_a_request_that_freezes_its_replica_is_answered_after_one_replica_
             await f.start()
         b = await start({f.name: f.url for f in fakes}, health={"unhealthy_threshold": 2, "healthy_threshold": 3},
                         upstream={"first_byte_timeout_s": 3000})
-        await wait_for(lambda: all(v.healthy for v in b.core.replicas.values()), "replicas never became healthy")
+        await wait_for(lambda: all(v.healthy for v in b.core.view.replicas.values()), "replicas never became healthy")
         base = f"http://127.0.0.1:{b.bound_port}"
         async with aiohttp.ClientSession() as s:
             poison = asyncio.create_task(post(s, base, {"prompt": "POISON " + "long " * 2000, "max_tokens": 4}))
@@ -162,14 +162,14 @@ async def test_a_request_that_freezes_its_replica_is_answered_after_one_replica_
             status, headers, body = await poison
             frozen = next(f for f in fakes if f.poisoned)
             frozen.thaw()
-            await wait_for(lambda: not b.core.health_of(frozen.name)["ejected"], "the frozen replica never came back")
+            await wait_for(lambda: not b.core.view.health_of(frozen.name)["ejected"], "the frozen replica never came back")
             after = [await post(s, base, {"prompt": f"after {i}", "max_tokens": 4}) for i in range(6)]
         assert status == 502 and body["error"]["code"] == HARMFUL_REQUEST_CODE
         assert frozen.name in body["error"]["message"]
         assert sum(f.poisoned for f in fakes) == 1  # never placed on a second replica
         assert [st for st, _, _ in ordinary + after] == [200] * 18
-        assert b.core.health_of(frozen.name)["ejections"] == 1
-        assert b.core.active_requests == 0
+        assert b.core.view.health_of(frozen.name)["ejections"] == 1
+        assert b.core.view.active_requests == 0
         report_figures("request_of_death_stall", replicas_poisoned=1, ordinary_served=len(ordinary) + len(after))
     finally:
         if b is not None:

@@ -27,7 +27,7 @@ def region(n: int, *, max_retries: int, peers: dict[str, float] | None = None, d
 
 
 def place(core: RegionCore, now: float) -> str:
-    for rid in core.replicas:
+    for rid in core.view.replicas:
         core.probe(rid, ProbeSample(), now)
     (send,) = [a for a in core.tick(now) if isinstance(a, SendToReplica)]
     return send.replica_id
@@ -55,7 +55,7 @@ def test_an_abandoned_attempt_spends_the_budget() -> None:
     core = region(4, max_retries=1)
     core.submit(RoutingRequest("q0", (), 16, 0.0), 0.0)
     first = place(core, 0.0)
-    core.set_replicas([rid for rid in core.replicas if rid != first], 0.5)  # abandoned: queued again
+    core.set_replicas([rid for rid in core.view.replicas if rid != first], 0.5)  # abandoned: queued again
     place(core, 1.0)
     (reject,) = core.fail("q0", 1.0, reason="reset", counts_against_health=False)
     assert isinstance(reject, Reject) and reject.status == 502
@@ -63,7 +63,7 @@ def test_an_abandoned_attempt_spends_the_budget() -> None:
 
 def test_a_failed_forward_and_a_failed_replica_share_one_budget() -> None:
     core = region(1, max_retries=1, peers={"there": 0.05}, dispatch_budget=1)
-    for rid in core.replicas:
+    for rid in core.view.replicas:
         core.probe(rid, ProbeSample(), 0.0)
     core.peer_heartbeat("there", HeartbeatSnapshot(4, 4, 0, 0), 0.0, epoch=1, seq=1)
     core.submit(RoutingRequest("busy", (), 16, 0.0), 0.0)
@@ -82,9 +82,9 @@ def test_an_abandonment_past_the_budget_is_answered_at_once() -> None:
     core = region(2, max_retries=0)
     core.submit(RoutingRequest("q0", (), 16, 0.0), 0.0)
     first = place(core, 0.0)
-    actions = core.set_replicas([rid for rid in core.replicas if rid != first], 0.5)
+    actions = core.set_replicas([rid for rid in core.view.replicas if rid != first], 0.5)
     assert [type(a).__name__ for a in actions] == ["AbandonAttempt", "Reject"]
-    assert actions[1].status == 502 and core.active_requests == 0 and core.queue_length == 0
+    assert actions[1].status == 502 and core.view.active_requests == 0 and core.view.queue_length == 0
 
 
 def test_the_replica_that_spent_the_budget_gets_no_new_work_until_a_good_probe() -> None:
@@ -92,6 +92,6 @@ def test_the_replica_that_spent_the_budget_gets_no_new_work_until_a_good_probe()
     core.submit(RoutingRequest("q0", (), 16, 0.0), 0.0)
     failed = place(core, 0.0)
     (reject,) = core.fail("q0", 0.1, reason="reset", counts_against_health=False)
-    assert isinstance(reject, Reject) and not core.replicas[failed].available
+    assert isinstance(reject, Reject) and not core.view.replicas[failed].available
     core.probe(failed, ProbeSample(), 0.2)
-    assert core.replicas[failed].available
+    assert core.view.replicas[failed].available

@@ -46,13 +46,13 @@ def test_a_sibling_s_prefill_on_a_replica_steers_this_balancer_s_policy_elsewher
     # the sibling has 5000 tokens still to prefill on r1, nothing on r0: r0 (100 of ours)
     # is still the less loaded
     sibling_says(core, 1, {"r1": SiblingLoad(2, 2, 5000)}, 0.01)
-    assert core.replicas["r1"].pending_prefill_tokens == 5000
+    assert core.view.replicas["r1"].pending_prefill_tokens == 5000
     assert placed_on(core, 1, 100, 0.02) == "r0"
     # now it says 5000 on r0 and nothing on r1: ours go to r1, which our own figures alone
     # (200 on r0, 0 on r1) would have picked anyway; 50 more on r1 keeps it the lighter
     sibling_says(core, 2, {"r0": SiblingLoad(3, 3, 5000)}, 0.03)
-    assert core.replicas["r0"].pending_prefill_tokens == 5200
-    assert core.replicas["r1"].pending_prefill_tokens == 0
+    assert core.view.replicas["r0"].pending_prefill_tokens == 5200
+    assert core.view.replicas["r1"].pending_prefill_tokens == 0
     assert placed_on(core, 2, 50, 0.04) == "r1"
     assert placed_on(core, 3, 50, 0.05) == "r1"
 
@@ -61,21 +61,21 @@ def test_the_sibling_s_share_is_never_reported_as_this_balancer_s_own() -> None:
     core = fleet_member()
     rid = placed_on(core, 0, 1000, 0.0)
     sibling_says(core, 1, {rid: SiblingLoad(1, 1, 7000)}, 0.01)
-    assert core.replicas[rid].pending_prefill_tokens == 8000
-    assert core.own_pending_prefill(rid) == 1000
+    assert core.view.replicas[rid].pending_prefill_tokens == 8000
+    assert core.view.own_pending_prefill(rid) == 1000
     assert core.local.loads()[rid] == SiblingLoad(1, 1, 1000)
     assert core.local.pending_prefill_tokens() == 1000
     # the region's signal counts the sibling's work once: (1000 + 7000) ms over 2 replicas
     assert abs(pending_prefill_s_per_replica(core) - 4.0) < 1e-9
-    snap = core.snapshot()["replicas"][rid]
+    snap = core.view.snapshot()["replicas"][rid]
     assert snap["pending_prefill_tokens"] == 1000 and snap["region_pending_prefill_tokens"] == 8000
     # its next word drops the share; a silent sibling's share goes with it
     sibling_says(core, 2, {}, 0.02)
-    assert core.replicas[rid].pending_prefill_tokens == 1000
+    assert core.view.replicas[rid].pending_prefill_tokens == 1000
     sibling_says(core, 3, {rid: SiblingLoad(1, 1, 300)}, 0.03)
-    assert core.replicas[rid].pending_prefill_tokens == 1300
+    assert core.view.replicas[rid].pending_prefill_tokens == 1300
     core.sibling_message(5.0)  # the next keepalive's step, past dead_after_s: the sibling is gone
-    assert core.replicas[rid].pending_prefill_tokens == 1000
+    assert core.view.replicas[rid].pending_prefill_tokens == 1000
 
 
 def one_unit_member() -> RegionCore:
@@ -120,3 +120,17 @@ def test_without_a_send_time_a_push_is_seen_only_at_its_first_token() -> None:
     assert sent(core, 5.0) == []
     core.first_token("q0", 5.1)
     assert sent(core, 5.1) == ["q1"]
+
+
+def test_the_view_reads_siblings_attached_after_it_was_built() -> None:
+    """RegionCore.view is built with the core, before any attach_siblings: it reads the
+    siblings as attached when it is asked, never a copy taken when it was built."""
+    core = region_core(2)
+    view = core.view
+    assert view.region_pending_prefill_tokens() == 0 and view.heartbeat(0.0).pending_prefill_tokens == 0
+    core.attach_siblings(RegionSiblings("here", "here-b0", 8, dead_after_s=1.0, started_at=-10.0))
+    core.sibling_message(0.0)
+    sibling_says(core, 1, {"r1": SiblingLoad(2, 2, 5000)}, 0.01)
+    assert core.view is view
+    assert view.region_pending_prefill_tokens() == 5000
+    assert view.heartbeat(0.01).pending_prefill_tokens == 5000

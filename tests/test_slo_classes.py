@@ -178,7 +178,7 @@ def test_a_class_that_can_go_nowhere_gets_an_immediate_503_when_its_replicas_are
     core.probe("r0", ProbeSample(), 0.0)
     for _ in range(3):  # ejected: three failed probes in a row
         core.probe("r0", None, 0.0)
-    assert core.ejected_count() == 1
+    assert core.view.ejected_count() == 1
     tight = req(0, ttft=0.05)  # 80 ms round trip: the peer is out of its reach
     actions = core.submit(tight, 0.01)
     assert len(actions) == 1 and isinstance(actions[0], Reject) and actions[0].status == 503
@@ -307,13 +307,13 @@ def _busy_region(peers: dict[str, float] | None = None, **settings: Any) -> tupl
 
 def test_a_class_target_nothing_can_meet_is_a_429_at_once_and_nothing_else_is() -> None:
     core, now = _busy_region()
-    wait = core.soonest_local_first_token_s(req(0), now)
+    wait = core.view.soonest_local_first_token_s(req(0), now)
     assert wait is not None and 5.0 < wait < 10.0
     actions = core.submit(req(1, ttft=1.0), now)
     assert len(actions) == 1 and isinstance(actions[0], Reject)
     assert actions[0].status == 429 and actions[0].code == "slo_unreachable"
     assert actions[0].retry_after_s is not None and actions[0].retry_after_s >= wait - 1.0 - 1e-9
-    assert core.state_of("q1") is None  # never queued
+    assert core.view.state_of("q1") is None  # never queued
     assert core.submit(req(2, ttft=30.0), now) == []  # a target it can still meet: queued
     assert core.submit(req(3), now) == []  # no class, no target of its own: queued
     assert core.submit(req(4, ttft=1.0, priority=10), now) == []  # nothing ahead of its priority

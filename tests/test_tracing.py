@@ -183,7 +183,7 @@ async def test_a_retried_request_has_one_attempt_span_per_try(tmp_path: Path) ->
         data["tracing"] = {"endpoint": receiver.endpoint, "batch": {"schedule_delay_ms": 50}}
         b = Balancer(parse_config(data), US)
         await b.start(port=0)
-        await wait_for(lambda: b.core.available_count() == 2, "both replicas probed")
+        await wait_for(lambda: b.core.view.available_count() == 2, "both replicas probed")
         async with aiohttp.ClientSession() as s:
             body = {"model": "skymesh-sim", "prompt": "retry me", "max_tokens": 4}
             async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body) as r:
@@ -222,7 +222,7 @@ async def test_an_unsampled_request_records_nothing_but_passes_its_traceparent(t
         data["tracing"] = {"endpoint": receiver.endpoint, "sampling_ratio": 0.0, "batch": {"schedule_delay_ms": 50}}
         b = Balancer(parse_config(data), US)
         await b.start(port=0)
-        await wait_for(lambda: b.core.available_count() == 1, "the replica probed")
+        await wait_for(lambda: b.core.view.available_count() == 1, "the replica probed")
         async with aiohttp.ClientSession() as s:
             body = {"model": "skymesh-sim", "prompt": "do not trace me", "max_tokens": 4}
             async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body) as r:

@@ -125,7 +125,7 @@ async def balancer(p: Pair, policy: str, kv_events: bool = False, **options: Any
     await b.start(port=0)
     try:
         for _ in range(300):
-            if sum(v.healthy for v in b.core.replicas.values()) == len(p.replicas):
+            if sum(v.healthy for v in b.core.view.replicas.values()) == len(p.replicas):
                 break
             await asyncio.sleep(0.05)
         else:
@@ -213,9 +213,9 @@ async def test_selective_pushing_sees_real_num_requests_waiting(pair: Pair) -> N
         async def sample() -> None:
             recorded = not RECORD
             while not stop.is_set():
-                probes = {rid: (p.num_running, p.num_waiting, p.kv_usage, b.core.replicas[rid].in_flight)
+                probes = {rid: (p.num_running, p.num_waiting, p.kv_usage, b.core.view.replicas[rid].in_flight)
                           for rid, info in b.replicas.items() if (p := info.last_probe) is not None}
-                seen.append((b.core.queue_length, probes))
+                seen.append((b.core.view.queue_length, probes))
                 busy = [rid for rid, (_, w, _, _) in probes.items() if w > 0]
                 if not recorded and busy:
                     # tests/golden/vllm_metrics.txt: a real page with requests waiting
@@ -234,8 +234,8 @@ async def test_selective_pushing_sees_real_num_requests_waiting(pair: Pair) -> N
             stop.set()
             await sampler
         assert all(st == 200 for st, _, _ in results), [r for r in results if r[0] != 200][:3]
-        assert b.core.counters.completed == n
-        assert all(v.in_flight == 0 for v in b.core.replicas.values())
+        assert b.core.view.counters.completed == n
+        assert all(v.in_flight == 0 for v in b.core.view.replicas.values())
     max_queue = max(q for q, _ in seen)
     samples = [v for _, pr in seen for v in pr.values()]
     running, waiting, kv = (max(x[i] for x in samples) for i in range(3))
@@ -491,9 +491,9 @@ async def test_killed_replica_loses_no_unstarted_request(pair: Pair) -> None:
         after = [await complete(s, base, words(f"after{k}x", 20)) for k in range(4)]
         assert [st for st, _, _ in after] == [200] * 4
         assert {h["X-Skymesh-Replica"] for _, h, _ in after} == {"v0"}
-        assert not b.core.replicas["v1"].healthy
-        assert all(v.in_flight == 0 for v in b.core.replicas.values())
-        assert b.core.queue_length == 0
+        assert not b.core.view.replicas["v1"].healthy
+        assert all(v.in_flight == 0 for v in b.core.view.replicas.values())
+        assert b.core.view.queue_length == 0
     report_figures("vllm_replica_killed", requests=len(results), completed=sum(r["done"] for r in results),
                    cut_mid_stream_with_sse_error=sum(not r["done"] and r["error_event"] for r in results),
                    unstarted_lost=len(unstarted_lost), retried=b.core.transitions[("placed", "queued")])

@@ -42,8 +42,8 @@ LOOP_NAME = "autoscaling_signal"
 
 def pending_prefill_s_per_replica(core: RegionCore) -> float:
     """Seconds of prefill work waiting per healthy replica (see the module docstring)."""
-    pending = core.region_pending_prefill_tokens()  # siblings' too: every balancer says the region's
-    healthy = sum(1 for view in core.replicas.values() if view.healthy)
+    pending = core.view.region_pending_prefill_tokens()  # siblings' too: every balancer says the region's
+    healthy = sum(1 for view in core.view.replicas.values() if view.healthy)
     return core.model.prefill_s(pending) / max(1, healthy)
 
 

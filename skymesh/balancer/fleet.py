@@ -203,7 +203,7 @@ class RegionFleet:
                                "last_heard_s": {sid: round(now - t, 3) for sid, t in sorted(self.heard_at.items())},
                                "unresponsive": self.unresponsive(now)}
         if sib is not None:
-            now_units = {r: sib.shares.units_on(r) for r in self.core.replicas}
+            now_units = {r: sib.shares.units_on(r) for r in self.core.view.replicas}
             out.update(units_held=now_units, messages_in=sib.messages_in,
                        placements_applied=sib.placements_applied, draining=sib.shares.draining)
         return out

@@ -101,17 +101,17 @@ def balancer_snapshot(b: SnapshotSource) -> BalancerSnapshot:
     know the Balancer's fields (called in the /metrics handler, on the event loop)."""
     now = asyncio.get_running_loop().time()
     return BalancerSnapshot(
-        queue_length=b.core.queue_length,
-        in_flight=b.core.in_flight_count,
-        replicas_available=b.core.available_count(),
+        queue_length=b.core.view.queue_length,
+        in_flight=b.core.view.in_flight_count,
+        replicas_available=b.core.view.available_count(),
         prefix_hit_ratio=b.prefix_hit_ratio(),
         # this balancer's own (a region of several: the members' figures add up)
-        replicas=[ReplicaLoad(rid, r.in_flight, b.core.own_pending_prefill(rid)) for rid, r in b.core.replicas.items()],
+        replicas=[ReplicaLoad(rid, r.in_flight, b.core.view.own_pending_prefill(rid)) for rid, r in b.core.view.replicas.items()],
         peers=[PeerHealth(region, b.offload.staleness_s(region, now), b.offload.peer_available(region, now))
                for region in b.offload.peers],
         transitions=dict(b.core.transitions),
         loop_restarts=b.loop_restart_counts(),
-        ejected_replicas=b.core.ejected_count(),
+        ejected_replicas=b.core.view.ejected_count(),
         rejected_peer_calls=b.rejected_peer_calls(),
         pending_prefill_s_per_replica=pending_prefill_s_per_replica(b.core),
         sibling_link=b.sibling_link_counts(),

@@ -174,16 +174,16 @@ class RequestFlow:
         """Carry out the core's actions: wake the handler that waits for each request."""
         for action in actions:
             if isinstance(action, SendToReplica):
-                self.metrics.observe_decision(self.core.request_of(action.request_id), action.decision)
+                self.metrics.observe_decision(self.core.view.request_of(action.request_id), action.decision)
             elif isinstance(action, ForwardToRegion):
                 self.metrics.offloaded.labels("out", action.region).inc()
             waiter = self.waiters.get(action.request_id)
             if waiter is None:
                 continue  # not this daemon's handler (cannot happen) or already gone
             if waiter.trace is not None and isinstance(action, SendToReplica | ForwardToRegion):
-                policy = self.core.policy
+                policy = self.core.view.policy
                 waiter.trace.placed(action, policy=policy.name, candidates=getattr(policy, "candidates", None),
-                                    req=self.core.request_of(action.request_id))
+                                    req=self.core.view.request_of(action.request_id))
             if isinstance(action, AbandonAttempt) and waiter.attempt_task is not None:
                 # queued again already; stop the attempt that has sent the client nothing
                 waiter.attempt_task.cancel()

@@ -147,14 +147,14 @@ class RequestIntake:
         connection closed (``handler_cancellation``), or the balancer is stopping. One log
         line and a count by reason and state (queued, placed, streaming), so a client that
         saw its connection close can be matched with what the balancer saw."""
-        state = self.core.state_of(req.request_id)
+        state = self.core.view.state_of(req.request_id)
         where = state.value if state is not None else "unknown"
         reason = "stopping" if self._stopping() else f"client_gone_{where}"
         self.metrics.requests_cut.labels(reason).inc()
         log.info("request ended without an answer", extra={
             "request_id": req.request_id, "reason": reason, "waited_s": round(now - req.arrival, 3),
             "client": request.remote or "", "origin": req.origin_region or self.region,
-            "forwarded": req.forwarded, "queue_length": self.core.queue_length})
+            "forwarded": req.forwarded, "queue_length": self.core.view.queue_length})
 
     def origin_of(self, request: web.Request, forwarded: bool) -> str | None:
         """The region whose residency rules bind this request: for a forwarded one, the

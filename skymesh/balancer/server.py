@@ -131,7 +131,7 @@ class Balancer:
         self.epoch = time.time_ns() // 1_000_000
         self.policy_name = policy_name or cfg.policy.name
         self.core = build_region_core(cfg, region, self.policy_name)
-        self.policy = self.core.policy
+        self.policy = self.core.view.policy
         self.offload = self.core.offload
         # the region's other balancers (config or controller) and the budgets shared with them
         self.fleet = RegionFleet(region, self.balancer_id, self.epoch, self.core,
@@ -312,7 +312,7 @@ class Balancer:
         self.wake.set()
 
     def _request_ended(self) -> None:
-        if self._stopping and not self.core.active_requests:
+        if self._stopping and not self.core.view.active_requests:
             self._drained.set()  # the last handler out of a drain
 
     def rejected_peer_calls(self) -> dict[str, int]:
@@ -430,10 +430,10 @@ class Balancer:
         return None if peer is None else peer.grpc_address
 
     def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
-        return self.core.heartbeat(now)
+        return self.core.view.heartbeat(now)
 
     def availability(self) -> tuple[int, int]:
-        return self.core.available_count(), self.core.queue_length
+        return self.core.view.available_count(), self.core.view.queue_length
 
     def offload_counts(self) -> tuple[int, int]:
         return self.offloaded_out, self.offloaded_in
@@ -449,7 +449,7 @@ class Balancer:
     def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
                              balancer_id: str, epoch: int, seq: int) -> None:
         self.core.peer_heartbeat(region, snapshot, now, balancer_id=balancer_id, epoch=epoch, seq=seq)
-        if self.core.queue_length:
+        if self.core.view.queue_length:
             self.wake.set()  # queued requests may now be offloaded
 
     def controller_address(self) -> str:
@@ -648,10 +648,10 @@ class Balancer:
             deadline = loop_clock() + drain_timeout_s
             if self.fleet.has_siblings():
                 await self._hand_off_units(deadline)
-            if self.core.active_requests:
+            if self.core.view.active_requests:
                 # set by the last handler out
                 await wait_event(self._drained, max(0.0, deadline - loop_clock()))
-            log.info("drained", extra={"region": self.region, "left": self.core.active_requests})
+            log.info("drained", extra={"region": self.region, "left": self.core.view.active_requests})
         for svc in reversed(self.extra_services):
             with contextlib.suppress(Exception):
                 await svc.stop()
@@ -679,7 +679,7 @@ class Balancer:
         step = max(0.01, self.cfg.siblings.interval_s)
         handing_off = False
         while loop_clock() < deadline:
-            if not handing_off and not self.core.queue_length:
+            if not handing_off and not self.core.view.queue_length:
                 handing_off = self.fleet.start_draining()
                 if not handing_off:
                     return
@@ -695,7 +695,7 @@ class Balancer:
             await asyncio.sleep(step)
         log.info("push-budget units handed off" if not self.fleet.units_held() else "units still held at the end",
                  extra={"region": self.region, "units_held": self.fleet.units_held(),
-                        "requests_left": self.core.active_requests})
+                        "requests_left": self.core.view.active_requests})
 
     # ------------------------------------------------------------------ probing
 

@@ -19,7 +19,7 @@ def build_status_report(*, now: float, core: RegionCore, replicas: Mapping[str, 
     """``identity``: region, balancer_id, epoch, policy; ``config``: the loaded file's
     digest, load time and last reload; ``control``: controller_connected,
     topology_version, siblings (the region's other balancers); ``kv_events``: per replica, its event stream and block index."""
-    snap = core.snapshot()
+    snap = core.view.snapshot()
     replica_docs = {}
     for rid, info in replicas.items():
         v = snap["replicas"].get(rid, {})

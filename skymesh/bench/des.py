@@ -322,7 +322,7 @@ class Simulator:
                 pending = {rid: 0 for rid in all_ids}
                 for reg in self.regions.values():
                     for core in reg.cores:
-                        for rid, v in core.replicas.items():
+                        for rid, v in core.view.replicas.items():
                             pending[rid] += v.pending_prefill_tokens
                 c = cv([pending[rid] for rid in all_ids])
                 if c is not None:
@@ -395,7 +395,7 @@ class Simulator:
                     self._deliver(rep, rid, in_len, blocks, out_len, token_ids, t)
             elif isinstance(action, ForwardToRegion):
                 # as the daemon's forward claims it (request_flow.peer_target): the sender's region
-                forwarded = replace(core.request_of(rid), forwarded=True, origin_region=reg.name)
+                forwarded = replace(core.view.request_of(rid), forwarded=True, origin_region=reg.name)
                 self._push(t + self.cfg.latency_s(reg.name, action.region), self.FORWARD_ARRIVE,
                            (action.region, forwarded))
             else:  # no queue deadline, no failures, no ejections: nothing else can happen here
@@ -417,7 +417,7 @@ class Simulator:
         """Balancer ``k`` of ``reg`` heartbeats the balancer its connection reaches in each
         peer region (the one of the same index: regions run as many each)."""
         reg.seq[k] += 1
-        beat = (reg.name, reg.seq[k], reg.cores[k].heartbeat(t))
+        beat = (reg.name, reg.seq[k], reg.cores[k].view.heartbeat(t))
         for other, oreg in self.regions.items():
             if other != reg.name:
                 self._push(t + self.cfg.latency_s(reg.name, other), self.BEAT_ARRIVE,

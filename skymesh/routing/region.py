@@ -15,7 +15,10 @@ admission (:mod:`skymesh.routing.admission`), replica health
 (:class:`~skymesh.routing.offload_selection.OffloadSelection`, over
 :class:`~skymesh.routing.offload.OffloadRouter`) and queue-wait deadlines
 (:class:`~skymesh.routing.queue_deadlines.QueueDeadlines`). One concern, the coordinator:
-every move of a request passes here, the decisions are its parts'.
+every move of a request passes here, the decisions are its parts'. What it knows is read
+through :attr:`RegionCore.view` (:class:`~skymesh.routing.region_view.RegionView`, the
+read side: the daemon, the simulator, /admin/status, the heartbeat and the metrics read
+it), which changes nothing; the core keeps the events and the request lifecycle.
 """
 
 from __future__ import annotations
@@ -23,14 +26,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from skymesh.routing.admission.base import AdmissionRule, first_refusal
 from skymesh.routing.admission.region_view import RegionPartsView
 from skymesh.routing.admission.rules import admission_rules
-from skymesh.routing.base import Policy, ReplicaView, RoutingRequest
+from skymesh.routing.base import Policy, RoutingRequest
 from skymesh.routing.disciplines.base import DisciplineContext
-from skymesh.routing.dispatcher import BalancerCore, DispatchCounters, QueueFull
+from skymesh.routing.dispatcher import BalancerCore, QueueFull
 from skymesh.routing.drain_rate import DrainRate
 from skymesh.routing.harm import HARMFUL_REQUEST_CODE, SHARED_FAILURE_S, Harm, HeldRequest, suspect
 from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
@@ -49,6 +51,7 @@ from skymesh.routing.region_actions import (
     SendToReplica,
 )
 from skymesh.routing.region_settings import RegionSettings
+from skymesh.routing.region_view import RegionView
 from skymesh.routing.request_state import ALLOWED_TRANSITIONS, TERMINAL, RequestState
 from skymesh.routing.residency import Residency
 from skymesh.routing.siblings import RegionSiblings, SiblingMessage
@@ -73,7 +76,8 @@ class _Tracked:
 
 
 class RegionCore:
-    """One region's request lifecycle: accepts events, asks its parts, returns actions."""
+    """One region's request lifecycle: accepts events, asks its parts, returns actions.
+    Its read side is :attr:`view`."""
 
     def __init__(
         self,
@@ -135,6 +139,10 @@ class RegionCore:
                                                self.residency)
         # the region's other balancers (None: this balancer is the region's only one)
         self.siblings: RegionSiblings | None = None
+        # the read side (daemon, simulator, /admin/status, heartbeat, metrics): reads the
+        # parts above live, siblings as attached at the moment it is asked
+        self.view = RegionView(self.local, self.health, self.drain_rate, self.offload_selection, self._requests,
+                               self.transitions, lambda: self.siblings)
 
     def attach_siblings(self, siblings: RegionSiblings) -> None:
         """This balancer is one of several in its region: it shares each replica's push
@@ -161,7 +169,7 @@ class RegionCore:
             shares=sib.shares.message(self.local.queue_length, self.local.wants, now),
             sent_at=now,
             pending_prefill_tokens=max(0, self.local.pending_prefill_tokens()),
-            placements_per_s=self.offload_rate_per_s(now) or 0.0,
+            placements_per_s=self.view.offload_rate_per_s(now) or 0.0,
             loads=self.local.loads(),
             placements=sib.take_placements(),
         )
@@ -207,117 +215,6 @@ class RegionCore:
     def admission(self) -> tuple[AdmissionRule, ...]:
         """The admission rules :meth:`submit` checks, in order."""
         return self._admission
-
-    # ------------------------------------------------------------------ read side
-
-    @property
-    def policy(self) -> Policy:
-        return self.local.policy
-
-    @property
-    def replicas(self) -> dict[str, ReplicaView]:
-        return self.local.replicas
-
-    @property
-    def counters(self) -> DispatchCounters:
-        return self.local.counters
-
-    @property
-    def queue_length(self) -> int:
-        return self.local.queue_length
-
-    @property
-    def in_flight_count(self) -> int:
-        return self.local.in_flight_count
-
-    @property
-    def active_requests(self) -> int:
-        """Requests accepted and not yet in a terminal state (queued, placed, streaming)."""
-        return len(self._requests)
-
-    def available_count(self) -> int:
-        return self.local.available_count()
-
-    def own_pending_prefill(self, replica_id: str) -> int:
-        """Prefill tokens this balancer's requests on ``replica_id`` still have to go."""
-        return self.local.own_pending_prefill(replica_id)
-
-    def ejected_count(self) -> int:
-        return self.health.ejected_count()
-
-    def any_available(self) -> bool:
-        return self.local.any_available()
-
-    def pending_prefill_tokens(self) -> int:
-        return self.local.pending_prefill_tokens()
-
-    def region_pending_prefill_tokens(self) -> int:
-        """Prefill work queued or dispatched without a first token in the whole region:
-        this balancer's and, in a region of several, its siblings' as they last said."""
-        own = max(0, self.local.pending_prefill_tokens())
-        return own if self.siblings is None else own + self.siblings.pending_prefill_tokens_as_of_step()
-
-    def request_of(self, request_id: str) -> RoutingRequest:
-        return self._requests[request_id].req
-
-    def state_of(self, request_id: str) -> RequestState | None:
-        t = self._requests.get(request_id)
-        return t.state if t is not None else None
-
-    def ages(self, now: float) -> dict[str, tuple[str, float]]:
-        """Every live request's state and age (for failure reports and /admin/status)."""
-        return {rid: (t.state.value, now - t.req.arrival) for rid, t in self._requests.items()}
-
-    def heartbeat(self, now: float) -> HeartbeatSnapshot:
-        """The region's state for its peers: with siblings, their queues, prefill and
-        placement rates count too (one region, however many balancers)."""
-        queue, prefill, rate = self.local.queue_length, max(0, self.local.pending_prefill_tokens()), \
-            self.offload_rate_per_s(now) or 0.0
-        if self.siblings is not None:
-            queue += self.siblings.queue_length(now)
-            prefill += self.siblings.pending_prefill_tokens(now)
-            rate += self.siblings.placements_per_s(now)
-        return HeartbeatSnapshot(
-            replicas_total=len(self.local.replicas),
-            replicas_available=self.local.available_count(),
-            queue_length=queue,
-            pending_prefill_tokens=prefill,
-            placements_per_s=rate,
-        )
-
-    def first_token_s(self) -> float:
-        """A replica's predicted time to give back a unit of its dispatch budget
-        (:meth:`DrainRate.first_token_s`)."""
-        return self.drain_rate.first_token_s()
-
-    def service_rate_per_s(self, now: float) -> float | None:
-        """How fast the queue drains, requests per second (:meth:`DrainRate.service_rate_per_s`)."""
-        return self.drain_rate.service_rate_per_s(now)
-
-    def offload_rate_per_s(self, now: float) -> float | None:
-        """How fast offload (and the peers, by the heartbeat) take the queue to drain,
-        requests per second (:meth:`DrainRate.offload_rate_per_s`)."""
-        return self.drain_rate.offload_rate_per_s(now)
-
-    def expected_queue_wait_s(self, now: float) -> float | None:
-        """How long a request queued now would wait for its placement (:meth:`DrainRate.expected_queue_wait_s`)."""
-        return self.drain_rate.expected_queue_wait_s(now)
-
-    def soonest_local_first_token_s(self, req: RoutingRequest, now: float) -> float | None:
-        """When a replica here would start ``req``'s first token at the soonest if it were
-        queued now (:meth:`OffloadSelection.soonest_local_first_token_s`)."""
-        return self.offload_selection.soonest_local_first_token_s(req, now)
-
-    def health_of(self, replica_id: str) -> dict[str, Any]:
-        return self.health.report(replica_id)
-
-    def snapshot(self) -> dict[str, Any]:
-        snap = self.local.snapshot()
-        for rid, view in snap["replicas"].items():
-            view["health"] = self.health_of(rid)
-        snap["active_requests"] = len(self._requests)
-        snap["transitions"] = {f"{a}>{b}": n for (a, b), n in sorted(self.transitions.items())}
-        return snap
 
     # ------------------------------------------------------------------ lifecycle core
 
