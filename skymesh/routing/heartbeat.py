@@ -14,6 +14,6 @@ class HeartbeatSnapshot:
     replicas_available: int
     queue_length: int
     pending_prefill_tokens: int
-    # how fast this region's queue drains (requests per second: RegionView.offload_rate_per_s;
+    # how fast this region's queue drains (requests per second: RegionReadView.offload_rate_per_s;
     # 0 with no history): peers predict the wait of a request they forward here from it
     placements_per_s: float = 0.0

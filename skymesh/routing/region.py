@@ -16,7 +16,7 @@ admission (:mod:`skymesh.routing.admission`), replica health
 :class:`~skymesh.routing.offload.OffloadRouter`) and queue-wait deadlines
 (:class:`~skymesh.routing.queue_deadlines.QueueDeadlines`). One concern, the coordinator:
 every move of a request passes here, the decisions are its parts'. What it knows is read
-through :attr:`RegionCore.view` (:class:`~skymesh.routing.region_view.RegionView`, the
+through :attr:`RegionCore.view` (:class:`~skymesh.routing.region_read_view.RegionReadView`, the
 read side: the daemon, the simulator, /admin/status, the heartbeat and the metrics read
 it), which changes nothing; the core keeps the events and the request lifecycle.
 """
@@ -50,8 +50,8 @@ from skymesh.routing.region_actions import (
     Reject,
     SendToReplica,
 )
+from skymesh.routing.region_read_view import RegionReadView
 from skymesh.routing.region_settings import RegionSettings
-from skymesh.routing.region_view import RegionView
 from skymesh.routing.request_state import ALLOWED_TRANSITIONS, TERMINAL, RequestState
 from skymesh.routing.residency import Residency
 from skymesh.routing.siblings import RegionSiblings, SiblingMessage
@@ -141,7 +141,7 @@ class RegionCore:
         self.siblings: RegionSiblings | None = None
         # the read side (daemon, simulator, /admin/status, heartbeat, metrics): reads the
         # parts above live, siblings as attached at the moment it is asked
-        self.view = RegionView(self.local, self.health, self.drain_rate, self.offload_selection, self._requests,
+        self.view = RegionReadView(self.local, self.health, self.drain_rate, self.offload_selection, self._requests,
                                self.transitions, lambda: self.siblings)
 
     def attach_siblings(self, siblings: RegionSiblings) -> None:

@@ -1,6 +1,6 @@
 """One region's read side, pure: what its core knows, and no way to change it.
 
-:class:`RegionView` is the region core's read side: everything a daemon, the simulator,
+:class:`RegionReadView` is the region core's read side: everything a daemon, the simulator,
 ``/admin/status``, the heartbeat and the metrics read of one region (the queue and its
 replicas, the request table, the replicas' health, the queue's drain rate, the soonest
 first token here, the state published to peers) and no method that changes state. The
@@ -39,7 +39,7 @@ class TrackedRequest(Protocol):
     def state(self) -> RequestState: ...
 
 
-class RegionView:
+class RegionReadView:
     """The region core's read side (see the module's docstring): reads only, over the
     core's own parts, never a copy of them."""
 
