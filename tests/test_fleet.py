@@ -185,10 +185,18 @@ async def test_up_starts_every_member_behind_one_entry(tmp_path: Path) -> None:
             await asyncio.sleep(0.1)
         assert all([await sibling_pages(m) > 0 for m in region.balancer_members])
         entry = region.balancer.advertise_url
-        codes = [await complete_on_a_new_connection(entry, SOURCE, f"hello {i}") for i in range(6)]
-        assert codes == [200] * 6
         by_member = http_entry(mesh).connections_by_target
-        assert all(by_member[(m.listen.host, m.listen.port)] >= 3 for m in region.balancer_members), by_member
+        members = [(m.listen.host, m.listen.port) for m in region.balancer_members]
+        codes = []
+        # round robin over the members in service: 6 connections give each 3 on a quiet
+        # machine; on a busy one a member whose health check timed out is skipped for a
+        # while (as an NLB would), so the spreading is judged over up to 30
+        for i in range(30):
+            codes.append(await complete_on_a_new_connection(entry, SOURCE, f"hello {i}"))
+            if all(by_member[m] >= 3 for m in members):
+                break
+        assert codes == [200] * len(codes)
+        assert all(by_member[m] >= 3 for m in members), by_member
         assert f"{US}" in mesh.describe() and "2 balancers" in mesh.describe()
 
 
