@@ -210,13 +210,15 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
         async def window(name: str, **kw: Any) -> None:
             assert sampler is not None
             la0 = loadavg()
-            m0 = await sibling_messages(mesh)
+            st0 = await sibling_status(mesh)
             b0, r0, o0, e0 = cpu_of(members), cpu_of(replicas), cpu_of(others), self_cpu()
             res = await run_driver(entry, max_tokens=args.max_tokens, **kw)
             b1, r1, o1, e1 = cpu_of(members), cpu_of(replicas), cpu_of(others), self_cpu()
-            m1 = await sibling_messages(mesh)
+            st1 = await sibling_status(mesh)
+            m0, m1 = ([int(x.get("messages_in", 0)) for x in st] for st in (st0, st1))
             served = max(1, res["served"])
             res.update(
+                sibling_messages_sent_per_s_by_reason=messages_sent_by_reason(st0, st1, res["wall_s"]),
                 # what each member applied of its siblings' messages, per second of the window
                 sibling_messages_applied_per_s_per_member=[round((y - x) / res["wall_s"], 1)
                                                            for x, y in zip(m0, m1, strict=True)],
@@ -252,16 +254,31 @@ async def one_variant(balancers: int, args: argparse.Namespace, tmp: Path, tag: 
     return out
 
 
-async def sibling_messages(mesh: Mesh) -> list[int]:
-    """Per member, the sibling messages it applied since it started (0 for a lone one)."""
+async def sibling_status(mesh: Mesh) -> list[dict[str, Any]]:
+    """Per member, the ``siblings`` part of its /admin/status."""
     region = mesh.cfg.region(REGION)
     out = []
     async with aiohttp.ClientSession(headers=admin_headers(mesh.admin_token),
                                      timeout=aiohttp.ClientTimeout(total=5)) as s:
         for m in region.balancer_members:
             async with s.get(m.listen.http_url + "/admin/status") as r:
-                out.append(int((await r.json()).get("siblings", {}).get("messages_in", 0)))
+                out.append((await r.json()).get("siblings", {}))
     return out
+
+
+def messages_sent_by_reason(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]],
+                            wall_s: float) -> dict[str, float]:
+    """Sibling messages sent per second per member over a window, by the reason that sent
+    each (the channel's ``sent_<reason>`` counts: a protocol move, a page showing a
+    change, a keepalive, ...), averaged over the members."""
+    totals: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        cb, ca = b.get("channel", {}), a.get("channel", {})
+        for key, n in ca.items():
+            if key.startswith("sent_"):
+                totals[key[5:]] = totals.get(key[5:], 0.0) + n - cb.get(key, 0)
+    members = max(1, len(after))
+    return {why: round(n / members / wall_s, 2) for why, n in sorted(totals.items()) if n}
 
 
 async def idle_variant(balancers: int, interval_s: float, idle_s: float, tmp: Path, tag: str) -> dict[str, Any]:

@@ -6,7 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fleet_capacity import REGION, parse_args, region_config, summarize
+from benchmarks.fleet_capacity import (
+    REGION,
+    messages_sent_by_reason,
+    parse_args,
+    region_config,
+    summarize,
+)
 from skymesh.config import parse_config
 
 
@@ -46,3 +52,15 @@ def test_the_defaults_are_a_moderate_rate_and_saturation_with_one_and_two() -> N
     a = parse_args([])
     assert (a.rounds, a.variants, a.saturate, a.rate, a.duration, a.users, a.time_scale) == (
         3, [1, 2, 3], [1, 2], 100.0, 10.0, 48, 0.1)
+
+
+def test_messages_sent_by_reason_are_per_member_per_second_over_the_window() -> None:
+    before = [{"channel": {"sent_grants": 10, "sent_pages": 4, "applied": 50}},
+              {"channel": {"sent_grants": 2, "sent_keepalive": 1}}]
+    after = [{"channel": {"sent_grants": 30, "sent_pages": 4, "applied": 90}},
+             {"channel": {"sent_grants": 12, "sent_keepalive": 5, "sent_wants": 2}}]
+    # over 2 s and 2 members: grants (20 + 10) / 2 / 2, keepalives 4 / 2 / 2, wants 2 / 2 / 2;
+    # a reason that sent nothing in the window is left out, and other counts are not reasons
+    assert messages_sent_by_reason(before, after, 2.0) == {"grants": 7.5, "keepalive": 1.0, "wants": 0.5}
+    # a lone balancer has no channel
+    assert messages_sent_by_reason([{}], [{}], 1.0) == {}
