@@ -1,10 +1,13 @@
 """What the balancer's mesh services need of the balancer, and nothing more.
 
-:class:`~skymesh.balancer.services.PeerMesh` (heartbeats with peer balancers) and
+:class:`~skymesh.balancer.services.PeerMesh` (heartbeats with peer balancers),
+:class:`~skymesh.balancer.sibling_link.SiblingLink` (the region's other balancers) and
 :class:`~skymesh.balancer.services.ControllerLink` (register, report, follow the
-topology) talk to the balancer only through the protocols here;
-:class:`~skymesh.balancer.server.Balancer` implements them. The services therefore never
-import the server module, and a test can stand in a small object for the balancer.
+topology) talk to the balancer only through the protocols here. The balancer
+(:class:`~skymesh.balancer.server.Balancer`) is their composition root: it builds one
+small port per protocol over the parts that port needs (sibling_link_port.py, ...) and
+hands those to the services. The services therefore never import the server module, and
+a test can stand in a small object for the balancer.
 """
 
 from __future__ import annotations
@@ -111,6 +114,12 @@ class SiblingLinkBalancer(MeshMember, Protocol):
         than what it saw of the replica counts as its own probe."""
         ...
 
+    def expects_siblings(self) -> bool:
+        """The region runs (or may come to run) more balancers than this one: the config
+        lists siblings, or its balancers register themselves (an Auto Scaling group), so
+        the gRPC listener must serve the sibling channel from the start."""
+        ...
+
     def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:
         """Why a sibling message claiming ``balancer_id`` at ``epoch`` is refused (the
         controller's topology, or the config, does not list that id or that epoch); None:
@@ -135,9 +144,10 @@ class SiblingLinkBalancer(MeshMember, Protocol):
         ...
 
 
-class PeerMeshBalancer(SiblingLinkBalancer, Protocol):
-    """What :class:`~skymesh.balancer.services.PeerMesh` needs of the balancer (it serves
-    the siblings' streams on the same gRPC listener)."""
+class PeerMeshBalancer(MeshMember, Protocol):
+    """What :class:`~skymesh.balancer.services.PeerMesh` needs of the balancer (it also
+    serves the siblings' streams on the same gRPC listener: those go through a
+    :class:`SiblingLinkBalancer`)."""
 
     def heartbeat_interval_s(self) -> float: ...
 
@@ -204,10 +214,7 @@ class MeshServicesBalancer(PeerMeshBalancer, ControllerLinkBalancer, Protocol):
     @property
     def extra_services(self) -> list[Any]: ...
 
-    def offload_enabled(self) -> bool: ...
+    @property
+    def sibling_link_port(self) -> SiblingLinkBalancer: ...
 
-    def expects_siblings(self) -> bool:
-        """The region runs (or may come to run) more balancers than this one: the config
-        lists siblings, or its balancers register themselves (an Auto Scaling group), so
-        the gRPC listener must serve the sibling channel from the start."""
-        ...
+    def offload_enabled(self) -> bool: ...

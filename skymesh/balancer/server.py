@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -60,6 +59,7 @@ from skymesh.balancer.request_flow import (
 )
 from skymesh.balancer.request_intake import RequestIntake
 from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls, sibling_link_counts
+from skymesh.balancer.sibling_link_port import SiblingLinkPort
 from skymesh.balancer.status_report import build_status_report
 from skymesh.balancer.upstream_http import UpstreamPool
 from skymesh.balancer.wiring import (
@@ -84,7 +84,6 @@ from skymesh.routing.region import (
     ProbeSample,
     SendToReplica,
 )
-from skymesh.routing.siblings import SiblingMessage
 from skymesh.runtime.clock import loop_clock
 from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus
@@ -142,8 +141,6 @@ class Balancer:
         # times this is probed here too (an owner gone quiet)
         self.probe_owners = ProbeOwners(self.balancer_id, stale_after_s=max(
             3 * cfg.policy.probe_interval_s, 2 * cfg.siblings.keepalive_s))
-        # pages scraped here since the last sibling message (they go with the next one)
-        self._pages_out: list[SharedPage] = []
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
         self.encoder = build_encoder(cfg)
@@ -203,6 +200,11 @@ class Balancer:
             on_reject=lambda status: self.metrics.rejections.labels(str(status)).inc(),
             on_refused_forward=self._count_refused_forward,
         )
+        # the mesh services' ports (ports.py): what each may ask of this balancer
+        self.sibling_link_port = SiblingLinkPort(
+            lambda: self.cfg, region, self.balancer_id, self.epoch, fleet=self.fleet, gate=self.gate,
+            probe_owners=self.probe_owners, metrics=self.metrics, wake=self.wake, replicas=lambda: self.replicas,
+            apply_probe=self._apply_probe, on_dispatch_round=self._dispatch_listeners.append)
         # a peer-supplied origin becomes a metrics label only if it names a configured region
         self.region_names = frozenset(r.name for r in cfg.regions)
         # OpenTelemetry spans of each request (None: tracing off, no span is ever made)
@@ -366,61 +368,8 @@ class Balancer:
     def grpc_listen(self) -> HostPort:
         return self.region_cfg.balancer.grpc_listen
 
-    # ------------------------------------------------------------------ siblings (fleet.py)
-
-    def has_siblings(self) -> bool:
-        return self.fleet.has_siblings()
-
-    def sibling_addresses(self) -> dict[str, str]:
-        return self.fleet.addresses()
-
-    def expects_siblings(self) -> bool:
-        return self.fleet.has_siblings() or self.region_cfg.balancer.fleet == "registered"
-
-    def sibling_message(self) -> SiblingMessage:
-        # what each client key took here goes along: its limits hold region-wide
-        return dataclasses.replace(self.fleet.message(loop_clock()), key_usage=self.gate.take_usage())
-
-    def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:
-        return self.fleet.refusal(balancer_id, epoch)
-
     def unresponsive_siblings(self) -> list[str]:
         return self.fleet.unresponsive(loop_clock())
-
-    def apply_sibling_message(self, msg: SiblingMessage) -> bool:
-        applied = self.fleet.apply(msg, loop_clock())
-        if applied:
-            self.gate.charge_siblings(msg.key_usage)
-            if self.fleet.units_grew():
-                self.wake.set()  # units came: a dispatch round
-        return applied
-
-    def take_shared_pages(self) -> list[SharedPage]:
-        pages, self._pages_out = self._pages_out, []
-        return pages
-
-    def apply_shared_pages(self, pages: list[SharedPage]) -> None:
-        applied = 0
-        for rid, res in pages:
-            info = self.replicas.get(rid)
-            if info is not None and res.sent_at is not None and self.probe_owners.take_page(rid, res.sent_at):
-                self._apply_probe(info, res)
-                applied += 1
-        if applied:
-            self.metrics.replica_pages.labels("sibling").inc(applied)
-            self.wake.set()
-
-    def sibling_interval_s(self) -> float:
-        return self.cfg.siblings.interval_s
-
-    def sibling_keepalive_s(self) -> float:
-        return self.cfg.siblings.keepalive_s
-
-    def sibling_page_wait_s(self) -> float:
-        return min(self.cfg.siblings.keepalive_s, self.cfg.policy.probe_interval_s / 2)
-
-    def on_dispatch_round(self, listener: Callable[[], None]) -> None:
-        self._dispatch_listeners.append(listener)
 
     def peer_regions(self) -> Collection[str]:
         return self.peers.keys()
@@ -715,16 +664,17 @@ class Balancer:
         def apply(results: Sequence[tuple[ReplicaInfo, ProbeResult]]) -> None:
             share = self.fleet.has_siblings()
             applied = 0
+            shared: list[SharedPage] = []
             for info, res in results:
                 rid = info.replica_id
                 if res.sent_at is None or owners.take_page(rid, res.sent_at):
                     self._apply_probe(info, res)
                     applied += 1
                 if share:
-                    self._pages_out.append((rid, res))
+                    shared.append((rid, res))
             self.metrics.replica_pages.labels("probed").inc(applied)
-            if share and len(self._pages_out) > 4 * max(1, len(self.replicas)):
-                del self._pages_out[: -len(self.replicas)]  # no sibling channel took them: keep the newest
+            if share:  # they go with the next sibling message
+                self.sibling_link_port.share_pages(shared, len(self.replicas))
             self.wake.set()
 
         await probe_rounds(self._session, self.cfg.policy.probe_interval_s, targets, apply)
