@@ -213,7 +213,7 @@ async def test_an_origin_not_bound_to_the_senders_certificate_is_refused(
             mesh_pb2.BalancerAssignment(region=EU, alive=True, replicas=[
                 mesh_pb2.ReplicaAssignment(replica_id=f"{AP}-r0", url="http://127.0.0.1:9", home_region=AP)]),
         ]))
-        assert b.allowed_origins(EU) == {EU, AP}
+        assert b.peer_mesh_port.allowed_origins(EU) == {EU, AP}
         status, _ = await forward(b, eu_cert, AP)
         assert status == 200 and us_replica.received == 2
     finally:

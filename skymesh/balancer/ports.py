@@ -153,6 +153,10 @@ class PeerMeshBalancer(MeshMember, Protocol):
 
     def probe_interval_s(self) -> float: ...
 
+    def offload_enabled(self) -> bool:
+        """Whether this region offloads to its peers (offload.enabled)."""
+        ...
+
     def grpc_listen(self) -> HostPort:
         """Where the peers' heartbeat streams are answered."""
         ...
@@ -208,13 +212,15 @@ class ControllerLinkBalancer(MeshMember, Protocol):
         ...
 
 
-class MeshServicesBalancer(PeerMeshBalancer, ControllerLinkBalancer, Protocol):
-    """A balancer the mesh services attach to (see services.attach_services)."""
+class MeshServicesBalancer(ControllerLinkBalancer, Protocol):
+    """A balancer the mesh services attach to (see services.attach_services): the list
+    they join, and the ports it hands them."""
 
     @property
     def extra_services(self) -> list[Any]: ...
 
     @property
-    def sibling_link_port(self) -> SiblingLinkBalancer: ...
+    def peer_mesh_port(self) -> PeerMeshBalancer: ...
 
-    def offload_enabled(self) -> bool: ...
+    @property
+    def sibling_link_port(self) -> SiblingLinkBalancer: ...

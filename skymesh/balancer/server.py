@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -45,6 +45,7 @@ from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.membership import PeerInfo, ReplicaInfo, merge_replicas, prefix_hit_ratio
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
+from skymesh.balancer.peer_mesh_port import PeerMeshPort
 from skymesh.balancer.ports import Registration, StatusReport
 from skymesh.balancer.prober import ProbeResult, SharedPage, fetch_max_model_len, probe_rounds
 from skymesh.balancer.prompt_count import PromptCounter
@@ -58,7 +59,7 @@ from skymesh.balancer.request_flow import (
     replica_target,
 )
 from skymesh.balancer.request_intake import RequestIntake
-from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls, sibling_link_counts
+from skymesh.balancer.services import loop_restart_counts, sibling_link_counts
 from skymesh.balancer.sibling_link_port import SiblingLinkPort
 from skymesh.balancer.status_report import build_status_report
 from skymesh.balancer.upstream_http import UpstreamPool
@@ -80,7 +81,6 @@ from skymesh.routing.probe_owners import ProbeOwners
 from skymesh.routing.region import (
     Action,
     ForwardToRegion,
-    HeartbeatSnapshot,
     ProbeSample,
     SendToReplica,
 )
@@ -172,11 +172,6 @@ class Balancer:
             for r in cfg.regions
             if r.name != region
         }
-        # peer region -> the other regions whose replicas the controller gave it (failover):
-        # origins a forward from it may claim besides its own (ControllerLink keeps it)
-        self.peer_adoptions: dict[str, frozenset[str]] = {}
-        # forwards refused by mesh identity, by reason (skymesh_rejected_peer_calls)
-        self.refused_forwards: dict[str, int] = {}
         self.controller_connected = False
         self.topology_version = 0
         self._tasks: list[asyncio.Task[Any]] = []
@@ -193,14 +188,17 @@ class Balancer:
         self._dispatch_listeners: list[Callable[[], None]] = []  # called after every dispatch round
         self._loops: list[SupervisedLoop] = []  # probe and dispatch (they count their restarts)
         self._drained = asyncio.Event()  # set when stopping and the last request ended
+        # the mesh services' ports (ports.py): what each may ask of this balancer
+        self.peer_mesh_port = PeerMeshPort(lambda: self.cfg, region, self.balancer_id, self.epoch, core=self.core,
+                                           peers=self.peers, wake=self.wake, apply=self.flow.apply,
+                                           services=self.extra_services)
         # trust: client keys and limits, the admin token, slow-client bounds (gate.py)
         self.peer_token = resolve_peer_token(cfg, (self.region_cfg.balancer.listen.host,))
         self.gate = ClientGate(
             cfg, resolve_admin_token(cfg), TOKEN_HEADER, HOP_HEADER, self.peer_token,
             on_reject=lambda status: self.metrics.rejections.labels(str(status)).inc(),
-            on_refused_forward=self._count_refused_forward,
+            on_refused_forward=self.peer_mesh_port.count_refused_forward,
         )
-        # the mesh services' ports (ports.py): what each may ask of this balancer
         self.sibling_link_port = SiblingLinkPort(
             lambda: self.cfg, region, self.balancer_id, self.epoch, fleet=self.fleet, gate=self.gate,
             probe_owners=self.probe_owners, metrics=self.metrics, wake=self.wake, replicas=lambda: self.replicas,
@@ -286,50 +284,9 @@ class Balancer:
             self.set_replicas([ReplicaInfo(r.id, r.url, self.region) for r in region_cfg.replicas])
         self.wake.set()  # queued requests: a placement round under the new settings
 
-    def peer_down(self, region: str, why: str, *, cut_forwards: bool = True) -> None:
-        """A peer region is dead (its heartbeat stream broke, or the controller says its
-        balancer is): what waited for it is decided again now (``RegionCore.peer_down``);
-        with ``cut_forwards`` its forwards that returned nothing yet are cut too. Heartbeat
-        timeouts reach the core through the dispatch loop's ticks."""
-        actions = self.core.peer_down(region, loop_clock(), cut_forwards=cut_forwards)
-        if actions:
-            log.info("peer region down: its requests decided again",
-                     extra={"peer": region, "why": why, "requests": len({a.request_id for a in actions})})
-        self._apply(actions)
-        self.wake.set()
-
-    def peer_back(self, region: str, replicas: int, why: str) -> None:
-        """The controller says a peer region's balancer is back, owning ``replicas``:
-        re-dial its heartbeat stream now (not at the end of the dial loop's backoff), and
-        until its first heartbeat let the requests only it may serve wait for it
-        (``RegionCore.peer_returning``) rather than be refused while their region is
-        between owners."""
-        waiting = self.core.peer_returning(region, loop_clock(), replicas)
-        for svc in self.extra_services:
-            redial = getattr(svc, "redial", None)
-            if redial is not None:
-                redial(region)
-        log.info("peer region back", extra={"peer": region, "why": why, "replicas": replicas,
-                                            "awaiting_heartbeat": waiting})
-        self.wake.set()
-
     def _request_ended(self) -> None:
         if self._stopping and not self.core.view.active_requests:
             self._drained.set()  # the last handler out of a drain
-
-    def rejected_peer_calls(self) -> dict[str, int]:
-        out = rejected_peer_calls(self.extra_services)
-        for reason, n in self.refused_forwards.items():
-            out[reason] = out.get(reason, 0) + n
-        return out
-
-    def _count_refused_forward(self, reason: str) -> None:
-        self.refused_forwards[reason] = self.refused_forwards.get(reason, 0) + 1
-
-    def allowed_origins(self, peer_region: str) -> frozenset[str]:
-        """The origin regions a forward from ``peer_region``'s balancer may claim: its own,
-        and those whose replicas the controller gave it."""
-        return frozenset((peer_region,)) | self.peer_adoptions.get(peer_region, frozenset())
 
     def sibling_link_counts(self) -> dict[str, int]:
         """The sibling channel's counters (sent, applied, looks, dropped_<reason>, ...)."""
@@ -356,50 +313,8 @@ class Balancer:
     def mesh_credentials(self) -> Credentials | None:
         return load_credentials(self.cfg, self.region)
 
-    def heartbeat_interval_s(self) -> float:
-        return self.cfg.offload.heartbeat_interval_s
-
-    def probe_interval_s(self) -> float:
-        return self.cfg.policy.probe_interval_s
-
-    def offload_enabled(self) -> bool:
-        return self.cfg.offload.enabled
-
-    def grpc_listen(self) -> HostPort:
-        return self.region_cfg.balancer.grpc_listen
-
     def unresponsive_siblings(self) -> list[str]:
         return self.fleet.unresponsive(loop_clock())
-
-    def peer_regions(self) -> Collection[str]:
-        return self.peers.keys()
-
-    def peer_grpc_address(self, region: str) -> str | None:
-        peer = self.peers.get(region)
-        return None if peer is None else peer.grpc_address
-
-    def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
-        return self.core.view.heartbeat(now)
-
-    def availability(self) -> tuple[int, int]:
-        return self.core.view.available_count(), self.core.view.queue_length
-
-    def offload_counts(self) -> tuple[int, int]:
-        return self.offloaded_out, self.offloaded_in
-
-    def heartbeat_delay_s(self, region: str) -> float:
-        cfg = self.cfg
-        if not cfg.emulate_latency:
-            return 0.0
-        # gRPC cannot bind a source address, so the delay proxies cannot tell which
-        # region a heartbeat stream comes from; apply the link's one-way latency here.
-        return max(0.0, (cfg.one_way_ms(region, self.region) - cfg.local_latency_ms) / 1000)
-
-    def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
-                             balancer_id: str, epoch: int, seq: int) -> None:
-        self.core.peer_heartbeat(region, snapshot, now, balancer_id=balancer_id, epoch=epoch, seq=seq)
-        if self.core.view.queue_length:
-            self.wake.set()  # queued requests may now be offloaded
 
     def controller_address(self) -> str:
         return str(self.cfg.controller.listen)
@@ -461,12 +376,13 @@ class Balancer:
                     # the controller's probes found its balancer dead, or it deregistered to
                     # drain: what waits for it is decided again now; forwards in flight are
                     # left to a draining balancer to finish (a dead one's break on their own)
-                    self.peer_down(assignment.region, "controller declared its balancer dead", cut_forwards=False)
+                    self.peer_mesh_port.peer_down(assignment.region, "controller declared its balancer dead",
+                                                  cut_forwards=False)
                 elif assignment.alive and (not peer.alive or (
                         peer.balancer_id and assignment.balancer_id and assignment.balancer_id != peer.balancer_id)):
                     # back from a failover, or restarted (a new registration): its heartbeat
                     # stream is dialled again now, and what only it may serve waits for it
-                    self.peer_back(assignment.region, len(assignment.replicas),
+                    self.peer_mesh_port.peer_back(assignment.region, len(assignment.replicas),
                                    "alive again" if not peer.alive else "registered anew")
                 peer.alive = assignment.alive
                 peer.balancer_id = assignment.balancer_id or peer.balancer_id
@@ -474,9 +390,9 @@ class Balancer:
                     peer.http_url = assignment.http_url
                 # the regions whose replicas it owns besides its own: origins its forwards
                 # may claim (the peer listener binds the claim to its certificate)
-                self.peer_adoptions[assignment.region] = frozenset(
+                self.peer_mesh_port.set_adoptions(assignment.region, frozenset(
                     r.home_region for r in assignment.replicas
-                    if r.home_region != assignment.region and r.home_region in self.region_names)
+                    if r.home_region != assignment.region and r.home_region in self.region_names))
         log.info("topology applied", extra={"version": topology.version, "replicas": len(self.replicas)})
 
     # ------------------------------------------------------------------ lifecycle
@@ -490,8 +406,8 @@ class Balancer:
         """The peer listener's app: forwarded requests only (peer_listener.py)."""
         app = self.http.peer_app(make_binding_middleware(
             tls=self.peer_tls is not None, peers=lambda: frozenset(self.peers),
-            allowed_origins=self.allowed_origins, origin_header=ORIGIN_HEADER,
-            on_refused=self._count_refused_forward))
+            allowed_origins=self.peer_mesh_port.allowed_origins, origin_header=ORIGIN_HEADER,
+            on_refused=self.peer_mesh_port.count_refused_forward))
         app.on_response_prepare.append(self._close_when_stopping)
         return app
 

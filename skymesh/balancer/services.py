@@ -493,7 +493,8 @@ class ControllerLink(SupervisedService):
 
 def attach_services(b: MeshServicesBalancer, *, peers: bool = True, controller: bool = True) -> None:
     # the gRPC listener serves peers' heartbeats and the region's siblings
-    if (peers and b.peer_regions() and b.offload_enabled()) or b.sibling_link_port.expects_siblings():
-        b.extra_services.append(PeerMesh(b, b.sibling_link_port))
+    peer_port, sibling_port = b.peer_mesh_port, b.sibling_link_port
+    if (peers and peer_port.peer_regions() and peer_port.offload_enabled()) or sibling_port.expects_siblings():
+        b.extra_services.append(PeerMesh(peer_port, sibling_port))
     if controller:
         b.extra_services.append(ControllerLink(b))
