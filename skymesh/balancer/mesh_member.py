@@ -1,6 +1,7 @@
 """Who this balancer is in the mesh: its region, balancer id and epoch, and its mesh
-identity (TLS credentials). The base of the balancer's ports (sibling_link_port.py, and
-the others that :class:`~skymesh.balancer.server.Balancer` builds): each implements
+identity (TLS credentials). The base of the ports that
+:class:`~skymesh.balancer.server.Balancer` builds for the mesh services
+(peer_mesh_port.py, sibling_link_port.py, controller_link_port.py): each implements
 :class:`~skymesh.balancer.ports.MeshMember` through it."""
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 :class:`~skymesh.balancer.services.ControllerLink` (register, report, follow the
 topology) talk to the balancer only through the protocols here. The balancer
 (:class:`~skymesh.balancer.server.Balancer`) is their composition root: it builds one
-small port per protocol over the parts that port needs (sibling_link_port.py, ...) and
+small port per protocol over the parts that port needs (peer_mesh_port.py,
+sibling_link_port.py, controller_link_port.py; mesh_member.py is their common base) and
 hands those to the services. The services therefore never import the server module, and
 a test can stand in a small object for the balancer.
 """
@@ -212,7 +213,7 @@ class ControllerLinkBalancer(MeshMember, Protocol):
         ...
 
 
-class MeshServicesBalancer(ControllerLinkBalancer, Protocol):
+class MeshServicesBalancer(Protocol):
     """A balancer the mesh services attach to (see services.attach_services): the list
     they join, and the ports it hands them."""
 
@@ -224,3 +225,6 @@ class MeshServicesBalancer(ControllerLinkBalancer, Protocol):
 
     @property
     def sibling_link_port(self) -> SiblingLinkBalancer: ...
+
+    @property
+    def controller_link_port(self) -> ControllerLinkBalancer: ...

@@ -10,10 +10,13 @@ leaving at any point is ``client_gone``. See docs/routing.md for the layers.
 
 This module holds one concern, the balancer as a whole: it builds the parts
 (wiring.py), owns membership (membership.py) and the lifecycle (start, drain, stop, the
-probe and dispatch loops), and implements the narrow ports the mesh services use
-(ports.py). The rest is in its own room: request intake (request_intake.py: parse, origin, SLO
-class, encode, submit), the serve/retry loop and outcome accounting (request_flow.py),
-the HTTP apps (http_surface.py), the status document (status_report.py).
+probe and dispatch loops), and is the composition root of the narrow ports the mesh
+services use (ports.py): it builds one per service over the parts that port needs
+(peer_mesh_port.py, sibling_link_port.py, controller_link_port.py) and hands those to the
+services (services.attach_services). The rest is in its own room: request intake
+(request_intake.py: parse, origin, SLO class, encode, submit), the serve/retry loop and
+outcome accounting (request_flow.py), the HTTP apps (http_surface.py), the status
+document (status_report.py).
 
 Failure rules (the core's): before the first byte reaches the client, a failed replica
 (or peer) puts the request back at the head of the queue and it never goes to that
@@ -37,16 +40,16 @@ from aiohttp import hdrs, web
 
 from skymesh.assembly import region_settings, sibling_settings
 from skymesh.balancer.auth import ClientKeyring
+from skymesh.balancer.controller_link_port import ControllerLinkPort
 from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.gate import ClientGate
 from skymesh.balancer.http_surface import HttpSurface
-from skymesh.balancer.identity import member_host
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.membership import PeerInfo, ReplicaInfo, merge_replicas, prefix_hit_ratio
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
 from skymesh.balancer.peer_mesh_port import PeerMeshPort
-from skymesh.balancer.ports import Registration, StatusReport
+from skymesh.balancer.ports import StatusReport
 from skymesh.balancer.prober import ProbeResult, SharedPage, fetch_max_model_len, probe_rounds
 from skymesh.balancer.prompt_count import PromptCounter
 from skymesh.balancer.proxy import AttemptTarget
@@ -70,7 +73,6 @@ from skymesh.balancer.wiring import (
     upstream_timeouts,
 )
 from skymesh.config import (
-    HostPort,
     KvEventsEndpoint,
     MeshConfig,
 )
@@ -89,7 +91,7 @@ from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus
 from skymesh.runtime.supervise import SupervisedLoop
 from skymesh.security.admin_auth import resolve_admin_token, resolve_peer_token
-from skymesh.security.pki import Credentials, balancer_server_name, load_credentials, peer_tls
+from skymesh.security.pki import balancer_server_name, peer_tls
 
 if TYPE_CHECKING:  # imported only when tracing is on (see Balancer.__init__)
     from skymesh.balancer.tracing import BalancerTracing
@@ -125,7 +127,6 @@ class Balancer:
         self.region_cfg = cfg.region(region)
         self.region = region
         self.balancer_id = balancer_id or f"{region}-{uuid.uuid4().hex[:8]}"
-        self.advertise_host = advertise_host
         # epoch bumps on every start so peers can tell a restarted balancer's heartbeats
         self.epoch = time.time_ns() // 1_000_000
         self.policy_name = policy_name or cfg.policy.name
@@ -172,8 +173,6 @@ class Balancer:
             for r in cfg.regions
             if r.name != region
         }
-        self.controller_connected = False
-        self.topology_version = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self._runner: EdgeAppRunner | None = None
         self._peer_runner: EdgeAppRunner | None = None
@@ -203,8 +202,12 @@ class Balancer:
             lambda: self.cfg, region, self.balancer_id, self.epoch, fleet=self.fleet, gate=self.gate,
             probe_owners=self.probe_owners, metrics=self.metrics, wake=self.wake, replicas=lambda: self.replicas,
             apply_probe=self._apply_probe, on_dispatch_round=self._dispatch_listeners.append)
-        # a peer-supplied origin becomes a metrics label only if it names a configured region
-        self.region_names = frozenset(r.name for r in cfg.regions)
+        self.controller_link_port = ControllerLinkPort(
+            lambda: self.cfg, region, self.balancer_id, self.epoch, advertise_host=advertise_host,
+            fleet=self.fleet, peers=self.peers, region_names=frozenset(r.name for r in cfg.regions),
+            peer_mesh_port=self.peer_mesh_port,
+            set_replicas=self.set_replicas, set_draining=self.set_draining, replicas=lambda: self.replicas,
+            status_report=self.status_report, http_port=lambda: self.bound_port, services=self.extra_services)
         # OpenTelemetry spans of each request (None: tracing off, no span is ever made)
         self.tracing: BalancerTracing | None = None
         if cfg.tracing.enabled:
@@ -306,94 +309,6 @@ class Balancer:
     @property
     def offloaded_in(self) -> int:
         return self.core.offloaded_in
-
-    # ------------------------------------------------------------------ the mesh services' view
-    # (skymesh/balancer/ports.py: what PeerMesh and ControllerLink may ask of the balancer)
-
-    def mesh_credentials(self) -> Credentials | None:
-        return load_credentials(self.cfg, self.region)
-
-    def unresponsive_siblings(self) -> list[str]:
-        return self.fleet.unresponsive(loop_clock())
-
-    def controller_address(self) -> str:
-        return str(self.cfg.controller.listen)
-
-    def registration(self) -> Registration:
-        return Registration(
-            region=self.region,
-            balancer_id=self.balancer_id,
-            epoch=self.epoch,
-            http_url=self.region_cfg.balancer.advertise_url,
-            grpc_address=str(self.region_cfg.balancer.grpc_advertise),
-            member_grpc_address=self.member_grpc_address(),
-            member_http_url=self.member_http_url(),
-        )
-
-    def _member_host(self, listen: HostPort) -> str | None:
-        return member_host(self.advertise_host, listen.host)
-
-    def member_grpc_address(self) -> str:
-        """This balancer's own gRPC address (the bound port when it listens on port 0) at
-        its reachable host; "" when it knows none (a wildcard listener, no advertised host)."""
-        listen = self.region_cfg.balancer.grpc_listen
-        host = self._member_host(listen)
-        if host is None:
-            return ""
-        port = listen.port
-        for svc in self.extra_services:
-            bound = getattr(svc, "bound_port", None)
-            if isinstance(bound, int) and bound > 0:  # the peers' gRPC server
-                port = bound
-        return str(HostPort(host, port))
-
-    def member_http_url(self) -> str:
-        """This balancer's own HTTP URL (its bound port) at its reachable host ("": none)."""
-        listen = self.region_cfg.balancer.listen
-        host = self._member_host(listen)
-        return "" if host is None else HostPort(host, self.bound_port).http_url
-
-    def set_controller_connected(self, connected: bool) -> None:
-        self.controller_connected = connected
-
-    def apply_topology(self, topology: Any) -> None:
-        if topology.version <= self.topology_version:
-            return
-        self.topology_version = topology.version
-        for assignment in topology.balancers:
-            if assignment.region == self.region:
-                self.fleet.topology_members(assignment.members, loop_clock())
-                self.set_replicas(
-                    [
-                        ReplicaInfo(r.replica_id, r.url, r.home_region or self.region)
-                        for r in assignment.replicas
-                    ]
-                )
-                self.set_draining([r.replica_id for r in assignment.replicas if r.draining])
-            elif assignment.region in self.peers:
-                peer = self.peers[assignment.region]
-                if peer.alive and not assignment.alive:
-                    # the controller's probes found its balancer dead, or it deregistered to
-                    # drain: what waits for it is decided again now; forwards in flight are
-                    # left to a draining balancer to finish (a dead one's break on their own)
-                    self.peer_mesh_port.peer_down(assignment.region, "controller declared its balancer dead",
-                                                  cut_forwards=False)
-                elif assignment.alive and (not peer.alive or (
-                        peer.balancer_id and assignment.balancer_id and assignment.balancer_id != peer.balancer_id)):
-                    # back from a failover, or restarted (a new registration): its heartbeat
-                    # stream is dialled again now, and what only it may serve waits for it
-                    self.peer_mesh_port.peer_back(assignment.region, len(assignment.replicas),
-                                   "alive again" if not peer.alive else "registered anew")
-                peer.alive = assignment.alive
-                peer.balancer_id = assignment.balancer_id or peer.balancer_id
-                if assignment.http_url:
-                    peer.http_url = assignment.http_url
-                # the regions whose replicas it owns besides its own: origins its forwards
-                # may claim (the peer listener binds the claim to its certificate)
-                self.peer_mesh_port.set_adoptions(assignment.region, frozenset(
-                    r.home_region for r in assignment.replicas
-                    if r.home_region != assignment.region and r.home_region in self.region_names))
-        log.info("topology applied", extra={"version": topology.version, "replicas": len(self.replicas)})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -678,8 +593,8 @@ class Balancer:
                       "policy": self.policy_name},
             config={"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
                     "last_reload": self.reload_status.as_json()},
-            control={"controller_connected": self.controller_connected,
-                     "topology_version": self.topology_version,
+            control={"controller_connected": self.controller_link_port.controller_connected,
+                     "topology_version": self.controller_link_port.topology_version,
                      "siblings": {**self.fleet.status(), "channel": self.sibling_link_counts(),
                                   # the replicas this member probes for the fleet (probe_owners.py)
                                   "probes_owned": [rid for rid in self.replicas if self.probe_owners.owns(rid)]}},

@@ -497,4 +497,4 @@ def attach_services(b: MeshServicesBalancer, *, peers: bool = True, controller: 
     if (peers and peer_port.peer_regions() and peer_port.offload_enabled()) or sibling_port.expects_siblings():
         b.extra_services.append(PeerMesh(peer_port, sibling_port))
     if controller:
-        b.extra_services.append(ControllerLink(b))
+        b.extra_services.append(ControllerLink(b.controller_link_port))
