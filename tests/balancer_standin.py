@@ -29,7 +29,9 @@ def region_core(region: str) -> RegionCore:
 
 @dataclass
 class StandInBalancer:
-    """Implements skymesh.balancer.ports.MeshServicesBalancer."""
+    """Implements the three ports of skymesh.balancer.ports in one object
+    (PeerMeshBalancer, SiblingLinkBalancer, ControllerLinkBalancer): hand it to PeerMesh
+    as both of its ports, and to ControllerLink."""
 
     region: str
     grpc_port: int

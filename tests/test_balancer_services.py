@@ -50,8 +50,8 @@ def fail_first_call(obj: Any, attr: str, monkeypatch: pytest.MonkeyPatch) -> asy
 async def test_heartbeat_loops_restart_after_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     port_a, port_b = free_port(), free_port()
     # a dials b; b dials nobody, so only a's dial loop calls a.receive
-    a = PeerMesh(fake_balancer("a", port_a, {"b": port_b}))
-    b = PeerMesh(fake_balancer("b", port_b, {}))
+    balancer_a, balancer_b = fake_balancer("a", port_a, {"b": port_b}), fake_balancer("b", port_b, {})
+    a, b = PeerMesh(balancer_a, balancer_a), PeerMesh(balancer_b, balancer_b)
     hooked: list[str] = []
     a.on_loop_restart = lambda name, exc: hooked.append(name)
     received_again = fail_first_call(a, "receive", monkeypatch)
@@ -75,9 +75,9 @@ async def test_a_heartbeat_carries_the_drain_rate_peers_predict_with(monkeypatch
     applies the placement rate b's region core reported in a heartbeat b sent."""
     port_a, port_b = free_port(), free_port()
     balancer_a = fake_balancer("a", port_a, {"b": port_b})
-    a = PeerMesh(balancer_a)
+    a = PeerMesh(balancer_a, balancer_a)
     balancer_b = fake_balancer("b", port_b, {})
-    b = PeerMesh(balancer_b)
+    b = PeerMesh(balancer_b, balancer_b)
     core = balancer_b.core
     core.set_replicas(["r0"], 0.0)
     start = asyncio.get_running_loop().time() - 3.0
@@ -118,8 +118,9 @@ async def test_a_peer_said_to_be_back_is_dialled_at_once_not_after_the_backoff(
     wake-up can bring b's heartbeat within this test's time."""
     port_a, port_b = free_port(), free_port()
     balancer_a = fake_balancer("a", port_a, {"b": port_b})
-    a = PeerMesh(balancer_a)
-    b = PeerMesh(fake_balancer("b", port_b, {}))
+    a = PeerMesh(balancer_a, balancer_a)
+    balancer_b = fake_balancer("b", port_b, {})
+    b = PeerMesh(balancer_b, balancer_b)
     backing_off = asyncio.Event()
     real_wait = services.wait_event
 

@@ -80,7 +80,8 @@ async def mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator
         b = Balancer(cfg, "us-east-1")
         attach_services(b, peers=False, controller=True)
         await b.start()
-        await wait_until(lambda: b is not None and b.controller_connected and b.topology_version > 0
+        await wait_until(lambda: b is not None and b.controller_link_port.controller_connected
+                         and b.controller_link_port.topology_version > 0
                          and b.core.view.replicas.get("r0") is not None and b.core.view.replicas["r0"].healthy,
                          "the balancer follows the controller and r0 is healthy")
         yield Mesh(svc, b, f"http://127.0.0.1:{b.bound_port}", f"http://127.0.0.1:{svc.bound_ports['http']}",
@@ -120,13 +121,13 @@ async def test_a_registered_replica_gets_work_and_drains_without_failures(mesh: 
         workers = [asyncio.create_task(worker(s)) for _ in range(WORKERS)]
         try:
             await wait_until(lambda: len(results) >= 10, "the load runs on r0")
-            version = b.topology_version
+            version = b.controller_link_port.topology_version
             async with s.post(mesh.controller + "/membership/v1/replicas", headers=AUTH,
                               json={"replica_id": JOINER, "url": mesh.joiner_url, "region": "us-east-1"}) as r:
                 assert r.status == 200, await r.text()
             registered = time.monotonic()
             # pushed over WatchTopology (the balancer polls nothing), probed on its next round
-            await wait_until(lambda: JOINER in b.replicas and b.topology_version > version,
+            await wait_until(lambda: JOINER in b.replicas and b.controller_link_port.topology_version > version,
                              "the balancer learned of the new replica")
             await wait_until(lambda: b.core.view.replicas[JOINER].healthy, "the new replica probed healthy")
             eligible = time.monotonic() - registered

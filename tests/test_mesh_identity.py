@@ -268,7 +268,7 @@ async def test_forged_heartbeats_are_rejected(tmp_path: Path) -> None:
     port = free_port()
     # us-east-1 listens; it has two peers and dials none (their ports are closed)
     balancer = tls_balancer(cfg, "us-east-1", port, {"eu-west-1": free_port(), "ap-northeast-1": free_port()})
-    use1 = PeerMesh(balancer)
+    use1 = PeerMesh(balancer, balancer)
     addr = f"127.0.0.1:{port}"
     await use1.start()
     try:
@@ -313,8 +313,9 @@ async def test_a_dialer_only_talks_to_the_region_it_dialed(tmp_path: Path) -> No
     cfg = identity_config(tmp_path)
     port_use1, port_there = free_port(), free_port()
     balancer = tls_balancer(cfg, "us-east-1", port_use1, {"eu-west-1": port_there})
-    use1 = PeerMesh(balancer)
-    impostor = PeerMesh(tls_balancer(cfg, "ap-northeast-1", port_there, {}))
+    use1 = PeerMesh(balancer, balancer)
+    there = tls_balancer(cfg, "ap-northeast-1", port_there, {})
+    impostor = PeerMesh(there, there)
     await impostor.start()
     await use1.start()
     try:
@@ -331,7 +332,7 @@ async def test_happy_path_two_balancers_and_the_controller(tmp_path: Path) -> No
     port_a, port_b = free_port(), free_port()
     balancer_a = tls_balancer(cfg, "us-east-1", port_a, {"eu-west-1": port_b})
     balancer_b = tls_balancer(cfg, "eu-west-1", port_b, {"us-east-1": port_a})
-    a, b = PeerMesh(balancer_a), PeerMesh(balancer_b)
+    a, b = PeerMesh(balancer_a, balancer_a), PeerMesh(balancer_b, balancer_b)
     # the stand-in balancer has no replicas to set: the topology is only recorded
     links = [ControllerLink(x, report_interval_s=INTERVAL_S) for x in (balancer_a, balancer_b)]
     for link, x in zip(links, (balancer_a, balancer_b), strict=True):

@@ -175,7 +175,8 @@ async def test_balancer_snapshot_reads_the_balancers_load() -> None:
     now = asyncio.get_running_loop().time()
     core.peer_heartbeat("eu", HeartbeatSnapshot(2, 0, 0, 0), now, epoch=1, seq=1)
     b = SimpleNamespace(core=core, offload=core.offload, prefix_hit_ratio=lambda: 0.5,
-                        loop_restart_counts=lambda: {"probe": 2}, rejected_peer_calls=lambda: {},
+                        loop_restart_counts=lambda: {"probe": 2},
+                        peer_mesh_port=SimpleNamespace(rejected_peer_calls=lambda: {}),
                         sibling_link_counts=lambda: {"sent": 3})
     snap = balancer_snapshot(b)  # type: ignore[arg-type]
     assert (snap.queue_length, snap.in_flight, snap.replicas_available, snap.prefix_hit_ratio) == (0, 1, 1, 0.5)

@@ -206,14 +206,14 @@ async def test_an_origin_not_bound_to_the_senders_certificate_is_refused(
         status, _ = await forward(b, peer_client(cfg, AP), AP)
         assert status == 200 and us_replica.received == 1
         # once the controller hands eu-west-1 ap-northeast-1's replicas, it may claim that origin
-        link = ControllerLink(b)
+        link = ControllerLink(b.controller_link_port)
         link.apply_topology(mesh_pb2.Topology(version=1, balancers=[
             mesh_pb2.BalancerAssignment(region=US, alive=True, replicas=[
                 mesh_pb2.ReplicaAssignment(replica_id=f"{US}-r0", url=us_replica.url, home_region=US)]),
             mesh_pb2.BalancerAssignment(region=EU, alive=True, replicas=[
                 mesh_pb2.ReplicaAssignment(replica_id=f"{AP}-r0", url="http://127.0.0.1:9", home_region=AP)]),
         ]))
-        assert b.allowed_origins(EU) == {EU, AP}
+        assert b.peer_mesh_port.allowed_origins(EU) == {EU, AP}
         status, _ = await forward(b, eu_cert, AP)
         assert status == 200 and us_replica.received == 2
     finally:

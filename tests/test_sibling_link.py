@@ -61,7 +61,7 @@ async def two_members() -> AsyncIterator[tuple[StandInBalancer, StandInBalancer,
     pa, pb = free_port(), free_port()
     a = member("a", pa, {"us-b": pb})
     b = member("b", pb, {"us-a": pa})
-    ma, mb = PeerMesh(a), PeerMesh(b)
+    ma, mb = PeerMesh(a, a), PeerMesh(b, b)
     await ma.start()
     await mb.start()
     try:

@@ -78,6 +78,12 @@ class BalancerSnapshot:
     sibling_link: Mapping[str, int] = field(default_factory=dict)
 
 
+class PeerRefusals(Protocol):
+    """Peer traffic refused by mesh identity (the balancer's PeerMeshPort)."""
+
+    def rejected_peer_calls(self) -> dict[str, int]: ...
+
+
 class SnapshotSource(Protocol):
     """What a scrape reads off the balancer (skymesh.balancer.server.Balancer)."""
 
@@ -87,11 +93,12 @@ class SnapshotSource(Protocol):
     @property
     def offload(self) -> OffloadRouter: ...
 
+    @property
+    def peer_mesh_port(self) -> PeerRefusals: ...
+
     def prefix_hit_ratio(self) -> float: ...
 
     def loop_restart_counts(self) -> dict[str, int]: ...
-
-    def rejected_peer_calls(self) -> dict[str, int]: ...
 
     def sibling_link_counts(self) -> dict[str, int]: ...
 
@@ -112,7 +119,7 @@ def balancer_snapshot(b: SnapshotSource) -> BalancerSnapshot:
         transitions=dict(b.core.transitions),
         loop_restarts=b.loop_restart_counts(),
         ejected_replicas=b.core.view.ejected_count(),
-        rejected_peer_calls=b.rejected_peer_calls(),
+        rejected_peer_calls=b.peer_mesh_port.rejected_peer_calls(),
         pending_prefill_s_per_replica=pending_prefill_s_per_replica(b.core),
         sibling_link=b.sibling_link_counts(),
     )

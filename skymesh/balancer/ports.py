@@ -1,10 +1,14 @@
 """What the balancer's mesh services need of the balancer, and nothing more.
 
-:class:`~skymesh.balancer.services.PeerMesh` (heartbeats with peer balancers) and
+:class:`~skymesh.balancer.services.PeerMesh` (heartbeats with peer balancers),
+:class:`~skymesh.balancer.sibling_link.SiblingLink` (the region's other balancers) and
 :class:`~skymesh.balancer.services.ControllerLink` (register, report, follow the
-topology) talk to the balancer only through the protocols here;
-:class:`~skymesh.balancer.server.Balancer` implements them. The services therefore never
-import the server module, and a test can stand in a small object for the balancer.
+topology) talk to the balancer only through the protocols here. The balancer
+(:class:`~skymesh.balancer.server.Balancer`) is their composition root: it builds one
+small port per protocol over the parts that port needs (peer_mesh_port.py,
+sibling_link_port.py, controller_link_port.py; mesh_member.py is their common base) and
+hands those to the services. The services therefore never import the server module, and
+a test can stand in a small object for the balancer.
 """
 
 from __future__ import annotations
@@ -111,6 +115,12 @@ class SiblingLinkBalancer(MeshMember, Protocol):
         than what it saw of the replica counts as its own probe."""
         ...
 
+    def expects_siblings(self) -> bool:
+        """The region runs (or may come to run) more balancers than this one: the config
+        lists siblings, or its balancers register themselves (an Auto Scaling group), so
+        the gRPC listener must serve the sibling channel from the start."""
+        ...
+
     def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:
         """Why a sibling message claiming ``balancer_id`` at ``epoch`` is refused (the
         controller's topology, or the config, does not list that id or that epoch); None:
@@ -135,13 +145,18 @@ class SiblingLinkBalancer(MeshMember, Protocol):
         ...
 
 
-class PeerMeshBalancer(SiblingLinkBalancer, Protocol):
-    """What :class:`~skymesh.balancer.services.PeerMesh` needs of the balancer (it serves
-    the siblings' streams on the same gRPC listener)."""
+class PeerMeshBalancer(MeshMember, Protocol):
+    """What :class:`~skymesh.balancer.services.PeerMesh` needs of the balancer (it also
+    serves the siblings' streams on the same gRPC listener: those go through a
+    :class:`SiblingLinkBalancer`)."""
 
     def heartbeat_interval_s(self) -> float: ...
 
     def probe_interval_s(self) -> float: ...
+
+    def offload_enabled(self) -> bool:
+        """Whether this region offloads to its peers (offload.enabled)."""
+        ...
 
     def grpc_listen(self) -> HostPort:
         """Where the peers' heartbeat streams are answered."""
@@ -198,16 +213,18 @@ class ControllerLinkBalancer(MeshMember, Protocol):
         ...
 
 
-class MeshServicesBalancer(PeerMeshBalancer, ControllerLinkBalancer, Protocol):
-    """A balancer the mesh services attach to (see services.attach_services)."""
+class MeshServicesBalancer(Protocol):
+    """A balancer the mesh services attach to (see services.attach_services): the list
+    they join, and the ports it hands them."""
 
     @property
     def extra_services(self) -> list[Any]: ...
 
-    def offload_enabled(self) -> bool: ...
+    @property
+    def peer_mesh_port(self) -> PeerMeshBalancer: ...
 
-    def expects_siblings(self) -> bool:
-        """The region runs (or may come to run) more balancers than this one: the config
-        lists siblings, or its balancers register themselves (an Auto Scaling group), so
-        the gRPC listener must serve the sibling channel from the start."""
-        ...
+    @property
+    def sibling_link_port(self) -> SiblingLinkBalancer: ...
+
+    @property
+    def controller_link_port(self) -> ControllerLinkBalancer: ...

@@ -10,10 +10,13 @@ leaving at any point is ``client_gone``. See docs/routing.md for the layers.
 
 This module holds one concern, the balancer as a whole: it builds the parts
 (wiring.py), owns membership (membership.py) and the lifecycle (start, drain, stop, the
-probe and dispatch loops), and implements the narrow ports the mesh services use
-(ports.py). The rest is in its own room: request intake (request_intake.py: parse, origin, SLO
-class, encode, submit), the serve/retry loop and outcome accounting (request_flow.py),
-the HTTP apps (http_surface.py), the status document (status_report.py).
+probe and dispatch loops), and is the composition root of the narrow ports the mesh
+services use (ports.py): it builds one per service over the parts that port needs
+(peer_mesh_port.py, sibling_link_port.py, controller_link_port.py) and hands those to the
+services (services.attach_services). The rest is in its own room: request intake
+(request_intake.py: parse, origin, SLO class, encode, submit), the serve/retry loop and
+outcome accounting (request_flow.py), the HTTP apps (http_surface.py), the status
+document (status_report.py).
 
 Failure rules (the core's): before the first byte reaches the client, a failed replica
 (or peer) puts the request back at the head of the queue and it never goes to that
@@ -26,11 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -38,15 +40,16 @@ from aiohttp import hdrs, web
 
 from skymesh.assembly import region_settings, sibling_settings
 from skymesh.balancer.auth import ClientKeyring
+from skymesh.balancer.controller_link_port import ControllerLinkPort
 from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.gate import ClientGate
 from skymesh.balancer.http_surface import HttpSurface
-from skymesh.balancer.identity import member_host
 from skymesh.balancer.kv_events import KvEventSubscriber
 from skymesh.balancer.membership import PeerInfo, ReplicaInfo, merge_replicas, prefix_hit_ratio
 from skymesh.balancer.metrics import BalancerMetrics, balancer_snapshot
 from skymesh.balancer.peer_listener import make_binding_middleware, start_peer_site
-from skymesh.balancer.ports import Registration, StatusReport
+from skymesh.balancer.peer_mesh_port import PeerMeshPort
+from skymesh.balancer.ports import StatusReport
 from skymesh.balancer.prober import ProbeResult, SharedPage, fetch_max_model_len, probe_rounds
 from skymesh.balancer.prompt_count import PromptCounter
 from skymesh.balancer.proxy import AttemptTarget
@@ -59,7 +62,8 @@ from skymesh.balancer.request_flow import (
     replica_target,
 )
 from skymesh.balancer.request_intake import RequestIntake
-from skymesh.balancer.services import loop_restart_counts, rejected_peer_calls, sibling_link_counts
+from skymesh.balancer.services import loop_restart_counts, sibling_link_counts
+from skymesh.balancer.sibling_link_port import SiblingLinkPort
 from skymesh.balancer.status_report import build_status_report
 from skymesh.balancer.upstream_http import UpstreamPool
 from skymesh.balancer.wiring import (
@@ -69,7 +73,6 @@ from skymesh.balancer.wiring import (
     upstream_timeouts,
 )
 from skymesh.config import (
-    HostPort,
     KvEventsEndpoint,
     MeshConfig,
 )
@@ -80,17 +83,15 @@ from skymesh.routing.probe_owners import ProbeOwners
 from skymesh.routing.region import (
     Action,
     ForwardToRegion,
-    HeartbeatSnapshot,
     ProbeSample,
     SendToReplica,
 )
-from skymesh.routing.siblings import SiblingMessage
 from skymesh.runtime.clock import loop_clock
 from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus
 from skymesh.runtime.supervise import SupervisedLoop
 from skymesh.security.admin_auth import resolve_admin_token, resolve_peer_token
-from skymesh.security.pki import Credentials, balancer_server_name, load_credentials, peer_tls
+from skymesh.security.pki import balancer_server_name, peer_tls
 
 if TYPE_CHECKING:  # imported only when tracing is on (see Balancer.__init__)
     from skymesh.balancer.tracing import BalancerTracing
@@ -126,7 +127,6 @@ class Balancer:
         self.region_cfg = cfg.region(region)
         self.region = region
         self.balancer_id = balancer_id or f"{region}-{uuid.uuid4().hex[:8]}"
-        self.advertise_host = advertise_host
         # epoch bumps on every start so peers can tell a restarted balancer's heartbeats
         self.epoch = time.time_ns() // 1_000_000
         self.policy_name = policy_name or cfg.policy.name
@@ -142,8 +142,6 @@ class Balancer:
         # times this is probed here too (an owner gone quiet)
         self.probe_owners = ProbeOwners(self.balancer_id, stale_after_s=max(
             3 * cfg.policy.probe_interval_s, 2 * cfg.siblings.keepalive_s))
-        # pages scraped here since the last sibling message (they go with the next one)
-        self._pages_out: list[SharedPage] = []
         self.timeouts = upstream_timeouts(cfg, self.region_cfg.replicas)
         # token-true prompt hashing (the model's tokenizer.json) or the UTF-8 byte fallback
         self.encoder = build_encoder(cfg)
@@ -175,13 +173,6 @@ class Balancer:
             for r in cfg.regions
             if r.name != region
         }
-        # peer region -> the other regions whose replicas the controller gave it (failover):
-        # origins a forward from it may claim besides its own (ControllerLink keeps it)
-        self.peer_adoptions: dict[str, frozenset[str]] = {}
-        # forwards refused by mesh identity, by reason (skymesh_rejected_peer_calls)
-        self.refused_forwards: dict[str, int] = {}
-        self.controller_connected = False
-        self.topology_version = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self._runner: EdgeAppRunner | None = None
         self._peer_runner: EdgeAppRunner | None = None
@@ -196,15 +187,27 @@ class Balancer:
         self._dispatch_listeners: list[Callable[[], None]] = []  # called after every dispatch round
         self._loops: list[SupervisedLoop] = []  # probe and dispatch (they count their restarts)
         self._drained = asyncio.Event()  # set when stopping and the last request ended
+        # the mesh services' ports (ports.py): what each may ask of this balancer
+        self.peer_mesh_port = PeerMeshPort(lambda: self.cfg, region, self.balancer_id, self.epoch, core=self.core,
+                                           peers=self.peers, wake=self.wake, apply=self.flow.apply,
+                                           services=self.extra_services)
         # trust: client keys and limits, the admin token, slow-client bounds (gate.py)
         self.peer_token = resolve_peer_token(cfg, (self.region_cfg.balancer.listen.host,))
         self.gate = ClientGate(
             cfg, resolve_admin_token(cfg), TOKEN_HEADER, HOP_HEADER, self.peer_token,
             on_reject=lambda status: self.metrics.rejections.labels(str(status)).inc(),
-            on_refused_forward=self._count_refused_forward,
+            on_refused_forward=self.peer_mesh_port.count_refused_forward,
         )
-        # a peer-supplied origin becomes a metrics label only if it names a configured region
-        self.region_names = frozenset(r.name for r in cfg.regions)
+        self.sibling_link_port = SiblingLinkPort(
+            lambda: self.cfg, region, self.balancer_id, self.epoch, fleet=self.fleet, gate=self.gate,
+            probe_owners=self.probe_owners, metrics=self.metrics, wake=self.wake, replicas=lambda: self.replicas,
+            apply_probe=self._apply_probe, on_dispatch_round=self._dispatch_listeners.append)
+        self.controller_link_port = ControllerLinkPort(
+            lambda: self.cfg, region, self.balancer_id, self.epoch, advertise_host=advertise_host,
+            fleet=self.fleet, peers=self.peers, region_names=frozenset(r.name for r in cfg.regions),
+            peer_mesh_port=self.peer_mesh_port,
+            set_replicas=self.set_replicas, set_draining=self.set_draining, replicas=lambda: self.replicas,
+            status_report=self.status_report, http_port=lambda: self.bound_port, services=self.extra_services)
         # OpenTelemetry spans of each request (None: tracing off, no span is ever made)
         self.tracing: BalancerTracing | None = None
         if cfg.tracing.enabled:
@@ -284,50 +287,9 @@ class Balancer:
             self.set_replicas([ReplicaInfo(r.id, r.url, self.region) for r in region_cfg.replicas])
         self.wake.set()  # queued requests: a placement round under the new settings
 
-    def peer_down(self, region: str, why: str, *, cut_forwards: bool = True) -> None:
-        """A peer region is dead (its heartbeat stream broke, or the controller says its
-        balancer is): what waited for it is decided again now (``RegionCore.peer_down``);
-        with ``cut_forwards`` its forwards that returned nothing yet are cut too. Heartbeat
-        timeouts reach the core through the dispatch loop's ticks."""
-        actions = self.core.peer_down(region, loop_clock(), cut_forwards=cut_forwards)
-        if actions:
-            log.info("peer region down: its requests decided again",
-                     extra={"peer": region, "why": why, "requests": len({a.request_id for a in actions})})
-        self._apply(actions)
-        self.wake.set()
-
-    def peer_back(self, region: str, replicas: int, why: str) -> None:
-        """The controller says a peer region's balancer is back, owning ``replicas``:
-        re-dial its heartbeat stream now (not at the end of the dial loop's backoff), and
-        until its first heartbeat let the requests only it may serve wait for it
-        (``RegionCore.peer_returning``) rather than be refused while their region is
-        between owners."""
-        waiting = self.core.peer_returning(region, loop_clock(), replicas)
-        for svc in self.extra_services:
-            redial = getattr(svc, "redial", None)
-            if redial is not None:
-                redial(region)
-        log.info("peer region back", extra={"peer": region, "why": why, "replicas": replicas,
-                                            "awaiting_heartbeat": waiting})
-        self.wake.set()
-
     def _request_ended(self) -> None:
         if self._stopping and not self.core.view.active_requests:
             self._drained.set()  # the last handler out of a drain
-
-    def rejected_peer_calls(self) -> dict[str, int]:
-        out = rejected_peer_calls(self.extra_services)
-        for reason, n in self.refused_forwards.items():
-            out[reason] = out.get(reason, 0) + n
-        return out
-
-    def _count_refused_forward(self, reason: str) -> None:
-        self.refused_forwards[reason] = self.refused_forwards.get(reason, 0) + 1
-
-    def allowed_origins(self, peer_region: str) -> frozenset[str]:
-        """The origin regions a forward from ``peer_region``'s balancer may claim: its own,
-        and those whose replicas the controller gave it."""
-        return frozenset((peer_region,)) | self.peer_adoptions.get(peer_region, frozenset())
 
     def sibling_link_counts(self) -> dict[str, int]:
         """The sibling channel's counters (sent, applied, looks, dropped_<reason>, ...)."""
@@ -348,188 +310,6 @@ class Balancer:
     def offloaded_in(self) -> int:
         return self.core.offloaded_in
 
-    # ------------------------------------------------------------------ the mesh services' view
-    # (skymesh/balancer/ports.py: what PeerMesh and ControllerLink may ask of the balancer)
-
-    def mesh_credentials(self) -> Credentials | None:
-        return load_credentials(self.cfg, self.region)
-
-    def heartbeat_interval_s(self) -> float:
-        return self.cfg.offload.heartbeat_interval_s
-
-    def probe_interval_s(self) -> float:
-        return self.cfg.policy.probe_interval_s
-
-    def offload_enabled(self) -> bool:
-        return self.cfg.offload.enabled
-
-    def grpc_listen(self) -> HostPort:
-        return self.region_cfg.balancer.grpc_listen
-
-    # ------------------------------------------------------------------ siblings (fleet.py)
-
-    def has_siblings(self) -> bool:
-        return self.fleet.has_siblings()
-
-    def sibling_addresses(self) -> dict[str, str]:
-        return self.fleet.addresses()
-
-    def expects_siblings(self) -> bool:
-        return self.fleet.has_siblings() or self.region_cfg.balancer.fleet == "registered"
-
-    def sibling_message(self) -> SiblingMessage:
-        # what each client key took here goes along: its limits hold region-wide
-        return dataclasses.replace(self.fleet.message(loop_clock()), key_usage=self.gate.take_usage())
-
-    def sibling_refusal(self, balancer_id: str, epoch: int) -> str | None:
-        return self.fleet.refusal(balancer_id, epoch)
-
-    def unresponsive_siblings(self) -> list[str]:
-        return self.fleet.unresponsive(loop_clock())
-
-    def apply_sibling_message(self, msg: SiblingMessage) -> bool:
-        applied = self.fleet.apply(msg, loop_clock())
-        if applied:
-            self.gate.charge_siblings(msg.key_usage)
-            if self.fleet.units_grew():
-                self.wake.set()  # units came: a dispatch round
-        return applied
-
-    def take_shared_pages(self) -> list[SharedPage]:
-        pages, self._pages_out = self._pages_out, []
-        return pages
-
-    def apply_shared_pages(self, pages: list[SharedPage]) -> None:
-        applied = 0
-        for rid, res in pages:
-            info = self.replicas.get(rid)
-            if info is not None and res.sent_at is not None and self.probe_owners.take_page(rid, res.sent_at):
-                self._apply_probe(info, res)
-                applied += 1
-        if applied:
-            self.metrics.replica_pages.labels("sibling").inc(applied)
-            self.wake.set()
-
-    def sibling_interval_s(self) -> float:
-        return self.cfg.siblings.interval_s
-
-    def sibling_keepalive_s(self) -> float:
-        return self.cfg.siblings.keepalive_s
-
-    def sibling_page_wait_s(self) -> float:
-        return min(self.cfg.siblings.keepalive_s, self.cfg.policy.probe_interval_s / 2)
-
-    def on_dispatch_round(self, listener: Callable[[], None]) -> None:
-        self._dispatch_listeners.append(listener)
-
-    def peer_regions(self) -> Collection[str]:
-        return self.peers.keys()
-
-    def peer_grpc_address(self, region: str) -> str | None:
-        peer = self.peers.get(region)
-        return None if peer is None else peer.grpc_address
-
-    def heartbeat_snapshot(self, now: float) -> HeartbeatSnapshot:
-        return self.core.view.heartbeat(now)
-
-    def availability(self) -> tuple[int, int]:
-        return self.core.view.available_count(), self.core.view.queue_length
-
-    def offload_counts(self) -> tuple[int, int]:
-        return self.offloaded_out, self.offloaded_in
-
-    def heartbeat_delay_s(self, region: str) -> float:
-        cfg = self.cfg
-        if not cfg.emulate_latency:
-            return 0.0
-        # gRPC cannot bind a source address, so the delay proxies cannot tell which
-        # region a heartbeat stream comes from; apply the link's one-way latency here.
-        return max(0.0, (cfg.one_way_ms(region, self.region) - cfg.local_latency_ms) / 1000)
-
-    def apply_peer_heartbeat(self, region: str, snapshot: HeartbeatSnapshot, now: float, *,
-                             balancer_id: str, epoch: int, seq: int) -> None:
-        self.core.peer_heartbeat(region, snapshot, now, balancer_id=balancer_id, epoch=epoch, seq=seq)
-        if self.core.view.queue_length:
-            self.wake.set()  # queued requests may now be offloaded
-
-    def controller_address(self) -> str:
-        return str(self.cfg.controller.listen)
-
-    def registration(self) -> Registration:
-        return Registration(
-            region=self.region,
-            balancer_id=self.balancer_id,
-            epoch=self.epoch,
-            http_url=self.region_cfg.balancer.advertise_url,
-            grpc_address=str(self.region_cfg.balancer.grpc_advertise),
-            member_grpc_address=self.member_grpc_address(),
-            member_http_url=self.member_http_url(),
-        )
-
-    def _member_host(self, listen: HostPort) -> str | None:
-        return member_host(self.advertise_host, listen.host)
-
-    def member_grpc_address(self) -> str:
-        """This balancer's own gRPC address (the bound port when it listens on port 0) at
-        its reachable host; "" when it knows none (a wildcard listener, no advertised host)."""
-        listen = self.region_cfg.balancer.grpc_listen
-        host = self._member_host(listen)
-        if host is None:
-            return ""
-        port = listen.port
-        for svc in self.extra_services:
-            bound = getattr(svc, "bound_port", None)
-            if isinstance(bound, int) and bound > 0:  # the peers' gRPC server
-                port = bound
-        return str(HostPort(host, port))
-
-    def member_http_url(self) -> str:
-        """This balancer's own HTTP URL (its bound port) at its reachable host ("": none)."""
-        listen = self.region_cfg.balancer.listen
-        host = self._member_host(listen)
-        return "" if host is None else HostPort(host, self.bound_port).http_url
-
-    def set_controller_connected(self, connected: bool) -> None:
-        self.controller_connected = connected
-
-    def apply_topology(self, topology: Any) -> None:
-        if topology.version <= self.topology_version:
-            return
-        self.topology_version = topology.version
-        for assignment in topology.balancers:
-            if assignment.region == self.region:
-                self.fleet.topology_members(assignment.members, loop_clock())
-                self.set_replicas(
-                    [
-                        ReplicaInfo(r.replica_id, r.url, r.home_region or self.region)
-                        for r in assignment.replicas
-                    ]
-                )
-                self.set_draining([r.replica_id for r in assignment.replicas if r.draining])
-            elif assignment.region in self.peers:
-                peer = self.peers[assignment.region]
-                if peer.alive and not assignment.alive:
-                    # the controller's probes found its balancer dead, or it deregistered to
-                    # drain: what waits for it is decided again now; forwards in flight are
-                    # left to a draining balancer to finish (a dead one's break on their own)
-                    self.peer_down(assignment.region, "controller declared its balancer dead", cut_forwards=False)
-                elif assignment.alive and (not peer.alive or (
-                        peer.balancer_id and assignment.balancer_id and assignment.balancer_id != peer.balancer_id)):
-                    # back from a failover, or restarted (a new registration): its heartbeat
-                    # stream is dialled again now, and what only it may serve waits for it
-                    self.peer_back(assignment.region, len(assignment.replicas),
-                                   "alive again" if not peer.alive else "registered anew")
-                peer.alive = assignment.alive
-                peer.balancer_id = assignment.balancer_id or peer.balancer_id
-                if assignment.http_url:
-                    peer.http_url = assignment.http_url
-                # the regions whose replicas it owns besides its own: origins its forwards
-                # may claim (the peer listener binds the claim to its certificate)
-                self.peer_adoptions[assignment.region] = frozenset(
-                    r.home_region for r in assignment.replicas
-                    if r.home_region != assignment.region and r.home_region in self.region_names)
-        log.info("topology applied", extra={"version": topology.version, "replicas": len(self.replicas)})
-
     # ------------------------------------------------------------------ lifecycle
 
     def make_app(self) -> web.Application:
@@ -541,8 +321,8 @@ class Balancer:
         """The peer listener's app: forwarded requests only (peer_listener.py)."""
         app = self.http.peer_app(make_binding_middleware(
             tls=self.peer_tls is not None, peers=lambda: frozenset(self.peers),
-            allowed_origins=self.allowed_origins, origin_header=ORIGIN_HEADER,
-            on_refused=self._count_refused_forward))
+            allowed_origins=self.peer_mesh_port.allowed_origins, origin_header=ORIGIN_HEADER,
+            on_refused=self.peer_mesh_port.count_refused_forward))
         app.on_response_prepare.append(self._close_when_stopping)
         return app
 
@@ -715,16 +495,17 @@ class Balancer:
         def apply(results: Sequence[tuple[ReplicaInfo, ProbeResult]]) -> None:
             share = self.fleet.has_siblings()
             applied = 0
+            shared: list[SharedPage] = []
             for info, res in results:
                 rid = info.replica_id
                 if res.sent_at is None or owners.take_page(rid, res.sent_at):
                     self._apply_probe(info, res)
                     applied += 1
                 if share:
-                    self._pages_out.append((rid, res))
+                    shared.append((rid, res))
             self.metrics.replica_pages.labels("probed").inc(applied)
-            if share and len(self._pages_out) > 4 * max(1, len(self.replicas)):
-                del self._pages_out[: -len(self.replicas)]  # no sibling channel took them: keep the newest
+            if share:  # they go with the next sibling message
+                self.sibling_link_port.share_pages(shared, len(self.replicas))
             self.wake.set()
 
         await probe_rounds(self._session, self.cfg.policy.probe_interval_s, targets, apply)
@@ -812,8 +593,8 @@ class Balancer:
                       "policy": self.policy_name},
             config={"sha256": self.config_sha256, "loaded_unix": round(self.config_loaded_unix, 3),
                     "last_reload": self.reload_status.as_json()},
-            control={"controller_connected": self.controller_connected,
-                     "topology_version": self.topology_version,
+            control={"controller_connected": self.controller_link_port.controller_connected,
+                     "topology_version": self.controller_link_port.topology_version,
                      "siblings": {**self.fleet.status(), "channel": self.sibling_link_counts(),
                                   # the replicas this member probes for the fleet (probe_owners.py)
                                   "probes_owned": [rid for rid in self.replicas if self.probe_owners.owns(rid)]}},

@@ -23,6 +23,7 @@ from skymesh.balancer.ports import (
     ControllerLinkBalancer,
     MeshServicesBalancer,
     PeerMeshBalancer,
+    SiblingLinkBalancer,
     StatusReport,
 )
 from skymesh.balancer.sibling_link import SiblingLink
@@ -112,7 +113,9 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
     filling up is seen by peers within one probe interval plus the one-way latency.
     """
 
-    def __init__(self, balancer: PeerMeshBalancer) -> None:
+    def __init__(self, balancer: PeerMeshBalancer, siblings: SiblingLinkBalancer) -> None:
+        """``siblings``: what the sibling channel served on the same listener needs (the
+        balancer's SiblingLinkPort; a stand-in may be one object for both)."""
         super().__init__()
         self.balancer = balancer
         self.seq = 0
@@ -137,7 +140,7 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
         # the region's other balancers, on the same gRPC listener (idle while it knows none:
         # the config may list them, or the controller's topology name them later)
         self.sibling_link: SiblingLink | None = SiblingLink(
-            balancer, lambda name, body: self._supervised(name, body, backoff_s=0.05, max_backoff_s=1.0))
+            siblings, lambda name, body: self._supervised(name, body, backoff_s=0.05, max_backoff_s=1.0))
 
     # ------------------------------------------------------------------ what we send
 
@@ -490,7 +493,8 @@ class ControllerLink(SupervisedService):
 
 def attach_services(b: MeshServicesBalancer, *, peers: bool = True, controller: bool = True) -> None:
     # the gRPC listener serves peers' heartbeats and the region's siblings
-    if (peers and b.peer_regions() and b.offload_enabled()) or b.expects_siblings():
-        b.extra_services.append(PeerMesh(b))
+    peer_port, sibling_port = b.peer_mesh_port, b.sibling_link_port
+    if (peers and peer_port.peer_regions() and peer_port.offload_enabled()) or sibling_port.expects_siblings():
+        b.extra_services.append(PeerMesh(peer_port, sibling_port))
     if controller:
-        b.extra_services.append(ControllerLink(b))
+        b.extra_services.append(ControllerLink(b.controller_link_port))
