@@ -11,8 +11,10 @@ from benchmarks import fleet_queue_wait
 from skymesh.routing.dispatcher import BalancerCore
 from skymesh.routing.region import RegionCore
 
-SMALL_DAY = ["--regions", "2", "--diurnal-period-s", "60", "--duration-s", "60", "--slo", "2", "--replicas", "2",
-             "--rates", "4", "--seed", "0", "--systems", "dualmap", "--jobs", "1"]
+# a generated workload (the default trace lives beside the clone, not in it)
+SMALL_DAY = ["--trace", "hot-prefix", "--requests", "150", "--rate", "10", "--regions", "2", "--replicas", "2",
+             "--profile", "tiny-test", "--block-size", "16", "--slo", "1", "--rates", "1", "--seed", "0",
+             "--systems", "dualmap", "--jobs", "1"]
 
 
 def test_each_balancer_of_the_region_gets_its_placements_timed(capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,8 +33,7 @@ def test_each_balancer_of_the_region_gets_its_placements_timed(capsys: pytest.Ca
 
 def test_one_system_one_rate_and_a_simulated_region(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        fleet_queue_wait.main(["--region", "r1", "--", *SMALL_DAY[:-6], "--rates", "4,5", "--seed", "0",
-                               "--systems", "dualmap", "--jobs", "1"])
+        fleet_queue_wait.main(["--region", "r1", "--", *SMALL_DAY, "--rates", "1,2"])
     assert "one system and one rate" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         fleet_queue_wait.main(["--region", "us-east-1", "--", *SMALL_DAY])

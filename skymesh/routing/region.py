@@ -397,8 +397,15 @@ class RegionCore:
         last = self._unblamed_failure_at.get(replica_id)
         blamed = suspect(held, harm, shared=last is not None and now - last <= SHARED_FAILURE_S)
         if blamed is None:
-            self._unblamed_failure_at[replica_id] = now
+            self._note_unblamed_failure(replica_id, now)
         return blamed
+
+    def _note_unblamed_failure(self, replica_id: str, now: float) -> None:
+        """``replica_id`` failed under requests none of which is blamed (a mid-stream
+        failure, one no request causes, or a disconnect judged shared): a disconnect told
+        to another of its requests within ``SHARED_FAILURE_S`` is that same failure, not
+        one the request caused alone (skymesh/routing/harm.py)."""
+        self._unblamed_failure_at[replica_id] = now
 
     @staticmethod
     def _harmful(request_id: str, replica_id: str, reason: str) -> Reject:
@@ -528,9 +535,8 @@ class RegionCore:
         if t.state is RequestState.STREAMING:
             if not t.on_peer:
                 # the replica failed under a request it had started answering, which is
-                # not blamed: a disconnect told to another of its requests a moment
-                # later is the same failure, not one that request caused alone
-                self._unblamed_failure_at[t.target] = now
+                # not blamed
+                self._note_unblamed_failure(t.target, now)
             self._leave(t, RequestState.FAILED, now)
             return []
         if t.state is not RequestState.PLACED:
@@ -565,7 +571,7 @@ class RegionCore:
             if harm is None and counts_against_health:
                 # failed for a reason no request causes (refused, a 5xx, no first byte
                 # in time): the replica was failing before any later disconnect
-                self._unblamed_failure_at[target] = now
+                self._note_unblamed_failure(target, now)
             if exhausted:
                 self.local.give_up(request_id, now)
             else:
