@@ -62,16 +62,16 @@ DAYS: dict[str, list[str]] = {
 # runs in a child process inside one tree: that tree's own simulator and bisection
 DRIVER = """
 import argparse, json, sys
-from skymesh.bench import sim_main
+from skymesh.bench import sim_setup
 from skymesh.bench.ranking import bisect_goodput
 from skymesh.bench.search_main import base_rate
 p = argparse.ArgumentParser()
-sim_main.add_arguments(p)
+sim_setup.add_arguments(p)
 a = p.parse_args(json.loads(sys.argv[1]))
 system = a.systems.split(",")[0]
 by = {}
 def at(rate):
-    m = sim_main.run_one(a, system, rate, False)["metrics"]
+    m = sim_setup.run_one(a, system, rate, False)["metrics"]
     by[rate] = m
     return float(m["slo_attainment"])
 s = bisect_goodput(at, resolution=a.resolution)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from skymesh.assets.bpe import train_byte_bpe  # noqa: E402
 from skymesh.balancer.openai_request import parse_body  # noqa: E402
 from skymesh.balancer.prompt_count import encode_request  # noqa: E402
 from skymesh.prompt_encoder import PromptEncoder  # noqa: E402
-from skymesh.testing.bpe import train_byte_bpe  # noqa: E402
 
 WORDS = ("load balancer replica prefix cache region latency token request stream queue policy "
          "offload heartbeat controller failover residency budget").split()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from skymesh.bench import sim_main
+from skymesh.bench import sim_setup
 from skymesh.routing.dispatcher import BalancerCore
 from skymesh.routing.region import RegionCore
 
@@ -78,18 +78,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--region", required=True, help="the region whose queue waits are recorded")
     args = ap.parse_args(own_argv)
     sp = argparse.ArgumentParser(prog="skymesh sim")
-    sim_main.add_arguments(sp)
+    sim_setup.add_arguments(sp)
     sim_args = sp.parse_args(sim_argv)
-    systems = sim_main.systems_of(sim_args)
+    systems = sim_setup.systems_of(sim_args)
     rates = [float(x) for x in sim_args.rates.split(",")]
     if len(systems) != 1 or len(rates) != 1:
         ap.error("give skymesh sim one system and one rate")
-    regions = sim_main.mesh_of(sim_args).names
+    regions = sim_setup.mesh_of(sim_args).names
     if args.region not in regions:
         ap.error(f"--region {args.region!r} is not simulated (the run's regions: {', '.join(regions)})")
     waits, undo = record_queue_waits(args.region)
     try:
-        res = sim_main.run_one(sim_args, systems[0], rates[0], False)
+        res = sim_setup.run_one(sim_args, systems[0], rates[0], False)
     finally:
         undo()
     m = res["metrics"]

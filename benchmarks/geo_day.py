@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.bench import sim_main  # noqa: E402
+from skymesh.bench import sim_setup  # noqa: E402
 from skymesh.bench.ranking import Spread  # noqa: E402
 from skymesh.bench.search_main import base_rate, search_one, variants, with_variant  # noqa: E402
 
@@ -54,7 +54,7 @@ CONFIGS: dict[str, tuple[list[str], str, int]] = {
 
 def config_args(label: str, resolution: float) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     extra, system, _ = CONFIGS[label]
     return p.parse_args([*DAY, *extra, "--systems", system, "--goodput-search", "--resolution", str(resolution)])
 

@@ -5,7 +5,7 @@ cache-aware policy and seed, on a KV-constrained hot-prefix workload (docs/bench
 
     .venv/bin/python -m benchmarks.precise_vs_history [--seeds 0,1] [--views events,history] [--out FILE]
 
-Each cell is one ``skymesh sim`` run (``sim_main.run_one``) with the arguments below plus
+Each cell is one ``skymesh sim`` run (``sim_setup.run_one``) with the arguments below plus
 ``--cache-view``, ``--seed`` and ``--systems POLICY``; the sweep over ``--rates`` gives
 goodput, the rest is read at ``--at`` (the rate multiplier near saturation).
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.bench import sim_main  # noqa: E402
+from skymesh.bench import sim_setup  # noqa: E402
 from skymesh.bench.scores import goodput  # noqa: E402
 
 POLICIES = "prefix_tree,preble,dualmap,min_ttft,cache_aware"
@@ -34,7 +34,7 @@ def sim_args(view: str, seed: int, rates: str) -> argparse.Namespace:
     """``view``: events, history (512-token chunks) or history-c16 (history with chunks of
     one 16-token block, as the events view has: separates granularity from precision)."""
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     extra = ["--chunk-tokens", "16"] if view == "history-c16" else []
     return p.parse_args([*SIM_ARGS, "--rates", rates, "--cache-view", view.partition("-")[0], "--seed", str(seed),
                          *extra])
@@ -42,7 +42,7 @@ def sim_args(view: str, seed: int, rates: str) -> argparse.Namespace:
 
 def cell(policy: str, view: str, seed: int, rates: list[float], at: float) -> dict[str, Any]:
     args = sim_args(view, seed, ",".join(f"{r:g}" for r in rates))
-    points = {r: sim_main.run_one(args, policy, r, False)["metrics"] for r in rates}
+    points = {r: sim_setup.run_one(args, policy, r, False)["metrics"] for r in rates}
     m = points[at]
     return {"policy": policy, "view": view, "seed": seed,
             "goodput": round(goodput([(p["rate"], p["slo_attainment"]) for p in points.values()]), 3),

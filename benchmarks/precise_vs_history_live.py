@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from skymesh.assets.bpe import train_byte_bpe
 from skymesh.bench.loadgen import LiveResult, prefix_hit_rate, send_one
 from skymesh.bench.peers import balancer_config
 from skymesh.bench.scores import monotone_goodput, summarize
@@ -51,7 +52,6 @@ from skymesh.hardware import PROFILES
 from skymesh.runtime.procs import Child, skymesh_cmd, wait_all_ready
 from skymesh.runtime.prom_text import parse_samples
 from skymesh.security.admin_auth import admin_headers
-from skymesh.testing.bpe import train_byte_bpe
 
 BLOCK = 16
 EST = "skymesh_prefix_hit_estimate_ratio"

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.bench import sim_main  # noqa: E402
+from skymesh.bench import sim_setup  # noqa: E402
 from skymesh.bench.ranking import Spread, ranking_statements  # noqa: E402
 from skymesh.bench.search_main import base_rate, bounds, search_one, variants, with_variant  # noqa: E402
 
@@ -52,7 +52,7 @@ VARIANT_OPTIONS = {"dualmap-nowait": ("dualmap", ["wait_for_faster_candidate=fal
 
 def workload_args(name: str, resolution: float) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     return p.parse_args([*WORKLOADS[name], "--goodput-search", "--resolution", str(resolution)])
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.bench import sim_main  # noqa: E402
+from skymesh.bench import sim_main, sim_setup  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MIXED = HERE / "classes" / "mixed.yaml"
@@ -50,7 +50,7 @@ def one(label: str, seed: int, rates: str, requests: int, tmp: str) -> dict[str,
     kind, extra = CONFIGS[label]
     out = Path(tmp) / f"{label}-{seed}".replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     args = p.parse_args(["--first-n", str(requests), "--replicas", "8", "--systems", "dualmap", "--rates", rates,
                          "--seed", str(seed), "--jobs", "1", "--slo-classes", str(classes_file(kind, Path(tmp))),
                          "--slo-mix", "chat=0.7,batch=0.3", "--out", str(out), *extra])
@@ -76,7 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     check = argparse.ArgumentParser(prog="benchmarks.slo_mix")
-    sim_main.add_arguments(check)
+    sim_setup.add_arguments(check)
     check.parse_args([])  # the conversation trace missing: one error here, not one per worker
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
         futs = [pool.submit(one, label, s, args.rates, args.requests, tmp) for label in CONFIGS for s in seeds]

@@ -22,18 +22,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skymesh.bench import sim_main  # noqa: E402
+from skymesh.bench import sim_setup  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim_main.add_arguments(ap)  # its --out names the file here
+    sim_setup.add_arguments(ap)  # its --out names the file here
     args = ap.parse_args()
     if args.trace not in ("hot-prefix", "tot2", "tot4", "synthetic"):
         raise SystemExit("--trace: one of hot-prefix, tot2, tot4, synthetic")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = list(sim_main.build_trace(args))
+    rows = list(sim_setup.build_trace(args))
     with out.open("w") as f:
         for r in rows:
             row = {"timestamp": round(r.arrival_s * 1000.0, 3), "input_length": r.input_len,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from skymesh.assembly import RoutingConfig
-from skymesh.bench import sim_main
+from skymesh.bench import sim_main, sim_setup
 from skymesh.bench.des import Simulator
 from skymesh.bench.sim_chains import block_chains
 from skymesh.bench.sim_config import SimConfig, simulated_policy
@@ -82,16 +82,16 @@ def test_system_suffixes_pick_offload_and_its_trigger_in_both_modes(tmp_path: Pa
     from skymesh.bench.live_geo import geo_mesh_config
     from skymesh.config import parse_config
 
-    split = sim_main.split_system
+    split = sim_setup.split_system
     assert split("dualmap", "predicted_ttft") == ("dualmap", True, "predicted_ttft")
     assert split("prefix_tree@saturated", "predicted_ttft") == ("prefix_tree", True, "saturated")
     assert split("dualmap@local", "predicted_ttft")[1] is False
     with pytest.raises(SystemExit, match="@local, @saturated or @pooled"):
         split("dualmap@fast", "predicted_ttft")
     args = argparse.Namespace(regions=3, replicas=2, region_replicas="eu-west-1=4")
-    assert sim_main.replicas_per_region(args, ["us-east-1", "eu-west-1"]) == {"us-east-1": 2, "eu-west-1": 4}
+    assert sim_setup.replicas_per_region(args, ["us-east-1", "eu-west-1"]) == {"us-east-1": 2, "eu-west-1": 4}
     with pytest.raises(SystemExit, match="REGION=N"):
-        sim_main.replicas_per_region(argparse.Namespace(replicas=2, region_replicas="mars-1=3"), ["us-east-1"])
+        sim_setup.replicas_per_region(argparse.Namespace(replicas=2, region_replicas="mars-1=3"), ["us-east-1"])
     # the live mesh gets the same choices as a valid config
     free = parse_config(geo_mesh_config("dualmap", 1, "tiny-test", 1.0, 2.0, True, tmp_path,
                                         trigger="saturated", residency=False))
@@ -109,7 +109,7 @@ def test_system_suffixes_pick_offload_and_its_trigger_in_both_modes(tmp_path: Pa
 
 def test_sim_cli_writes_report(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     args = p.parse_args(["--trace", "hot-prefix", "--requests", "200", "--rate", "20", "--replicas", "2",
                          "--profile", "tiny-test", "--block-size", "16", "--systems", "dualmap,round_robin",
                          "--rates", "1,4", "--slo", "1", "--jobs", "1", "--out", str(tmp_path)])
@@ -127,7 +127,7 @@ def test_sim_cli_writes_report(tmp_path: Path) -> None:
 
 def test_goodput_search_reports_every_variant_the_bounds_and_only_agreed_rankings(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     args = p.parse_args(["--trace", "hot-prefix", "--requests", "150", "--rate", "10", "--replicas", "2",
                          "--profile", "tiny-test", "--block-size", "16", "--systems", "prefix_tree,round_robin",
                          "--goodput-search", "--seeds", "0,1", "--resolution", "0.1", "--slo", "1",
@@ -151,19 +151,19 @@ def test_goodput_search_reports_every_variant_the_bounds_and_only_agreed_ranking
 
 def test_sim_cli_cache_view_events() -> None:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     common = ["--trace", "hot-prefix", "--requests", "150", "--rate", "20", "--replicas", "2",
               "--profile", "tiny-test", "--block-size", "16", "--slo", "1"]
     events = p.parse_args([*common, "--cache-view", "events"])
-    cfg = sim_main.sim_config(events, "prefix_tree")
+    cfg = sim_setup.sim_config(events, "prefix_tree")
     assert (cfg.cache_view, cfg.routing.policy.chunk_tokens, cfg.block_size) == ("events", 16, 16)
-    history = sim_main.sim_config(p.parse_args(common), "prefix_tree")
+    history = sim_setup.sim_config(p.parse_args(common), "prefix_tree")
     assert (history.cache_view, history.routing.policy.chunk_tokens) == ("history", 512)
-    assert sim_main.sim_config(p.parse_args([*common, "--chunk-tokens", "16"]), "prefix_tree").routing.policy.chunk_tokens == 16
+    assert sim_setup.sim_config(p.parse_args([*common, "--chunk-tokens", "16"]), "prefix_tree").routing.policy.chunk_tokens == 16
     with pytest.raises(SystemExit, match="--chunk-tokens must equal --block-size"):
-        sim_main.sim_config(p.parse_args([*common, "--cache-view", "events", "--chunk-tokens", "32"]), "prefix_tree")
-    m = sim_main.run_one(events, "prefix_tree", 1.0, False)["metrics"]
-    h = sim_main.run_one(p.parse_args([*common, "--block-size", "16"]), "prefix_tree", 1.0, False)["metrics"]
+        sim_setup.sim_config(p.parse_args([*common, "--cache-view", "events", "--chunk-tokens", "32"]), "prefix_tree")
+    m = sim_setup.run_one(events, "prefix_tree", 1.0, False)["metrics"]
+    h = sim_setup.run_one(p.parse_args([*common, "--block-size", "16"]), "prefix_tree", 1.0, False)["metrics"]
     assert m["completed"] == h["completed"] == 150
     # the events view predicts the engine's cached prefix better, and over-predicts less,
     # than the routing history (which counts blocks since evicted as cached)
@@ -172,7 +172,7 @@ def test_sim_cli_cache_view_events() -> None:
 
 
 def test_policy_options_from_the_command_line_arrive_typed() -> None:
-    from skymesh.bench.sim_main import parse_policy_options
+    from skymesh.bench.sim_setup import parse_policy_options
 
     opts = parse_policy_options(["escape_over_slo=false", "max_hold_fraction=0.25", "virtual_nodes=64"])
     assert opts == {"escape_over_slo": False, "max_hold_fraction": 0.25, "virtual_nodes": 64}
@@ -281,7 +281,7 @@ def test_sim_cli_mixes_classes_and_reports_each(tmp_path: Path) -> None:
     classes = tmp_path / "classes.yaml"
     classes.write_text("slo_classes:\n  chat: {ttft_s: 1.0, priority: 1}\n  batch: {e2e_s: 60.0}\n")
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     argv = ["--trace", "hot-prefix", "--requests", "200", "--rate", "20", "--replicas", "2", "--profile", "tiny-test",
             "--block-size", "16", "--systems", "dualmap", "--rates", "1", "--jobs", "1", "--out", str(tmp_path),
             "--slo-classes", str(classes), "--slo-mix", "chat=0.7,batch=0.3"]
@@ -291,10 +291,10 @@ def test_sim_cli_mixes_classes_and_reports_each(tmp_path: Path) -> None:
     assert got["chat"]["requests"] > got["batch"]["requests"]
     for bad in (["--slo-mix", "gold=1"], ["--slo-mix", "chat=x"]):
         with pytest.raises(SystemExit):
-            sim_main.build_trace(p.parse_args(argv[:-2] + bad))
+            sim_setup.build_trace(p.parse_args(argv[:-2] + bad))
     classes.write_text("slo_classes:\n  chat: {}\n")
     with pytest.raises(SystemExit, match="slo_classes.chat"):
-        sim_main.slo_classes(p.parse_args(argv))
+        sim_setup.slo_classes(p.parse_args(argv))
 
 
 def test_the_simulator_drives_the_prefix_discipline_and_loses_nothing() -> None:
@@ -388,7 +388,7 @@ def test_pooled_bound_charges_the_link_both_ways() -> None:
 
 
 def test_the_pool_holds_the_residency_rules_its_config_carries() -> None:
-    from skymesh.bench.sim_main import EU_STAYS_IN_EU
+    from skymesh.bench.sim_setup import EU_STAYS_IN_EU
 
     # a burst of EU clients (the EU replica alone cannot keep up), then US clients
     eu = _from("eu-west-1", 200, 60.0)
@@ -411,20 +411,20 @@ def test_the_pool_holds_the_residency_rules_its_config_carries() -> None:
 
 def test_pooled_bound_on_the_command_line(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     common = ["--trace", "hot-prefix", "--requests", "150", "--rate", "10", "--regions", "3", "--replicas", "1",
               "--skew", "0.6", "--profile", "tiny-test", "--block-size", "16", "--slo", "1", "--jobs", "1"]
     args = p.parse_args([*common, "--systems", "dualmap,dualmap@local", "--pooled-bound"])
-    assert sim_main.systems_of(args) == ["dualmap", "dualmap@local", "dualmap@pooled"]
-    assert sim_main.split_system("dualmap@pooled", "predicted_ttft")[:2] == ("dualmap", False)
-    cfg = sim_main.sim_config(args, "dualmap@pooled")
+    assert sim_setup.systems_of(args) == ["dualmap", "dualmap@local", "dualmap@pooled"]
+    assert sim_setup.split_system("dualmap@pooled", "predicted_ttft")[:2] == ("dualmap", False)
+    cfg = sim_setup.sim_config(args, "dualmap@pooled")
     # the bound: one pool, no offload, and no residency rule even where the run has the EU rule
     assert cfg.pooled and not cfg.offload and cfg.routing.offload.rules == ()
-    assert sim_main.sim_config(args, "dualmap").routing.offload.rules == (sim_main.EU_STAYS_IN_EU,)
-    assert not sim_main.sim_config(args, "dualmap").pooled
+    assert sim_setup.sim_config(args, "dualmap").routing.offload.rules == (sim_setup.EU_STAYS_IN_EU,)
+    assert not sim_setup.sim_config(args, "dualmap").pooled
     with pytest.raises(SystemExit, match="--regions 2 or more"):
-        sim_main.systems_of(p.parse_args(["--trace", "hot-prefix", "--systems", "dualmap", "--pooled-bound"]))
-    assert sim_main.of_pooled({"dualmap": [8.0, 9.0], "dualmap@local": [4.0, 3.0], "dualmap@pooled": [10.0, 9.0],
+        sim_setup.systems_of(p.parse_args(["--trace", "hot-prefix", "--systems", "dualmap", "--pooled-bound"]))
+    assert sim_setup.of_pooled({"dualmap": [8.0, 9.0], "dualmap@local": [4.0, 3.0], "dualmap@pooled": [10.0, 9.0],
                                "round_robin": [5.0, 5.0]}) == {"dualmap": [0.8, 1.0], "dualmap@local": [0.4, 1 / 3]}
     # a goodput search reports each system as a fraction of its policy's bound
     search = p.parse_args([*common, "--systems", "dualmap@local", "--pooled-bound", "--goodput-search",

@@ -244,16 +244,16 @@ def test_the_mix_refuses_what_it_cannot_draw() -> None:
 def test_sim_options_build_the_mix(tmp_path: Path) -> None:
     import argparse
 
-    from skymesh.bench import sim_main
+    from skymesh.bench import sim_setup
 
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     args = p.parse_args(["--trace", "synthetic", "--max-turns", "12", "--region-system-prompts", "4",
                          "--system-prompt-blocks", "1-4", "--shared-prefix-share", "0.025"])
-    mix = sim_main.conversation_mix(args)
+    mix = sim_setup.conversation_mix(args)
     assert (mix.max_turns, mix.region_system_prompts, mix.system_prompt_blocks, mix.shared_prefix_share) == (
         12, 4, (1, 4), 0.025)
     with pytest.raises(SystemExit):
-        sim_main.conversation_mix(p.parse_args(["--trace", "synthetic", "--system-prompt-blocks", "a-b"]))
+        sim_setup.conversation_mix(p.parse_args(["--trace", "synthetic", "--system-prompt-blocks", "a-b"]))
     with pytest.raises(SystemExit):
-        sim_main.conversation_mix(p.parse_args(["--trace", "synthetic", "--shared-prefix-share", "0.1"]))
+        sim_setup.conversation_mix(p.parse_args(["--trace", "synthetic", "--shared-prefix-share", "0.1"]))

@@ -67,10 +67,10 @@ def test_a_missing_trace_is_one_argparse_line(
 
 def test_the_default_trace_missing_is_the_same_error(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import skymesh.bench.sim_main as sim_main
+    import skymesh.bench.sim_setup as sim_setup
 
     missing = str(tmp_path / "shared" / "traces" / "mooncake_conversation.jsonl")
-    monkeypatch.setattr(sim_main, "DEFAULT_TRACE", missing)
+    monkeypatch.setattr(sim_setup, "DEFAULT_TRACE", missing)
     code, _, err = run_cli(capsys, "sim", "--systems", "dualmap")
     assert code == 2 and f"argument --trace: no trace file {missing}" in err
     assert "hot-prefix" in err  # what works instead

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from skymesh.bench.sim_main import check_policy_options, options_for
+from skymesh.bench.sim_setup import check_policy_options, options_for
 from skymesh.cli import main as skymesh_main
 from skymesh.config import ConfigError, load_config, parse_config
 from skymesh.routing.base import PolicyContext

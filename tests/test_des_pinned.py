@@ -1,7 +1,7 @@
 """The discrete-event simulator's results, pinned: a small ranking matrix and a small geo
 day, every figure the simulator reports compared with tests/golden/des_pinned.json.
 
-What runs (``CASES``, each through the benchmarks' own path, :func:`sim_main.run_one` /
+What runs (``CASES``, each through the benchmarks' own path, :func:`sim_setup.run_one` /
 :func:`search_main.search_one`, as benchmarks/ranking_matrix.py and benchmarks/geo_day.py
 call it):
 
@@ -48,7 +48,7 @@ from typing import Any
 import pytest
 
 from benchmarks.ranking_matrix import system_args
-from skymesh.bench import sim_main
+from skymesh.bench import sim_setup
 from skymesh.bench.search_main import search_one
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "des_pinned.json"
@@ -98,7 +98,7 @@ SEARCH_RESOLUTION = 0.25
 
 def _args(argv: list[str], **over: Any) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     return argparse.Namespace(**{**vars(p.parse_args(argv)), "jobs": 1, **over})
 
 
@@ -114,7 +114,7 @@ def _digest(value: Any) -> str:
 def run_case(name: str) -> dict[str, Any]:
     argv, label, rate = CASES[name]
     args, system = _system(_args(argv), label)
-    out = sim_main.run_one(args, system, rate, False)
+    out = sim_setup.run_one(args, system, rate, False)
     # reported since the golden was made (new figures, not a change)
     new = ("max_replica_waiting", "max_replica_unadmitted", "regions")
     metrics = {k: v for k, v in out["metrics"].items() if k not in ("wall_s", "cpu_s", *new)}

@@ -104,14 +104,14 @@ def test_the_live_report_judges_each_client_region() -> None:
 def test_the_simulator_s_report_judges_each_client_region_too() -> None:
     """``skymesh sim --regions 3`` reports the same per-region figures (the DES figure
     beside the live one), from ``SimResult.region_summaries``."""
-    from skymesh.bench import sim_main
+    from skymesh.bench import sim_setup
 
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     args = p.parse_args(["--trace", "hot-prefix", "--requests", "120", "--rate", "10", "--regions", "3",
                          "--replicas", "1", "--region-replicas", "us-east-1=2", "--skew", "0.6", "--profile",
                          "tiny-test", "--block-size", "16", "--slo", "1", "--jobs", "1"])
-    m = sim_main.run_one(args, "dualmap", 1.0, False)["metrics"]
+    m = sim_setup.run_one(args, "dualmap", 1.0, False)["metrics"]
     regions = m["regions"]
     assert list(regions) == ["us-east-1", "eu-west-1", "ap-northeast-1"]
     assert sum(r["requests"] for r in regions.values()) == m["requests"]

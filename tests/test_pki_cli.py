@@ -78,8 +78,9 @@ def test_refuses_to_overwrite_unless_asked(tmp_path: Path) -> None:
     cfg_path = write_config(tmp_path)
     res = skymesh("pki", "issue", "--config", str(cfg_path), "--out", str(out), cwd=tmp_path)
     assert res.returncode == 1 and "refusing to overwrite" in res.stderr and res.stdout == ""
-    # python -m skymesh.security.pki is the same command
-    res = subprocess.run([sys.executable, "-m", "skymesh.security.pki", "--config", str(cfg_path), "--out", str(out)],
+    # python -m skymesh.security.pki_cli is the same command
+    res = subprocess.run([sys.executable, "-m", "skymesh.security.pki_cli", "issue", "--config", str(cfg_path),
+                          "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "refusing to overwrite" in res.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in before} == before

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from skymesh.assets.bpe import train_byte_bpe
 from skymesh.balancer.openai_request import parse_body
 from skymesh.balancer.prompt_count import encode_request
 from skymesh.balancer.server import Balancer
@@ -19,7 +20,6 @@ from skymesh.balancer.wiring import build_encoder
 from skymesh.config import ConfigError, parse_config
 from skymesh.prompt_encoder import PromptEncoder, byte_chunk_hashes
 from skymesh.runtime.procs import free_port
-from skymesh.testing.bpe import train_byte_bpe
 from tests.mesh_helpers import one_region_config
 from tests.test_balancer_faults import FakeReplica
 

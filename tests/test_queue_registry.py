@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 import pytest
 
-from skymesh.bench import live, sim_main
+from skymesh.bench import live, sim_setup
 from skymesh.config import QueueConfig
 from skymesh.routing.base import PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import DisciplineContext, QueueDiscipline
@@ -44,7 +44,7 @@ def test_the_registry_the_config_and_both_command_lines_name_the_same_discipline
     names = tuple(DISCIPLINES)
     assert get_args(DisciplineName) == names
     assert get_args(QueueConfig.model_fields["discipline"].annotation) == names
-    assert _cli_choices(sim_main.add_arguments) == names
+    assert _cli_choices(sim_setup.add_arguments) == names
     assert _cli_choices(live.add_arguments) == names
     for name in names:
         assert QueueConfig.model_validate({"discipline": name}).discipline == name

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 import zmq
 
+from skymesh.assets.bpe import train_byte_bpe
 from skymesh.config import ConfigError, parse_config
 from skymesh.hardware import PROFILES
 from skymesh.prompt_encoder import PromptEncoder
@@ -33,7 +34,6 @@ from skymesh.replica_sim.kv_publisher import NullPublisher, ZmqPublisher
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.routing import kv_index
 from skymesh.runtime.procs import Child
-from skymesh.testing.bpe import train_byte_bpe
 from skymesh.word_tokenizer import filler_tokens, word_token_id
 from tests.mesh_helpers import one_region_config
 

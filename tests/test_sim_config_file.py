@@ -1,6 +1,6 @@
 """``skymesh sim --config FILE`` and ``skymesh plan --config FILE``: the operator's own mesh
 (its regions in order, latencies, replica counts, sim.profile, policy and offload rules)
-instead of ``--regions`` (skymesh/bench/sim_main.py, apply_config)."""
+instead of ``--regions`` (skymesh/bench/sim_setup.py, apply_config)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skymesh.bench import sim_main
+from skymesh.bench import sim_setup
 from skymesh.bench.des import Simulator
 from skymesh.cli import main
 
@@ -59,7 +59,7 @@ def skymesh(*argv: str) -> object:
 
 def sim_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -77,13 +77,13 @@ def test_sim_runs_the_config_mesh(tmp_path: Path) -> None:
     assert report["profile"] == "tiny-test" and report["slo_s"] == 1.5
     assert report["residency"] == "eu-* stays in eu-*" and report["config"] == str(cfg)
     # what each simulated region core runs: the config's sections
-    sim = sim_main.sim_config(sim_args("--config", str(cfg), *DAY), "dualmap")
+    sim = sim_setup.sim_config(sim_args("--config", str(cfg), *DAY), "dualmap")
     assert sim.regions == {EU: 1, US: 2} and sim.profile == "tiny-test"
     assert sim.latency_s(EU, US) == sim.latency_s(US, EU) == pytest.approx(0.07)
     assert sim.routing.policy.ttft_slo_s == 1.5 and sim.routing.offload.min_gain_s == 0.05
     assert [(r.source, r.allowed_targets) for r in sim.routing.offload.rules] == [("eu-*", ("eu-*",))]
     # the command line still overrides what it names
-    over = sim_main.sim_config(sim_args("--config", str(cfg), *DAY, "--slo", "3", "--replicas", "4",
+    over = sim_setup.sim_config(sim_args("--config", str(cfg), *DAY, "--slo", "3", "--replicas", "4",
                                         "--region-replicas", f"{US}=1", "--offload-trigger", "saturated",
                                         "--profile", "h100-qwen2.5-7b"), "dualmap")
     assert over.routing.policy.ttft_slo_s == 3.0 and over.regions == {EU: 4, US: 1}
@@ -93,7 +93,7 @@ def test_sim_runs_the_config_mesh(tmp_path: Path) -> None:
 def test_the_configs_residency_rule_binds_its_eu_clients(tmp_path: Path) -> None:
     def run(path: Path) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
         args = sim_args("--config", str(path), *EU_HEAVY)
-        res = Simulator(sim_main.sim_config(args, "dualmap")).run(sim_main.build_trace(args, 3.0))
+        res = Simulator(sim_setup.sim_config(args, "dualmap")).run(sim_setup.build_trace(args, 3.0))
         return res.region_names, res.client_region, res.served_region
 
     names, client, served = run(mesh_yaml(tmp_path))
@@ -112,12 +112,12 @@ def test_local_default_as_a_config_is_the_three_region_layout(tmp_path: Path) ->
     common = [*DAY, "--replicas", "1", "--skew", "0.6", "--profile", "tiny-test", "--slo", "1"]
     from_file = sim_args("--config", "skymesh/local.yaml", *common)
     built_in = sim_args("--regions", "3", *common)
-    a_cfg, b_cfg = sim_main.sim_config(from_file, "dualmap"), sim_main.sim_config(built_in, "dualmap")
+    a_cfg, b_cfg = sim_setup.sim_config(from_file, "dualmap"), sim_setup.sim_config(built_in, "dualmap")
     assert list(a_cfg.regions) == list(b_cfg.regions) == ["us-east-1", "eu-west-1", "ap-northeast-1"]
     assert all(a_cfg.latency_s(x, y) == b_cfg.latency_s(x, y) > 0 for x in a_cfg.regions for y in a_cfg.regions
                if x != y)
     assert replace(a_cfg, one_way_ms={}) == replace(b_cfg, one_way_ms={})
-    a, b = (sim_main.run_one(x, "dualmap", 4.0, False) for x in (from_file, built_in))
+    a, b = (sim_setup.run_one(x, "dualmap", 4.0, False) for x in (from_file, built_in))
     assert a["ttfts"] == b["ttfts"] and a["metrics"]["offloaded_share"] == b["metrics"]["offloaded_share"] > 0
 
 

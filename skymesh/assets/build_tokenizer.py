@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from skymesh.assets import SIM_TOKENIZER_DIR
+from skymesh.assets.bpe import train_byte_bpe
 
 VOCAB_SIZE = 8192
 MODEL_MAX_LENGTH = 131072  # the stand-in profiles' longest context
@@ -138,8 +139,6 @@ def corpus(lines: int = 6000, seed: int = 20261126) -> list[str]:
 def build(out: Path) -> None:
     """Train the tokenizer and write the folder's files into ``out``."""
     from tokenizers import processors
-
-    from skymesh.testing.bpe import train_byte_bpe  # a build tool: production code never loads it
 
     out.mkdir(parents=True, exist_ok=True)
     tok = train_byte_bpe(corpus(), VOCAB_SIZE, special_tokens=[BOS, EOS])

@@ -41,7 +41,7 @@ from skymesh.bench.loadgen import (
     replay,
 )
 from skymesh.bench.sim_config import BENCH_QUEUE_BOUND
-from skymesh.bench.sim_main import replicas_per_region, split_system
+from skymesh.bench.sim_setup import replicas_per_region, split_system
 from skymesh.bench.traces import TraceRequest
 from skymesh.operations.up import Mesh
 from skymesh.runtime.procs import free_port

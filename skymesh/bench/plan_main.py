@@ -17,7 +17,7 @@ day, on the mesh's layout and on region-local's) to ``--out`` (default bench-out
     skymesh plan --regions 3 --diurnal-period-s 1200 --duration-s 1200 --rate-multiplier 10
 
 ``--config FILE`` plans the operator's own mesh instead: its regions, latencies, policy,
-queue, offload rules and replicas' profile (sim_main.apply_config; docs/planning.md, "Your
+queue, offload rules and replicas' profile (sim_setup.apply_config; docs/planning.md, "Your
 own mesh: --config").
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from skymesh.bench import sim_main
+from skymesh.bench import sim_setup
 from skymesh.bench.day_shape import day_shape
 from skymesh.bench.des import Simulator
 from skymesh.bench.plan import Attainment, Layout, PlanError, Search, plan_region_local, plan_shared
@@ -45,7 +45,7 @@ BINS = 48
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sim_main.add_arguments(p)
+    sim_setup.add_arguments(p)
     for action in p._actions:  # argparse has no public way to hide an inherited option
         if action.dest in NOT_FOR_PLAN:
             action.help = argparse.SUPPRESS
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the load to plan for: this many times the trace's (the day's) arrival rate")
     p.add_argument("--target", type=float, default=0.9,
                    help="SLO attainment every region's clients must reach (share of first tokens within --slo)")
-    p.add_argument("--policy", default="dualmap", action=sim_main.Given,
+    p.add_argument("--policy", default="dualmap", action=sim_setup.Given,
                    help="the routing policy in every region (--config: the config's policy.name)")
     p.add_argument("--max-replicas", type=int, default=32, help="the most replicas a region may get")
 
@@ -87,9 +87,9 @@ def layout_arg(layout: Layout) -> str:
 def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: int) -> dict[str, Any]:
     """One simulated day of ``system`` on ``layout`` (picklable: runs in a worker)."""
     run_args = argparse.Namespace(**{**vars(args), "region_replicas": layout_arg(layout), "seed": seed})
-    names = list(sim_main.mesh_of(args).names)
-    trace = sim_main.build_trace(run_args, args.rate_multiplier)
-    res = Simulator(sim_main.sim_config(run_args, system)).run(trace)
+    names = list(sim_setup.mesh_of(args).names)
+    trace = sim_setup.build_trace(run_args, args.rate_multiplier)
+    res = Simulator(sim_setup.sim_config(run_args, system)).run(trace)
     regions = res.region_summaries(args.slo, args.warmup_s)
     span = float(res.arrival.max()) if res.arrival.size else 1.0
     edges = np.linspace(0.0, max(span, 1e-9), BINS + 1)
@@ -165,7 +165,7 @@ def plot(path: Path, names: list[str], plans: dict[str, Layout], days: dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
-    mesh = sim_main.mesh_of(args)  # with --config: the file loaded and checked first
+    mesh = sim_setup.mesh_of(args)  # with --config: the file loaded and checked first
     if args.regions < 2:
         raise SystemExit("skymesh plan: needs --regions 2 or more (one region has nothing to pool)"
                          if mesh.config is None else f"skymesh plan: {mesh.config} has one region: nothing to pool")
@@ -182,9 +182,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
     if not seeds:
         raise SystemExit("--seeds: at least one seed")
-    sim_main.check_policy_options([args.policy], sim_main.parse_policy_options(args.policy_option))
+    sim_setup.check_policy_options([args.policy], sim_setup.parse_policy_options(args.policy_option))
     names = list(mesh.names)
-    sim_main.build_trace(args)  # the day's options checked before any simulation starts
+    sim_setup.build_trace(args)  # the day's options checked before any simulation starts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     systems = {"region-local": f"{args.policy}@local", "mesh": args.policy}

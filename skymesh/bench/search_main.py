@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.bench.ranking import Spread, bisect_goodput, ranking_statements
-from skymesh.bench.sim_main import (
+from skymesh.bench.sim_setup import (
     build_trace,
     check_policy_options,
     mesh_of,

@@ -1,8 +1,8 @@
 """What the discrete-event simulator simulates (:class:`SimConfig`) and how one simulated
 region's routing core is assembled from it.
 
-Kept apart from the event loop (skymesh/bench/des.py) so that the command line
-(skymesh/bench/sim_main.py) and the assembly test can build and compare simulator settings
+Kept apart from the event loop (skymesh/bench/des.py) so that the command line's setup
+(skymesh/bench/sim_setup.py) and the assembly test can build and compare simulator settings
 without the simulator itself: the routing it simulates is the mesh config's
 ``RoutingConfig``, turned into region settings by the same ``routing_assembly`` the daemon
 uses (skymesh/assembly.py), with the simulator's declared differences applied here.

@@ -3,44 +3,26 @@
 Everything under ``skymesh.routing`` is pure: no sockets, no clock reads (``now`` is
 passed in, in seconds on any monotonic clock), no module-level mutable state. The balancer
 daemon, the discrete-event simulator and the benchmarks all drive these same objects.
+
+:class:`RoutingRequest` is defined in ``request.py`` and re-exported here: the region model
+(``model.py``) reads it too, and imports nothing from this module (a :class:`PolicyContext`
+carries a :class:`~skymesh.routing.model.RegionModel`, so this module imports that one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from skymesh.routing.kv_index import KvIndexes
+from skymesh.routing.model import RegionModel
 from skymesh.routing.options import PolicyOptions
+from skymesh.routing.request import RoutingRequest
 
-if TYPE_CHECKING:
-    from skymesh.routing.kv_index import KvIndexes
-    from skymesh.routing.model import RegionModel
-
-
-@dataclass(slots=True)
-class RoutingRequest:
-    """What the routing core knows of one request (computed once at admission)."""
-
-    request_id: str
-    # cumulative xxhash64 of the prompt's fixed-size token chunks: chunk_hashes[i] identifies
-    # the prefix made of chunks 0..i (see skymesh.routing.hashing)
-    chunk_hashes: tuple[int, ...]
-    prompt_tokens: int
-    arrival: float
-    max_tokens: int = 16
-    session_key: str | None = None  # X-Session-ID header or OpenAI `user`
-    slo_ttft_s: float | None = None  # None: the balancer's configured SLO
-    # its SLO class ("" for none) and that class's other targets and priority (higher is
-    # placed first); the class's TTFT target is slo_ttft_s
-    slo_class: str = ""
-    slo_tpot_s: float | None = None
-    slo_e2e_s: float | None = None
-    priority: int = 0
-    forwarded: bool = False  # arrived from a peer balancer (never forwarded again)
-    # the region the client belongs to (its source network, or the forwarding balancer's
-    # origin header); None: the balancer's own region. Residency rules are checked by it.
-    origin_region: str | None = None
+__all__ = [
+    "Decision", "Migration", "Policy", "PolicyContext", "ReplicaView", "RoutingRequest",
+]
 
 
 @dataclass(slots=True)
@@ -104,6 +86,13 @@ class PolicyContext:
     # with offload and the queue discipline; None: a policy that needs one builds its own
     # from the fields above
     model: RegionModel | None = None
+
+    def standalone_model(self) -> RegionModel:
+        """The model a policy built on its own (no region's model here) reads."""
+        return RegionModel(chunk_tokens=self.chunk_tokens,
+                           prefill_s_per_token=self.prefill_s_per_token,
+                           first_token_fixed_s=self.prefill_fixed_s,
+                           trie_max_nodes=self.trie_max_nodes, kv_indexes=self.kv_indexes)
 
 
 @runtime_checkable

@@ -12,18 +12,14 @@ Pure: no sockets, no clock.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from skymesh.routing.cache_sources.base import CacheSource
 from skymesh.routing.cache_sources.kv_events import KvEventSource
 from skymesh.routing.cache_sources.routing_history import RoutingHistory
 from skymesh.routing.cache_view import CacheView
 from skymesh.routing.kv_index import KvIndexes
+from skymesh.routing.request import RoutingRequest
 from skymesh.routing.trie import BoundedPrefixTrie
 from skymesh.routing.ttft import TTFTEstimator
-
-if TYPE_CHECKING:
-    from skymesh.routing.base import PolicyContext, RoutingRequest
 
 # the replica profile's TTFT seed when none is known: seconds per prompt token, fixed seconds
 DEFAULT_PREFILL_S_PER_TOKEN = 300e-3 / 512
@@ -58,13 +54,6 @@ class RegionModel:
         self.kv_indexes = kv_indexes
         history = RoutingHistory(BoundedPrefixTrie(trie_max_nodes))
         self.cache = CacheView(cache_sources(history, kv_indexes), history)
-
-    @classmethod
-    def from_policy_context(cls, ctx: PolicyContext) -> RegionModel:
-        """The model a policy built on its own (no region's model in ``ctx``) reads."""
-        return cls(chunk_tokens=ctx.chunk_tokens, prefill_s_per_token=ctx.prefill_s_per_token,
-                   first_token_fixed_s=ctx.prefill_fixed_s, trie_max_nodes=ctx.trie_max_nodes,
-                   kv_indexes=ctx.kv_indexes)
 
     def record_dispatch(self, req: RoutingRequest, replica_id: str, now: float) -> None:
         """``req`` went to ``replica_id``: its prompt is in the routing history now. The

@@ -22,7 +22,6 @@ tokens, and terraform/modules/secrets ships each host only its files.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import ipaddress
 import os
@@ -297,19 +296,3 @@ def generate_mesh_pki(directory: str | Path, regions: Iterable[str], *, reuse: b
             for r in regions
         },
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m skymesh.security.pki --config mesh.yaml --out DIR [--reuse | --force]``: the same
-    as ``skymesh pki issue`` (skymesh/security/pki_cli.py)."""
-    # cycle: skymesh.security.pki_cli imports this module
-    from skymesh.security import pki_cli
-
-    p = argparse.ArgumentParser(prog="python -m skymesh.security.pki", description=pki_cli.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    pki_cli.add_issue_arguments(p)
-    return pki_cli.run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

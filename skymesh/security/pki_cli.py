@@ -108,3 +108,16 @@ def run(args: argparse.Namespace) -> int:
           "keep ca.key offline", file=sys.stderr)
     print(yaml.safe_dump({"tls": section}, sort_keys=False), end="")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m skymesh.security.pki_cli issue --config FILE --out DIR [--reuse | --force]``:
+    ``skymesh pki`` without the ``skymesh`` command."""
+    p = argparse.ArgumentParser(prog="python -m skymesh.security.pki_cli", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from skymesh.assets.bpe import train_byte_bpe
 from skymesh.runtime.procs import Child, free_port, wait_healthy
-from skymesh.testing.bpe import train_byte_bpe
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("SKYMESH_VLLM_VENV", ROOT / ".vllm-venv"))

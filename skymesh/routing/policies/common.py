@@ -6,7 +6,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, PolicyContext, ReplicaView, RoutingRequest
-from skymesh.routing.model import RegionModel
 
 
 def available(replicas: Mapping[str, ReplicaView]) -> list[ReplicaView]:
@@ -77,7 +76,7 @@ class CacheTrackingPolicy(BasePolicy):
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         self.records_dispatches = ctx.model is None
-        self.model = ctx.model if ctx.model is not None else RegionModel.from_policy_context(ctx)
+        self.model = ctx.model if ctx.model is not None else ctx.standalone_model()
         self.cache = self.model.cache
 
     def set_replicas(self, replica_ids: Sequence[str]) -> None:

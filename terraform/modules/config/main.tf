@@ -6,7 +6,7 @@ terraform {
 
 locals {
   dir = trimsuffix(coalesce(var.credentials_dir, "/unset"), "/")
-  # the file names of `skymesh pki issue` (skymesh/security/pki.py), which the fetch scripts of the
+  # the file names of `skymesh pki issue` (skymesh/security/pki_cli.py), which the fetch scripts of the
   # secrets module keep; each host holds only its own pair, and reads only that one
   credentials = { for k, v in {
     tls = {

@@ -1,5 +1,8 @@
-"""Small byte-level BPE tokenizers trained on the spot (nothing is downloaded): the
-tests, the benchmarks and the real-vLLM model directory all train theirs here."""
+"""Small byte-level BPE tokenizers trained on the spot (nothing is downloaded): the default
+mesh's tokenizer (build_tokenizer.py), the tests, the benchmarks and the real-vLLM model
+directory (skymesh/testing/vllm_env.py) all train theirs here. In ``assets``, below the
+testing helpers, so that the asset builder imports it downward; nothing the daemons run
+imports it."""
 
 from __future__ import annotations
 
