@@ -62,7 +62,10 @@ DAYS: dict[str, list[str]] = {
 # runs in a child process inside one tree: that tree's own simulator and bisection
 DRIVER = """
 import argparse, json, sys
-from skymesh.bench import sim_setup
+try:
+    from skymesh.bench import sim_setup
+except ImportError:  # a tree from before sim_setup.py, whose setup lived in sim_main
+    from skymesh.bench import sim_main as sim_setup
 from skymesh.bench.ranking import bisect_goodput
 from skymesh.bench.search_main import base_rate
 p = argparse.ArgumentParser()
