@@ -141,8 +141,8 @@ class RegionCore:
         self.siblings: RegionSiblings | None = None
         # the read side (daemon, simulator, /admin/status, heartbeat, metrics): reads the
         # parts above live, siblings as attached at the moment it is asked
-        self.view = RegionReadView(self.local, self.health, self.drain_rate, self.offload_selection, self._requests,
-                               self.transitions, lambda: self.siblings)
+        self.view = RegionReadView(self.local, self.health, self.drain_rate, self.offload_selection,
+                                   self._requests, self.transitions, lambda: self.siblings)
 
     def attach_siblings(self, siblings: RegionSiblings) -> None:
         """This balancer is one of several in its region: it shares each replica's push
