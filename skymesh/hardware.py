@@ -69,6 +69,9 @@ class Profile:
     max_num_seqs: int = field(default=None)  # type: ignore[assignment]
     max_num_batched_tokens: int = field(default=None)  # type: ignore[assignment]
     sources: tuple[str, ...] = ()
+    # KV cache bytes per token (layers x KV heads x head dim x 2 (K and V) x dtype bytes):
+    # what a prefill/decode split moves per prompt token
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         seqs, tokens = vllm_batch_defaults(self.gpu_memory_gib, self.gpu_name)
@@ -156,6 +159,7 @@ PROFILES: dict[str, Profile] = {
             prefill_attn_s_per_pair=_pair_flop(_LLAMA8B_LAYERS, _LLAMA8B_QDIM) / (_L4_FLOPS * _L4_MFU),
             # 128 KiB of KV per context token read at 300 GB/s ≈ 0.44 µs per step
             attn_s_per_context_token=_LLAMA8B_KV_BYTES / _L4_BW,
+            kv_bytes_per_token=_LLAMA8B_KV_BYTES,
             decode_s_per_seq=5e-5,  # assumed: sampling and bookkeeping per sequence
             max_model_len=32768,
             sources=(
@@ -181,6 +185,7 @@ PROFILES: dict[str, Profile] = {
             prefill_attn_s_per_pair=_pair_flop(_QWEN7B_LAYERS, _QWEN7B_QDIM) / (_H100_FLOPS * _H100_MFU),
             # 56 KiB/token of KV at 3.35 TB/s ≈ 17 ns per context token per step
             attn_s_per_context_token=_QWEN7B_KV_BYTES / _H100_BW,
+            kv_bytes_per_token=_QWEN7B_KV_BYTES,
             decode_s_per_seq=2e-5,  # assumed: sampling and bookkeeping per sequence
             max_model_len=32768,
             sources=(
@@ -202,6 +207,7 @@ PROFILES: dict[str, Profile] = {
             compute_s_per_token=0.00004,
             prefill_attn_s_per_pair=1e-11,
             attn_s_per_context_token=1e-8,
+            kv_bytes_per_token=4096,  # synthetic: a small model's KV
             decode_s_per_seq=0.0002,
             max_model_len=4096,
             sources=("synthetic: chosen so tests exercise queueing, eviction and preemption quickly",),

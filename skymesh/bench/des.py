@@ -104,9 +104,13 @@ from skymesh.slo_judge import SloClass, apply_slo_class
 from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 
+def _nothing() -> None:
+    """A change of nothing: :meth:`Simulator._at` only brings the engine up to the time."""
+
+
 class Simulator:
     (ARRIVE, STEP_DONE, WAKE, PROBE, HEARTBEAT, BEAT_ARRIVE, FORWARD_ARRIVE, SAMPLE, SIBLING,
-     SIBLING_ARRIVE, DELIVER) = range(11)
+     SIBLING_ARRIVE, DELIVER, KV_MOVED) = range(12)
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
@@ -119,6 +123,8 @@ class Simulator:
         if self.events_view and cfg.routing.policy.chunk_tokens != cfg.block_size:
             raise ValueError("cache_view 'events' needs chunk_tokens == block_size (the replicas' blocks "
                              "are the balancer's chunks)")
+        if cfg.pair_rule == "never" and any(p or d for p, d in cfg.pd_split.values()):
+            raise ValueError("prefill-only or decode-only replicas need a pair rule (pair_rule)")
         # keep the profile's KV capacity in tokens whatever the simulated block size
         self.num_blocks = max(1, self.profile.kv_capacity_tokens // cfg.block_size)
         seed = CostSeed(*self.profile.ttft_seed())
@@ -137,6 +143,7 @@ class Simulator:
                 eng = Engine(self.profile, block_size=cfg.block_size, num_gpu_blocks=self.num_blocks)
                 if self.events_view:
                     eng.enable_kv_events()
+                eng.record_step_durations = cfg.record_tbt
                 self.replicas[rid] = SimReplica(len(self.replicas), rid, reg.homes[rid], eng)
                 self._owner[rid] = reg
         self._events: list[tuple[float, int, int, Any]] = []
@@ -149,6 +156,18 @@ class Simulator:
         self._served_by: dict[str, tuple[str, int]] = {}
         self.max_replica_waiting = 0
         self.max_replica_unadmitted = 0
+        # a pair rule prices decode legs by the replicas' running batch and KV use: a
+        # probe of a lazily stepped replica brings it up to the probe's time first (its
+        # finishers and blocks as a single-stepped engine shows them), which no policy needs
+        self._exact_probes = cfg.pair_rule != "never"
+        # split requests (skymesh/routing/pairing): those whose prefill leg runs now, by
+        # their prefill replica; and what their decode leg is sent with
+        self._prefill_leg: dict[str, SimReplica] = {}
+        self._decode_leg: dict[str, tuple[SimReplica, int, list[int], int, list[int] | None]] = {}
+        # token intervals per request while it streams (cfg.record_tbt): its last token's
+        # time and its longest intervals so far (a min-heap of at most a tenth of them)
+        self._last_token: dict[str, float] = {}
+        self._longest: dict[str, list[float]] = {}
         self.now = 0.0
         self.events = 0
         self.lazy_mismatches = 0
@@ -181,6 +200,8 @@ class Simulator:
         self._client = array("h")
         self._served_in = array("h")
         self._region_index = region_index
+        self._tbt = array("d")
+        self._split = bytearray()
         it: Iterator[TraceRequest] = iter(trace)
         self._next_index = 0
         outstanding = 0
@@ -209,6 +230,8 @@ class Simulator:
             region = r.region if r.region in cfg.regions else default_region
             self._client.append(region_index[region])
             self._served_in.append(-1)
+            self._tbt.append(math.nan)
+            self._split.append(0)
             self._push(r.arrival_s, self.ARRIVE, (i, region, r, in_len, out_len))
             return True
 
@@ -318,6 +341,8 @@ class Simulator:
                         progress(1)
             elif kind == self.DELIVER:
                 self._deliver(*payload, t)
+            elif kind == self.KV_MOVED:
+                self._kv_moved(payload, t)
             elif kind == self.SAMPLE:
                 pending = {rid: 0 for rid in all_ids}
                 for reg in self.regions.values():
@@ -357,6 +382,8 @@ class Simulator:
             region_names=tuple(cfg.regions),
             client_region=np.frombuffer(self._client, dtype=np.int16)[:n].copy(),
             served_region=np.frombuffer(self._served_in, dtype=np.int16)[:n].copy(),
+            tbt=np.frombuffer(self._tbt, dtype=float)[:n].copy(),
+            split=np.frombuffer(bytes(self._split), dtype=np.uint8)[:n].astype(bool),
         )
 
     # ------------------------------------------------------------------ balancer side
@@ -389,6 +416,14 @@ class Simulator:
                 # a region's balancer is next to its replicas; the pool's prompt travels
                 # from the client's region to the replica's (a forward paid it on the way)
                 delay = self.cfg.latency_s(client, rep.region) if self.pool is not None else 0.0
+                decode = action.decision.decode_replica_id
+                if decode is not None:
+                    # split: a prefill leg of one output token whose blocks stay held, then
+                    # the decode leg (skymesh/routing/pairing)
+                    self._split[int(rid)] = 1
+                    self._prefill_leg[rid] = rep
+                    self._decode_leg[rid] = (self.replicas[decode], in_len, blocks, out_len, token_ids)
+                    out_len = 1
                 if delay > 0.0:
                     self._push(t + delay, self.DELIVER, (rep, rid, in_len, blocks, out_len, token_ids))
                 else:
@@ -409,6 +444,8 @@ class Simulator:
                 self.max_replica_waiting = e.num_waiting
             if e.num_waiting and e.num_waiting_never_admitted > self.max_replica_unadmitted:
                 self.max_replica_unadmitted = e.num_waiting_never_admitted
+            if self._exact_probes and reps[rid].state == SimReplica.LAZY:
+                self._at(reps[rid], t, _nothing)
             core.probe(rid, ProbeSample(num_running=e.num_running, num_waiting=e.num_waiting,
                                         kv_usage=e.kv_cache_usage, sent_at=t), t)
         self._dispatch(reg, k, t)
@@ -426,8 +463,23 @@ class Simulator:
     # ------------------------------------------------------------------ replica side
 
     def _deliver(self, rep: SimReplica, rid: str, in_len: int, blocks: list[int], out_len: int,
-                 token_ids: list[int] | None, t: float) -> None:
+                 token_ids: list[int] | None, t: float, external_tokens: int = 0) -> None:
         """A request reaches a replica at ``t`` (it joins the engine's next step)."""
+        self._at(rep, t, lambda: self._add(rep.engine, rid, in_len, blocks, out_len, token_ids, t,
+                                           external_tokens, rid in self._prefill_leg))
+
+    def _kv_moved(self, rid: str, t: float) -> None:
+        """A split request's KV reached its decode replica: the prefill replica's held
+        blocks are released and the decode leg joins the decode replica's engine."""
+        prefill = self._prefill_leg.pop(rid)
+        self._at(prefill, t, lambda: prefill.engine.release_held(rid))
+        rep, in_len, blocks, out_len, token_ids = self._decode_leg.pop(rid)
+        self._deliver(rep, rid, in_len, blocks, out_len, token_ids, t, external_tokens=in_len)
+
+    def _at(self, rep: SimReplica, t: float, change: Callable[[], object]) -> None:
+        """Change ``rep``'s engine at ``t`` (a request joins, held blocks are freed): a
+        fused decode stretch in progress is cut at the step in progress at ``t``, which is
+        where a real engine would see the change."""
         e = rep.engine
         if rep.state == SimReplica.LAZY:
             # cut the decode stretch at the step in progress at t; while syncing, nested
@@ -445,21 +497,23 @@ class Simulator:
                     break
                 self._apply(rep, out, nxt)  # a step boundary at or before t
                 reached = nxt
-            self._add(e, rid, in_len, blocks, out_len, token_ids, t)
+            change()
             if in_progress is not None:
                 self._push(in_progress[0], self.STEP_DONE, (rep, in_progress[1]))
                 return
             rep.state = SimReplica.IDLE
             self._kick(rep, t)
             return
-        self._add(e, rid, in_len, blocks, out_len, token_ids, t)
+        change()
         if rep.state == SimReplica.IDLE:
             self._kick(rep, t)
 
     def _add(self, e: Engine, rid: str, in_len: int, blocks: list[int], out_len: int,
-             token_ids: list[int] | None, t: float) -> None:
-        e.add_request(rid, in_len, blocks, out_len, t, token_ids=token_ids)
-        self._engine_req[rid] = e.requests[rid]  # its cached prefix is read at its first token
+             token_ids: list[int] | None, t: float, external_tokens: int = 0, hold_blocks: bool = False) -> None:
+        e.add_request(rid, in_len, blocks, out_len, t, token_ids=token_ids, external_tokens=external_tokens,
+                      hold_blocks=hold_blocks)
+        if not external_tokens:  # its cached prefix is read at its (prefill's) first token
+            self._engine_req[rid] = e.requests[rid]
 
     def _kick(self, rep: SimReplica, t: float) -> None:
         """Schedule the replica's next step (or decode stretch) starting at ``t``."""
@@ -493,10 +547,15 @@ class Simulator:
                 decoded = routing_events(events)
                 for core in self._owner[rep.rid].cores:  # every balancer consumes every event
                     core.kv_events(rep.rid, decoded, t, self.num_blocks)
+        prefill_legs = self._prefill_leg
+        if cfg.record_tbt:
+            self._note_intervals(out, t)
         for rid in out.first_token:
             er = self._engine_req.pop(rid, None)
             if er is not None:
                 self._actual[int(rid)] = er.cached_tokens
+            if rid in prefill_legs:
+                continue  # a prefill leg's token is not the client's
             region, k = self._served_by[rid]
             origin, ok, client = self._origin[rid]
             # back to the client over the link from the replica's region
@@ -509,6 +568,21 @@ class Simulator:
             touched.add((region, k))
         finished = 0
         for rid in out.finished:
+            if rid in prefill_legs:
+                # its prefill leg answered: the decode leg's replica pulls the KV it lacks
+                region, k = self._served_by[rid]
+                decode = regions[region].cores[k].prefill_done(rid, t)
+                drep, in_len, blocks, _, _ = self._decode_leg[rid]
+                assert decode == drep.rid, (decode, drep.rid)
+                # what the decode replica holds now (a lazily stepped one brought up to t)
+                self._at(drep, t, _nothing)
+                lacking = in_len - drep.engine.cached_prefix_tokens(blocks, in_len)
+                moved = max(0, lacking) * self.profile.kv_bytes_per_token
+                self._push(t + cfg.kv_links.transfer_s(rep.rid, drep.rid, moved), self.KV_MOVED, rid)
+                touched.add((region, k))
+                continue
+            if cfg.record_tbt:
+                self._tbt[int(rid)] = self._tbt_of(rid)
             region, k = self._served_by.pop(rid)
             origin, ok, client = self._origin.pop(rid)
             self._finish[int(rid)] = t + cfg.latency_s(rep.region, client)
@@ -520,6 +594,34 @@ class Simulator:
         for region, k in touched:
             self._dispatch(self.regions[region], k, t)
         return finished
+
+    def _note_intervals(self, out: StepOutput, t: float) -> None:
+        """Each client token's interval since the request's last one, keeping its longest
+        tenth (a fused stretch's steps lengthen as the context grows: its longest are its
+        last ones)."""
+        last, longest, durations = self._last_token, self._longest, out.step_durations
+        for rid, n in out.tokens:
+            if rid in self._prefill_leg:
+                continue
+            before = last.get(rid)
+            last[rid] = t
+            if before is None:  # its first token
+                longest[rid] = []
+                continue
+            top = longest[rid]
+            keep = max(1, math.ceil(0.1 * (self._out[int(rid)] - 1)))
+            gaps = (t - before,) if n == 1 or durations is None else durations[-min(n, keep):]
+            for gap in gaps:
+                if len(top) < keep:
+                    heapq.heappush(top, gap)
+                elif gap > top[0]:
+                    heapq.heapreplace(top, gap)
+
+    def _tbt_of(self, rid: str) -> float:
+        """A finished request's TBT: the mean of its longest tenth of token intervals."""
+        self._last_token.pop(rid, None)
+        top = self._longest.pop(rid, None)
+        return sum(top) / len(top) if top else 0.0
 
     # ------------------------------------------------------------------ summaries
 

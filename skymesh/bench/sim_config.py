@@ -16,7 +16,9 @@ from typing import Any
 from skymesh.assembly import RoutingConfig, routing_assembly
 from skymesh.config import SloClassConfig
 from skymesh.config.routing import PolicyConfig
-from skymesh.routing.assembly import CostSeed, RegionAssembly
+from skymesh.hardware import PROFILES
+from skymesh.routing.assembly import CostSeed, PairingSettings, RegionAssembly
+from skymesh.routing.pairing.base import ROLES, DecodeCost, KvLinks, Role
 from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
 # the queue bound of every benchmark, simulated or live: effectively unbounded, so a
@@ -62,6 +64,18 @@ class SimConfig:
     # the pooled bound (skymesh/bench/des.py, "The pooled bound"): every replica of every
     # region behind one region core (POOL), clients paying the link to the replica's region
     pooled: bool = False
+    # prefill/decode pairs (skymesh/routing/pairing): per region, how many of its replicas
+    # are prefill-only and how many decode-only (the first ones, then the next ones; the
+    # rest are ``both``), the pair rule (skymesh/routing/pair_registry.py) and its options,
+    # the links KV moves over, and the TBT target a request without a class is priced by
+    pd_split: dict[str, tuple[int, int]] = field(default_factory=dict)
+    pair_rule: str = "never"
+    pair_options: dict[str, Any] = field(default_factory=dict)
+    kv_links: KvLinks = KvLinks()
+    tbt_slo_s: float = 0.1
+    # record each request's TBT (the mean of its longest 10% token intervals, Mooncake's):
+    # per-step intervals are then kept through fused decode stretches
+    record_tbt: bool = False
 
     @property
     def offload(self) -> bool:
@@ -92,6 +106,23 @@ def sim_region_assembly(cfg: SimConfig, name: str, seed: CostSeed) -> RegionAsse
     peers = {} if name == POOL else {o: cfg.latency_s(name, o) for o in cfg.regions if o != name}
     assembly = routing_assembly(cfg.routing, name, peer_one_way_s=peers, cost_seed=seed,
                                 kv_events=cfg.cache_view == "events")
-    return replace(assembly, offload=replace(assembly.offload, enabled=cfg.offload),
+    pairing = None
+    if cfg.pair_rule != "never":
+        pairing = PairingSettings(cfg.pair_rule, DecodeCost.of_profile(PROFILES[cfg.profile]), cfg.pair_options,
+                                  cfg.kv_links, cfg.tbt_slo_s)
+    return replace(assembly, offload=replace(assembly.offload, enabled=cfg.offload), pairing=pairing,
                    # no queue-wait deadline: goodput sweeps measure every request's TTFT however late
                    settings=replace(assembly.settings, max_queue_wait_s=None))
+
+
+def replica_roles(cfg: SimConfig, replica_ids: list[str], homes: dict[str, str]) -> dict[str, Role]:
+    """Each replica's role by ``cfg.pd_split``: of each region's replicas (in order), the
+    first are prefill-only, the next decode-only, the rest ``both``."""
+    roles: dict[str, Role] = {}
+    seen: dict[str, int] = {}
+    for rid in replica_ids:
+        region = homes[rid]
+        n_prefill, n_decode = cfg.pd_split.get(region, (0, 0))
+        k = seen[region] = seen.get(region, -1) + 1
+        roles[rid] = ROLES[1] if k < n_prefill else ROLES[2] if k < n_prefill + n_decode else ROLES[0]
+    return roles

@@ -53,6 +53,11 @@ class SimResult:
     region_names: tuple[str, ...] = ()
     client_region: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
     served_region: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    # per request: its TBT, the mean of its longest 10% token intervals (Mooncake's; 0 for
+    # one output token); NaN: not recorded (``SimConfig.record_tbt``) or not served
+    tbt: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # requests split into a prefill and a decode leg (skymesh/routing/pairing)
+    split: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def region_summaries(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """Per client region: the metric set of its own requests (attainment, TTFT, share

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from skymesh.assembly import sibling_settings
-from skymesh.bench.sim_config import SimConfig, sim_region_assembly
+from skymesh.bench.sim_config import SimConfig, replica_roles, sim_region_assembly
 from skymesh.replica_sim import kv_events as standin_events
 from skymesh.replica_sim.engine import Engine
 from skymesh.routing import kv_index
@@ -73,6 +73,8 @@ class SimRegion:
         for k in range(n):
             core = build_region_core(sim_region_assembly(cfg, name, seed))
             core.set_replicas(self.replica_ids, 0.0, homes=homes)
+            if cfg.pd_split:
+                core.set_roles(replica_roles(cfg, self.replica_ids, self.homes))
             if n > 1:
                 siblings = build_siblings(name, f"{name}-b{k}", core.settings.dispatch_budget,
                                           sibling_settings(cfg.routing.siblings))

@@ -17,6 +17,10 @@ class Engine(Scheduler):
     """The scheduler plus fused decode steps; see the scheduler for one step's rules and
     :class:`~skymesh.replica_sim.block_pool.BlockPool` for KV blocks and KV events."""
 
+    # a fused stretch's output lists each step's duration (a simulator measuring token
+    # intervals sets it; off, the stretch costs O(batch), not O(steps))
+    record_step_durations = False
+
     # ------------------------------------------------------------------ fast-forward
 
     def _pure_decode(self) -> bool:
@@ -116,6 +120,9 @@ class Engine(Scheduler):
             out = self.step(now)
             return now + out.duration_s, out
         out = StepOutput(steps=k, duration_s=duration(k))
+        if self.record_step_durations:
+            ends = [duration(j) for j in range(k + 1)]
+            out.step_durations = [ends[j + 1] - ends[j] for j in range(k)]
         tokens = out.tokens
         any_finished = False
         # the k steps' block events in the order single steps meet them: by step, then

@@ -32,6 +32,12 @@ class EngineRequest:
     target_tokens: int = 0
     # the token ids behind block_hashes (prompt, then output), for KV events only
     token_ids: list[int] | None = None
+    # a split request's decode leg: prompt tokens whose KV another replica computed and
+    # moved here (counted computed at its first admission; recomputed after a preemption)
+    external_tokens: int = 0
+    # a split request's prefill leg: its blocks stay held when it finishes, until the
+    # decode side has read them (``Scheduler.release_held``), as vLLM's producer does
+    hold_blocks: bool = False
 
     @property
     def prompt_tokens(self) -> int:

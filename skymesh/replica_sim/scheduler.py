@@ -38,6 +38,9 @@ class StepOutput:
     tokens: list[tuple[str, int]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # the duration of each of the ``steps`` steps, when the engine records them
+    # (``Engine.record_step_durations``) and the output covers several (a fused stretch)
+    step_durations: list[float] | None = None
 
 
 class Scheduler:
@@ -68,6 +71,8 @@ class Scheduler:
         # in admission order, so the most recently admitted request is always the last
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
+        # finished prefill legs whose blocks the decode side has not read yet
+        self.held: dict[str, list[int]] = {}
         self._admit_seq = 0
         # counters (vLLM counts prefix-cache queries and hits in tokens)
         self.prefix_cache_queries = 0
@@ -144,11 +149,18 @@ class Scheduler:
         max_tokens: int,
         now: float,
         token_ids: Sequence[int] | None = None,
+        *,
+        external_tokens: int = 0,
+        hold_blocks: bool = False,
     ) -> None:
         """``block_hashes``: the chained hashes of the full blocks of the prompt followed
         by the output (see :func:`~skymesh.replica_sim.block_pool.chained_block_hashes`); ``token_ids``: the same tokens as
-        ids, needed when KV events are recorded (each BlockStored carries them)."""
-        if request_id in self.requests:
+        ids, needed when KV events are recorded (each BlockStored carries them).
+        ``external_tokens``: a decode leg's prompt tokens whose KV arrived from its prefill
+        replica (all but the last are counted computed, as vLLM's decode side recomputes
+        the last one for its logits); ``hold_blocks``: a prefill leg, whose blocks stay
+        held after it finishes until :meth:`release_held`."""
+        if request_id in self.requests or request_id in self.held:
             raise ValueError(f"duplicate request id {request_id!r}")
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError("prompt_len and max_tokens must be >= 1")
@@ -156,7 +168,8 @@ class Scheduler:
         if need > self.num_blocks:
             # it could never run, even alone: vLLM rejects it up front as well
             raise ValueError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
-        r = EngineRequest(request_id, prompt_len, list(block_hashes), max_tokens, now)
+        r = EngineRequest(request_id, prompt_len, list(block_hashes), max_tokens, now,
+                          external_tokens=max(0, min(external_tokens, prompt_len)), hold_blocks=hold_blocks)
         if token_ids is not None:
             r.token_ids = list(token_ids)
         self.requests[request_id] = r
@@ -176,6 +189,21 @@ class Scheduler:
         r.state = DONE
         return True
 
+    def release_held(self, request_id: str) -> bool:
+        """The decode side read a finished prefill leg's blocks (or its lease ran out):
+        they are released, and stay cached until evicted. False: none held."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.release(blocks)
+        return True
+
+    def cached_prefix_tokens(self, block_hashes: Sequence[int], prompt_len: int) -> int:
+        """Prompt tokens of a request with ``block_hashes`` this engine's prefix cache holds
+        now (full blocks; the last prompt token never counts, as at admission)."""
+        bs = self.block_size
+        return len(self.pool.lookup(list(block_hashes), min(len(block_hashes), (prompt_len - 1) // bs))) * bs
+
     def drop_all_requests(self) -> list[str]:
         """Forget every request and the whole KV cache; returns the dropped request ids.
 
@@ -186,6 +214,7 @@ class Scheduler:
         engine loop is the same server to a scraper)."""
         dropped = list(self.requests)
         self.requests = {}
+        self.held = {}
         self.waiting = deque()
         self.running = []
         self.pool.clear()
@@ -237,12 +266,17 @@ class Scheduler:
         self.pool.alloc_many(-(-(r.target_tokens + 1) // bs) - n_hits, hits)
         r.blocks = hits
         r.num_computed = n_hits * bs
+        if r.external_tokens and r.preemptions == 0:
+            # the moved KV fills fresh blocks, cached as they are filled (vLLM caches
+            # received blocks); the last prompt token is recomputed
+            r.num_computed = max(r.num_computed, min(r.external_tokens, r.prompt_len - 1))
+            self.pool.register_computed(r, n_hits * bs)
         if r.preemptions == 0:
             # vLLM counts a request's prefix-cache query once, and keeps preempted
             # requests' re-queries out of these counters
-            r.cached_tokens = r.num_computed
+            r.cached_tokens = n_hits * bs
             self.prefix_cache_queries += r.prompt_len
-            self.prefix_cache_hits += r.num_computed
+            self.prefix_cache_hits += n_hits * bs
             self.prompt_tokens_total += r.prompt_len
         r.admitted_seq = self._admit_seq
         self._admit_seq += 1
@@ -365,8 +399,13 @@ class Scheduler:
         return out
 
     def _finish(self, r: EngineRequest, out: StepOutput) -> None:
-        """Release a finished request; the caller drops it from ``running`` in one pass."""
-        self._release(r)
+        """Release a finished request (a prefill leg's blocks stay held); the caller drops
+        it from ``running`` in one pass."""
+        if r.hold_blocks:
+            self.held[r.request_id] = r.blocks
+            r.blocks = []
+        else:
+            self._release(r)
         r.state = DONE
         self.requests.pop(r.request_id, None)
         out.finished.append(r.request_id)

@@ -19,6 +19,8 @@ from skymesh.routing.kv_index import KvIndexes
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger, snapshot_trie_max_nodes
 from skymesh.routing.options import PolicyOptions
+from skymesh.routing.pair_registry import make_pair_rule
+from skymesh.routing.pairing.base import DecodeCost, KvLinks, PairContext
 from skymesh.routing.region import RegionCore, RegionSettings
 from skymesh.routing.registry import make_policy
 from skymesh.routing.siblings import RegionSiblings
@@ -65,6 +67,19 @@ class OffloadSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PairingSettings:
+    """Prefill/decode pairs (skymesh/routing/pairing): the pair rule by its registry name
+    (skymesh/routing/pair_registry.py) and options, the replicas' step and KV costs, the
+    links KV moves over and the TBT target of a request without a class."""
+
+    rule: str
+    cost: DecodeCost
+    options: Mapping[str, Any] = field(default_factory=dict)
+    links: KvLinks = KvLinks()
+    tbt_slo_s: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
 class RegionAssembly:
     """Everything one region's core is built from."""
 
@@ -77,6 +92,8 @@ class RegionAssembly:
     peer_one_way_s: Mapping[str, float]
     # the replicas publish KV events: the region model gets the per-replica block indexes
     kv_events: bool
+    # prefill/decode pairs; None: every request runs whole where the policy puts it
+    pairing: PairingSettings | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +137,14 @@ def build_region_core(assembly: RegionAssembly) -> RegionCore:
         options=policy.options,
         model=model,
     )
-    return RegionCore(assembly.region, make_policy(policy.name, ctx), build_offload_router(assembly),
+    core = RegionCore(assembly.region, make_policy(policy.name, ctx), build_offload_router(assembly),
                       assembly.settings, model)
+    pairing = assembly.pairing
+    if pairing is not None:
+        core.local.pair_rule = make_pair_rule(pairing.rule, pairing.options, PairContext(
+            model=model, cost=pairing.cost, links=pairing.links, ttft_slo_s=policy.ttft_slo_s,
+            tbt_slo_s=pairing.tbt_slo_s))
+    return core
 
 
 def build_offload_router(assembly: RegionAssembly) -> OffloadRouter:

@@ -11,6 +11,7 @@ carries a :class:`~skymesh.routing.model.RegionModel`, so this module imports th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -23,6 +24,11 @@ from skymesh.routing.request import RoutingRequest
 __all__ = [
     "Decision", "Migration", "Policy", "PolicyContext", "ReplicaView", "RoutingRequest",
 ]
+
+
+# the time constant of a replica's prefill rate (ReplicaView.prefill_rate): long enough to
+# span a decode's life, short enough to follow the load
+PREFILL_RATE_TAU_S = 10.0
 
 
 @dataclass(slots=True)
@@ -42,6 +48,36 @@ class ReplicaView:
     # several balancers its siblings' as they last said (skymesh/routing/dispatcher.py)
     pending_prefill_tokens: int = 0
     in_flight: int = 0  # dispatched by this balancer and not finished
+    # decode legs of split requests (prefill elsewhere) booked here by this balancer and
+    # not yet started, and the KV tokens they will hold (prompt + output); not pushes:
+    # the push budget governs the replicas that prefill (skymesh/routing/pairing)
+    pending_decodes: int = 0
+    pending_decode_tokens: int = 0
+    # uncached prompt tokens dispatched here for prefill, per second, decayed
+    # exponentially (time constant PREFILL_RATE_TAU_S) since ``prefill_rate_at``: how
+    # often a decode here will share its step with a prefill chunk
+    prefill_rate: float = 0.0
+    prefill_rate_at: float = 0.0
+    prefill_rate_since: float | None = None  # the first dispatch it counts
+
+    def prefill_rate_now(self, now: float) -> float:
+        """``prefill_rate`` decayed to ``now``; over its first time constants divided by
+        the weight it has had time to gather (a young average is not biased to 0)."""
+        since = self.prefill_rate_since
+        if since is None or now <= since:
+            return 0.0
+        weight = 1.0 - math.exp(-(now - since) / PREFILL_RATE_TAU_S)
+        return self.prefill_rate * math.exp(-max(0.0, now - self.prefill_rate_at) / PREFILL_RATE_TAU_S) / weight
+
+    def add_prefill(self, tokens: int, now: float) -> None:
+        """``tokens`` of prefill were dispatched here at ``now``."""
+        if self.prefill_rate_since is None:
+            # as if counted from one time constant's hundredth earlier: a first dispatch
+            # reads as a rate, not as an infinity
+            self.prefill_rate_since = now - PREFILL_RATE_TAU_S / 100
+        self.prefill_rate = (self.prefill_rate * math.exp(-max(0.0, now - self.prefill_rate_at) / PREFILL_RATE_TAU_S)
+                             + tokens / PREFILL_RATE_TAU_S)
+        self.prefill_rate_at = now
 
 
 @dataclass(slots=True)
@@ -52,6 +88,10 @@ class Decision:
     reason: str = ""
     matched_tokens: int = 0  # prefix tokens the policy expects to hit in the replica cache
     estimated_ttft_s: float | None = None
+    # a split request (skymesh/routing/pairing): its prefill runs on ``replica_id`` and its
+    # decode here, the KV moved between them (estimated ``transfer_s``); None: whole
+    decode_replica_id: str | None = None
+    transfer_s: float = 0.0
 
 
 @dataclass(slots=True)

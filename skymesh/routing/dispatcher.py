@@ -18,13 +18,14 @@ drive this class; it never reads a clock or touches I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import QueueDiscipline
+from skymesh.routing.pairing.base import PairRule, Role, does_prefill
 from skymesh.routing.push_budget import PushBudget
 from skymesh.routing.queueing import PriorityQueue
 from skymesh.routing.siblings import SiblingLoad
@@ -40,14 +41,22 @@ class _Queued:
     excluded: set[str] = field(default_factory=set)  # replicas that already failed it
 
 
+# the legs of an in-flight request: whole on one replica, or a split one's prefill leg
+# (on its prefill replica) and then its decode leg (on its decode replica)
+WHOLE, PREFILL_LEG, DECODE_LEG = 0, 1, 2
+
+
 @dataclass(slots=True)
 class _InFlight:
     req: RoutingRequest
-    replica_id: str
+    replica_id: str  # the replica of its current leg
     dispatched_at: float
     prefill_tokens: int  # counted in the replica's pending_prefill_tokens until first token
     excluded: set[str]
     first_token_at: float | None = None
+    leg: int = WHOLE
+    decode_replica_id: str | None = None  # a split request's decode replica
+    decode_tokens: int = 0  # the KV tokens booked there (prompt + output) until its first token
 
 
 @dataclass(slots=True)
@@ -107,6 +116,11 @@ class BalancerCore:
         self.wants: dict[str, int] = {}
         # replicas leaving membership: no new dispatch, requests in flight on them finish
         self.draining: frozenset[str] = frozenset()
+        # prefill/decode pairs (skymesh/routing/pairing): each replica's role (missing:
+        # ``both``) and the rule that splits requests; None: every request runs whole
+        self.roles: dict[str, Role] = {}
+        self._decode_only: frozenset[str] = frozenset()
+        self.pair_rule: PairRule | None = None
 
     @property
     def dispatch_budget(self) -> int:
@@ -148,9 +162,16 @@ class BalancerCore:
                 self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
                 self.budget.add_replica(rid)
                 self.dispatches_per_replica.setdefault(rid, 0)
-        self.policy.set_replicas(wanted)
+        self.policy.set_replicas([rid for rid in wanted if rid not in self._decode_only])
         if self.discipline is not None:
             self.discipline.set_replicas(wanted)
+
+    def set_roles(self, roles: Mapping[str, Role]) -> None:
+        """Each replica's role (missing: ``both``). Decode-only replicas are not offered to
+        the policy: they take decode legs, or whole requests a pair rule sends them."""
+        self.roles = {rid: role for rid, role in roles.items() if role != "both"}
+        self._decode_only = frozenset(rid for rid, role in self.roles.items() if not does_prefill(role))
+        self.policy.set_replicas([rid for rid in self.replicas if rid not in self._decode_only])
 
     def update_replica(
         self,
@@ -329,6 +350,12 @@ class BalancerCore:
                 raise RuntimeError(
                     f"policy {self.policy.name!r} chose unavailable replica {decision.replica_id!r}"
                 )
+            if self.pair_rule is not None:
+                paired = self._pair(q, decision, now)
+                if paired is None:  # no replica can decode it now: it waits
+                    held += 1
+                    continue
+                decision = paired
             if self.budget.awaits_lease(decision.replica_id):
                 # free region-wide, not here: the unit's home leases it in its next message
                 # (the want says so); the request keeps its cache-affine pick meanwhile
@@ -374,10 +401,32 @@ class BalancerCore:
         return q
 
     def _views_for(self, q: _Queued) -> dict[str, ReplicaView]:
+        """The replicas the policy may pick for ``q``: allowed, and not decode-only."""
         excluded = self._disallowed(q)
+        if self._decode_only:
+            excluded = excluded | self._decode_only
         if not excluded:
             return self.replicas
         return {k: v for k, v in self.replicas.items() if k not in excluded}
+
+    def _pair(self, q: _Queued, decision: Decision, now: float) -> Decision | None:
+        """The pair rule's word on the policy's pick: whole there, whole on another
+        replica that may take it now, or split (prefill there, decode elsewhere)."""
+        assert self.pair_rule is not None
+        excluded = self._disallowed(q)
+        choice = self.pair_rule.choose(q.req, decision, self.replicas, self.roles, excluded, now)
+        if choice is None:
+            return None
+        p = choice.prefill_replica_id
+        if p != decision.replica_id:
+            view = self.replicas.get(p)
+            if view is None or not view.available or p in excluded:
+                raise RuntimeError(f"pair rule {self.pair_rule.name!r} moved a request to unavailable replica {p!r}")
+        elif choice.decode_replica_id is None:
+            return decision
+        return Decision(p, decision.reason if p == decision.replica_id else choice.reason,
+                        choice.matched_tokens, choice.predicted_ttft_s, decode_replica_id=choice.decode_replica_id,
+                        transfer_s=choice.transfer_s)
 
     def has_allowed_available(self, req: RoutingRequest) -> bool:
         """Some replica this queued request may run on is available now."""
@@ -392,15 +441,24 @@ class BalancerCore:
         prefill = max(0, q.req.prompt_tokens - decision.matched_tokens)
         view.pending_prefill_tokens += prefill
         view.in_flight += 1
+        if self.pair_rule is not None:
+            view.add_prefill(prefill, now)
         self.budget.pushed(rid, now)
         self._refresh_available(view)
-        self._in_flight[q.req.request_id] = _InFlight(
+        f = self._in_flight[q.req.request_id] = _InFlight(
             req=q.req,
             replica_id=rid,
             dispatched_at=now,
             prefill_tokens=prefill,
             excluded=q.excluded,
         )
+        d = decision.decode_replica_id
+        if d is not None:
+            f.leg, f.decode_replica_id = PREFILL_LEG, d
+            f.decode_tokens = q.req.prompt_tokens + q.req.max_tokens
+            dview = self.replicas[d]
+            dview.pending_decodes += 1
+            dview.pending_decode_tokens += f.decode_tokens
         self.counters.dispatched += 1
         if decision.reason == "spill":
             self.counters.spilled += 1
@@ -410,6 +468,8 @@ class BalancerCore:
         self.policy.on_dispatch(q.req, rid, now)
         if self.record_dispatch is not None:
             self.record_dispatch(q.req, rid, now)
+            if d is not None:  # the decode replica holds the prompt's KV once moved
+                self.record_dispatch(q.req, d, now)
 
     def take_for_offload(self, request_ids: Iterable[str]) -> list[RoutingRequest]:
         """Remove queued requests that the region layer forwards to a peer balancer."""
@@ -430,9 +490,13 @@ class BalancerCore:
         response arrives whole), so the policy's TTFT model is not fed end-to-end times.
         """
         f = self._in_flight.get(request_id)
-        if f is None or f.first_token_at is not None:
+        if f is None or f.first_token_at is not None or f.leg == PREFILL_LEG:
             return None
         f.first_token_at = now
+        if f.leg == DECODE_LEG:
+            # the decode leg started: its booking there is the replica's own figures now
+            self._unbook_decode(f)
+            return now - f.dispatched_at
         view = self.replicas.get(f.replica_id)
         if view is not None:
             view.pending_prefill_tokens -= f.prefill_tokens
@@ -446,6 +510,33 @@ class BalancerCore:
             self.policy.on_first_token(f.req, f.replica_id, ttft, now)
         return ttft
 
+    def on_prefill_done(self, request_id: str, now: float) -> str | None:
+        """A split request's prefill leg answered (its KV is ready to move): the prefill
+        replica's booking ends as a whole request's would at its first token and its end
+        (the policy observes the leg's time as a TTFT), and the request's leg is now its
+        decode, on the replica returned (None: not a prefill leg in flight here)."""
+        f = self._in_flight.get(request_id)
+        if f is None or f.leg != PREFILL_LEG or f.decode_replica_id is None:
+            return None
+        f.leg = WHOLE
+        self.on_first_token(request_id, now)
+        view = self.replicas.get(f.replica_id)
+        if view is not None:
+            view.in_flight -= 1
+            self._refresh_available(view)
+        self.policy.on_complete(f.req, f.replica_id, True, now)
+        f.leg, f.replica_id, f.first_token_at, f.prefill_tokens = DECODE_LEG, f.decode_replica_id, None, 0
+        return f.replica_id
+
+    def _unbook_decode(self, f: _InFlight) -> None:
+        if f.decode_tokens == 0 or f.decode_replica_id is None:
+            return
+        view = self.replicas.get(f.decode_replica_id)
+        if view is not None:
+            view.pending_decodes -= 1
+            view.pending_decode_tokens -= f.decode_tokens
+        f.decode_tokens = 0
+
     def on_complete(self, request_id: str, ok: bool, now: float) -> None:
         f = self._in_flight.pop(request_id, None)
         if f is None:
@@ -455,7 +546,8 @@ class BalancerCore:
             self.counters.completed += 1
         else:
             self.counters.failed += 1
-        self.policy.on_complete(f.req, f.replica_id, ok, now)
+        if f.leg != DECODE_LEG:  # a decode leg's prefill replica was released at its end
+            self.policy.on_complete(f.req, f.replica_id, ok, now)
 
     def give_up(self, request_id: str, now: float) -> None:
         """The attempt failed before the first byte and the request has no placement left
@@ -475,7 +567,8 @@ class BalancerCore:
         if f is None:
             return False
         self._release(f)
-        self.policy.on_complete(f.req, f.replica_id, False, now)
+        if f.leg != DECODE_LEG:
+            self.policy.on_complete(f.req, f.replica_id, False, now)
         # stop sending there until the next probe says otherwise (whether the replica is
         # ejected is the region core's health tracker's call, with hysteresis)
         self.hold(f.replica_id)
@@ -494,6 +587,9 @@ class BalancerCore:
         self.on_complete(request_id, False, now)
 
     def _release(self, f: _InFlight) -> None:
+        self._unbook_decode(f)
+        if f.leg == DECODE_LEG:
+            return  # its prefill replica was released when its prefill leg answered
         view = self.replicas.get(f.replica_id)
         if view is None:
             return
@@ -520,6 +616,7 @@ class BalancerCore:
                     "pending_prefill_tokens": self.own_pending_prefill(rid),
                     **({"region_pending_prefill_tokens": v.pending_prefill_tokens} if self.budget.shared else {}),
                     "in_flight": v.in_flight,
+                    **({"role": self.roles[rid], "pending_decodes": v.pending_decodes} if rid in self.roles else {}),
                     "dispatched": self.dispatches_per_replica.get(rid, 0),
                 }
                 for rid, v in self.replicas.items()

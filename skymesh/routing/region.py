@@ -41,6 +41,7 @@ from skymesh.routing.kv_index import KvEvent
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.offload_selection import OffloadSelection
+from skymesh.routing.pairing.base import Role
 from skymesh.routing.queue_deadlines import QueueDeadlines
 from skymesh.routing.queue_registry import make_discipline
 from skymesh.routing.region_actions import (
@@ -504,6 +505,22 @@ class RegionCore:
                                   f"peer region {region} {what} and no other replica or region that may "
                                   "serve this request is available", self.settings.retry_after_s))
         return actions
+
+    def set_roles(self, roles: Mapping[str, Role]) -> None:
+        """Each replica's prefill/decode role (missing: ``both``; skymesh/routing/pairing)."""
+        self.local.set_roles(roles)
+
+    def prefill_done(self, request_id: str, now: float) -> str | None:
+        """A split request's prefill leg answered with its KV ready to move: the request is
+        now its decode leg's, on the replica returned, which the driver calls next with the
+        prefill's transfer parameters (None: no such leg in flight; nothing changed)."""
+        t = self._requests.get(request_id)
+        if t is None or t.state is not RequestState.PLACED or t.on_peer:
+            return None
+        decode = self.local.on_prefill_done(request_id, now)
+        if decode is not None:
+            t.target = decode
+        return decode
 
     def first_token(self, request_id: str, now: float, *, observe: bool = True) -> float | None:
         """The first byte of the answer reached the balancer (and is about to reach the

@@ -1,0 +1,86 @@
+"""``conductor``: Mooncake's Conductor (Algorithm 1), per request. Every placement the
+request may have is priced by :mod:`.pricing` — whole on the policy's pick, whole on a
+decode replica that may take it now, and split from the policy's pick to each decode
+replica with room for its KV — and the one with the lowest predicted TTFT among those
+expected to meet both the TTFT and the TBT target wins; whole wins a tie, as the cheaper
+(one replica's work, no KV moved). A split therefore happens exactly where it pays: where
+decoding beside the region's prefill would break the TBT target, or where the policy's
+pick cannot decode. When no placement meets both targets the one that misses them least
+(the largest ratio of prediction to target) is taken, a split on a tie: the early
+rejection at admission is the region's (skymesh/routing/admission), by TTFT.
+
+Not modelled: pulling a better cached prefix from another replica to the prefill replica
+(Mooncake's ``kvcache_balancing_threshold``); the policy's pick is the prefill replica."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from skymesh.routing.pairing.base import PairChoice, PairContext, PairOptions, Role, does_decode
+from skymesh.routing.pairing.pricing import Candidate, PairPricing
+
+if TYPE_CHECKING:
+    from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ConductorOptions(PairOptions):
+    # also price the request whole on each decode replica that may take it now (the
+    # decode replica doing its own prefill, as the peers' threshold rule lets it). Off by
+    # default: a prefill there lengthens the steps of every decode it holds, which the
+    # price of this one request does not show (on the long-context day it let decode
+    # replicas fill with prefill until no placement met the TBT target)
+    whole_on_decode: bool = False
+
+
+class Conductor:
+    name = "conductor"
+
+    def __init__(self, options: ConductorOptions, ctx: PairContext) -> None:
+        self.options = options
+        self.pricing = PairPricing(ctx)
+
+    @classmethod
+    def build(cls, options: ConductorOptions, ctx: PairContext) -> Conductor:
+        return cls(options, ctx)
+
+    def candidates(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],
+                   roles: Mapping[str, Role], excluded: AbstractSet[str], now: float) -> list[Candidate]:
+        """Every placement priced, whole ones first (the tie rule)."""
+        p = decision.replica_id
+        assert p is not None
+        pricing = self.pricing
+        decoders = [rid for rid, v in views.items()
+                    if rid not in excluded and v.healthy and does_decode(roles.get(rid, "both"))
+                    and pricing.kv_fits(req, v)]
+        matched = pricing.matched(req, list(dict.fromkeys([p, *decoders])))
+        pv = views[p]
+        whole: list[Candidate] = []
+        if does_decode(roles.get(p, "both")) and p in decoders:
+            whole.append(pricing.aggregated(req, pv, matched[p], now))
+        split: list[Candidate] = []
+        for d in decoders:
+            if d == p:
+                continue
+            dv = views[d]
+            if self.options.whole_on_decode and dv.available:
+                whole.append(pricing.aggregated(req, dv, matched[d], now))
+            split.append(pricing.split(req, pv, dv, matched[p], matched[d], now))
+        return whole + split
+
+    def choose(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],
+               roles: Mapping[str, Role], excluded: AbstractSet[str], now: float) -> PairChoice | None:
+        cands = self.candidates(req, decision, views, roles, excluded, now)
+        if not cands:
+            return None
+        ttft_slo, tbt_slo = self.pricing.targets(req)
+        fit = [c for c in cands if c.meets(ttft_slo, tbt_slo)]
+        if fit:
+            best = min(fit, key=lambda c: c.ttft_s)  # min keeps the first of equals: whole first
+            return best.choice("meets both targets")
+        # ties go to a split: a whole request adds its prefill where others decode
+        best = min(cands, key=lambda c: (c.violation(ttft_slo, tbt_slo), c.decode is None))
+        return best.choice("misses least")

@@ -1,0 +1,143 @@
+"""The pricing every pair rule shares (Mooncake's Algorithm 1, per candidate placement):
+
+- **TTFT** of a prefill on replica q: the region's cost model (the policy's, refitted
+  online) over q's pending prefill ahead and the request's tokens q does not hold; a split
+  adds moving the KV q computed that the decode replica d lacks (``KvLinks``: bytes per
+  token from the model's shape, the pair's bandwidth and latency) and d's first step.
+- **TBT** on the replica that decodes: the engine step it will run, by the profile's
+  roofline, with its running batch, the decode legs booked there and not yet started, and
+  its KV read, and how often a prefill chunk will share that step (its pending prefill
+  and its recent prefill rate) — Mooncake's TBT is the mean of a request's longest 10%
+  token intervals, and those are the steps a prefill chunk shares (:meth:`tbt_s`).
+- **KV room** on the decode replica: its used KV (the last probe) plus the decode legs
+  booked there plus this request's prompt and output must fit its capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from skymesh.routing.pairing.base import PairChoice, PairContext
+
+# Mooncake's TBT: the mean of a request's longest TBT_TOP_SHARE of token intervals
+TBT_TOP_SHARE = 0.1
+# the TBT priced is the one a request meets with 90% chance (z of the normal's 0.9 quantile)
+TBT_QUANTILE_Z = 1.2816
+
+if TYPE_CHECKING:
+    from skymesh.routing.base import ReplicaView, RoutingRequest
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One priced placement: prefill (or the whole request) on ``prefill``, decode on
+    ``decode`` (None: on ``prefill`` itself)."""
+
+    prefill: str
+    decode: str | None
+    ttft_s: float
+    tbt_s: float
+    matched_tokens: int
+    transfer_s: float = 0.0
+
+    def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+        return self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_slo_s
+
+    def violation(self, ttft_slo_s: float, tbt_slo_s: float) -> float:
+        """How far past its targets it is expected to end (<= 1: meets both)."""
+        return max(self.ttft_s / ttft_slo_s, self.tbt_s / tbt_slo_s)
+
+    def choice(self, reason: str) -> PairChoice:
+        return PairChoice(self.prefill, self.decode, reason, self.matched_tokens, self.ttft_s, self.tbt_s,
+                          self.transfer_s)
+
+
+class PairPricing:
+    """Prices placements for one request at a time (the cache lookups it needs are made
+    once per request: :meth:`matched`)."""
+
+    def __init__(self, ctx: PairContext) -> None:
+        self.ctx = ctx
+
+    def targets(self, req: RoutingRequest) -> tuple[float, float]:
+        """The request's (TTFT, TBT) targets: its class's, else the region's."""
+        return (req.slo_ttft_s if req.slo_ttft_s is not None else self.ctx.ttft_slo_s,
+                req.slo_tpot_s if req.slo_tpot_s is not None else self.ctx.tbt_slo_s)
+
+    def matched(self, req: RoutingRequest, replica_ids: list[str]) -> dict[str, int]:
+        """Prompt tokens each replica is expected to hold (the region's CacheView)."""
+        model = self.ctx.model
+        per = model.cache.match_per_target(req.chunk_hashes, replica_ids)
+        return {rid: min(req.prompt_tokens, n * model.chunk_tokens) for rid, n in per.items()}
+
+    def kv_fits(self, req: RoutingRequest, view: ReplicaView) -> bool:
+        cost = self.ctx.cost
+        used = view.kv_usage * cost.kv_capacity_tokens + view.pending_decode_tokens
+        return used + req.prompt_tokens + req.max_tokens <= cost.kv_capacity_tokens
+
+    def prefill_ttft_s(self, req: RoutingRequest, view: ReplicaView, matched: int) -> float:
+        return self.ctx.model.estimator.estimate(view.pending_prefill_tokens, req.prompt_tokens - matched)
+
+    def decode_step_s(self, req: RoutingRequest, view: ReplicaView, prefill_tokens: int) -> float:
+        """The step ``view``'s replica runs once this request decodes there, beside
+        ``prefill_tokens`` of prefill (capped at one chunk)."""
+        cost = self.ctx.cost
+        batch = view.num_running + view.pending_decodes + 1
+        context = view.kv_usage * cost.kv_capacity_tokens + view.pending_decode_tokens + req.prompt_tokens
+        chunk = min(cost.max_num_batched_tokens - batch, prefill_tokens) if prefill_tokens > 0 else 0
+        return cost.step_s(max(0, chunk), batch, int(context))
+
+    def tbt_s(self, req: RoutingRequest, view: ReplicaView, now: float) -> float:
+        """The TBT a decode on ``view``'s replica is expected to see: the mean of its
+        longest 10% steps. Of its M = ``max_tokens`` steps, x carry a prefill chunk (a
+        budget of tokens, or a prompt like this one's when shorter): the chunks of the
+        prefill pending there now, and those of the prefill the replica is sent at its
+        recent rate r (chunks per second) while it decodes, which lasts as long as its
+        steps do: x = P + r (x s_chunk + (M - x) s_plain). At x >= 10% of M its longest
+        tenth are all chunk steps; below, they mix with plain ones."""
+        cost = self.ctx.cost
+        plain = self.decode_step_s(req, view, 0)
+        chunk_tokens = max(1, min(cost.max_num_batched_tokens, req.prompt_tokens))
+        with_chunk = self.decode_step_s(req, view, chunk_tokens)
+        steps = max(1, req.max_tokens)
+        chunks_per_s = view.prefill_rate_now(now) / chunk_tokens
+        room = 1.0 - chunks_per_s * (with_chunk - plain)
+        if room <= 0.0:  # prefill arrives faster than the replica runs it: every step has a chunk
+            return with_chunk
+        x = (view.pending_prefill_tokens / chunk_tokens + chunks_per_s * steps * plain) / room
+        # chunks arrive at random: price the count a decode meets in TBT_QUANTILE of cases
+        # (Poisson, by its normal approximation), so a request meets its target with that
+        # chance rather than with even odds at the boundary
+        f = (x + TBT_QUANTILE_Z * math.sqrt(x)) / steps
+        if f >= TBT_TOP_SHARE:
+            return with_chunk
+        return (f * with_chunk + (TBT_TOP_SHARE - f) * plain) / TBT_TOP_SHARE
+
+    def aggregated(self, req: RoutingRequest, view: ReplicaView, matched: int, now: float) -> Candidate:
+        ttft = self.prefill_ttft_s(req, view, matched)
+        return Candidate(view.replica_id, None, ttft, self.tbt_s(req, view, now), matched)
+
+    def split(self, req: RoutingRequest, prefill: ReplicaView, decode: ReplicaView, matched_prefill: int,
+              matched_decode: int, now: float) -> Candidate:
+        """Prefill on ``prefill``, the KV ``decode`` lacks moved there, decode on ``decode``
+        (which recomputes the prompt's last token, as vLLM's decode side does)."""
+        ctx = self.ctx
+        moved = max(0, req.prompt_tokens - matched_decode) * ctx.cost.kv_bytes_per_token
+        transfer = ctx.links.transfer_s(prefill.replica_id, decode.replica_id, moved)
+        first_step = self.decode_step_s(req, decode, decode.pending_prefill_tokens)
+        ttft = self.prefill_ttft_s(req, prefill, matched_prefill) + transfer + first_step
+        return Candidate(prefill.replica_id, decode.replica_id, ttft, self.tbt_s(req, decode, now), matched_prefill,
+                         transfer)
+
+
+def decode_load(view: ReplicaView) -> tuple[int, float]:
+    """How loaded a replica's decode side is: sequences running or booked, then KV use."""
+    return view.num_running + view.pending_decodes, view.kv_usage
+
+
+def least_loaded_decode(views: Mapping[str, ReplicaView], candidates: list[str]) -> str | None:
+    best = min(candidates, key=lambda rid: (decode_load(views[rid]), rid), default=None)
+    return best
