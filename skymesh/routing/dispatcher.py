@@ -413,7 +413,8 @@ class BalancerCore:
         """The pair rule's word on the policy's pick: whole there, whole on another
         replica that may take it now, or split (prefill there, decode elsewhere)."""
         assert self.pair_rule is not None
-        excluded = self._disallowed(q)
+        # a draining replica takes no new leg either
+        excluded = self._disallowed(q) | self.draining
         choice = self.pair_rule.choose(q.req, decision, self.replicas, self.roles, excluded, now)
         if choice is None:
             return None
