@@ -301,3 +301,33 @@ def test_a_prefill_legs_blocks_stay_held_until_released() -> None:
     assert e.held == {} and e.pool.num_free == e.num_blocks
     assert e.cached_prefix_tokens(blocks, 800) == (799 // 16) * 16  # released, still cached
     assert e.cached_prefix_tokens([9999, *blocks], 800) == 0
+
+
+def test_a_tbt_target_makes_a_request_within_its_ttft_but_not_its_tbt_a_miss() -> None:
+    from skymesh.bench.scores import summarize_arrays
+
+    arrival = np.array([0.0, 1.0, 2.0, 3.0])
+    ttft = np.array([0.5, 0.5, 3.0, np.nan])  # the last one rejected
+    tbt = np.array([0.05, 0.2, 0.05, np.nan])
+    common = (arrival, ttft, ttft + 1, np.ones(4), np.array([False, False, False, True]), np.zeros(4, dtype=bool), 2.0)
+    assert summarize_arrays(*common)["slo_attainment"] == 0.5
+    judged = summarize_arrays(*common, tbt=tbt, tbt_slo_s=0.1)
+    assert judged["slo_attainment"] == 0.25 and judged["tbt_p90"] == 0.2
+
+
+def test_skymesh_sim_reads_the_pd_flags() -> None:
+    import argparse
+
+    from skymesh.bench import sim_setup
+
+    p = argparse.ArgumentParser()
+    sim_setup.add_arguments(p)
+    args = p.parse_args(["--trace", "hot-prefix", "--regions", "3", "--replicas", "4", "--pd-split", "eu-west-1=1:2",
+                         "--pair-rule", "threshold", "--pair-option", "threshold_tokens=512", "--tbt-slo", "0.08"])
+    cfg = sim_setup.sim_config(args, "dualmap")
+    assert cfg.pd_split == {"eu-west-1": (1, 2)} and cfg.pair_rule == "threshold"
+    assert cfg.pair_options == {"threshold_tokens": 512} and cfg.record_tbt and cfg.tbt_slo_s == 0.08
+    with pytest.raises(SystemExit):
+        sim_setup.pd_split("nowhere=1:1", ["us-east-1"])
+    with pytest.raises(SystemExit):
+        sim_setup.pd_split("1-1", ["us-east-1"])

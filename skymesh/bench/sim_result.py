@@ -59,15 +59,25 @@ class SimResult:
     # requests split into a prefill and a decode leg (skymesh/routing/pairing)
     split: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
-    def region_summaries(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
+    def region_summaries(self, slo_s: float, warmup_s: float = 0.0,
+                         tbt_slo_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Per client region: the metric set of its own requests (attainment, TTFT, share
         offloaded, ...), as :meth:`summary` gives it for all."""
         out = {}
         for k, name in enumerate(self.region_names):
             sel = self.client_region == k
             out[name] = summarize_arrays(self.arrival[sel], self.ttft[sel], self.e2e[sel], self.output_len[sel],
-                                         self.rejected[sel], self.offloaded[sel], slo_s, warmup_s=warmup_s)
+                                         self.rejected[sel], self.offloaded[sel], slo_s, warmup_s=warmup_s,
+                                         **self._tbt_judged(tbt_slo_s, sel))
         return out
+
+    def _tbt_judged(self, tbt_slo_s: float | None, sel: np.ndarray | None = None) -> dict[str, Any]:
+        """The TBT arguments of :func:`summarize_arrays`: none unless a target is given."""
+        if tbt_slo_s is None:
+            return {}
+        if self.tbt.size != self.arrival.size or (np.isnan(self.tbt).all() and not self.rejected.all()):
+            raise ValueError("a TBT target needs the run to record TBT (SimConfig.record_tbt)")
+        return {"tbt": self.tbt if sel is None else self.tbt[sel], "tbt_slo_s": tbt_slo_s}
 
     def class_summaries(self, warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """Per SLO class: its requests, attainment (every target it can be judged on met;
@@ -78,10 +88,15 @@ class SimResult:
             for k, (name, targets) in enumerate(zip(self.slo_class_names, self.slo_class_targets, strict=True))
         }
 
-    def summary(self, slo_s: float, warmup_s: float = 0.0) -> dict[str, Any]:
-        return summarize_arrays(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
-                                self.offloaded, slo_s, prefix_hit_rate=self.prefix_hit_rate,
-                                load_cv_value=self.load_cv, warmup_s=warmup_s)
+    def summary(self, slo_s: float, warmup_s: float = 0.0, tbt_slo_s: float | None = None) -> dict[str, Any]:
+        """The metric set (skymesh/bench/scores.py); with ``tbt_slo_s`` a request meets the
+        SLO only within both its TTFT and its TBT target."""
+        out = summarize_arrays(self.arrival, self.ttft, self.e2e, self.output_len, self.rejected,
+                               self.offloaded, slo_s, prefix_hit_rate=self.prefix_hit_rate,
+                               load_cv_value=self.load_cv, warmup_s=warmup_s, **self._tbt_judged(tbt_slo_s))
+        if self.split.any():
+            out["split_share"] = round(float(self.split.mean()), 4)
+        return out
 
     def prediction_accuracy(self, block_tokens: int, warmup_s: float = 0.0) -> float | None:
         """Share of admitted requests whose predicted cached prefix is within one block

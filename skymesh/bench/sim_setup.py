@@ -41,6 +41,7 @@ from skymesh.bench.workloads import (
 from skymesh.config import MeshConfig, load_config_for_command
 from skymesh.config.routing import OffloadConfig, OffloadRule, QueueConfig
 from skymesh.routing.offload import OffloadTrigger
+from skymesh.routing.pair_registry import PAIR_RULES
 from skymesh.routing.registry import (
     PolicyOptionsError,
     UnknownPolicyError,
@@ -201,6 +202,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="h100-qwen2.5-7b", action=Given,
                    help="the replicas' hardware profile (--config: their sim.profile)")
     p.add_argument("--slo", type=float, default=2.0, action=Given, help="TTFT SLO in seconds")
+    p.add_argument("--tbt-slo", type=float, default=None,
+                   help="TBT target in seconds (the mean of a request's longest 10%% token intervals, Mooncake's): "
+                        "a request meets the SLO only within both; records TBT, prices decode legs")
+    p.add_argument("--pd-split", default=None, metavar="P:D | REGION=P:D,...",
+                   help="prefill/decode pools: P prefill-only and D decode-only replicas per region (the rest "
+                        "serve whole requests); needs --pair-rule")
+    p.add_argument("--pair-rule", default="never", choices=tuple(PAIR_RULES),
+                   help="how requests are split (skymesh/routing/pair_registry.py): never, always, threshold "
+                        "(the peers'), conductor (Mooncake's Algorithm 1)")
+    p.add_argument("--pair-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the pair rule (e.g. threshold_tokens=256, whole_on_decode=true)")
     p.add_argument("--rates", default="1", help="comma-separated rate multipliers (the goodput sweep)")
     p.add_argument("--start-s", type=float, default=0.0, help="trace window start")
     p.add_argument("--duration-s", type=float, default=0.0, help="trace window length (0: whole trace)")
@@ -364,10 +376,58 @@ def sim_config(args: argparse.Namespace, system: str) -> SimConfig:
                                                 "rules": () if pooled else base.offload.rules}),
         early_rejection=base.early_rejection and not args.no_early_rejection,
     )
-    return SimConfig(regions=replicas_per_region(args, list(mesh.names)), one_way_ms=mesh.one_way_ms,
+    names = list(mesh.names)
+    tbt = getattr(args, "tbt_slo", None)
+    return SimConfig(regions=replicas_per_region(args, names), one_way_ms=mesh.one_way_ms,
                      profile=args.profile, routing=routing, block_size=args.block_size, cache_view=args.cache_view,
                      slo_classes=slo_classes(args), balancers_per_region=args.balancers_per_region,
-                     pooled=pooled)
+                     pooled=pooled, pd_split=pd_split(getattr(args, "pd_split", None), names),
+                     pair_rule=getattr(args, "pair_rule", "never"),
+                     pair_options=pair_options(getattr(args, "pair_option", [])),
+                     record_tbt=tbt is not None, **({"tbt_slo_s": tbt} if tbt is not None else {}))
+
+
+def pd_split(spec: str | None, names: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """``--pd-split``: ``P:D`` for every region, or ``REGION=P:D,...``."""
+    if not spec:
+        return {}
+
+    def counts(item: str) -> tuple[int, int]:
+        p, sep, d = item.partition(":")
+        if not sep or not p.isdigit() or not d.isdigit():
+            raise SystemExit(f"--pd-split {item!r}: expected P:D (prefill-only and decode-only replica counts)")
+        return int(p), int(d)
+
+    if "=" not in spec:
+        return dict.fromkeys(names, counts(spec))
+    out = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in names:
+            raise SystemExit(f"--pd-split {item!r}: no region {name!r} (regions: {', '.join(names)})")
+        out[name] = counts(value)
+    return out
+
+
+def pair_options(items: Sequence[str]) -> dict[str, Any]:
+    """``--pair-option KEY=VALUE`` as the rule's options (integers, floats, true/false)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--pair-option {item!r}: expected KEY=VALUE")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(raw)
+                    break
+                except ValueError:
+                    continue
+        out[key] = value
+    return out
 
 
 def replicas_per_region(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
@@ -453,7 +513,8 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
         res = sim.run(trace, progress=bar.update)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
-    m = res.summary(args.slo, args.warmup_s)
+    tbt_slo = getattr(args, "tbt_slo", None)
+    m = res.summary(args.slo, args.warmup_s, tbt_slo)
     span = float(res.arrival.max() - res.arrival.min()) if res.arrival.size > 1 else 1.0
     m["rate"] = round(res.arrival.size / max(1e-9, span), 4)
     m["rate_multiplier"] = rate
@@ -471,7 +532,7 @@ def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: b
     if res.slo_class_names:
         m["classes"] = res.class_summaries(args.warmup_s)
     if len(res.region_names) > 1:
-        m["regions"] = res.region_summaries(args.slo, args.warmup_s)
+        m["regions"] = res.region_summaries(args.slo, args.warmup_s, tbt_slo)
     ttfts = res.ttft[~(res.ttft != res.ttft)]
     if ttfts.size > 50_000:
         ttfts = ttfts[:: ttfts.size // 50_000 + 1]
