@@ -651,3 +651,32 @@ def test_roles_helpers() -> None:
     assert links.transfer_s("a", "c", 1e9) == pytest.approx(1.001)
     assert links.transfer_s("a", "b", 1e9) == pytest.approx(0.51)
     assert links.transfer_s("b", "a", 1e9) == pytest.approx(1.001)  # ordered pairs
+
+
+@pytest.mark.parametrize("rule", ["always", "threshold", "conductor"])
+def test_a_decode_replica_lost_during_the_prefill_is_replaced_when_the_kv_is_ready(rule: str) -> None:
+    core = region_core(3, {"r0": "prefill", "r1": "decode", "r2": "decode"},
+                       health=HealthSettings(unhealthy_threshold=1))
+    core.local.pair_rule = make_pair_rule(rule, {}, context(core.model))
+    probe_all(core, 0.0)
+    core.submit(request(0, 800, 100), 0.0)
+    (send,) = sends(core.tick(0.0))
+    first = send.decision.decode_replica_id
+    other = "r2" if first == "r1" else "r1"
+    core.probe(first, None, 0.1)  # ejected while the prefill runs (nothing of it started there)
+    assert not core.local.replicas[first].healthy
+    assert core.prefill_done("q0", 0.2) == other
+    assert core.local.replicas[first].pending_decodes == 0 and core.local.replicas[other].pending_decodes == 1
+    core.first_token("q0", 0.3)
+    core.complete("q0", 0.4)
+    assert all(v.pending_decodes == 0 and v.pending_decode_tokens == 0 for v in core.local.replicas.values())
+
+
+def test_a_lost_decode_replica_is_kept_when_no_other_can_decode() -> None:
+    core = region_core(2, {"r0": "prefill", "r1": "decode"}, health=HealthSettings(unhealthy_threshold=1))
+    probe_all(core, 0.0)
+    core.submit(request(0, 800, 100), 0.0)
+    sends(core.tick(0.0))
+    core.probe("r1", None, 0.1)
+    assert core.prefill_done("q0", 0.2) == "r1"  # its attempt there fails; the request is placed again
+    assert core.local.replicas["r1"].pending_decodes == 1

@@ -526,8 +526,32 @@ class BalancerCore:
             view.in_flight -= 1
             self._refresh_available(view)
         self.policy.on_complete(f.req, f.replica_id, True, now)
+        prefill = f.replica_id
         f.leg, f.replica_id, f.first_token_at, f.prefill_tokens = DECODE_LEG, f.decode_replica_id, None, 0
+        self._repair_decode(f, prefill, now)
         return f.replica_id
+
+    def _repair_decode(self, f: _InFlight, prefill: str, now: float) -> None:
+        """The decode replica chosen at placement left, was ejected or is draining while
+        the prefill ran: the pair rule picks another for the KV now ready (kept when it
+        finds none: the attempt there fails and the request is placed again)."""
+        d = f.replica_id
+        view = self.replicas.get(d)
+        if self.pair_rule is None or (view is not None and view.healthy and d not in self.draining):
+            return
+        excluded = f.excluded | self.draining | {d}
+        if self.forbidden_for is not None:
+            excluded |= self.forbidden_for(f.req)
+        choice = self.pair_rule.choose(f.req, Decision(prefill, "prefill done"), self.replicas, self.roles, excluded,
+                                       now)
+        if choice is None or choice.decode_replica_id is None or choice.prefill_replica_id != prefill:
+            return
+        self._unbook_decode(f)
+        new = self.replicas[choice.decode_replica_id]
+        f.decode_replica_id = f.replica_id = choice.decode_replica_id
+        f.decode_tokens = f.req.prompt_tokens + f.req.max_tokens
+        new.pending_decodes += 1
+        new.pending_decode_tokens += f.decode_tokens
 
     def _unbook_decode(self, f: _InFlight) -> None:
         if f.decode_tokens == 0 or f.decode_replica_id is None:
