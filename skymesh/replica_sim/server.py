@@ -193,10 +193,11 @@ class ReplicaServer:
                   for tokens, budget in zip(g.prompts, g.max_tokens, strict=True)]
         external = 0
         if pull is not None:
-            failed = await self._pull(request, g, pull, hashes[0])
-            if failed is not None:
-                return failed
-            external = len(g.prompts[0])
+            pulled = await self._pull(request, g, pull, hashes[0])
+            if not isinstance(pulled, bool):
+                return pulled  # the failed load's answer (policy "fail")
+            if pulled:
+                external = len(g.prompts[0])
         answered = False
         try:
             try:
@@ -258,10 +259,10 @@ class ReplicaServer:
             g.remote_prefill_cached_tokens = cached
         return False, params
 
-    async def _pull(self, request: web.Request, g: GenRequest, params: dict[str, Any], hashes: list[int]) -> web.StreamResponse | None:
+    async def _pull(self, request: web.Request, g: GenRequest, params: dict[str, Any], hashes: list[int]) -> bool | web.StreamResponse:
         """A decode leg reads its prompt's KV from the prefill replica: the modelled
-        transfer moves the tokens not in this replica's own prefix cache. None: read (or,
-        under policy "recompute", failed and recomputed); else the failure's answer."""
+        transfer moves the tokens not in this replica's own prefix cache. True: read;
+        False: failed, to be recomputed (policy "recompute"); else the failure's answer."""
         kv = self.kv
         assert kv is not None
         plen = len(g.prompts[0])
@@ -274,8 +275,8 @@ class ReplicaServer:
             log.warning("KV load failed for remote request %s: %s", params.get("remote_request_id"), e)
             if kv.settings.load_failure_policy == "fail":
                 return await generation_error(request, g.stream)
-            return None
-        return None
+            return False
+        return True
 
     def _prefill_params(self, erid: str, e: EngineRequest) -> dict[str, Any] | None:
         """NIXL pull's ``kv_transfer_params`` for a finished prefill leg
