@@ -370,3 +370,15 @@ def test_config_section_becomes_the_stand_ins_flags() -> None:
         9100, 12.0, "recompute", "p0", ["10.1.2.3"], 100.0, 0.5)
     with pytest.raises(ValueError, match="kv_transfer.port"):
         SimReplica.model_validate({"profile": "tiny-test", "port": 9000, "kv_transfer": {"port": 9000}})
+
+
+async def test_a_decode_leg_refused_with_a_400_frees_the_prefill_blocks(servers: Any) -> None:
+    p = await servers(settings())
+    d = await servers(settings())
+    async with aiohttp.ClientSession() as s:
+        kv = (await prefill(s, p))["kv_transfer_params"]
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 0, "kv_transfer_params": kv}
+        async with s.post(d.url + "/v1/completions", json=body) as r:
+            assert r.status == 400
+        assert not p.engine.held and not p.kv.leases
+        assert (await scrape(s, p))[f"vllm:kv_cache_usage_perc{L}"] == 0

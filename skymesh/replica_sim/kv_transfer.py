@@ -293,6 +293,15 @@ class KVTransfer:
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             raise TransferFailed(f"side channel {host}:{port}: {e!r}") from None
 
+    async def notify_free(self, params: dict[str, Any]) -> None:
+        """vLLM's rejection cleanup: a decode leg refused before the engine sends an empty
+        read so the prefill replica frees its blocks at once (failures are only logged)."""
+        try:
+            await self._post(params["remote_host"], params["remote_port"], "/kv/read",
+                             {"engine_id": params["remote_engine_id"], "request_id": params["remote_request_id"]})
+        except TransferFailed as e:
+            log.info("freeing remote KV of a rejected request failed: %s", e)
+
     async def pull(self, params: dict[str, Any], seconds: float) -> None:
         """Read a prefill leg's blocks: check its lease (a heartbeat), wait the modelled
         ``seconds`` heartbeating every lease/6, then complete the read (P frees them).

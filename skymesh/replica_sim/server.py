@@ -174,6 +174,7 @@ class ReplicaServer:
         try:
             g = await loop.run_in_executor(self._tokenizer_thread, self.parser.parse, body, chat)
         except ApiError as e:
+            await self._free_rejected(body)
             return vllm_error(e.status, e.message, e.param, e.kind)
         # vLLM's _base_request_id: the X-Request-Id header when sent, else a fresh one
         external_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -212,6 +213,8 @@ class ReplicaServer:
                     ereqs.append(self.engine.requests[erids[i]])
                     self.engine_loop.streams[erids[i]] = Stream(queue, i)
             except ValueError as e:  # longer than the whole KV cache
+                if pull is not None and not external:
+                    await self._free_rejected(body)
                 return vllm_error(400, str(e))
             self.engine_loop.wake()
             kv_params = (lambda: self._prefill_params(erids[0], ereqs[0])) if hold else None
@@ -233,6 +236,20 @@ class ReplicaServer:
 
     # ------------------------------------------------------------------ P/D (NIXL pull)
 
+    async def _free_rejected(self, body: Any) -> None:
+        """A decode leg refused before the engine frees its prefill replica's blocks
+        (vLLM's ``_with_kv_transfer_rejection_cleanup``)."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if self.kv is None or not isinstance(params, dict) or not self._valid_pull(params):
+            return
+        await self.kv.notify_free(params)
+
+    def _valid_pull(self, params: dict[str, Any]) -> bool:
+        assert self.kv is not None
+        return bool(params.get("do_remote_prefill")) and all(
+            params.get(k) is not None for k in REQUIRED_REMOTE_FIELDS) and allowed_remote(
+            params.get("remote_host"), params.get("remote_port"), self.kv.settings.peers)
+
     def _kv_roles(self, g: GenRequest) -> tuple[bool, dict[str, Any] | None]:
         """(prefill leg: hold the blocks, decode leg's params to pull with) as vLLM's NIXL
         connector reads ``kv_transfer_params``."""
@@ -248,8 +265,7 @@ class ReplicaServer:
             return True, None
         if not params.get("do_remote_prefill"):
             return False, None
-        if any(params.get(k) is None for k in REQUIRED_REMOTE_FIELDS) or not allowed_remote(
-                params.get("remote_host"), params.get("remote_port"), self.kv.settings.peers):
+        if not self._valid_pull(params):
             # vLLM recomputes (pull_scheduler.py); the stand-in also never dials a host
             # that is not a loopback IP literal or a configured peer
             log.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params)
