@@ -33,6 +33,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from skymesh.edge.server import site_port
+
 log = logging.getLogger("skymesh.replica_sim")
 
 # vLLM's NIXL side channel handshake waits 5 s for an answer (nixl/base_worker.py)
@@ -193,10 +195,7 @@ class KVTransfer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, self.settings.side_channel_port, reuse_address=True)
         await site.start()
-        server = site._server
-        assert server is not None
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else self.settings.side_channel_port
+        self.port = site_port(site)
         self.host = host
         if not self.engine_id:
             self.engine_id = default_engine_id(host, http_port)
