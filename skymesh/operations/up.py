@@ -182,6 +182,8 @@ class Mesh:
             extra += ["--kv-events-config", rep.sim.kv_events.vllm_json()]
         if rep.sim.enable_prompt_tokens_details:
             extra.append("--enable-prompt-tokens-details")
+        if rep.sim.kv_transfer is not None:
+            extra += rep.sim.kv_transfer.cli_args()
         return Child(f"replica-{rid}", skymesh_cmd(
             "replica-sim", "--host", rep.sim.host, "--port", str(rep.sim.port), "--profile", rep.sim.profile,
             "--time-scale", str(ts), "--model", self.cfg.model, *extra), self.log_dir, env=self.child_env)

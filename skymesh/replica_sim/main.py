@@ -1,5 +1,5 @@
 """`skymesh replica-sim --port P --profile NAME [--time-scale X] [--tokenizer PATH]
-[--kv-events-config JSON]`: run a vLLM stand-in until SIGINT/SIGTERM."""
+[--kv-events-config JSON] [--kv-transfer-port PORT ...]`: run a vLLM stand-in until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from skymesh.assets import resolve_file_ref
 from skymesh.hardware import PROFILES
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import tcp_port
+from skymesh.replica_sim.kv_transfer import LOAD_FAILURE_POLICIES, KVTransferSettings
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.runtime.event_loop import run_loop
 from skymesh.runtime.logging_setup import setup_logging
@@ -44,6 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="as vLLM's: usage.prompt_tokens_details.cached_tokens reports the prompt "
                         "tokens found in the prefix cache")
+    p.add_argument("--kv-transfer-port", type=int, default=None, metavar="PORT",
+                   help="play vLLM's NIXL pull connector (P/D disaggregation) with its side channel on this "
+                        "port (0: any free one, reported as \"kv_transfer\"); off by default")
+    p.add_argument("--kv-engine-id", default=None, help="the connector's engine id (default: derived from host:port)")
+    p.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="vLLM's kv_lease_duration: how long a prefill leg's blocks wait for the decode side")
+    p.add_argument("--kv-bandwidth-gbps", type=float, default=100.0, help="the modelled KV pull's bandwidth")
+    p.add_argument("--kv-latency-ms", type=float, default=0.5, help="the modelled KV pull's latency")
+    p.add_argument("--kv-load-failure-policy", choices=LOAD_FAILURE_POLICIES, default="fail",
+                   help="vLLM's kv_load_failure_policy: a failed KV read errors the request, or recomputes it")
+    p.add_argument("--kv-peer", action="append", default=[], metavar="HOST",
+                   help="a host a decode leg may read from besides loopback IP literals (repeatable)")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -82,8 +95,10 @@ async def _serve(args: argparse.Namespace) -> int:
         s = srv["s"] = await start_replica(args.host, args.port, args.profile, args.time_scale, args.model,
                                            tokenizer=args.tokenizer, kv_events=args.kv_events_config,
                                            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                                           **_overrides(args))
+                                           kv_transfer=args.kv_transfer, **_overrides(args))
         ready = {"http": s.port}
+        if s.kv is not None:
+            ready["kv_transfer"] = s.kv.port
         pub = s.engine_loop.kv_publisher
         # the TCP ports the event sockets listen on (the replay socket always listens)
         for key, endpoint in (("kv_events", pub.endpoint if pub.pub_bound else None),
@@ -114,6 +129,15 @@ def run(args: argparse.Namespace) -> int:
             args.tokenizer = tokenizer_file(args.tokenizer)
         except ValueError as e:
             problems.append(f"--tokenizer: {e}")
+    args.kv_transfer = None
+    if args.kv_transfer_port is not None:
+        try:
+            args.kv_transfer = KVTransferSettings(
+                side_channel_port=args.kv_transfer_port, engine_id=args.kv_engine_id, lease_s=args.kv_lease_s,
+                bandwidth_gbps=args.kv_bandwidth_gbps, latency_ms=args.kv_latency_ms,
+                load_failure_policy=args.kv_load_failure_policy, peers=tuple(args.kv_peer))
+        except ValueError as e:
+            problems.append(f"--kv-transfer: {e}")
     if problems:
         for msg in problems:
             print(f"skymesh replica-sim: {msg}", file=sys.stderr)

@@ -5,6 +5,7 @@ order, so a balancer sees the same refusals as from vLLM."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,29 @@ SAMPLING_EPS = 1e-5
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
+        # the body's error type when not the status's usual one (a pydantic refusal's is
+        # the status phrase, "Bad Request")
+        self.kind = kind
+
+
+def _summarized_input(value: Any) -> str:
+    """A pydantic error's ``input`` as vLLM's validation handler bounds it
+    (entrypoints/serve/exception_handling/handlers/validation.py)."""
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else json.dumps(value) if isinstance(value, bool) else str(value)
+    return text if len(text) <= 200 else text[:200] + "...[truncated]"
+
+
+def dict_field_error(name: str, value: Any) -> ApiError:
+    """The 400 vLLM's FastAPI app answers when a ``dict[str, Any] | None`` field of the
+    request model gets something else: one pydantic ``dict_type`` error."""
+    err = {"type": "dict_type", "loc": f"body.{name}", "msg": "Input should be a valid dictionary",
+           "input": _summarized_input(value)}
+    return ApiError(f"1 validation error:\n  {err}", f"body.{name}", kind="Bad Request")
 
 
 def validation_error(message: str, parameter: str | None = None, value: Any = None) -> ApiError:
@@ -72,6 +93,11 @@ class GenRequest:
     # a chat answer's role: the assistant's, or without the generation prompt the last
     # message's (vLLM's get_chat_request_role)
     role: str = "assistant"
+    # vLLM's kv_transfer_params (a dict or None, checked by the request model)
+    kv_transfer_params: dict[str, Any] | None = None
+    # a decode leg's answer reports the prefill replica's cache hits (vLLM's
+    # remote_prefill_cached_tokens) as its cached prompt tokens
+    remote_prefill_cached_tokens: int | None = None
 
     @property
     def prompt_tokens(self) -> list[str]:
@@ -158,6 +184,10 @@ class RequestParser:
         then the sampling parameters with ``max_tokens`` clamped to the context left."""
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
+        # the request model's own types come first (pydantic, before any of vLLM's checks)
+        kv_params = body.get("kv_transfer_params")
+        if kv_params is not None and not isinstance(kv_params, dict):
+            raise dict_field_error("kv_transfer_params", kv_params)
         max_len = self.max_model_len
         if chat:
             msgs = body.get("messages")
@@ -267,7 +297,7 @@ class RequestParser:
                                        f"{MAX_LOGPROBS}", "logprobs", wanted)
         return GenRequest(prompts, budgets, stream, include_usage, n=n, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, echo=echo, echo_only=echo_only,
-                          prompt_texts=prompt_texts, chat_echo=chat_echo, role=role)
+                          prompt_texts=prompt_texts, chat_echo=chat_echo, role=role, kv_transfer_params=kv_params)
 
     def _prompt_texts(self, prompt: Any, prompts: list[list[str]]) -> list[str]:
         """Each prompt's text as a completion's echo writes it: a text prompt as sent, a

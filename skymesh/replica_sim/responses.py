@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -23,12 +24,29 @@ from skymesh.replica_sim.vllm_metrics import ReplicaMetrics
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
 
-def vllm_error(status: int, message: str, param: str | None = None) -> web.Response:
+def vllm_error(status: int, message: str, param: str | None = None, kind: str | None = None) -> web.Response:
     """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = _ERROR_TYPES.get(status, "InternalServerError")
+    kind = kind or _ERROR_TYPES.get(status, "InternalServerError")
     return web.json_response(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
     )
+
+
+async def generation_error(request: web.Request, stream: bool) -> web.StreamResponse:
+    """vLLM's answer to a request that finished with ``finish_reason == "error"`` (a failed
+    KV load under ``kv_load_failure_policy: fail``): a ``GenerationError``, HTTP 500 when
+    not streamed; streamed, the 200 stream carries the error event, then ``[DONE]``."""
+    if not stream:
+        return vllm_error(500, "Internal server error")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(b"data: " + json.dumps({"error": {"message": "Internal server error",
+                                                       "type": "InternalServerError", "param": None,
+                                                       "code": 500}}).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _dumps(payload: dict[str, Any]) -> bytes:
@@ -64,11 +82,14 @@ class ResponseWriter:
 
     async def respond(self, request: web.Request, rid: str, chat: bool, g: GenRequest,
                       queue: asyncio.Queue[Event], ereqs: list[EngineRequest],
-                      arrival: float) -> web.StreamResponse:
+                      arrival: float, kv_params: Callable[[], dict[str, Any] | None] | None = None
+                      ) -> web.StreamResponse:
         """Answer request ``rid`` from the events its engine requests ``ereqs`` put on
         ``queue``: a stream as the tokens come, or the whole body once every prompt is done.
         Engine request (and choice) ``s`` is choice ``s % g.n`` of prompt ``s // g.n``,
-        with the choice ``index`` ``s``, as vLLM numbers a batch's choices."""
+        with the choice ``index`` ``s``, as vLLM numbers a batch's choices. ``kv_params``:
+        the connector's ``kv_transfer_params`` for the whole body (a prefill leg's), taken
+        once every prompt is done; vLLM's stream chunks have no such field."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model}
@@ -160,6 +181,9 @@ class ResponseWriter:
         if chat:  # vLLM computes them for a chat's echo
             body["prompt_logprobs"] = None if g.prompt_logprobs is None else self.logprobs.prompt_logprobs(
                 self._prompt(g.prompts[0]), g.prompt_logprobs)
+        # vLLM's responses always carry the field: null without a connector (or one that
+        # returns none, as an aborted prefill leg's)
+        body["kv_transfer_params"] = kv_params() if kv_params is not None else None
         return web.json_response(body)
 
     async def _open_chat_stream(self, resp: web.StreamResponse, head: dict[str, Any], g: GenRequest) -> None:
@@ -213,13 +237,15 @@ class ResponseWriter:
             return None
         # a batch's first prompt when streamed, its last otherwise (each prompt's first choice)
         e = ereqs[0] if stream else ereqs[(len(g.prompts) - 1) * g.n]
+        # a decode leg reports the prefill replica's hits (vLLM's output_processor.py)
+        cached = e.cached_tokens if g.remote_prefill_cached_tokens is None else g.remote_prefill_cached_tokens
         if chat:
-            written = len(g.prompts[0]) // self.block_size * self.block_size - e.cached_tokens
-            return {"cached_tokens": e.cached_tokens, "created_cache_tokens": max(0, written),
+            written = len(g.prompts[0]) // self.block_size * self.block_size - cached
+            return {"cached_tokens": cached, "created_cache_tokens": max(0, written),
                     "multimodal_tokens": None}
         if stream:
-            return {"cached_tokens": e.cached_tokens}
-        return {"cached_tokens": e.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+            return {"cached_tokens": cached}
+        return {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None}
 
     @staticmethod
     async def _sse(resp: web.StreamResponse, payload: dict[str, Any]) -> None:

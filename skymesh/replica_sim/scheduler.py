@@ -80,6 +80,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # prompt tokens whose KV a decode leg received from its prefill replica (vLLM's
+        # prompt_tokens_by_source{source="external_kv_transfer"})
+        self.external_tokens_total = 0
 
     # ------------------------------------------------------------------ KV events
 
@@ -275,6 +278,7 @@ class Scheduler:
             # vLLM counts a request's prefix-cache query once, and keeps preempted
             # requests' re-queries out of these counters
             r.cached_tokens = n_hits * bs
+            self.external_tokens_total += r.num_computed - n_hits * bs
             self.prefix_cache_queries += r.prompt_len
             self.prefix_cache_hits += n_hits * bs
             self.prompt_tokens_total += r.prompt_len

@@ -29,11 +29,20 @@ from skymesh.replica_sim.engine import Engine
 from skymesh.replica_sim.engine_loop import EngineLoop, Event, Stream
 from skymesh.replica_sim.kv_events import KVEventsConfig
 from skymesh.replica_sim.kv_publisher import make_publisher
-from skymesh.replica_sim.request_parsing import ApiError, RequestParser
+from skymesh.replica_sim.kv_transfer import (
+    REQUIRED_REMOTE_FIELDS,
+    KVTransfer,
+    KVTransferMetrics,
+    KVTransferSettings,
+    TransferFailed,
+    allowed_remote,
+    transfer_seconds,
+)
+from skymesh.replica_sim.request_parsing import ApiError, GenRequest, RequestParser
 from skymesh.replica_sim.request_state import EngineRequest
-from skymesh.replica_sim.responses import ResponseWriter, vllm_error
+from skymesh.replica_sim.responses import ResponseWriter, generation_error, vllm_error
 from skymesh.replica_sim.tokenization import StandInTokenizer
-from skymesh.replica_sim.vllm_metrics import ReplicaMetrics, vllm_cache_config_info
+from skymesh.replica_sim.vllm_metrics import ENGINE_INDEX, ReplicaMetrics, vllm_cache_config_info
 from skymesh.word_tokenizer import word_token_id
 
 log = logging.getLogger("skymesh.replica_sim")
@@ -45,7 +54,8 @@ STAND_IN_EDGE = EdgeLimits(header_timeout_s=5.0)
 class ReplicaServer:
     def __init__(self, profile: Profile, time_scale: float = 1.0, model: str = "skymesh-sim", *,
                  tokenizer: str | Path | None = None, kv_events: KVEventsConfig | None = None,
-                 enable_prompt_tokens_details: bool = False, **engine_overrides: Any) -> None:
+                 enable_prompt_tokens_details: bool = False, kv_transfer: KVTransferSettings | None = None,
+                 **engine_overrides: Any) -> None:
         self.profile = profile
         self.model = model
         self.engine = Engine(profile, time_scale=time_scale, **engine_overrides)
@@ -66,6 +76,13 @@ class ReplicaServer:
         self.responses = ResponseWriter(model, self.metrics, self.engine.block_size, enable_prompt_tokens_details,
                                         self.tokens)
         self.engine_loop = EngineLoop(self.engine, self.metrics)
+        # P/D disaggregation as vLLM's NIXL connector in pull mode (kv_transfer.py);
+        # None: no connector, kv_transfer_params are ignored as vLLM ignores them
+        self.kv: KVTransfer | None = None
+        if kv_transfer is not None:
+            self.kv = KVTransfer(kv_transfer, self.engine.release_held, self.engine_loop.wake,
+                                 KVTransferMetrics(self.metrics.registry, model, ENGINE_INDEX, self.engine))
+        self._ignored_kv_params_logged = False
         self._runner: EdgeAppRunner | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -97,6 +114,8 @@ class ReplicaServer:
         await site.start()
         self.host = host
         self.port = site_port(site)
+        if self.kv is not None:
+            await self.kv.start(host, self.port)
         log.info("replica-sim listening", extra={"url": self.url, "profile": self.profile.name,
                                                  "time_scale": self.engine.time_scale})
 
@@ -108,6 +127,8 @@ class ReplicaServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.kv is not None:
+            await self.kv.close()
         await self.engine_loop.stop()  # then the KV event publisher sends what is queued
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
@@ -153,16 +174,32 @@ class ReplicaServer:
         try:
             g = await loop.run_in_executor(self._tokenizer_thread, self.parser.parse, body, chat)
         except ApiError as e:
-            return vllm_error(e.status, e.message, e.param)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            await self._free_rejected(body)
+            return vllm_error(e.status, e.message, e.param, e.kind)
+        # vLLM's _base_request_id: the X-Request-Id header when sent, else a fresh one
+        external_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{external_id}"
         arrival = loop.time()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         # one engine request per prompt and choice, as vLLM schedules a batch ("{id}-{i}")
-        # and the n samples of a prompt (one child request each): s = prompt * n + choice
-        erids = [f"{rid}-{s}" for s in range(len(g.prompts) * g.n)]
+        # and the n samples of a prompt (one child request each): s = prompt * n + choice;
+        # each engine adds its own suffix (vLLM's "-<8 hex>"), so two legs of one request
+        # sent with the same X-Request-Id never collide
+        erids = [f"{rid}-{s}-{uuid.uuid4().hex[:8]}" for s in range(len(g.prompts) * g.n)]
         ereqs: list[EngineRequest] = []
         bs = self.engine.block_size
         with_ids = self.engine.kv_events is not None
+        hold, pull = self._kv_roles(g)
+        hashes = [chained_block_hashes([*tokens, *self.tokens.filler_hash_tokens(budget)], bs)
+                  for tokens, budget in zip(g.prompts, g.max_tokens, strict=True)]
+        external = 0
+        if pull is not None:
+            pulled = await self._pull(request, g, pull, hashes[0])
+            if not isinstance(pulled, bool):
+                return pulled  # the failed load's answer (policy "fail")
+            if pulled:
+                external = len(g.prompts[0])
+        answered = False
         try:
             try:
                 for i in range(len(erids)):
@@ -170,14 +207,20 @@ class ReplicaServer:
                     # the hashes cover the prompt and the output the filler will produce, so
                     # the engine caches full blocks of generated tokens too, as vLLM does
                     seq = [*tokens, *self.tokens.filler_hash_tokens(budget)]
-                    self.engine.add_request(erids[i], len(tokens), chained_block_hashes(seq, bs), budget, arrival,
-                                            token_ids=[word_token_id(w) for w in seq] if with_ids else None)
+                    self.engine.add_request(erids[i], len(tokens), hashes[i // g.n], budget, arrival,
+                                            token_ids=[word_token_id(w) for w in seq] if with_ids else None,
+                                            external_tokens=external if i == 0 else 0, hold_blocks=hold)
                     ereqs.append(self.engine.requests[erids[i]])
                     self.engine_loop.streams[erids[i]] = Stream(queue, i)
             except ValueError as e:  # longer than the whole KV cache
+                if pull is not None and not external:
+                    await self._free_rejected(body)
                 return vllm_error(400, str(e))
             self.engine_loop.wake()
-            return await self.responses.respond(request, rid, chat, g, queue, ereqs, arrival)
+            kv_params = (lambda: self._prefill_params(erids[0], ereqs[0])) if hold else None
+            resp = await self.responses.respond(request, rid, chat, g, queue, ereqs, arrival, kv_params)
+            answered = True
+            return resp
         finally:
             for i, erid in enumerate(erids):
                 self.engine_loop.streams.pop(erid, None)
@@ -185,17 +228,100 @@ class ReplicaServer:
                     self.metrics.finished("abort", 0.0, 0.0, 0.0, 0.0, len(g.prompts[i // g.n]),
                                           ereqs[i].output_tokens)
                     self.engine_loop.wake()
+                if hold and self.kv is not None and erid in self.engine.held:
+                    if answered:  # held for the decode side, under a lease
+                        self.kv.lease(erid, ereqs[i].num_computed)
+                    else:  # vLLM's connector frees an unfinished request's blocks at once
+                        self.kv.drop(erid)
+
+    # ------------------------------------------------------------------ P/D (NIXL pull)
+
+    async def _free_rejected(self, body: Any) -> None:
+        """A decode leg refused before the engine frees its prefill replica's blocks
+        (vLLM's ``_with_kv_transfer_rejection_cleanup``)."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if self.kv is None or not isinstance(params, dict) or not self._valid_pull(params):
+            return
+        await self.kv.notify_free(params)
+
+    def _valid_pull(self, params: dict[str, Any]) -> bool:
+        assert self.kv is not None
+        return bool(params.get("do_remote_prefill")) and all(
+            params.get(k) is not None for k in REQUIRED_REMOTE_FIELDS) and allowed_remote(
+            params.get("remote_host"), params.get("remote_port"), self.kv.settings.peers)
+
+    def _kv_roles(self, g: GenRequest) -> tuple[bool, dict[str, Any] | None]:
+        """(prefill leg: hold the blocks, decode leg's params to pull with) as vLLM's NIXL
+        connector reads ``kv_transfer_params``."""
+        params = g.kv_transfer_params
+        if params is None:
+            return False, None
+        if self.kv is None:
+            if not self._ignored_kv_params_logged:
+                self._ignored_kv_params_logged = True
+                log.warning("Got kv_transfer_params, but no KVConnector found. Disabling KVTransfer for this request.")
+            return False, None
+        if params.get("do_remote_decode"):
+            return True, None
+        if not params.get("do_remote_prefill"):
+            return False, None
+        if not self._valid_pull(params):
+            # vLLM recomputes (pull_scheduler.py); the stand-in also never dials a host
+            # that is not a loopback IP literal or a configured peer
+            log.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params)
+            return False, None
+        cached = params.get("remote_prefill_cached_tokens")
+        if isinstance(cached, int) and not isinstance(cached, bool):
+            g.remote_prefill_cached_tokens = cached
+        return False, params
+
+    async def _pull(self, request: web.Request, g: GenRequest, params: dict[str, Any], hashes: list[int]) -> bool | web.StreamResponse:
+        """A decode leg reads its prompt's KV from the prefill replica: the modelled
+        transfer moves the tokens not in this replica's own prefix cache. True: read;
+        False: failed, to be recomputed (policy "recompute"); else the failure's answer."""
+        kv = self.kv
+        assert kv is not None
+        plen = len(g.prompts[0])
+        cached = self.engine.cached_prefix_tokens(hashes, plen)
+        moved = max(0, plen - cached)
+        seconds = transfer_seconds(moved, self.profile.kv_bytes_per_token, kv.settings) * self.engine.time_scale
+        try:
+            await kv.pull(params, seconds)
+        except TransferFailed as e:
+            log.warning("KV load failed for remote request %s: %s", params.get("remote_request_id"), e)
+            if kv.settings.load_failure_policy == "fail":
+                return await generation_error(request, g.stream)
+            return False
+        return True
+
+    def _prefill_params(self, erid: str, e: EngineRequest) -> dict[str, Any] | None:
+        """NIXL pull's ``kv_transfer_params`` for a finished prefill leg
+        (nixl/pull_scheduler.py ``request_finished``, plus the scheduler's
+        ``remote_prefill_cached_tokens``); None when nothing is held (aborted)."""
+        kv = self.kv
+        blocks = self.engine.held.get(erid)
+        if kv is None or blocks is None:
+            return None
+        computed = e.num_computed
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [blocks[:-(-computed // self.engine.block_size)]],
+                "remote_engine_id": kv.engine_id, "remote_request_id": erid,
+                "remote_host": kv.host, "remote_port": kv.port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                "remote_num_tokens": computed, "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+                "remote_prefill_cached_tokens": e.cached_tokens}
 
 
 async def start_replica(host: str = "127.0.0.1", port: int = 0, profile: str = "l4-llama3.1-8b",
                         time_scale: float = 1.0, model: str = "skymesh-sim", *,
                         tokenizer: str | Path | None = None, kv_events: KVEventsConfig | None = None,
-                        enable_prompt_tokens_details: bool = False, **engine_overrides: Any) -> ReplicaServer:
+                        enable_prompt_tokens_details: bool = False, kv_transfer: KVTransferSettings | None = None,
+                        **engine_overrides: Any) -> ReplicaServer:
     """Start a stand-in replica in this event loop (``await srv.close()`` to stop it)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r} (known: {', '.join(PROFILES)})")
     srv = ReplicaServer(PROFILES[profile], time_scale, model, tokenizer=tokenizer, kv_events=kv_events,
-                        enable_prompt_tokens_details=enable_prompt_tokens_details, **engine_overrides)
+                        enable_prompt_tokens_details=enable_prompt_tokens_details, kv_transfer=kv_transfer,
+                        **engine_overrides)
     try:
         await srv.start(host, port)
     except BaseException:
