@@ -10,8 +10,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from skymesh.routing.pairing.base import PairChoice, PairContext, PairOptions, Role, does_decode
-from skymesh.routing.pairing.pricing import PairPricing, least_loaded_decode
+from skymesh.routing.pairing.base import PairChoice, PairOptions, Role, does_decode
+from skymesh.routing.pairing.pricing import PricedRule, least_loaded_decode
 
 if TYPE_CHECKING:
     from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
@@ -22,25 +22,15 @@ class AlwaysOptions(PairOptions):
     """``pairing.rule: always`` has no knobs."""
 
 
-class AlwaysSplit:
+class AlwaysSplit(PricedRule):
     name = "always"
-
-    def __init__(self, options: AlwaysOptions, ctx: PairContext) -> None:
-        self.options = options
-        self.pricing = PairPricing(ctx)
-
-    @classmethod
-    def build(cls, options: AlwaysOptions, ctx: PairContext) -> AlwaysSplit:
-        return cls(options, ctx)
+    options: AlwaysOptions
 
     def choose(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],
                roles: Mapping[str, Role], excluded: AbstractSet[str], now: float) -> PairChoice | None:
         p = decision.replica_id
         assert p is not None
-        pricing = self.pricing
-        decoders = [rid for rid, v in views.items()
-                    if rid != p and rid not in excluded and v.healthy and does_decode(roles.get(rid, "both"))
-                    and pricing.kv_fits(req, v)]
+        decoders = [d for d in self.decoders(req, views, roles, excluded) if d != p]
         d = least_loaded_decode(views, decoders)
         if d is not None:
             return PairChoice(p, d, "split", decision.matched_tokens)

@@ -19,8 +19,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from skymesh.routing.pairing.base import PairChoice, PairContext, PairOptions, Role, does_decode
-from skymesh.routing.pairing.pricing import Candidate, PairPricing
+from skymesh.routing.pairing.base import PairChoice, PairOptions, Role, does_decode
+from skymesh.routing.pairing.pricing import Candidate, PricedRule
 
 if TYPE_CHECKING:
     from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
@@ -36,16 +36,9 @@ class ConductorOptions(PairOptions):
     whole_on_decode: bool = False
 
 
-class Conductor:
+class Conductor(PricedRule):
     name = "conductor"
-
-    def __init__(self, options: ConductorOptions, ctx: PairContext) -> None:
-        self.options = options
-        self.pricing = PairPricing(ctx)
-
-    @classmethod
-    def build(cls, options: ConductorOptions, ctx: PairContext) -> Conductor:
-        return cls(options, ctx)
+    options: ConductorOptions
 
     def candidates(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],
                    roles: Mapping[str, Role], excluded: AbstractSet[str], now: float) -> list[Candidate]:
@@ -53,9 +46,7 @@ class Conductor:
         p = decision.replica_id
         assert p is not None
         pricing = self.pricing
-        decoders = [rid for rid, v in views.items()
-                    if rid not in excluded and v.healthy and does_decode(roles.get(rid, "both"))
-                    and pricing.kv_fits(req, v)]
+        decoders = self.decoders(req, views, roles, excluded)
         matched = pricing.matched(req, list(dict.fromkeys([p, *decoders])))
         pv = views[p]
         whole: list[Candidate] = []

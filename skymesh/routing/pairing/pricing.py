@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
-from skymesh.routing.pairing.base import PairChoice, PairContext
+from skymesh.routing.pairing.base import PairChoice, PairContext, Role, does_decode
 
 # Mooncake's TBT: the mean of a request's longest TBT_TOP_SHARE of token intervals
 TBT_TOP_SHARE = 0.1
@@ -131,6 +132,29 @@ class PairPricing:
         ttft = self.prefill_ttft_s(req, prefill, matched_prefill) + transfer + first_step
         return Candidate(prefill.replica_id, decode.replica_id, ttft, self.tbt_s(req, decode, now), matched_prefill,
                          transfer)
+
+
+class PricedRule:
+    """What every pair rule shares: its options and the region's pricing, built from
+    them (``build``, the registry's factory)."""
+
+    name = ""
+
+    def __init__(self, options: Any, ctx: PairContext) -> None:
+        self.options = options
+        self.pricing = PairPricing(ctx)
+
+    @classmethod
+    def build(cls, options: Any, ctx: PairContext) -> Self:
+        return cls(options, ctx)
+
+    def decoders(self, req: RoutingRequest, views: Mapping[str, ReplicaView], roles: Mapping[str, Role],
+                 excluded: AbstractSet[str]) -> list[str]:
+        """The replicas that may take the request's decode leg now: healthy, allowed,
+        decode-capable, with room for its KV."""
+        fits = self.pricing.kv_fits
+        return [rid for rid, v in views.items()
+                if rid not in excluded and v.healthy and does_decode(roles.get(rid, "both")) and fits(req, v)]
 
 
 def decode_load(view: ReplicaView) -> tuple[int, float]:

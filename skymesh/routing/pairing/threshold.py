@@ -11,8 +11,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from skymesh.routing.pairing.base import PairChoice, PairContext, PairOptions, Role, does_decode
-from skymesh.routing.pairing.pricing import PairPricing, least_loaded_decode
+from skymesh.routing.pairing.base import PairChoice, PairOptions, Role
+from skymesh.routing.pairing.pricing import PricedRule, least_loaded_decode
 
 if TYPE_CHECKING:
     from skymesh.routing.base import Decision, ReplicaView, RoutingRequest
@@ -28,25 +28,16 @@ class ThresholdOptions(PairOptions):
             raise ValueError("threshold_tokens must be >= 0")
 
 
-class ThresholdSplit:
+class ThresholdSplit(PricedRule):
     name = "threshold"
-
-    def __init__(self, options: ThresholdOptions, ctx: PairContext) -> None:
-        self.options = options
-        self.pricing = PairPricing(ctx)
-
-    @classmethod
-    def build(cls, options: ThresholdOptions, ctx: PairContext) -> ThresholdSplit:
-        return cls(options, ctx)
+    options: ThresholdOptions
 
     def choose(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],
                roles: Mapping[str, Role], excluded: AbstractSet[str], now: float) -> PairChoice | None:
         p = decision.replica_id
         assert p is not None
         pricing = self.pricing
-        decoders = [rid for rid, v in views.items()
-                    if rid not in excluded and v.healthy and does_decode(roles.get(rid, "both"))
-                    and pricing.kv_fits(req, v)]
+        decoders = self.decoders(req, views, roles, excluded)
         d = least_loaded_decode(views, decoders)
         if d is None:
             return None
