@@ -7,9 +7,10 @@ Retry-After, the per-token upstream bound) are computed here and nowhere else.""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from skymesh.config import MeshConfig, ReplicaConfig
+from skymesh.config.pairing import PairingConfig
 from skymesh.config.routing import (
     HealthConfig,
     OffloadConfig,
@@ -22,12 +23,14 @@ from skymesh.hardware import PROFILES, Profile
 from skymesh.routing.assembly import (
     CostSeed,
     OffloadSettings,
+    PairingSettings,
     PolicySettings,
     RegionAssembly,
     SiblingSettings,
 )
 from skymesh.routing.health import HealthSettings
 from skymesh.routing.model import DEFAULT_FIRST_TOKEN_FIXED_S, DEFAULT_PREFILL_S_PER_TOKEN
+from skymesh.routing.pairing.base import DecodeCost, KvLinks
 from skymesh.routing.region import RegionSettings
 
 
@@ -158,6 +161,27 @@ def region_assembly(cfg: MeshConfig, region: str, policy_name: str, *, kv_events
     """Everything ``region``'s core is built from in the mesh ``cfg``; ``kv_events``: its
     replicas' KV events can be matched with prompts (the balancer hashes token ids)."""
     peers = {r.name: cfg.one_way_ms(region, r.name) / 1000 for r in cfg.regions if r.name != region}
-    return routing_assembly(RoutingConfig.of(cfg), region, peer_one_way_s=peers,
-                            cost_seed=cost_seed(cfg.region(region).replicas), kv_events=kv_events,
-                            policy_name=policy_name)
+    assembly = routing_assembly(RoutingConfig.of(cfg), region, peer_one_way_s=peers,
+                                cost_seed=cost_seed(cfg.region(region).replicas), kv_events=kv_events,
+                                policy_name=policy_name)
+    return replace(assembly, pairing=pairing_settings(cfg.pairing, cfg.region(region).replicas))
+
+
+def pairing_settings(pairing: PairingConfig, replicas: tuple[ReplicaConfig, ...]) -> PairingSettings | None:
+    """``pairing:`` as the region core's pair rule reads it (None: ``never``). The profile
+    the rule prices by is ``pairing.profile``, else the stand-ins' own."""
+    if pairing.rule == "never":
+        return None
+    if pairing.profile is not None:
+        if pairing.profile not in PROFILES:
+            raise ValueError(f"pairing.profile {pairing.profile!r}: no such profile (known: {', '.join(PROFILES)})")
+        profile, time_scale = PROFILES[pairing.profile], 1.0
+    else:
+        found = replica_profile(replicas)
+        if found is None:
+            raise ValueError("pairing.rule needs the replicas' hardware profile: set pairing.profile "
+                             f"(one of {', '.join(PROFILES)})")
+        profile, time_scale = found
+    links = KvLinks(bytes_per_s=pairing.link_gbps * 1e9 / 8, latency_s=pairing.link_latency_ms / 1000)
+    return PairingSettings(pairing.rule, DecodeCost.of_profile(profile, time_scale), dict(pairing.options), links,
+                           pairing.tbt_slo_s)

@@ -248,7 +248,7 @@ def test_schema_command_prints_the_json_schema(with_file: bool, capsys: pytest.C
         "model", "regions", "latencies", "local_latency_ms", "controller", "dns", "policy", "offload",
         "health", "upstream", "peer_token", "emulate_latency", "tls",
         "client_auth", "admin", "client_timeouts", "http_limits", "tokenizer", "slo_classes", "default_slo_class",
-        "slo_early_rejection", "queue", "siblings", "membership", "autoscaling", "tracing",
+        "slo_early_rejection", "queue", "siblings", "pairing", "membership", "autoscaling", "tracing",
     }
     assert set(schema["required"]) == {"regions", "controller", "dns"}
     policy = schema["$defs"]["PolicyConfig"]["properties"]

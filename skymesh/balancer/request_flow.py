@@ -15,13 +15,14 @@ import asyncio
 import logging
 import ssl
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
 from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.pd_legs import checked_params, decode_body, prefill_leg, replica_hosts
 from skymesh.balancer.proxy import (
     FINAL_ANSWER_HEADER,
     AttemptOutcome,
@@ -160,7 +161,8 @@ class RequestFlow:
 
     def __init__(self, core: RegionCore, metrics: BalancerMetrics, wake: asyncio.Event, *, target: TargetFor,
                  timeouts: Callable[[], UpstreamTimeouts], chunk_tokens: Callable[[], int],
-                 cache_source: Callable[[str], str]) -> None:
+                 cache_source: Callable[[str], str],
+                 replica_urls: Callable[[], Collection[str]] = tuple) -> None:
         self.core = core
         self.metrics = metrics
         self.wake = wake
@@ -169,6 +171,8 @@ class RequestFlow:
         self._timeouts = timeouts
         self._chunk_tokens = chunk_tokens
         self._cache_source = cache_source
+        # the region's replicas' URLs: a prefill's KV endpoint must be one of theirs
+        self._replica_urls = replica_urls
 
     def apply(self, actions: list[Action]) -> None:
         """Carry out the core's actions: wake the handler that waits for each request."""
@@ -234,6 +238,13 @@ class RequestFlow:
                 continue
             on_peer = isinstance(action, ForwardToRegion)
             timeouts = self._timeouts()
+            body = raw
+            if isinstance(action, SendToReplica) and action.decision.decode_replica_id is not None:
+                # a split request: its prefill leg first, then the decode leg is the attempt
+                legs = await self._prefill(request, raw, req, waiter, action, target, timeouts)
+                if legs is None:
+                    continue  # the core was told, or took it back: its next word follows
+                target, body = legs
             deadline = timeouts.first_byte_deadline_s(
                 stream=stream,
                 max_tokens=req.max_tokens,
@@ -242,7 +253,7 @@ class RequestFlow:
             )
             span = None if trace is None else trace.attempt_started(action, target)
             task = waiter.attempt_task = asyncio.create_task(
-                attempt(request, raw, target, timeouts, deadline, self._first_byte_hook(req, waiter, span))
+                attempt(request, body, target, timeouts, deadline, self._first_byte_hook(req, waiter, span))
             )
             try:
                 outcome = await task
@@ -286,6 +297,47 @@ class RequestFlow:
                 self.metrics.retries.labels("peer" if on_peer else "replica").inc()
             self.apply(actions)
             self.wake.set()
+
+    async def _prefill(self, request: web.Request, raw: bytes, req: RoutingRequest, waiter: Waiter,
+                       action: SendToReplica, target: AttemptTarget,
+                       timeouts: UpstreamTimeouts) -> tuple[AttemptTarget, bytes] | None:
+        """A split request's prefill leg on ``action``'s replica (skymesh/balancer/pd_legs.py).
+        Returns the decode leg's target and body, or None when the leg failed (the core
+        was told, as of any attempt that sent the client nothing) or was taken back."""
+        deadline = timeouts.first_byte_deadline_s(stream=False, max_tokens=1)
+        task = waiter.attempt_task = asyncio.create_task(prefill_leg(target, raw, timeouts, deadline))
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the client went away (closing the leg aborts it at the replica)
+            self.metrics.retries.labels("replica").inc()
+            return None
+        finally:
+            waiter.attempt_task = None
+        now = loop_clock()
+        if not result.ok:
+            log.warning("prefill leg failed", extra={"target": action.replica_id, "reason": result.reason})
+            actions = self.core.fail(req.request_id, now, reason=result.reason,
+                                     counts_against_health=result.counts_against_health, harm=result.harm)
+            if not any(isinstance(a, Reject) and a.request_id == req.request_id for a in actions):
+                self.metrics.retries.labels("replica").inc()
+            self.apply(actions)
+            self.wake.set()
+            return None
+        # parameters naming no replica of this region are dropped: the decode replica then
+        # runs the prefill itself, as vLLM's does without them
+        params = checked_params(result.params, replica_hosts(self._replica_urls()))
+        decode = self.core.prefill_done(req.request_id, now)
+        self.wake.set()
+        if decode is None:
+            return None
+        decode_target = self._target(request, req, SendToReplica(req.request_id, decode, action.decision))
+        if decode_target is None:  # the decode replica left membership
+            self.apply(self.core.fail(req.request_id, now, reason="left membership", counts_against_health=False))
+            return None
+        return decode_target, decode_body(raw, params)
 
     def _judge_prediction(self, action: SendToReplica, tail: bytes) -> None:
         """Count how the policy's expected cached prefix compares with the replica's own

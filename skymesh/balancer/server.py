@@ -158,7 +158,8 @@ class Balancer:
         # after admission: the serve/retry loop and its accounting (request_flow.py)
         self.flow = RequestFlow(self.core, self.metrics, self.wake, target=self._target,
                                 timeouts=lambda: self.timeouts, chunk_tokens=lambda: self.cfg.policy.chunk_tokens,
-                                cache_source=self._cache_source)
+                                cache_source=self._cache_source,
+                                replica_urls=lambda: [info.url for info in self.replicas.values()])
         self.waiters = self.flow.waiters
         self.set_replicas(
             [ReplicaInfo(r.id, r.url, region) for r in self.region_cfg.replicas]
@@ -230,6 +231,8 @@ class Balancer:
         self.replicas = merge_replicas(self.replicas, infos)
         homes = {rid: info.home_region for rid, info in self.replicas.items()}
         self._apply(self.core.set_replicas(list(self.replicas), loop_clock(), homes))
+        # prefill/decode roles as the config gives them (a replica it does not list: both)
+        self.core.set_roles({r.id: r.role for r in self.region_cfg.replicas if r.id in self.replicas})
         if self.kv_subscriber is not None:
             self.kv_subscriber.set_replicas(self._kv_endpoints())
         self.wake.set()

@@ -23,6 +23,7 @@ from skymesh.config.control_plane import ControllerConfig, DnsConfig
 from skymesh.config.edge import ClientTimeoutsConfig, HttpLimitsConfig
 from skymesh.config.membership import MembershipConfig
 from skymesh.config.network import HostPort
+from skymesh.config.pairing import PairingConfig
 from skymesh.config.region import LatencyConfig, RegionConfig
 from skymesh.config.routing import (
     HealthConfig,
@@ -57,6 +58,8 @@ class MeshConfig(ConfigModel):
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     # the state messages between the balancers of one region (a region of several)
     siblings: SiblingsConfig = Field(default_factory=SiblingsConfig)
+    # prefill/decode pairs: the rule that splits requests between the replicas' roles
+    pairing: PairingConfig = Field(default_factory=PairingConfig)
     # the shared secret of forwarded requests and the DNS control API; no default is
     # shipped: $SKYMESH_PEER_TOKEN, this, or the local-mode file (skymesh/security/admin_auth.py)
     peer_token: PeerToken | None = None

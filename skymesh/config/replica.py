@@ -4,7 +4,7 @@ publishes vLLM's KV events (a stand-in's endpoint follows from its ``sim.kv_even
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -59,6 +59,9 @@ class ReplicaConfig(ConfigModel):
     # the replica's KV-event publisher (optional): exact cache state instead of the
     # balancer's routing history
     kv_events: KvEventsEndpoint | None = None
+    # prefill/decode role (docs/routing.md, "Prefill and decode pairs"): both serves whole
+    # requests; prefill and decode take their legs of split ones (``pairing:``)
+    role: Literal["both", "prefill", "decode"] = "both"
 
     @model_validator(mode="after")
     def _url_or_sim(self) -> ReplicaConfig:

@@ -170,8 +170,10 @@ class BalancerCore:
         """Each replica's role (missing: ``both``). Decode-only replicas are not offered to
         the policy: they take decode legs, or whole requests a pair rule sends them."""
         self.roles = {rid: role for rid, role in roles.items() if role != "both"}
-        self._decode_only = frozenset(rid for rid, role in self.roles.items() if not does_prefill(role))
-        self.policy.set_replicas([rid for rid in self.replicas if rid not in self._decode_only])
+        decode_only = frozenset(rid for rid, role in self.roles.items() if not does_prefill(role))
+        if decode_only != self._decode_only:  # the policy's replicas change only with it
+            self._decode_only = decode_only
+            self.policy.set_replicas([rid for rid in self.replicas if rid not in decode_only])
 
     def update_replica(
         self,
