@@ -89,9 +89,8 @@ class Decision:
     matched_tokens: int = 0  # prefix tokens the policy expects to hit in the replica cache
     estimated_ttft_s: float | None = None
     # a split request (skymesh/routing/pairing): its prefill runs on ``replica_id`` and its
-    # decode here, the KV moved between them (estimated ``transfer_s``); None: whole
+    # decode here, the KV moved between them; None: whole
     decode_replica_id: str | None = None
-    transfer_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -384,7 +384,7 @@ class BalancerCore:
         q = self._queue.get(request_id)
         return frozenset() if q is None else self._disallowed(q)
 
-    def _disallowed(self, q: _Queued) -> AbstractSet[str]:
+    def _disallowed(self, q: _Queued | _InFlight) -> AbstractSet[str]:
         # a retried request never goes back to a replica that already failed it, and no
         # request runs where the operator's residency rules forbid it
         if self.forbidden_for is not None:
@@ -428,8 +428,7 @@ class BalancerCore:
         elif choice.decode_replica_id is None:
             return decision
         return Decision(p, decision.reason if p == decision.replica_id else choice.reason,
-                        choice.matched_tokens, choice.predicted_ttft_s, decode_replica_id=choice.decode_replica_id,
-                        transfer_s=choice.transfer_s)
+                        choice.matched_tokens, choice.predicted_ttft_s, decode_replica_id=choice.decode_replica_id)
 
     def has_allowed_available(self, req: RoutingRequest) -> bool:
         """Some replica this queued request may run on is available now."""
@@ -457,11 +456,8 @@ class BalancerCore:
         )
         d = decision.decode_replica_id
         if d is not None:
-            f.leg, f.decode_replica_id = PREFILL_LEG, d
-            f.decode_tokens = q.req.prompt_tokens + q.req.max_tokens
-            dview = self.replicas[d]
-            dview.pending_decodes += 1
-            dview.pending_decode_tokens += f.decode_tokens
+            f.leg = PREFILL_LEG
+            self._book_decode(f, d)
         self.counters.dispatched += 1
         if decision.reason == "spill":
             self.counters.spilled += 1
@@ -541,19 +537,23 @@ class BalancerCore:
         view = self.replicas.get(d)
         if self.pair_rule is None or (view is not None and view.healthy and d not in self.draining):
             return
-        excluded = f.excluded | self.draining | {d}
-        if self.forbidden_for is not None:
-            excluded |= self.forbidden_for(f.req)
+        excluded = self._disallowed(f) | self.draining | {d}
         choice = self.pair_rule.choose(f.req, Decision(prefill, "prefill done"), self.replicas, self.roles, excluded,
                                        now)
         if choice is None or choice.decode_replica_id is None or choice.prefill_replica_id != prefill:
             return
         self._unbook_decode(f)
-        new = self.replicas[choice.decode_replica_id]
-        f.decode_replica_id = f.replica_id = choice.decode_replica_id
+        f.replica_id = choice.decode_replica_id
+        self._book_decode(f, choice.decode_replica_id)
+
+    def _book_decode(self, f: _InFlight, decode_replica_id: str) -> None:
+        """``f``'s decode leg goes to ``decode_replica_id``: its KV tokens (prompt and
+        output) are booked there until the leg's first token."""
+        f.decode_replica_id = decode_replica_id
         f.decode_tokens = f.req.prompt_tokens + f.req.max_tokens
-        new.pending_decodes += 1
-        new.pending_decode_tokens += f.decode_tokens
+        view = self.replicas[decode_replica_id]
+        view.pending_decodes += 1
+        view.pending_decode_tokens += f.decode_tokens
 
     def _unbook_decode(self, f: _InFlight) -> None:
         if f.decode_tokens == 0 or f.decode_replica_id is None:
