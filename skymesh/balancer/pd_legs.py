@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from skymesh.balancer.proxy import OVERLOAD_STATUSES, AttemptTarget, UpstreamTimeouts
+from skymesh.balancer.proxy import OVERLOAD_STATUSES, AttemptTarget, UpstreamTimeouts, send
 from skymesh.routing.harm import Harm
 
 # the prefill leg's answer is one token's JSON: a bound far above it, far below harm
@@ -109,13 +109,7 @@ async def prefill_leg(target: AttemptTarget, raw: bytes, timeouts: UpstreamTimeo
     body = prefill_body(raw)
     try:
         async with asyncio.timeout(deadline_s):
-            if target.pool is not None:
-                upstream = await target.pool.post(target.url, body, target.headers, connect_timeout_s=timeouts.connect_s)
-            else:
-                upstream = await target.session.post(
-                    target.url, data=body, headers=target.headers, ssl=target.ssl,
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
-                    server_hostname=target.server_hostname)
+            upstream = await send(target, body, timeouts)
             try:
                 answer = await _read_bounded(upstream)
                 status = upstream.status

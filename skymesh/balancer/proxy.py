@@ -176,6 +176,16 @@ def _client_timeout(connect_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
 
 
+async def send(target: AttemptTarget, body: bytes, timeouts: UpstreamTimeouts) -> Upstream:
+    """POST ``body`` to ``target`` (the lean client for a plain-http replica, else
+    aiohttp's) and return the answer once its head arrived."""
+    if target.pool is not None:
+        return await target.pool.post(target.url, body, target.headers, connect_timeout_s=timeouts.connect_s)
+    return await target.session.post(target.url, data=body, headers=target.headers,
+                                     timeout=_client_timeout(timeouts.connect_s), ssl=target.ssl,
+                                     server_hostname=target.server_hostname)
+
+
 async def attempt(
     request: web.Request,
     raw: bytes,
@@ -195,13 +205,7 @@ async def attempt(
     upstream: Upstream | None = None
     try:
         async with asyncio.timeout(first_byte_deadline_s):
-            if target.pool is not None:
-                upstream = await target.pool.post(target.url, raw, target.headers,
-                                                  connect_timeout_s=timeouts.connect_s)
-            else:
-                upstream = await target.session.post(target.url, data=raw, headers=target.headers,
-                                                     timeout=_client_timeout(timeouts.connect_s), ssl=target.ssl,
-                                                     server_hostname=target.server_hostname)
+            upstream = await send(target, raw, timeouts)
             if upstream.status != 200:
                 body = await upstream.read()
                 if upstream.status in RETRYABLE_STATUSES and upstream.headers.get(FINAL_ANSWER_HEADER) != "1":
