@@ -32,7 +32,6 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from skymesh.balancer.proxy import OVERLOAD_STATUSES, AttemptTarget, UpstreamTimeouts, send
-from skymesh.routing.harm import Harm
 
 # the prefill leg's answer is one token's JSON: a bound far above it, far below harm
 MAX_PREFILL_ANSWER_BYTES = 1 << 20
@@ -100,7 +99,6 @@ class PrefillResult:
     params: dict[str, Any] | None = None
     reason: str = ""
     counts_against_health: bool = True
-    harm: Harm | None = None
 
 
 async def prefill_leg(target: AttemptTarget, raw: bytes, timeouts: UpstreamTimeouts,

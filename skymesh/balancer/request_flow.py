@@ -320,7 +320,7 @@ class RequestFlow:
         if not result.ok:
             log.warning("prefill leg failed", extra={"target": action.replica_id, "reason": result.reason})
             actions = self.core.fail(req.request_id, now, reason=result.reason,
-                                     counts_against_health=result.counts_against_health, harm=result.harm)
+                                     counts_against_health=result.counts_against_health)
             if not any(isinstance(a, Reject) and a.request_id == req.request_id for a in actions):
                 self.metrics.retries.labels("replica").inc()
             self.apply(actions)
