@@ -4,12 +4,21 @@ legs booked and released through the region core."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
 from skymesh.hardware import PROFILES
+from skymesh.routing.assembly import (
+    CostSeed,
+    OffloadSettings,
+    PairingSettings,
+    PolicySettings,
+    RegionAssembly,
+    build_region_core,
+)
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
@@ -680,3 +689,83 @@ def test_a_lost_decode_replica_is_kept_when_no_other_can_decode() -> None:
     core.probe("r1", None, 0.1)
     assert core.prefill_done("q0", 0.2) == "r1"  # its attempt there fails; the request is placed again
     assert core.local.replicas["r1"].pending_decodes == 1
+
+
+# ---------------------------------------------------------------------------- 7. refusals
+
+
+def test_conductor_refuses_what_no_placement_serves_within_both_targets_where_the_region_rejects_early() -> None:
+    views = {"p": ReplicaView("p", num_running=3), "d": ReplicaView("d", num_running=4)}
+    roles: dict[str, Role] = {"p": "both", "d": "decode"}
+    hopeless = request(0, 2000, 300, tbt_slo=1e-5)  # no step is that short
+    keeps = Conductor(ConductorOptions(), context(ttft_slo_s=100.0))
+    refuses = Conductor(ConductorOptions(), context(ttft_slo_s=100.0, refuse_unmet=True))
+    placed = keeps.choose(hopeless, Decision("p"), views, roles, set(), NOW)
+    refused = refuses.choose(hopeless, Decision("p"), views, roles, set(), NOW)
+    assert placed is not None and not placed.refused
+    # the refusal names the placement that missed least, with its predictions
+    assert refused is not None and refused.refused
+    assert (refused.prefill_replica_id, refused.decode_replica_id) == (placed.prefill_replica_id,
+                                                                       placed.decode_replica_id)
+    assert refused.predicted_tbt_s == placed.predicted_tbt_s and refused.predicted_tbt_s > 1e-5
+    # a peer's forward is placed where it misses least: its origin judged it
+    forwarded = dataclasses.replace(hopeless, forwarded=True)
+    got = refuses.choose(forwarded, Decision("p"), views, roles, set(), NOW)
+    assert got is not None and not got.refused
+    # a request some placement serves in time is placed
+    fine = refuses.choose(request(1, 2000, 300), Decision("p"), views, roles, set(), NOW)
+    assert fine is not None and not fine.refused
+
+
+def test_a_refused_request_leaves_the_region_with_a_429_and_nothing_booked() -> None:
+    core = region_core(3, {"r0": "prefill", "r1": "decode"}, retry_after_s=1.0, ttft_slo_s=0.5)
+    core.local.pair_rule = Conductor(ConductorOptions(), context(core.model, ttft_slo_s=0.5, refuse_unmet=True))
+    probe_all(core, 0.0)
+    # a prompt whose prefill alone takes longer than the 0.5 s target everywhere
+    core.submit(request(0, 60_000, 100), 0.0)
+    core.submit(request(1, 500, 100), 0.0)
+    actions = core.tick(0.0)
+    (reject,) = [a for a in actions if isinstance(a, Reject)]
+    assert (reject.request_id, reject.status, reject.code) == ("q0", 429, "slo_unreachable")
+    assert reject.retry_after_s is not None and reject.retry_after_s > 1.0  # past its target by more than 1 s
+    assert "time between tokens" in reject.message
+    assert [s.request_id for s in sends(actions)] == ["q1"]  # the next one is served
+    assert core.view.state_of("q0") is None and core.local.counters.refused_by_pair_rule == 1
+    # only q1's legs are booked: q0's refusal left nothing on any replica
+    r0, r1 = core.local.replicas["r0"], core.local.replicas["r1"]
+    assert (r0.in_flight, r0.pending_prefill_tokens) == (1, 500)
+    assert (r1.pending_decodes, r1.pending_decode_tokens) == (1, 600)
+    assert core.local.queue_length == 0 and core.local.in_flight_count == 1
+
+
+def test_the_region_rejects_early_by_the_pair_rule_as_its_settings_say() -> None:
+    for early in (True, False):
+        assembly = RegionAssembly(
+            "here", PolicySettings("least_load", CHUNK, 2.0, 1000),
+            OffloadSettings(False, 4, 1.0, 3, "predicted_ttft", 0.0),
+            RegionSettings(early_rejection=early), CostSeed(*H100.ttft_seed()), {}, False,
+            pairing=PairingSettings("conductor", COST))
+        rule = build_region_core(assembly).local.pair_rule
+        assert isinstance(rule, Conductor) and rule.pricing.ctx.refuse_unmet is early
+
+
+def test_a_region_without_a_replica_that_may_decode_answers_503_at_once() -> None:
+    core = region_core(3, {"r0": "prefill", "r1": "decode", "r2": "decode"},
+                       health=HealthSettings(unhealthy_threshold=1))
+    probe_all(core, 0.0)
+    assert core.submit(request(0, 800, 100), 0.0) == []
+    core.probe("r1", None, 0.1)
+    assert core.submit(request(1, 800, 100), 0.1) == []  # r2 may still decode
+    core.probe("r2", None, 0.2)
+    (reject,) = core.submit(request(2, 800, 100), 0.2)
+    assert isinstance(reject, Reject) and (reject.status, reject.code) == (503, "no_capacity")
+    assert "may decode" in reject.message
+    # the decode side back, the prefill side gone
+    for now in (0.3, 0.35):
+        core.probe("r2", OK, now)
+    core.probe("r0", None, 0.4)
+    (reject,) = core.submit(request(3, 800, 100), 0.4)
+    assert isinstance(reject, Reject) and reject.status == 503 and "may prefill" in reject.message
+    # a replica of role both serves either side
+    core.set_roles({"r0": "prefill", "r1": "decode", "r2": "both"})
+    assert core.submit(request(4, 800, 100), 0.5) == []

@@ -143,7 +143,7 @@ def build_region_core(assembly: RegionAssembly) -> RegionCore:
     if pairing is not None:
         core.local.pair_rule = make_pair_rule(pairing.rule, pairing.options, PairContext(
             model=model, cost=pairing.cost, links=pairing.links, ttft_slo_s=policy.ttft_slo_s,
-            tbt_slo_s=pairing.tbt_slo_s))
+            tbt_slo_s=pairing.tbt_slo_s, refuse_unmet=assembly.settings.early_rejection))
     return core
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from skymesh.routing.base import Decision, Migration, Policy, ReplicaView, RoutingRequest
 from skymesh.routing.disciplines.base import QueueDiscipline
-from skymesh.routing.pairing.base import PairRule, Role, does_prefill
+from skymesh.routing.pairing.base import PairChoice, PairRule, Role, does_prefill
 from skymesh.routing.push_budget import PushBudget
 from skymesh.routing.queueing import PriorityQueue
 from skymesh.routing.siblings import SiblingLoad
@@ -70,6 +70,7 @@ class DispatchCounters:
     migrated: int = 0
     spilled: int = 0
     offloaded: int = 0
+    refused_by_pair_rule: int = 0  # no placement met the request's TTFT and TBT targets
 
 
 class QueueFull(Exception):
@@ -121,6 +122,9 @@ class BalancerCore:
         self.roles: dict[str, Role] = {}
         self._decode_only: frozenset[str] = frozenset()
         self.pair_rule: PairRule | None = None
+        # requests the pair rule refused since the region core last took them (no
+        # placement meets their targets): they left the queue, the core answers them 429
+        self.refused: list[tuple[RoutingRequest, PairChoice]] = []
 
     @property
     def dispatch_budget(self) -> int:
@@ -357,6 +361,11 @@ class BalancerCore:
                 if paired is None:  # no replica can decode it now: it waits
                     held += 1
                     continue
+                if isinstance(paired, PairChoice):  # refused: no placement meets its targets
+                    self._dequeue(rid)
+                    self.counters.refused_by_pair_rule += 1
+                    self.refused.append((q.req, paired))
+                    continue
                 decision = paired
             if self.budget.awaits_lease(decision.replica_id):
                 # free region-wide, not here: the unit's home leases it in its next message
@@ -411,15 +420,16 @@ class BalancerCore:
             return self.replicas
         return {k: v for k, v in self.replicas.items() if k not in excluded}
 
-    def _pair(self, q: _Queued, decision: Decision, now: float) -> Decision | None:
+    def _pair(self, q: _Queued, decision: Decision, now: float) -> Decision | PairChoice | None:
         """The pair rule's word on the policy's pick: whole there, whole on another
-        replica that may take it now, or split (prefill there, decode elsewhere)."""
+        replica that may take it now, split (prefill there, decode elsewhere), or refused
+        (the rule's choice, ``refused``)."""
         assert self.pair_rule is not None
         # a draining replica takes no new leg either
         excluded = self._disallowed(q) | self.draining
         choice = self.pair_rule.choose(q.req, decision, self.replicas, self.roles, excluded, now)
-        if choice is None:
-            return None
+        if choice is None or choice.refused:
+            return choice
         p = choice.prefill_replica_id
         if p != decision.replica_id:
             view = self.replicas.get(p)
@@ -429,6 +439,11 @@ class BalancerCore:
             return decision
         return Decision(p, decision.reason if p == decision.replica_id else choice.reason,
                         choice.matched_tokens, choice.predicted_ttft_s, decode_replica_id=choice.decode_replica_id)
+
+    def take_refused(self) -> list[tuple[RoutingRequest, PairChoice]]:
+        """The requests the pair rule refused since the last call (they left the queue)."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def has_allowed_available(self, req: RoutingRequest) -> bool:
         """Some replica this queued request may run on is available now."""

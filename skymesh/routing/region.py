@@ -41,7 +41,7 @@ from skymesh.routing.kv_index import KvEvent
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter, OffloadTrigger
 from skymesh.routing.offload_selection import OffloadSelection
-from skymesh.routing.pairing.base import Role
+from skymesh.routing.pairing.base import PairChoice, Role
 from skymesh.routing.queue_deadlines import QueueDeadlines
 from skymesh.routing.queue_registry import make_discipline
 from skymesh.routing.region_actions import (
@@ -509,6 +509,7 @@ class RegionCore:
     def set_roles(self, roles: Mapping[str, Role]) -> None:
         """Each replica's prefill/decode role (missing: ``both``; skymesh/routing/pairing)."""
         self.local.set_roles(roles)
+        self.residency.set_roles(roles)
 
     def prefill_done(self, request_id: str, now: float) -> str | None:
         """A split request's prefill leg answered with its KV ready to move: the request is
@@ -631,12 +632,28 @@ class RegionCore:
             t.placements += 1
             offload.on_local_dispatch(req, now)
             actions.append(SendToReplica(req.request_id, t.target, decision))
+        for req, choice in self.local.take_refused():
+            actions.append(self._refuse_unmet(req, choice, now))
         # residency may close local replicas to some queued requests: those are offered
         # to peers even while the replicas look free
         restricted = self.residency.adopted or self._restricted_queued()
         actions.extend(self._forward(self.offload_selection.saturated(now, restricted), now))
         self.drain_rate.end_backlog_if_drained()
         return actions
+
+    def _refuse_unmet(self, req: RoutingRequest, choice: PairChoice, now: float) -> Action:
+        """Mooncake's rejection (Algorithm 1): the pair rule found no placement expected
+        to meet the request's TTFT and TBT targets, so it is answered 429 now rather than
+        served late; Retry-After is how far past its TTFT target the best one was."""
+        self._leave(self._requests[req.request_id], RequestState.REJECTED, now)
+        ttft, tbt = choice.predicted_ttft_s or 0.0, choice.predicted_tbt_s or 0.0
+        ttft_target = req.slo_ttft_s if req.slo_ttft_s is not None else self.settings.ttft_slo_s
+        where = (f"prefill on {choice.prefill_replica_id}, decode on {choice.decode_replica_id}"
+                 if choice.split else f"whole on {choice.prefill_replica_id}")
+        return Reject(req.request_id, 429, "slo_unreachable",
+                      f"no replica pair is expected to meet this request's time to first token and time between "
+                      f"tokens targets (at best {where}: {ttft:.2f} s to the first token, {tbt * 1000:.0f} ms "
+                      "between tokens): not served", max(self.settings.retry_after_s, ttft - ttft_target))
 
     def _restricted_queued(self) -> bool:
         """Some queued request's origin has replicas here closed to it (residency). A

@@ -15,13 +15,15 @@ from collections.abc import Mapping, Sequence
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.health import ReplicaHealth
 from skymesh.routing.offload import OffloadRouter
+from skymesh.routing.pairing.base import Role, does_decode, does_prefill
 
 
 class Residency:
     """The replicas' home regions and, per request origin, the replicas closed to it
     (cached per origin until membership or the rules change)."""
 
-    __slots__ = ("_region", "_offload", "_health", "_home", "_adopted", "_forbidden_by_origin")
+    __slots__ = ("_region", "_offload", "_health", "_home", "_adopted", "_forbidden_by_origin", "_prefill_only",
+                 "_decode_only")
 
     def __init__(self, region: str, offload: OffloadRouter, health: ReplicaHealth) -> None:
         self._region = region
@@ -30,6 +32,10 @@ class Residency:
         self._home: dict[str, str] = {}  # replica -> the region it lives in
         self._adopted = False  # some replica lives in another region (failover)
         self._forbidden_by_origin: dict[str, frozenset[str]] = {}
+        # prefill/decode roles (skymesh/routing/pairing): a request needs a replica that may
+        # prefill and one that may decode; a replica of role ``both`` is each
+        self._prefill_only: frozenset[str] = frozenset()
+        self._decode_only: frozenset[str] = frozenset()
 
     @property
     def adopted(self) -> bool:
@@ -41,6 +47,11 @@ class Residency:
         self._home = {rid: (homes or {}).get(rid, self._region) for rid in replica_ids}
         self._adopted = any(home != self._region for home in self._home.values())
         self._forbidden_by_origin.clear()
+
+    def set_roles(self, roles: Mapping[str, Role]) -> None:
+        """Each replica's role (missing: ``both``)."""
+        self._prefill_only = frozenset(rid for rid, role in roles.items() if not does_decode(role))
+        self._decode_only = frozenset(rid for rid, role in roles.items() if not does_prefill(role))
 
     def rules_changed(self) -> None:
         """The offload rules were reloaded: what was computed from the old ones goes."""
@@ -81,15 +92,28 @@ class Residency:
         if req.forwarded:
             return "this region's replicas that may serve it are all unhealthy; Retry-After says when to try again"
         closed = self.forbidden_replicas(req)
-        here = "every replica here is closed to it by the residency rules" if closed and len(closed) == len(
-            self._home) else "no replica here that it may use is healthy"
+        if closed and len(closed) == len(self._home):
+            here = "every replica here is closed to it by the residency rules"
+        elif self._health.any_usable(excluding=closed | self._decode_only):
+            here = "no replica here that may decode it (role decode or both) is healthy"
+        elif self._health.any_usable(excluding=closed | self._prefill_only):
+            here = "no replica here that may prefill it (role prefill or both) is healthy"
+        else:
+            here = "no replica here that it may use is healthy"
         where = ", ".join(regions) if regions else "none"
         return (f"requests from {origin} may run in {where} only; {here} and no balancer of those regions "
                 "is reachable from here now (down, or between owners in a failover); Retry-After says when to try again")
 
     def nothing_can_serve(self, req: RoutingRequest, now: float) -> bool:
         """No replica this request may use is healthy or still unprobed, and no allowed
-        peer region is alive with replicas: queueing it could only end in a timeout."""
-        if self._health.any_usable(excluding=self.forbidden_replicas(req)):
+        peer region is alive with replicas: queueing it could only end in a timeout. With
+        prefill/decode roles it needs both sides: a replica that may prefill it and one
+        that may decode it."""
+        closed = self.forbidden_replicas(req)
+        usable = self._health.any_usable
+        if not self._prefill_only and not self._decode_only:
+            if usable(excluding=closed):
+                return False
+        elif usable(excluding=closed | self._decode_only) and usable(excluding=closed | self._prefill_only):
             return False
         return req.forwarded or not self._offload.could_serve(now, req.origin_region, req.slo_ttft_s)

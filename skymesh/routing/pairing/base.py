@@ -91,6 +91,10 @@ class PairContext:
     # the TBT target of a request whose class names none (Mooncake's: the mean of its
     # longest 10% token intervals)
     tbt_slo_s: float = 0.1
+    # Mooncake's early rejection: a request no placement is expected to serve within both
+    # its targets is refused (429) rather than placed where it misses them least (the
+    # region's ``early_rejection``; a peer's forward is placed: its origin judged it)
+    refuse_unmet: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,9 @@ class PairChoice:
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     transfer_s: float = 0.0  # the KV's move, estimated (0 when aggregated)
+    # no placement is expected to meet the request's targets: it is refused (429), and
+    # the rest describes the best placement it had
+    refused: bool = False
 
     @property
     def split(self) -> bool:
@@ -120,7 +127,8 @@ class PairRule(Protocol):
     """One pair rule (``pairing/*.py``). ``choose`` gets the policy's decision (a prefill
     replica, available) and every replica the request may run on (``views``, decode-only
     ones included; ``roles`` by replica, missing ones ``both``); it returns where the
-    request runs, or None to keep it queued (no decode replica can take it now)."""
+    request runs, a refusal (``refused``: no placement meets its targets), or None to keep
+    it queued (no decode replica can take it now)."""
 
     name: str
 

@@ -5,9 +5,10 @@ replica with room for its KV — and the one with the lowest predicted TTFT amon
 expected to meet both the TTFT and the TBT target wins; whole wins a tie, as the cheaper
 (one replica's work, no KV moved). A split therefore happens exactly where it pays: where
 decoding beside the region's prefill would break the TBT target, or where the policy's
-pick cannot decode. When no placement meets both targets the one that misses them least
-(the largest ratio of prediction to target) is taken, a split on a tie: the early
-rejection at admission is the region's (skymesh/routing/admission), by TTFT.
+pick cannot decode. When no placement meets both targets the request is refused (429 with
+Retry-After, Algorithm 1's rejection) where the region rejects early
+(``PairContext.refuse_unmet``); otherwise, and for a peer's forward, the one that misses
+them least (the largest ratio of prediction to target) is taken, a split on a tie.
 
 Not modelled: pulling a better cached prefix from another replica to the prefill replica
 (Mooncake's ``kvcache_balancing_threshold``); the policy's pick is the prefill replica."""
@@ -74,4 +75,6 @@ class Conductor(PricedRule):
             return best.choice("meets both targets")
         # ties go to a split: a whole request adds its prefill where others decode
         best = min(cands, key=lambda c: (c.violation(ttft_slo, tbt_slo), c.decode is None))
+        if self.pricing.ctx.refuse_unmet and not req.forwarded:
+            return best.choice("no placement meets both targets", refused=True)
         return best.choice("misses least")

@@ -51,9 +51,9 @@ class Candidate:
         """How far past its targets it is expected to end (<= 1: meets both)."""
         return max(self.ttft_s / ttft_slo_s, self.tbt_s / tbt_slo_s)
 
-    def choice(self, reason: str) -> PairChoice:
+    def choice(self, reason: str, *, refused: bool = False) -> PairChoice:
         return PairChoice(self.prefill, self.decode, reason, self.matched_tokens, self.ttft_s, self.tbt_s,
-                          self.transfer_s)
+                          self.transfer_s, refused)
 
 
 class PairPricing:
