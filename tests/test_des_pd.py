@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -331,3 +332,22 @@ def test_skymesh_sim_reads_the_pd_flags() -> None:
         sim_setup.pd_split("nowhere=1:1", ["us-east-1"])
     with pytest.raises(SystemExit):
         sim_setup.pd_split("1-1", ["us-east-1"])
+
+
+@pytest.mark.parametrize("early_rejection", [True, False])
+def test_the_conductor_refuses_what_no_pair_serves_in_time_only_where_the_region_rejects_early(
+        early_rejection: bool) -> None:
+    trace = long_context()
+    cfg = config(pd_split=(1, 1), pair_rule="conductor", record_tbt=True, tbt_slo_s=1e-4)
+    cfg = replace(cfg, routing=replace(cfg.routing, early_rejection=early_rejection))
+    sim = Simulator(cfg)
+    res = sim.run(trace)
+    # no step is 0.1 ms long: no placement meets the TBT target
+    if early_rejection:
+        assert res.rejected.all() and np.isnan(res.ttft).all()
+        assert sim.regions["c"].cores[0].local.counters.refused_by_pair_rule == len(trace)
+    else:  # placed where it misses least, every one served
+        assert not res.rejected.any() and not np.isnan(res.ttft).any()
+    for rid, rep in sim.replicas.items():
+        e = rep.engine
+        assert e.held == {} and not e.running and not e.waiting and not e.requests, rid

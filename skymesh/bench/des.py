@@ -8,7 +8,8 @@ offload router fed by heartbeats that take the configured one-way latency to arr
 Replicas are the real :class:`Engine`. Nothing here reimplements routing or the engine's
 scheduling: the simulator (this module, its event loop) only moves time and messages,
 submits requests and carries the core's actions out (``SendToReplica``,
-``ForwardToRegion``; a ``Reject`` only on submission: there is no queue-wait deadline, no
+``ForwardToRegion``; a ``Reject`` on submission, or at dispatch from a pair rule that
+finds no placement meeting a request's targets: there is no queue-wait deadline, no
 failure and no ejection in a simulation).
 
 Speed without approximation: while a replica's engine can only decode (nothing in prefill,
@@ -205,6 +206,9 @@ class Simulator:
         it: Iterator[TraceRequest] = iter(trace)
         self._next_index = 0
         outstanding = 0
+        # requests a pair rule refused at dispatch (each was outstanding; _dispatch counts them)
+        self._refused_at_dispatch = 0
+        self._progress = progress
         plotted = [rid for reg in self.regions.values() for rid in reg.replica_ids][: cfg.plot_replicas]
         all_ids = list(self.replicas)
         load_series: list[tuple[float, list[int]]] = []
@@ -250,7 +254,7 @@ class Simulator:
         more = pull()
         events = self._events
         pop = heapq.heappop
-        while events and (more or outstanding > 0):
+        while events and (more or outstanding > self._refused_at_dispatch):
             t, _, kind, payload = pop(events)
             self.now = t
             self.events += 1
@@ -392,13 +396,15 @@ class Simulator:
         """``rreq`` reaches balancer ``k`` of ``reg`` (the one it stays with)."""
         for action in reg.cores[k].submit(rreq, t):
             assert isinstance(action, Reject)
-            i = int(rreq.request_id)
-            self._flags[i] |= 1
-            self._engine_args.pop(rreq.request_id, None)
-            self._origin.pop(rreq.request_id, None)
+            self._rejected(rreq.request_id)
             return False
         self._dispatch(reg, k, t)
         return True
+
+    def _rejected(self, rid: str) -> None:
+        self._flags[int(rid)] |= 1
+        self._engine_args.pop(rid, None)
+        self._origin.pop(rid, None)
 
     def _dispatch(self, reg: SimRegion, k: int, t: float) -> None:
         core = reg.cores[k]
@@ -433,6 +439,12 @@ class Simulator:
                 forwarded = replace(core.view.request_of(rid), forwarded=True, origin_region=reg.name)
                 self._push(t + self.cfg.latency_s(reg.name, action.region), self.FORWARD_ARRIVE,
                            (action.region, forwarded))
+            elif isinstance(action, Reject) and action.code == "slo_unreachable":
+                # a pair rule's refusal (skymesh/routing/pairing/conductor.py)
+                self._rejected(rid)
+                self._refused_at_dispatch += 1
+                if self._progress:
+                    self._progress(1)
             else:  # no queue deadline, no failures, no ejections: nothing else can happen here
                 raise AssertionError(f"unexpected action in the simulator: {action!r}")
 
