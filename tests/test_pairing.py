@@ -551,7 +551,7 @@ def test_the_policy_never_sees_decode_only_replicas(policy: str) -> None:
     assert core.local.queue_length == 4 - len(got)
 
 
-def test_a_decode_leg_failing_before_its_first_token_is_placed_again() -> None:
+def test_a_decode_leg_failing_before_its_first_token_goes_to_another_decode_replica() -> None:
     core = region_core(3, {"r0": "prefill", "r1": "decode", "r2": "decode"})
     probe_all(core, 0.0)
     core.submit(request(0, 800, 100), 0.0)
@@ -560,17 +560,44 @@ def test_a_decode_leg_failing_before_its_first_token_is_placed_again() -> None:
     assert core.prefill_done("q0", 0.2) == "r1"
     r0, r1, r2 = (core.local.replicas[r] for r in ("r0", "r1", "r2"))
     assert r1.pending_decodes == 1
-    core.fail("q0", 0.3, reason="connection refused")
-    assert core.view.state_of("q0") is RequestState.QUEUED
+    # the KV is held on r0: the decode leg alone is placed again, on r2, at once
+    (again,) = sends(core.fail("q0", 0.3, reason="connection refused"))
+    assert (again.request_id, again.replica_id) == ("q0", "r2")
+    assert again.decision.decode_leg and again.decision.replica_id == "r2"
+    assert core.view.state_of("q0") is RequestState.PLACED
     assert (r1.pending_decodes, r1.pending_decode_tokens) == (0, 0)
+    assert (r2.pending_decodes, r2.pending_decode_tokens) == (1, 900)
     assert (r0.in_flight, r0.pending_prefill_tokens) == (0, 0)
-    assert core.local.in_flight_count == 0
+    assert core.local.in_flight_count == 1 and core.local.counters.retried == 1
+    assert not r1.available  # held until its next probe, as after any retry
+    # its first token now comes from r2; nothing stays booked after it
+    core.first_token("q0", 0.4)
+    core.complete("q0", 0.5)
+    assert all((v.in_flight, v.pending_decodes, v.pending_decode_tokens) == (0, 0, 0)
+               for v in core.local.replicas.values())
+
+
+def test_a_decode_leg_with_no_other_decode_replica_is_prefilled_again() -> None:
+    core = region_core(3, {"r0": "prefill", "r1": "decode", "r2": "decode"}, max_retries=3)
+    probe_all(core, 0.0)
+    core.submit(request(0, 800, 100), 0.0)
+    sends(core.tick(0.0))
+    core.prefill_done("q0", 0.2)
+    (again,) = sends(core.fail("q0", 0.3, reason="connection refused"))
+    # the second decode replica fails it too: none is left, the request is queued again
+    assert sends(core.fail("q0", 0.35, reason="connection refused")) == []
+    assert again.replica_id == "r2" and core.view.state_of("q0") is RequestState.QUEUED
+    r0, r1, r2 = (core.local.replicas[r] for r in ("r0", "r1", "r2"))
+    assert all((v.in_flight, v.pending_decodes, v.pending_decode_tokens) == (0, 0, 0) for v in (r0, r1, r2))
     probe_all(core, 0.4)
-    (again,) = sends(core.tick(0.4))
-    # never back to the decode replica that failed it; its prefill runs again on r0
-    assert (again.replica_id, again.decision.decode_replica_id) == ("r0", "r2")
-    assert (r2.pending_decodes, r2.pending_decode_tokens) == (1, 900) and r1.pending_decodes == 0
-    assert r0.in_flight == 1
+    # never back to a replica that failed it: with both decode replicas excluded it waits
+    # (for its queue-wait deadline, or a decode replica that joins)
+    assert sends(core.tick(0.4)) == [] and core.view.state_of("q0") is RequestState.QUEUED
+    core.set_replicas(["r0", "r1", "r2", "r3"], 0.5)
+    core.set_roles({"r0": "prefill", "r1": "decode", "r2": "decode", "r3": "decode"})
+    core.probe("r3", OK, 0.5)
+    (whole,) = sends(core.tick(0.5))
+    assert (whole.replica_id, whole.decision.decode_replica_id) == ("r0", "r3")  # prefilled again
 
 
 def test_roles_filter_the_policys_replicas_whichever_comes_first() -> None:

@@ -213,6 +213,9 @@ class RequestFlow:
         single_prompt: bool = True, slo: SloClass | None = None,
     ) -> web.StreamResponse:
         trace = waiter.trace
+        # a split request's decode leg as last sent (the prefill's KV parameters in it): a
+        # decode leg placed again after a failure before its first token resends it
+        decode_leg: bytes | None = None
         while True:
             # a word already said (a placement made while an abandoned attempt ended) is no wait
             if trace is not None and not waiter.holds_words():
@@ -245,6 +248,9 @@ class RequestFlow:
                 if legs is None:
                     continue  # the core was told, or took it back: its next word follows
                 target, body = legs
+                decode_leg = body
+            elif isinstance(action, SendToReplica) and action.decision.decode_leg and decode_leg is not None:
+                body = decode_leg
             deadline = timeouts.first_byte_deadline_s(
                 stream=stream,
                 max_tokens=req.max_tokens,

@@ -91,6 +91,9 @@ class Decision:
     # a split request (skymesh/routing/pairing): its prefill runs on ``replica_id`` and its
     # decode here, the KV moved between them; None: whole
     decode_replica_id: str | None = None
+    # a split request's decode leg placed again on ``replica_id`` after the first one failed
+    # before its first token: the prefill's KV is still held, the driver resends the leg
+    decode_leg: bool = False
 
 
 @dataclass(slots=True)

@@ -56,6 +56,7 @@ class _InFlight:
     first_token_at: float | None = None
     leg: int = WHOLE
     decode_replica_id: str | None = None  # a split request's decode replica
+    prefill_replica_id: str | None = None  # where its prefill leg ran, once it answered
     decode_tokens: int = 0  # the KV tokens booked there (prompt + output) until its first token
 
 
@@ -539,27 +540,50 @@ class BalancerCore:
             view.in_flight -= 1
             self._refresh_available(view)
         self.policy.on_complete(f.req, f.replica_id, True, now)
-        prefill = f.replica_id
+        f.prefill_replica_id = f.replica_id
         f.leg, f.replica_id, f.first_token_at, f.prefill_tokens = DECODE_LEG, f.decode_replica_id, None, 0
-        self._repair_decode(f, prefill, now)
-        return f.replica_id
-
-    def _repair_decode(self, f: _InFlight, prefill: str, now: float) -> None:
-        """The decode replica chosen at placement left, was ejected or is draining while
-        the prefill ran: the pair rule picks another for the KV now ready (kept when it
-        finds none: the attempt there fails and the request is placed again)."""
         d = f.replica_id
         view = self.replicas.get(d)
-        if self.pair_rule is None or (view is not None and view.healthy and d not in self.draining):
-            return
-        excluded = self._disallowed(f) | self.draining | {d}
+        if view is None or not view.healthy or d in self.draining:
+            # the decode replica chosen at placement left, was ejected or is draining while
+            # the prefill ran: another for the KV now ready (kept when there is none: the
+            # attempt there fails and the request is placed again)
+            self._move_decode(f, now)
+        return f.replica_id
+
+    def place_decode_again(self, request_id: str, now: float) -> str | None:
+        """A split request's decode leg failed before its first token while its prefill's
+        KV is held: the pair rule places the leg on another decode replica (the failed one
+        held until its next probe, as after a retry), which reads that KV instead of the
+        request being prefilled again. None: not such a leg, or no other replica may
+        decode it (the caller queues the request again)."""
+        f = self._in_flight.get(request_id)
+        if f is None or f.leg != DECODE_LEG or f.first_token_at is not None:
+            return None
+        failed = f.replica_id
+        if not self._move_decode(f, now):
+            return None
+        f.excluded.add(failed)
+        self.hold(failed)
+        self.counters.retried += 1
+        return f.replica_id
+
+    def _move_decode(self, f: _InFlight, now: float) -> bool:
+        """``f``'s decode leg to the replica the pair rule picks for the KV on its prefill
+        replica, its current decode replica excluded (False: none, nothing changed)."""
+        prefill = f.prefill_replica_id
+        if self.pair_rule is None or prefill is None:
+            return False
+        excluded = self._disallowed(f) | self.draining | {f.replica_id}
         choice = self.pair_rule.choose(f.req, Decision(prefill, "prefill done"), self.replicas, self.roles, excluded,
                                        now)
-        if choice is None or choice.decode_replica_id is None or choice.prefill_replica_id != prefill:
-            return
+        if (choice is None or choice.refused or choice.decode_replica_id is None
+                or choice.prefill_replica_id != prefill):
+            return False
         self._unbook_decode(f)
         f.replica_id = choice.decode_replica_id
         self._book_decode(f, choice.decode_replica_id)
+        return True
 
     def _book_decode(self, f: _InFlight, decode_replica_id: str) -> None:
         """``f``'s decode leg goes to ``decode_replica_id``: its KV tokens (prompt and

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from skymesh.routing.admission.base import AdmissionRule, first_refusal
 from skymesh.routing.admission.region_view import RegionPartsView
 from skymesh.routing.admission.rules import admission_rules
-from skymesh.routing.base import Policy, RoutingRequest
+from skymesh.routing.base import Decision, Policy, RoutingRequest
 from skymesh.routing.disciplines.base import DisciplineContext
 from skymesh.routing.dispatcher import BalancerCore, QueueFull
 from skymesh.routing.drain_rate import DrainRate
@@ -590,12 +590,21 @@ class RegionCore:
                 # failed for a reason no request causes (refused, a 5xx, no first byte
                 # in time): the replica was failing before any later disconnect
                 self._note_unblamed_failure(target, now)
+            # a split request's decode leg goes to another decode replica, which reads the
+            # KV its prefill holds (under its lease) instead of it being prefilled again
+            decode = None if exhausted else self.local.place_decode_again(request_id, now)
             if exhausted:
                 self.local.give_up(request_id, now)
-            else:
+            elif decode is None:
                 self.local.retry(request_id, now)
             if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
                 actions.extend(self._abandon_unstarted(target, now))
+            if decode is not None:
+                t.target = decode
+                t.placements += 1
+                actions.append(SendToReplica(request_id, decode, Decision(decode, "its decode leg again",
+                                                                          decode_leg=True)))
+                return actions
         if exhausted:
             self._move(t, RequestState.REJECTED)
             del self._requests[request_id]
