@@ -173,7 +173,8 @@ class PeerMeshBalancer(MeshMember, Protocol):
         ...
 
     def availability(self) -> tuple[int, int]:
-        """(replicas available, queue length): a heartbeat goes out at once when it moves."""
+        """(replicas a new request may start on that are available, queue length): the
+        heartbeat's figures; a heartbeat goes out at once when they move."""
         ...
 
     def offload_counts(self) -> tuple[int, int]:
