@@ -248,6 +248,15 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
     def home_of(self) -> dict[str, tuple[str, str]]:
         return {rep.id: (r.name, rep.url) for r in self.cfg.regions for rep in r.replicas}
 
+    def replica_roles(self) -> dict[str, str]:
+        """replica id -> its prefill/decode role: as the latest report of the region that
+        owns it says (an empty role, from a balancer before roles: ``both``), else as the
+        config gives it."""
+        roles = {rep.id: str(rep.role) for r in self.cfg.regions for rep in r.replicas}
+        for report in self.last_reports.values():
+            roles.update({x.replica_id: x.role or "both" for x in report.replicas})
+        return roles
+
     def topology(self) -> Any:
         homes = self.home_of()
         out = mesh_pb2.Topology(version=self.version, policy=self.cfg.policy.name)
@@ -632,6 +641,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
     def status_json(self) -> dict[str, Any]:
         homes = self.home_of()
+        roles = self.replica_roles()
         regions = []
         for r in self.cfg.regions:
             b = self.balancers[r.name]
@@ -648,7 +658,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 # the region's balancers (a fleet behind its entry); alive: any of them
                 "balancers": [m.as_json() for m in self.members[r.name]],
                 "owned_replicas": [
-                    {"replica_id": rid, "url": homes[rid][1], "home_region": homes[rid][0]}
+                    {"replica_id": rid, "url": homes[rid][1], "home_region": homes[rid][0], "role": roles[rid]}
                     for rid, o in sorted(self.owners.items()) if o == r.name
                 ],
                 "nearest_alive": nearest_alive(self.cfg, r.name, self.alive_regions()),
@@ -682,6 +692,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
         async def topology(_: web.Request) -> web.Response:
             t = self.topology()
+            roles = self.replica_roles()
             return web.json_response({
                 "version": t.version, "policy": t.policy,
                 "balancers": [{
@@ -691,7 +702,8 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                                  "http_url": m.http_url, "grpc_address": m.grpc_address,
                                  "last_seen_unix_ms": m.last_seen_unix_ms} for m in a.members],
                     "replicas": [{"replica_id": x.replica_id, "url": x.url, "home_region": x.home_region,
-                                  "draining": x.draining} for x in a.replicas],
+                                  "draining": x.draining, "role": roles.get(x.replica_id, "both")}
+                                 for x in a.replicas],
                 } for a in t.balancers],
             })
 

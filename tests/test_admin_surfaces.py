@@ -51,6 +51,10 @@ async def test_controller_status_and_topology_need_the_admin_token(controller_ur
                     assert (await r.json())["error"]["code"] == "invalid_admin_token"
             async with s.get(controller_url + path, headers=admin_auth()) as r:
                 assert r.status == 200, path
+        async with s.get(controller_url + "/v1/topology", headers=admin_auth()) as r:
+            topology = await r.json()
+        # each replica's prefill/decode role (the config's until a report says otherwise)
+        assert {x["role"] for b in topology["balancers"] for x in b["replicas"]} == {"both"}
         async with s.get(controller_url + "/health") as r:
             assert r.status == 200
         async with s.get(controller_url + "/metrics") as r:

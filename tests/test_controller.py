@@ -375,8 +375,11 @@ class RecordingDns:
 async def test_register_and_report_count_as_liveness(tmp_path: Path) -> None:
     """No balancer answers /health here: Register/Report alone keep (or bring) one alive;
     stale reports and unknown regions are ignored; DNS hears about every change, also
-    when it was unreachable for a while."""
-    cfg = parse_config(make_config(tmp_path)[0])
+    when it was unreachable for a while. The reported replicas' roles show in its status
+    (a replica no report names: the config's role)."""
+    data = make_config(tmp_path)[0]
+    data["regions"][2]["replicas"][0]["role"] = "decode"
+    cfg = parse_config(data)
     rec = RecordingDns()
     rec.fail = True  # DNS down at first: failover must not wait on it
     svc = ControllerService(cfg, rec)
@@ -401,8 +404,11 @@ async def test_register_and_report_count_as_liveness(tmp_path: Path) -> None:
             assert not bad.accepted and "mars-1" in bad.reason
 
             v0 = svc.version
-            eu_report = mesh_pb2.BalancerReport(region="eu-west-1", balancer_id="euw1-b", epoch=3,
-                                                queue_length=1, admin_json='{"queue_length": 1}')
+            # euw1-r1's empty role is a balancer's from before roles: both
+            eu_replicas = [mesh_pb2.ReplicaReport(replica_id=rid, role=role)
+                           for rid, role in (("euw1-r0", "prefill"), ("euw1-r1", ""), ("euw1-r2", "decode"))]
+            eu_report = mesh_pb2.BalancerReport(region="eu-west-1", balancer_id="euw1-b", epoch=3, queue_length=1,
+                                                replicas=eu_replicas, admin_json='{"queue_length": 1}')
             reply = await stub.Report(eu_report, timeout=5)
             assert reply.topology_version > v0  # the report revived eu-west-1: a new version
 
@@ -433,6 +439,10 @@ async def test_register_and_report_count_as_liveness(tmp_path: Path) -> None:
             rs = {r.region: r for r in st.regions}
             assert rs["eu-west-1"].balancer_id == "euw1-b" and rs["eu-west-1"].last_report.queue_length == 1
             assert rs["us-east-1"].balancer_id == "use1-b"
+            assert [x.role for x in rs["eu-west-1"].last_report.replicas] == ["prefill", "", "decode"]
+            owned = {x["replica_id"]: x["role"] for r in svc.status_json()["regions"] for x in r["owned_replicas"]}
+            assert {rid: owned[rid] for rid in ("euw1-r0", "euw1-r1", "euw1-r2", "apne1-r0", "use1-r0")} == {
+                "euw1-r0": "prefill", "euw1-r1": "both", "euw1-r2": "decode", "apne1-r0": "decode", "use1-r0": "both"}
     finally:
         if reporter is not None:
             reporter.cancel()

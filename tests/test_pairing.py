@@ -609,6 +609,23 @@ def test_roles_filter_the_policys_replicas_whichever_comes_first() -> None:
     assert core.local.policy.replica_ids == ["r0", "r1", "r2"]  # type: ignore[attr-defined]
 
 
+def test_a_region_advertises_the_replicas_a_new_request_may_start_on() -> None:
+    """The heartbeat counts roles ``both`` and ``prefill`` (a decode-only replica cannot
+    take a new request); the snapshot names every replica's role."""
+    core = region_core(4, {"r0": "prefill", "r1": "decode", "r2": "decode"})
+    probe_all(core, 0.0)
+    beat = core.view.heartbeat(0.0)
+    assert (beat.replicas_total, beat.replicas_available) == (2, 2)  # r0 and r3
+    assert core.view.available_count() == 4  # every replica is available itself
+    core.probe("r3", ProbeSample(num_waiting=1), 0.1)  # busy: not available
+    assert core.view.heartbeat(0.1).replicas_available == 1
+    roles = {rid: r["role"] for rid, r in core.view.snapshot()["replicas"].items()}
+    assert roles == {"r0": "prefill", "r1": "decode", "r2": "decode", "r3": "both"}
+    aggregated = region_core(3, {})
+    probe_all(aggregated, 0.0)
+    assert aggregated.view.heartbeat(0.0).replicas_total == 3  # all ``both``: every replica
+
+
 def test_a_failed_decode_leg_counts_against_its_decode_replica() -> None:
     core = region_core(3, {"r0": "prefill", "r1": "decode", "r2": "decode"},
                        health=HealthSettings(unhealthy_threshold=1))

@@ -13,11 +13,12 @@ import aiohttp
 import pytest
 
 from skymesh.balancer.server import Balancer
+from skymesh.balancer.services import ControllerLink
 from skymesh.config import parse_config
 from skymesh.replica_sim.kv_transfer import KVTransferSettings
 from skymesh.replica_sim.server import ReplicaServer, start_replica
 from skymesh.runtime.procs import free_port
-from tests.mesh_helpers import one_region_config
+from tests.mesh_helpers import admin_auth, one_region_config
 from tests.test_replica_sim_server import parse_metrics
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -85,6 +86,23 @@ async def test_split_requests_are_served_through_both_legs(region: Any) -> None:
     assert p.engine.generation_tokens_total == 6  # one token per prefill leg
     view = b.core.view.replicas
     assert view["r1"].pending_decodes == 0 and view["r0"].in_flight == 0
+
+
+async def test_the_admin_status_and_the_controller_report_name_each_replicas_role(region: Any) -> None:
+    b, _, _ = region
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{b.bound_port}/admin/status", headers=admin_auth()) as r:
+            assert r.status == 200
+            status = await r.json()
+    assert {rid: x["role"] for rid, x in status["replicas"].items()} == {"r0": "prefill", "r1": "decode"}
+    one_each = {"both": 0, "prefill": 1, "decode": 1}
+    assert status["replicas_by_role"] == status["healthy_by_role"] == one_each
+    assert status["available_by_role"] == one_each  # idle, both probed
+    report = ControllerLink(b.controller_link_port).report()
+    assert {x.replica_id: x.role for x in report.replicas} == {"r0": "prefill", "r1": "decode"}
+    # its peers hear of the one replica a new request may start on
+    beat = b.peer_mesh_port.heartbeat_snapshot(asyncio.get_running_loop().time())
+    assert (beat.replicas_total, beat.replicas_available) == (1, 1)
 
 
 async def test_a_prefill_replica_that_answers_no_params_leaves_the_prefill_to_the_decode_replica() -> None:

@@ -104,6 +104,25 @@ def test_render_the_controller_view() -> None:
     assert "owns: apne1-r0" in text
 
 
+def test_render_shows_roles_where_a_region_has_prefill_or_decode_replicas() -> None:
+    # all ``both`` (or a balancer from before roles): no role column, no roles line
+    aggregated = render(CONTROLLER_VIEW)
+    assert "roles:" not in aggregated
+    assert next(ln.split() for ln in aggregated.splitlines() if ln.split()[:1] == ["replica"])[2] == "state"
+    view = copy.deepcopy(CONTROLLER_VIEW)
+    us = view["regions"][0]
+    us["report"]["replicas"]["use1-r0"]["role"] = "prefill"
+    # a role only the controller's ownership names (the report's replica has none)
+    us["owned_replicas"][2]["role"] = "decode"
+    lines = render(view).splitlines()
+    header = next(ln.split() for ln in lines if ln.split()[:1] == ["replica"])
+    assert header == ["replica", "home", "role", "state", "running", "waiting", "KV", "cache"]
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.strip().startswith(("use1-", "euw1-"))}
+    assert rows["use1-r0"] == ["use1-r0", "us-east-1", "prefill", "busy", "4", "2", "90%", "history"]
+    assert rows["use1-r1"][2] == "decode" and rows["euw1-r0"][3] == "both"  # "eu-west-1 (adopted)" is two words
+    assert "   roles: both 1/1, prefill 0/1, decode 1/1 available" in lines
+
+
 def test_render_the_fallback_view_says_the_controller_is_down() -> None:
     cfg = parse_config(local_config_free_ports())
     from skymesh.operations.status import _from_balancer

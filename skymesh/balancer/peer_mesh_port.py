@@ -67,7 +67,7 @@ class PeerMeshPort(MeshMemberPort):
         return self.core.view.heartbeat(now)
 
     def availability(self) -> tuple[int, int]:
-        return self.core.view.available_count(), self.core.view.queue_length
+        return self.core.view.available_for_new_requests(), self.core.view.queue_length
 
     def offload_counts(self) -> tuple[int, int]:
         return self.core.offloaded_out, self.core.offloaded_in

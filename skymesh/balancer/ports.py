@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from skymesh.balancer.prober import SharedPage
 from skymesh.config import HostPort
+from skymesh.routing.pairing.base import Role
 from skymesh.routing.region import HeartbeatSnapshot
 from skymesh.routing.siblings import SiblingMessage
 from skymesh.security.pki import Credentials
@@ -54,6 +55,7 @@ class ReplicaStatus:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    role: Role = "both"  # its prefill/decode role (skymesh/routing/pairing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,8 @@ class PeerMeshBalancer(MeshMember, Protocol):
         ...
 
     def availability(self) -> tuple[int, int]:
-        """(replicas available, queue length): a heartbeat goes out at once when it moves."""
+        """(replicas a new request may start on that are available, queue length): the
+        heartbeat's figures; a heartbeat goes out at once when they move."""
         ...
 
     def offload_counts(self) -> tuple[int, int]:

@@ -470,6 +470,7 @@ class ControllerLink(SupervisedService):
                 num_waiting=r.num_waiting,
                 kv_cache_usage=r.kv_cache_usage,
                 owner_region=b.region,
+                role=r.role,
             )
             for r in status.replicas
         ]

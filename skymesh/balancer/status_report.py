@@ -9,7 +9,21 @@ from typing import Any
 
 from skymesh.balancer.membership import ReplicaInfo, prefix_hit_ratio
 from skymesh.balancer.ports import VERSION, ReplicaStatus, StatusReport
+from skymesh.routing.pairing.base import ROLES
 from skymesh.routing.region import RegionCore
+
+
+def count_by_role(replica_docs: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """The region's replicas per prefill/decode role (every role named, 0 where none):
+    ``replicas_by_role``, and of them ``healthy_by_role`` and ``available_by_role``."""
+    counts: dict[str, dict[str, int]] = {k: dict.fromkeys(ROLES, 0)
+                                         for k in ("replicas_by_role", "healthy_by_role", "available_by_role")}
+    for doc in replica_docs.values():
+        role = doc.get("role") or "both"
+        counts["replicas_by_role"][role] += 1
+        counts["healthy_by_role"][role] += bool(doc.get("healthy"))
+        counts["available_by_role"][role] += bool(doc.get("healthy") and doc.get("available"))
+    return counts
 
 
 def build_status_report(*, now: float, core: RegionCore, replicas: Mapping[str, ReplicaInfo],
@@ -38,6 +52,7 @@ def build_status_report(*, now: float, core: RegionCore, replicas: Mapping[str, 
         "offloaded_in": core.offloaded_in,
         "prefix_hit_ratio": hit_ratio,
         "replicas": replica_docs,
+        **count_by_role(replica_docs),
         "peers": core.offload.snapshot_state(now),
         **control,
         "counters": snap["counters"],
@@ -60,6 +75,7 @@ def build_status_report(*, now: float, core: RegionCore, replicas: Mapping[str, 
                 num_running=r.get("num_running", 0),
                 num_waiting=r.get("num_waiting", 0),
                 kv_cache_usage=r.get("kv_cache_usage", 0.0),
+                role=r.get("role", "both"),
             )
             for rid, r in replica_docs.items()
         ),

@@ -77,7 +77,8 @@ def _from_balancer(r: RegionConfig, rep: dict[str, Any] | None,
         "balancer_id": rep.get("balancer_id", "") if rep else "",
         "balancer_url": r.balancer.advertise_url,
         "owned_replicas": [
-            {"replica_id": rid, "url": x.get("url", ""), "home_region": x.get("home_region", r.name)}
+            {"replica_id": rid, "url": x.get("url", ""), "home_region": x.get("home_region", r.name),
+             "role": x.get("role") or "both"}
             for rid, x in sorted((rep or {}).get("replicas", {}).items())
         ],
         "report": rep,
@@ -138,8 +139,32 @@ def _num(x: Any) -> str:
     return "-" if x is None else str(x)
 
 
-def _replica_table(region: str, rep: dict[str, Any], owned: list[dict[str, Any]]) -> list[str]:
+_ROLES = ("both", "prefill", "decode")
+
+
+def _roles(rep: dict[str, Any], owned: list[dict[str, Any]]) -> dict[str, str]:
+    """Each replica's prefill/decode role: as the balancer's report says, else as the
+    controller's ownership does, else ``both`` (a balancer from before roles)."""
+    by_owner = {o.get("replica_id"): o.get("role") for o in owned}
+    return {rid: str(x.get("role") or by_owner.get(rid) or "both") for rid, x in rep.get("replicas", {}).items()}
+
+
+def _roles_line(rep: dict[str, Any], roles: dict[str, str]) -> str:
+    """Per role present, its available replicas of all: ``roles: prefill 1/2, decode 2/2 available``."""
+    parts = []
+    for role in _ROLES:
+        reps = [x for rid, x in rep.get("replicas", {}).items() if roles[rid] == role]
+        if reps:
+            avail = sum(1 for x in reps if x.get("healthy", False) and x.get("available"))
+            parts.append(f"{role} {avail}/{len(reps)}")
+    return "   roles: " + ", ".join(parts) + " available"
+
+
+def _replica_table(region: str, rep: dict[str, Any], owned: list[dict[str, Any]],
+                   roles: dict[str, str]) -> list[str]:
+    """One row per replica; a role column where the region has a replica that is not ``both``."""
     homes = {o.get("replica_id"): o.get("home_region") for o in owned}
+    show_role = any(role != "both" for role in roles.values())
     rows = []
     for rid, x in sorted(rep.get("replicas", {}).items()):
         home = homes.get(rid) or x.get("home_region") or region
@@ -153,13 +178,15 @@ def _replica_table(region: str, rep: dict[str, Any], owned: list[dict[str, Any]]
             state = "avail" if x.get("available") else "busy"
         # where the policy reads this replica's cache from: its KV events or the history
         cache = "events" if x.get("cache_source") == "events" else "history"
-        rows.append((str(rid), str(home), state, _num(x.get("num_running")), _num(x.get("num_waiting")),
-                     _pct(x.get("kv_cache_usage")), cache))
+        rows.append((str(rid), str(home), roles[rid], state, _num(x.get("num_running")),
+                     _num(x.get("num_waiting")), _pct(x.get("kv_cache_usage")), cache))
     w_id = max([len("replica"), *(len(r[0]) for r in rows)]) + 2
     w_home = max([len("home"), *(len(r[1]) for r in rows)]) + 2
-    lines = [f"   {'replica':<{w_id}}{'home':<{w_home}}{'state':<7}{'running':>8}{'waiting':>8}{'KV':>6}  cache"]
-    for rid, home, state, running, waiting, kv, cache in rows:
-        lines.append(f"   {rid:<{w_id}}{home:<{w_home}}{state:<7}{running:>8}{waiting:>8}{kv:>6}  {cache}")
+    role_head = f"{'role':<9}" if show_role else ""
+    lines = [f"   {'replica':<{w_id}}{'home':<{w_home}}{role_head}{'state':<7}{'running':>8}{'waiting':>8}{'KV':>6}  cache"]
+    for rid, home, role, state, running, waiting, kv, cache in rows:
+        role_cell = f"{role:<9}" if show_role else ""
+        lines.append(f"   {rid:<{w_id}}{home:<{w_home}}{role_cell}{state:<7}{running:>8}{waiting:>8}{kv:>6}  {cache}")
     return lines
 
 
@@ -226,7 +253,10 @@ def render(status: dict[str, Any]) -> str:
                 f"prefix hits {_pct(rep.get('prefix_hit_ratio'))}"
                 + ("   (controller unreachable from it)" if rep.get("controller_connected") is False else "")
             )
-            lines += _replica_table(name, rep, owned)
+            roles = _roles(rep, owned)
+            if any(role != "both" for role in roles.values()):  # a region with P/D pools
+                lines.append(_roles_line(rep, roles))
+            lines += _replica_table(name, rep, owned, roles)
             if rep.get("peers"):
                 lines.append(_peers_line(rep["peers"]))
         elif owned:

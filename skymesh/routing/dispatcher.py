@@ -250,6 +250,19 @@ class BalancerCore:
     def available_count(self) -> int:
         return sum(1 for v in self.replicas.values() if v.available)
 
+    def role_of(self, replica_id: str) -> Role:
+        """``replica_id``'s prefill/decode role (``both`` unless :meth:`set_roles` said otherwise)."""
+        return self.roles.get(replica_id, "both")
+
+    def replicas_for_new_requests(self) -> int:
+        """Replicas a new request may start on: those that prefill (roles ``both`` and
+        ``prefill``); a decode-only replica takes decode legs. Every replica while all are ``both``."""
+        return len(self.replicas) - sum(1 for rid in self._decode_only if rid in self.replicas)
+
+    def available_for_new_requests(self) -> int:
+        """Of :meth:`replicas_for_new_requests`, those available now (selective pushing)."""
+        return sum(1 for rid, v in self.replicas.items() if v.available and rid not in self._decode_only)
+
     def sustainable_dispatch_rate(self, now: float, first_token_s: float) -> float:
         """Requests per second the replicas can at least be sent from the queue, from
         what they can serve rather than from what they were recently sent: every healthy
@@ -682,7 +695,8 @@ class BalancerCore:
                     "pending_prefill_tokens": self.own_pending_prefill(rid),
                     **({"region_pending_prefill_tokens": v.pending_prefill_tokens} if self.budget.shared else {}),
                     "in_flight": v.in_flight,
-                    **({"role": self.roles[rid], "pending_decodes": v.pending_decodes} if rid in self.roles else {}),
+                    "role": self.role_of(rid),
+                    **({"pending_decodes": v.pending_decodes} if rid in self.roles else {}),
                     "dispatched": self.dispatches_per_replica.get(rid, 0),
                 }
                 for rid, v in self.replicas.items()

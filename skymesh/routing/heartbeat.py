@@ -10,6 +10,8 @@ from dataclasses import dataclass
 class HeartbeatSnapshot:
     """What this region tells its peers (SkyWalker's availability exchange)."""
 
+    # the replicas a new request may start on: roles ``both`` and ``prefill`` (a decode-only
+    # replica cannot take one; every replica while all are ``both``), and those available now
     replicas_total: int
     replicas_available: int
     queue_length: int

@@ -95,6 +95,10 @@ class RegionReadView:
     def available_count(self) -> int:
         return self._local.available_count()
 
+    def available_for_new_requests(self) -> int:
+        """Available replicas a new request may start on (:meth:`Dispatcher.available_for_new_requests`)."""
+        return self._local.available_for_new_requests()
+
     def own_pending_prefill(self, replica_id: str) -> int:
         """Prefill tokens this balancer's requests on ``replica_id`` still have to go."""
         return self._local.own_pending_prefill(replica_id)
@@ -138,8 +142,9 @@ class RegionReadView:
             prefill += siblings.pending_prefill_tokens(now)
             rate += siblings.placements_per_s(now)
         return HeartbeatSnapshot(
-            replicas_total=len(local.replicas),
-            replicas_available=local.available_count(),
+            # the replicas a request forwarded here may start on (a decode-only one may not)
+            replicas_total=local.replicas_for_new_requests(),
+            replicas_available=local.available_for_new_requests(),
             queue_length=queue,
             pending_prefill_tokens=prefill,
             placements_per_s=rate,
