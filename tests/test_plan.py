@@ -11,6 +11,7 @@ import pytest
 
 from skymesh.bench.plan import Layout, PlanError, Search, plan_region_local, plan_shared
 from skymesh.bench.plan_main import shape_ceiling
+from skymesh.bench.verdict import StopWhen
 from skymesh.cli import main
 
 REGIONS = ["a", "b", "c"]
@@ -18,12 +19,12 @@ REGIONS = ["a", "b", "c"]
 DEMAND = {"a": 5.2, "b": 2.5, "c": 0.7}
 
 
-def independent(layouts: Sequence[Layout]) -> list[dict[str, float]]:
+def independent(layouts: Sequence[Layout], stop: StopWhen | None = None) -> list[dict[str, float]]:
     """Regions that do not share: a region meets its SLO with at least its own demand."""
     return [{r: 0.95 if lay[r] >= DEMAND[r] else 0.5 for r in lay} for lay in layouts]
 
 
-def shared(layouts: Sequence[Layout]) -> list[dict[str, float]]:
+def shared(layouts: Sequence[Layout], stop: StopWhen | None = None) -> list[dict[str, float]]:
     """Regions that share: every region meets its SLO while the total covers the total
     demand (8.4) and no region holds under half of its own (its spill costs a link)."""
     out = []
@@ -43,11 +44,12 @@ def skymesh(*argv: str) -> object:
 def test_region_local_finds_each_regions_own_fewest() -> None:
     search = Search(independent)
     assert plan_region_local(search, REGIONS, 0.9, 32) == {"a": 6, "b": 3, "c": 1}
-    # bisection, every region at once: a handful of runs, none repeated
+    # bisection, every region at once: a handful of runs, none repeated but the answer,
+    # which the bisection ran stopping at its verdicts and the plan runs whole (last)
     keys = [tuple(sorted(lay.items())) for lay, _ in search.trials]
-    assert len(keys) == len(set(keys)) <= 7
-    # the answer itself was run as one layout
-    assert (("a", 6), ("b", 3), ("c", 1)) in keys
+    answer = (("a", 6), ("b", 3), ("c", 1))
+    assert len(set(keys)) <= 7 and keys[-1] == answer
+    assert sorted(keys[:-1]) == sorted(set(keys[:-1]))
 
 
 def test_region_local_says_which_region_cannot_be_served() -> None:
@@ -73,7 +75,7 @@ def test_shared_descends_to_the_fewest_in_total(batch: int | None) -> None:
     assert len(search.trials) < (sum(start.values()) - 9) * len(REGIONS)
 
 
-def locked(layouts: Sequence[Layout]) -> list[dict[str, float]]:
+def locked(layouts: Sequence[Layout], stop: StopWhen | None = None) -> list[dict[str, float]]:
     """b's clients may not leave b and need 3 replicas there; a and c share what they have
     and b's spare, each b replica beyond 3 worth two of theirs (b is idle at their peaks)."""
     out = []
@@ -115,16 +117,27 @@ def test_the_days_shape_ceiling() -> None:
     assert shape_ceiling(together) == pytest.approx(0.0)
 
 
+PLAN_DAY = ["plan", "--trace", "hot-prefix", "--requests", "600", "--rate", "12", "--hot-prompts", "12",
+            "--diurnal-period-s", "30", "--no-eu-rule", "--rate-multiplier", "40", "--slo", "2",
+            "--max-replicas", "8", "--jobs", "1"]
+
+
 def test_plan_over_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The command end to end on a small generated day: each layout is measured to meet
     the SLO in every region, region-local's one replica less in a region is measured to
-    miss there, and the mesh needs no more than region-local."""
+    miss there, and the mesh needs no more than region-local; runs stopped once their
+    verdict was decided give the plan that whole runs give."""
     out = tmp_path / "plan"
-    rc = skymesh(*["plan", "--trace", "hot-prefix", "--requests", "600", "--rate", "12", "--hot-prompts", "12",
-               "--diurnal-period-s", "30", "--no-eu-rule", "--rate-multiplier", "40", "--slo", "2",
-               "--max-replicas", "8", "--jobs", "1", "--out", str(out)])
+    rc = skymesh(*PLAN_DAY, "--out", str(out))
     assert rc == 0
     report = json.loads((out / "plan.json").read_text())
+    whole = tmp_path / "whole"
+    assert skymesh(*PLAN_DAY, "--no-early-stop", "--out", str(whole)) == 0
+    whole_report = json.loads((whole / "plan.json").read_text())
+    assert report["plans"] == whole_report["plans"]
+    assert report["attainment"] == whole_report["attainment"]  # the plans' days are run whole
+    assert report["early_stop"]["region-local"]["stopped_early"] > 0
+    assert whole_report["early_stop"]["on"] is False and whole_report["early_stop"]["mesh"]["stopped_early"] == 0
     assert (out / "plan.png").stat().st_size > 0
     plans, trials = report["plans"], report["trials"]
     assert set(plans) == {"region-local", "mesh"}
@@ -151,3 +164,21 @@ def test_plan_refuses_a_day_it_cannot_plan(capsys: pytest.CaptureFixture[str]) -
     assert "--target" in str(skymesh("plan", "--trace", "hot-prefix", "--target", "1.5"))
     assert "--seeds" in str(skymesh("plan", "--trace", "hot-prefix", "--seeds", "x"))
     assert "--amplitude" in str(skymesh("plan", "--trace", "hot-prefix", "--amplitude", "0.1,0.2"))
+
+
+def test_a_result_is_reused_only_where_it_answers_the_question() -> None:
+    asked: list[StopWhen | None] = []
+
+    def evaluate(layouts: Sequence[Layout], stop: StopWhen | None = None) -> list[dict[str, float]]:
+        asked.extend(stop for _ in layouts)
+        return independent(layouts)
+
+    search = Search(evaluate)
+    lay = {"a": 6, "b": 3, "c": 1}
+    search.run([lay], StopWhen.ANY_REGION_FAILS)
+    search.run([lay], StopWhen.ANY_REGION_FAILS)  # the same question: reused
+    search.run([lay], StopWhen.EVERY_REGION_DECIDED)  # the mesh's verdict does not give each region's
+    search.run([lay], StopWhen.ANY_REGION_FAILS)  # each region's gives the mesh's
+    search.run([lay])  # a whole run: evaluated again
+    search.run([lay], StopWhen.EVERY_REGION_DECIDED)  # and answers everything after it
+    assert asked == [StopWhen.ANY_REGION_FAILS, StopWhen.EVERY_REGION_DECIDED, None]

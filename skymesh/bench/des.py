@@ -89,6 +89,7 @@ from skymesh.bench.sim_config import POOL, SimConfig, pool_homes
 from skymesh.bench.sim_result import SimResult
 from skymesh.bench.sim_state import SimRegion, SimReplica, routing_events
 from skymesh.bench.traces import TraceRequest, fit_request
+from skymesh.bench.verdict import VerdictWatch
 from skymesh.hardware import PROFILES, Profile
 from skymesh.replica_sim.engine import Engine
 from skymesh.replica_sim.request_state import EngineRequest
@@ -178,8 +179,11 @@ class Simulator:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, trace: Iterable[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
-        """Simulate ``trace`` (in arrival order) until every request finished or was rejected."""
+    def run(self, trace: Iterable[TraceRequest], progress: Callable[[int], None] | None = None,
+            watch: VerdictWatch | None = None) -> SimResult:
+        """Simulate ``trace`` (in arrival order) until every request finished or was
+        rejected, or, with ``watch`` (built for this trace's requests in order), until the
+        run's SLO verdict is decided (``SimResult.stopped_early`` says why)."""
         cfg = self.cfg
         max_len = self.profile.max_model_len
         cap = self.num_blocks * cfg.block_size
@@ -209,6 +213,10 @@ class Simulator:
         # requests a pair rule refused at dispatch (each was outstanding; _dispatch counts them)
         self._refused_at_dispatch = 0
         self._progress = progress
+        if watch is not None and watch.tbt_slo_s is not None and not self.cfg.record_tbt:
+            raise ValueError("a watch with a TBT target needs the run to record TBT (SimConfig.record_tbt)")
+        self._watch = watch
+        self._stop = watch is not None and watch.decided
         plotted = [rid for reg in self.regions.values() for rid in reg.replica_ids][: cfg.plot_replicas]
         all_ids = list(self.replicas)
         load_series: list[tuple[float, list[int]]] = []
@@ -254,7 +262,7 @@ class Simulator:
         more = pull()
         events = self._events
         pop = heapq.heappop
-        while events and (more or outstanding > self._refused_at_dispatch):
+        while events and (more or outstanding > self._refused_at_dispatch) and not self._stop:
             t, _, kind, payload = pop(events)
             self.now = t
             self.events += 1
@@ -388,6 +396,7 @@ class Simulator:
             served_region=np.frombuffer(self._served_in, dtype=np.int16)[:n].copy(),
             tbt=np.frombuffer(self._tbt, dtype=float)[:n].copy(),
             split=np.frombuffer(bytes(self._split), dtype=np.uint8)[:n].astype(bool),
+            stopped_early=watch.reason if watch is not None and self._stop else "",
         )
 
     # ------------------------------------------------------------------ balancer side
@@ -403,6 +412,8 @@ class Simulator:
 
     def _rejected(self, rid: str) -> None:
         self._flags[int(rid)] |= 1
+        if self._watch is not None and self._watch.rejected(int(rid)):
+            self._stop = True
         self._engine_args.pop(rid, None)
         self._origin.pop(rid, None)
 
@@ -571,7 +582,10 @@ class Simulator:
             region, k = self._served_by[rid]
             origin, ok, client = self._origin[rid]
             # back to the client over the link from the replica's region
-            self._first[int(rid)] = t + cfg.latency_s(rep.region, client)
+            i = int(rid)
+            self._first[i] = t + cfg.latency_s(rep.region, client)
+            if self._watch is not None and self._watch.first_token(i, self._first[i] - self._arrival[i]):
+                self._stop = True
             regions[region].cores[k].first_token(rid, t)
             if origin != region:
                 # the origin tracks its forwarded request to the end too (it books nothing
@@ -595,6 +609,8 @@ class Simulator:
                 continue
             if cfg.record_tbt:
                 self._tbt[int(rid)] = self._tbt_of(rid)
+                if self._watch is not None and self._watch.finished(int(rid), self._tbt[int(rid)]):
+                    self._stop = True
             region, k = self._served_by.pop(rid)
             origin, ok, client = self._origin.pop(rid)
             self._finish[int(rid)] = t + cfg.latency_s(rep.region, client)

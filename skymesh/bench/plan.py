@@ -22,6 +22,14 @@ users', not the mesh's average.
   may free more than one where it can (under a residency rule especially); the descent
   goes on from any such layout meeting the SLO.
 
+Runs stop once their verdict is decided (skymesh/bench/verdict.py): region-local's
+bisection asks for every region's verdict (``StopWhen.EVERY_REGION_DECIDED``), the shared
+descent for the mesh's (``StopWhen.ANY_REGION_FAILS``: a layout that meets the SLO runs to
+its end, so every attainment the descent orders by is exact). A stopped run's attainment
+is a bound on the side of its verdict; where an exact figure of a failing layout is
+needed (the shared start's worst region, the plan's reported layouts) the layout is run
+whole (``stop=None``). The plan is the one the searches make without stopping.
+
 Attainment is assumed to grow with replicas (the searches trust a bracket); the
 simulator's noise can break that by a request or two near the target, so a plan is a
 layout that was *measured* to meet the SLO, and the layout one replica below it was
@@ -33,11 +41,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from skymesh.bench.verdict import StopWhen
+
 # per region: its clients' SLO attainment (the lowest over the seeds evaluated)
 Attainment = dict[str, float]
 Layout = dict[str, int]
-# layouts -> each one's attainment, in order (the caller runs them side by side)
-EvaluateBatch = Callable[[Sequence[Layout]], list[Attainment]]
+# layouts -> each one's attainment, in order (the caller runs them side by side), each
+# run stopped as the mode says once its verdict is decided (None: run whole)
+EvaluateBatch = Callable[[Sequence[Layout], StopWhen | None], list[Attainment]]
+
+
+def answers(have: StopWhen | None, want: StopWhen | None) -> bool:
+    """A result evaluated under ``have`` answers a question asked under ``want``: a whole
+    run answers everything; every region's verdict answers the mesh's."""
+    return have is None or have is want or (have is StopWhen.EVERY_REGION_DECIDED and want is not None)
 
 
 def layout_key(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -59,20 +76,22 @@ class Search:
 
     evaluate_batch: EvaluateBatch
     trials: list[tuple[Layout, Attainment]] = field(default_factory=list)
-    _seen: dict[tuple[tuple[str, int], ...], Attainment] = field(default_factory=dict)
+    _seen: dict[tuple[tuple[str, int], ...], tuple[Attainment, StopWhen | None]] = field(default_factory=dict)
 
-    def run(self, layouts: Sequence[Layout]) -> list[Attainment]:
-        """Each layout's attainment, evaluating only those not seen before."""
+    def run(self, layouts: Sequence[Layout], stop: StopWhen | None = None) -> list[Attainment]:
+        """Each layout's attainment, evaluating only those not seen before (or seen under
+        a stop that does not answer ``stop``)."""
         fresh = []
         for lay in layouts:
             k = layout_key(lay)
-            if k not in self._seen and all(layout_key(f) != k for f in fresh):
+            seen = self._seen.get(k)
+            if (seen is None or not answers(seen[1], stop)) and all(layout_key(f) != k for f in fresh):
                 fresh.append(dict(lay))
         if fresh:
-            for lay, att in zip(fresh, self.evaluate_batch(fresh), strict=True):
-                self._seen[layout_key(lay)] = att
+            for lay, att in zip(fresh, self.evaluate_batch(fresh, stop), strict=True):
+                self._seen[layout_key(lay)] = (att, stop)
                 self.trials.append((lay, att))
-        return [self._seen[layout_key(lay)] for lay in layouts]
+        return [self._seen[layout_key(lay)][0] for lay in layouts]
 
 
 class PlanError(ValueError):
@@ -85,7 +104,7 @@ def plan_region_local(search: Search, regions: Sequence[str], target: float, max
     hi: dict[str, int | None] = dict.fromkeys(regions, None)  # the fewest known to meet
     probe = dict.fromkeys(regions, 1)
     while True:
-        att = search.run([probe])[0]
+        att = search.run([probe], StopWhen.EVERY_REGION_DECIDED)[0]
         for r in regions:
             if hi[r] is not None and hi[r] - lo[r] <= 1:
                 continue
@@ -115,7 +134,7 @@ def _confirmed(layout: Layout, search: Search, target: float, max_replicas: int)
     its own): what the report shows is then a measured day. A region that misses in it
     (regions are independent; only the simulator's sampling differs) gets one more."""
     while True:
-        att = search.run([layout])[0]
+        att = search.run([layout])[0]  # whole: the plan's reported day
         short = [r for r in layout if att[r] < target]
         if not short:
             return layout
@@ -137,7 +156,8 @@ def plan_shared(search: Search, start: Layout, target: float, max_replicas: int,
     plan."""
     current = dict(start)
     att = search.run([current])[0]
-    # a start that misses (the shared run is not the independent one): add where it is worst
+    # a start that misses (the shared run is not the independent one): add where it is
+    # worst (exact attainments: each such start is run whole)
     while not meets(att, target):
         worst = min(current, key=lambda r: att[r])
         if current[worst] >= max_replicas:
@@ -145,11 +165,12 @@ def plan_shared(search: Search, start: Layout, target: float, max_replicas: int,
                             f"(attainment {att[worst]:.3f} < {target:g})")
         current[worst] += 1
         att = search.run([current])[0]
+    mesh = StopWhen.ANY_REGION_FAILS
     # strides: one replica fewer in every region at once, while that still meets the SLO
     # (region-local's layout has slack in every region the mesh can pool)
     while len([r for r in current if current[r] > min_per_region]) > 1:
         stride = {r: n - 1 if n > min_per_region else n for r, n in current.items()}
-        stride_att = search.run([stride])[0]
+        stride_att = search.run([stride], mesh)[0]
         if not meets(stride_att, target):
             break
         current, att = stride, stride_att
@@ -161,7 +182,7 @@ def plan_shared(search: Search, start: Layout, target: float, max_replicas: int,
         taken = None
         for lo in range(0, len(candidates), step):
             group = candidates[lo:lo + step]
-            results = search.run(group)
+            results = search.run(group, mesh)
             ok = [i for i, a in enumerate(results) if meets(a, target)]
             if ok:
                 # the first in the order that meets: the same plan whatever the batch (a
@@ -190,11 +211,11 @@ def _swap_then_remove(search: Search, current: Layout, att: Attainment, target: 
                     key=lambda r: (-att[r], list(current).index(r)))
     for donor in donors:
         swapped = dict(current, **{donor: current[donor] - 1, binding: current[binding] + 1})
-        if not meets(search.run([swapped])[0], target):
+        if not meets(search.run([swapped], StopWhen.ANY_REGION_FAILS)[0], target):
             continue
         removals = [dict(swapped, **{r: swapped[r] - 1}) for r in swapped
                     if r != binding and swapped[r] > min_per_region]
-        results = search.run(removals)
+        results = search.run(removals, StopWhen.ANY_REGION_FAILS)
         ok = [i for i, a in enumerate(results) if meets(a, target)]
         if ok:
             i = max(ok, key=lambda i: (margin(results[i], target), -i))

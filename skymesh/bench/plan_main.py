@@ -36,6 +36,7 @@ from skymesh.bench import sim_setup
 from skymesh.bench.day_shape import day_shape
 from skymesh.bench.des import Simulator
 from skymesh.bench.plan import Attainment, Layout, PlanError, Search, plan_region_local, plan_shared
+from skymesh.bench.verdict import StopWhen, VerdictWatch
 
 # sim options that mean nothing to a plan (it chooses the replicas and the systems itself)
 NOT_FOR_PLAN = {"systems", "replicas", "region_replicas", "rates", "goodput_search", "resolution", "windows",
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="dualmap", action=sim_setup.Given,
                    help="the routing policy in every region (--config: the config's policy.name)")
     p.add_argument("--max-replicas", type=int, default=32, help="the most replicas a region may get")
+    p.add_argument("--no-early-stop", action="store_true",
+                   help="run every layout's day to its end, even once its verdict is decided (the plan is "
+                        "the same; for comparison)")
 
 
 # the day's shape ceiling is read over coarser bins (every 4 of BINS): 12 per day, so a
@@ -84,12 +88,31 @@ def layout_arg(layout: Layout) -> str:
     return ",".join(f"{r}={n}" for r, n in layout.items())
 
 
-def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: int) -> dict[str, Any]:
-    """One simulated day of ``system`` on ``layout`` (picklable: runs in a worker)."""
+def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: int,
+                 stop: StopWhen | None = None) -> dict[str, Any]:
+    """One simulated day of ``system`` on ``layout`` (picklable: runs in a worker),
+    stopped as ``stop`` says once its verdict against ``--target`` is decided (its
+    attainment is then the watch's bound on the side of its verdict, and
+    ``stopped_early`` says why)."""
     run_args = argparse.Namespace(**{**vars(args), "region_replicas": layout_arg(layout), "seed": seed})
     names = list(sim_setup.mesh_of(args).names)
-    trace = sim_setup.build_trace(run_args, args.rate_multiplier)
-    res = Simulator(sim_setup.sim_config(run_args, system)).run(trace)
+    trace = list(sim_setup.build_trace(run_args, args.rate_multiplier))
+    cfg = sim_setup.sim_config(run_args, system)
+    watch = None
+    if stop is not None:
+        default = next(iter(cfg.regions))
+        watch = VerdictWatch.for_requests(names, [r.arrival_s for r in trace],
+                                          [r.region if r.region in cfg.regions else default for r in trace],
+                                          slo_s=args.slo, target=args.target, when=stop, warmup_s=args.warmup_s)
+    res = Simulator(cfg).run(trace, watch=watch)
+    if res.stopped_early:
+        assert watch is not None
+        bounds = watch.bounds()
+        # the bound on the side of each verdict: a region decided to pass, its lowest
+        # attainment; any other, its highest (a failing region's is under the target)
+        att = {r: bounds[r][0] if watch.verdict(k) else bounds[r][1] for k, r in enumerate(names)}
+        return {"attainment": att, "stopped_early": res.stopped_early, "requests": len(trace),
+                "simulated": int(res.arrival.size)}
     regions = res.region_summaries(args.slo, args.warmup_s)
     span = float(res.arrival.max()) if res.arrival.size else 1.0
     edges = np.linspace(0.0, max(span, 1e-9), BINS + 1)
@@ -112,22 +135,35 @@ class Evaluator:
     def __init__(self, args: argparse.Namespace, system: str, seeds: list[int], pool: ProcessPoolExecutor | None):
         self.args, self.system, self.seeds, self.pool = args, system, seeds, pool
         self.days: dict[str, dict[str, Any]] = {}
+        # layouts whose runs stopped once their verdict was decided, and for each the
+        # share of the day's requests it simulated
+        self.stopped_early = 0
+        self.simulated_share: list[float] = []
 
-    def __call__(self, layouts: list[Layout]) -> list[Attainment]:
+    def __call__(self, layouts: list[Layout], stop: StopWhen | None = None) -> list[Attainment]:
+        if self.args.no_early_stop:
+            stop = None
         jobs = [(lay, s) for lay in layouts for s in self.seeds]
         if self.pool is not None:
-            outs = list(self.pool.map(evaluate_one, *zip(*[(self.args, self.system, lay, s) for lay, s in jobs],
+            outs = list(self.pool.map(evaluate_one, *zip(*[(self.args, self.system, lay, s, stop) for lay, s in jobs],
                                                          strict=True)))
         else:
-            outs = [evaluate_one(self.args, self.system, lay, s) for lay, s in jobs]
+            outs = [evaluate_one(self.args, self.system, lay, s, stop) for lay, s in jobs]
         per = len(self.seeds)
         result = []
         for i, lay in enumerate(layouts):
             runs = outs[i * per:(i + 1) * per]
-            self.days[layout_arg(lay)] = runs[0]
+            stopped = [run["stopped_early"] for run in runs if "stopped_early" in run]
+            if not stopped:
+                self.days[layout_arg(lay)] = runs[0]
+            else:
+                self.stopped_early += 1
+                self.simulated_share.append(sum(run.get("simulated", run["requests"]) for run in runs)
+                                            / max(1, sum(run["requests"] for run in runs)))
             result.append({r: min(run["attainment"][r] for run in runs) for r in lay})
+            note = f"  (stopped early: {stopped[0]})" if stopped else ""
             print(f"  {self.system:<18} {layout_arg(lay):<48} attainment "
-                  + " ".join(f"{r}={v:.3f}" for r, v in result[-1].items()), flush=True)
+                  + " ".join(f"{r}={v:.3f}" for r, v in result[-1].items()) + note, flush=True)
         return result
 
 
@@ -194,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
     plans: dict[str, Layout] = {}
     trials: dict[str, list[dict[str, Any]]] = {}
     days: dict[str, dict[str, Any]] = {}
+    early: dict[str, dict[str, Any]] = {}
     pool = ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else None
     try:
         for label, system in systems.items():
@@ -207,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
                                            batch=args.jobs)
             trials[label] = [{"layout": lay, "attainment": att} for lay, att in search.trials]
             days[label] = evaluator.days[layout_arg(plans[label])]
+            shares = evaluator.simulated_share
+            early[label] = {"layouts": len(search.trials), "stopped_early": evaluator.stopped_early,
+                            "mean_share_simulated": round(sum(shares) / len(shares), 4) if shares else None}
     except PlanError as e:
         raise SystemExit(f"skymesh plan: {e}") from None
     finally:
@@ -223,8 +263,10 @@ def run(args: argparse.Namespace) -> int:
         "config": mesh.config, "profile": args.profile, "policy": args.policy, "plans": plans, "replicas": total,
         "mesh_saving": round(saving, 4),
         "shape_ceiling": round(shape_ceiling(days["mesh"]["load"]), 4),
-        "attainment": {label: next(t["attainment"] for t in trials[label] if t["layout"] == plans[label])
+        # the last run of each plan's layout: a whole one (skymesh/bench/plan.py)
+        "attainment": {label: [t["attainment"] for t in trials[label] if t["layout"] == plans[label]][-1]
                        for label in plans},
+        "early_stop": {"on": not args.no_early_stop, **early},
         "offloaded": {label: days[label]["offloaded"] for label in plans},
         "trials": trials, "days": days, "wall_s": round(time.perf_counter() - t0, 1),
     }

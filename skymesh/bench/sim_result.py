@@ -58,6 +58,10 @@ class SimResult:
     tbt: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # requests split into a prefill and a decode leg (skymesh/routing/pairing)
     split: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # why the run ended before its last request ('': it ran to the end): its SLO verdict
+    # was decided (skymesh/bench/verdict.py); the arrays then hold the requests that
+    # arrived until then, and the verdict is the watch's, not these arrays' summary
+    stopped_early: str = ""
 
     def region_summaries(self, slo_s: float, warmup_s: float = 0.0,
                          tbt_slo_s: float | None = None) -> dict[str, dict[str, Any]]:
