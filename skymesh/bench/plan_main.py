@@ -64,9 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="dualmap", action=sim_setup.Given,
                    help="the routing policy in every region (--config: the config's policy.name)")
     p.add_argument("--max-replicas", type=int, default=32, help="the most replicas a region may get")
-    p.add_argument("--no-early-stop", action="store_true",
-                   help="run every layout's day to its end, even once its verdict is decided (the plan is "
-                        "the same; for comparison)")
 
 
 # the day's shape ceiling is read over coarser bins (every 4 of BINS): 12 per day, so a

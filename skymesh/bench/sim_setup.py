@@ -32,6 +32,7 @@ from skymesh.bench.traces import (
     scale_rate,
     window,
 )
+from skymesh.bench.verdict import StopWhen, VerdictWatch
 from skymesh.bench.workloads import (
     ConversationMix,
     hot_prefix_workload,
@@ -218,6 +219,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=0.0, help="trace window length (0: whole trace)")
     p.add_argument("--first-n", type=int, default=None, help="first N requests of the trace")
     p.add_argument("--warmup-s", type=float, default=0.0, help="exclude requests arriving in the first S seconds")
+    p.add_argument("--no-early-stop", action="store_true",
+                   help="searches (goodput bisections, skymesh plan) run every day to its end, even once its "
+                        "verdict against the target is decided (the answer is the same; for comparison)")
     p.add_argument("--requests", type=int, default=4000, help="synthetic workloads: number of requests")
     p.add_argument("--rate", type=float, default=20.0, help="synthetic workloads: base arrival rate (req/s)")
     p.add_argument("--turns-mean", type=float, default=3.0,
@@ -499,21 +503,37 @@ def check_policy_options(systems: list[str], options: Mapping[str, Any]) -> None
         options_for(policy, options)
 
 
-def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: bool) -> dict[str, Any]:
-    """One simulation (picklable: runs in a worker process)."""
+def run_one(args: argparse.Namespace, system: str, rate: float, show_progress: bool,
+            stop_below: float | None = None) -> dict[str, Any]:
+    """One simulation (picklable: runs in a worker process). ``stop_below``: a target
+    attainment (over every request) whose verdict is all the caller needs: the run stops
+    once it is certain to miss it, and its metrics are then only ``slo_attainment`` (the
+    highest still possible, under the target) and why it stopped (``stopped_early``)."""
     from tqdm import tqdm
 
     trace = build_trace(args, rate)
+    tbt_slo = getattr(args, "tbt_slo", None)
+    watch = None
+    if stop_below is not None:
+        trace = list(trace)
+        watch = VerdictWatch.for_requests(("all",), [r.arrival_s for r in trace], ["all"] * len(trace),
+                                          slo_s=args.slo, target=stop_below, when=StopWhen.ANY_REGION_FAILS,
+                                          warmup_s=args.warmup_s, tbt_slo_s=tbt_slo)
     total = len(trace) if isinstance(trace, list) else args.requests
     sim = Simulator(sim_config(args, system))
     t0 = time.perf_counter()
     c0 = time.process_time()
     with tqdm(total=total, desc=f"{system} x{rate:g}", unit="req", leave=False, mininterval=2.0,
               disable=not show_progress) as bar:
-        res = sim.run(trace, progress=bar.update)
+        res = sim.run(trace, progress=bar.update, watch=watch)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
-    tbt_slo = getattr(args, "tbt_slo", None)
+    if res.stopped_early:
+        assert watch is not None
+        return {"system": system, "rate": rate, "ttfts": [], "load": [], "load_replicas": [],
+                "metrics": {"slo_attainment": watch.upper(0), "stopped_early": res.stopped_early,
+                            "requests": total, "simulated": int(res.arrival.size), "rate_multiplier": rate,
+                            "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "events": res.events}}
     m = res.summary(args.slo, args.warmup_s, tbt_slo)
     span = float(res.arrival.max() - res.arrival.min()) if res.arrival.size > 1 else 1.0
     m["rate"] = round(res.arrival.size / max(1e-9, span), 4)
