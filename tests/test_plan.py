@@ -182,3 +182,35 @@ def test_a_result_is_reused_only_where_it_answers_the_question() -> None:
     search.run([lay])  # a whole run: evaluated again
     search.run([lay], StopWhen.EVERY_REGION_DECIDED)  # and answers everything after it
     assert asked == [StopWhen.ANY_REGION_FAILS, StopWhen.EVERY_REGION_DECIDED, None]
+
+
+def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) once the first layouts were evaluated: the plan stops cleanly,
+    exits 130 and leaves a readable plan.json with every layout evaluated so far."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan"
+    argv = [sys.executable, "-m", "skymesh.cli", *PLAN_DAY, "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "layouts in" in line:  # the progress line after the first batch of layouts
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.stdout.read()
+        assert proc.wait() == 130, "".join(seen) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    report = json.loads((out / "plan.json").read_text())
+    assert report["interrupted"] is True and "interrupted" in rest
+    trials = report["trials"]["region-local"]
+    assert trials and all(set(t["attainment"]) == set(t["layout"]) for t in trials)
+    assert "region-local" in report["best_so_far"]

@@ -136,6 +136,12 @@ class Evaluator:
         # share of the day's requests it simulated
         self.stopped_early = 0
         self.simulated_share: list[float] = []
+        self.started = time.perf_counter()
+        self.tried = 0
+        # the layout with the fewest replicas measured to meet the target so far
+        self.best: tuple[Layout, Attainment] | None = None
+        # every layout evaluated, as it was (an interrupted plan writes these)
+        self.evaluated: list[tuple[Layout, Attainment]] = []
 
     def __call__(self, layouts: list[Layout], stop: StopWhen | None = None) -> list[Attainment]:
         if self.args.no_early_stop:
@@ -157,11 +163,28 @@ class Evaluator:
                 self.stopped_early += 1
                 self.simulated_share.append(sum(run.get("simulated", run["requests"]) for run in runs)
                                             / max(1, sum(run["requests"] for run in runs)))
-            result.append({r: min(run["attainment"][r] for run in runs) for r in lay})
+            att = {r: min(run["attainment"][r] for run in runs) for r in lay}
+            result.append(att)
+            self.evaluated.append((dict(lay), att))
+            self.tried += 1
+            if min(att.values()) >= self.args.target and (self.best is None
+                                                          or sum(lay.values()) < sum(self.best[0].values())):
+                self.best = (dict(lay), att)
             note = f"  (stopped early: {stopped[0]})" if stopped else ""
             print(f"  {self.system:<18} {layout_arg(lay):<48} attainment "
-                  + " ".join(f"{r}={v:.3f}" for r, v in result[-1].items()) + note, flush=True)
+                  + " ".join(f"{r}={v:.3f}" for r, v in att.items()) + note, flush=True)
+        print(f"    {self.progress()}", flush=True)
         return result
+
+    def progress(self) -> str:
+        """Layouts tried, the best so far and its worst region, time spent."""
+        best = "none meets the target yet"
+        if self.best is not None:
+            lay, att = self.best
+            best = (f"best so far {layout_arg(lay)} ({sum(lay.values())} replicas, worst region "
+                    f"{min(att.values()):.3f})")
+        return (f"[{self.system}: {self.tried} layouts in {time.perf_counter() - self.started:.0f} s; "
+                f"{self.stopped_early} stopped early; {best}]")
 
 
 def plot(path: Path, names: list[str], plans: dict[str, Layout], days: dict[str, dict[str, Any]], slo: float,
@@ -197,6 +220,25 @@ def plot(path: Path, names: list[str], plans: dict[str, Layout], days: dict[str,
     plt.close(fig)
 
 
+def write_partial(out: Path, args: argparse.Namespace, plans: dict[str, Layout],
+                  searches: dict[str, Evaluator], wall_s: float) -> Path:
+    """``plan.json`` of an interrupted plan: the plans finished, and for each search begun
+    every layout evaluated and the best (fewest replicas) measured to meet the target."""
+    report = {
+        "interrupted": True,
+        "slo": {"ttft_s": args.slo, "target": args.target},
+        "plans": plans,
+        "best_so_far": {label: None if ev.best is None else {"layout": ev.best[0], "attainment": ev.best[1]}
+                        for label, ev in searches.items()},
+        "trials": {label: [{"layout": lay, "attainment": att} for lay, att in ev.evaluated]
+                   for label, ev in searches.items()},
+        "wall_s": round(wall_s, 1),
+    }
+    path = out / "plan.json"
+    path.write_text(json.dumps(report, indent=1))
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     mesh = sim_setup.mesh_of(args)  # with --config: the file loaded and checked first
     if args.regions < 2:
@@ -229,11 +271,13 @@ def run(args: argparse.Namespace) -> int:
     days: dict[str, dict[str, Any]] = {}
     early: dict[str, dict[str, Any]] = {}
     pool = ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else None
+    searches: dict[str, Evaluator] = {}
     try:
         for label, system in systems.items():
             print(f"{label} ({system}):", flush=True)
             evaluator = Evaluator(args, system, seeds, pool)
             search = Search(evaluator)
+            searches[label] = evaluator
             if label == "region-local":
                 plans[label] = plan_region_local(search, names, args.target, args.max_replicas)
             else:
@@ -246,6 +290,13 @@ def run(args: argparse.Namespace) -> int:
                             "mean_share_simulated": round(sum(shares) / len(shares), 4) if shares else None}
     except PlanError as e:
         raise SystemExit(f"skymesh plan: {e}") from None
+    except KeyboardInterrupt:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            pool = None
+        path = write_partial(out, args, plans, searches, time.perf_counter() - t0)
+        print(f"\ninterrupted: what was found so far is in {path}", flush=True)
+        return 130
     finally:
         if pool is not None:
             pool.shutdown()
