@@ -10,8 +10,9 @@ the decode leg without parameters and the decode replica finds the prompt's whol
 128-token blocks in the folder (vLLM counts them as ``external_kv_transfer`` prompt
 tokens) and computes only the rest.
 
-The two replicas start once for the module (about 45 s each, concurrently) and are stopped
-at its end; without the vLLM venv (``make vllm-env``) these tests skip and say why.
+The two replicas start once for the module (concurrently: about 45 s on idle cores, over
+200 s on busy ones) and are stopped at its end; without the vLLM venv (``make vllm-env``)
+these tests skip and say why.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ from tests.vllm_helpers import (
     words,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+# the replicas' start is most of a test's time: 45 s each alone, over 200 s on two busy
+# cores; the first test waits for it (up to START_WITHIN_S), the rest share it
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+START_WITHIN_S = 480.0
 
 LABELS = f'engine="0",model_name="{MODEL_NAME}"'
 EXTERNAL = f'vllm:prompt_tokens_by_source_total{{{LABELS},source="external_kv_transfer"}}'
@@ -70,7 +74,7 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pair, Pa
         "--enable-prompt-tokens-details", "--kv-transfer-config", kv_transfer_config(shared)))
     p = replicas_or_skip({"prefill": options, "decode": options})
     try:
-        asyncio.run(start_all(p, "vllm_pd_startup"))
+        asyncio.run(start_all(p, "vllm_pd_startup", START_WITHIN_S))
         yield p, shared
     finally:
         asyncio.run(stop_all(p))
@@ -202,8 +206,10 @@ async def test_a_streamed_split_completion_streams_the_decode_replicas_answer(
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
+    # vLLM coalesces the tokens of steps a slow reader has not taken yet into one chunk
     tokens = [c for c in chunks if c["choices"]]
-    assert len(tokens) == MAX_TOKENS and tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert 1 <= len(tokens) <= MAX_TOKENS and tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in tokens)
     usage = chunks[-1]["usage"]  # stream_options reached the decode leg (the prefill leg drops them)
     assert usage["prompt_tokens"] == n and usage["completion_tokens"] == MAX_TOKENS
     assert_split_and_moved(before, after, n)

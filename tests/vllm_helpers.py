@@ -48,11 +48,12 @@ def replicas_or_skip(options: dict[str, ReplicaOptions]) -> Pair:
     return Pair({name: VllmReplica(name, model_dir, o) for name, o in options.items()}, model_dir)
 
 
-async def start_all(p: Pair, figures: str) -> None:
-    """Start every replica at once (each waits for its ``/health``); when one fails, stop
-    them all and raise its error. Reports the start times as ``figures``."""
+async def start_all(p: Pair, figures: str, within_s: float = 240.0) -> None:
+    """Start every replica at once (each waits up to ``within_s`` for its ``/health``);
+    when one fails, stop them all and raise its error. Reports the start times as
+    ``figures``."""
     t0 = time.monotonic()
-    results = await asyncio.gather(*(r.start() for r in p.replicas.values()), return_exceptions=True)
+    results = await asyncio.gather(*(r.start(within_s) for r in p.replicas.values()), return_exceptions=True)
     failed = [e for e in results if isinstance(e, BaseException)]
     if failed:
         await stop_all(p)
