@@ -11,12 +11,10 @@ restarted by the next test when one was killed. The balancer hashes token-id chu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +32,19 @@ from skymesh.balancer.prober import (
     WAITING,
     parse_probe,
 )
-from skymesh.balancer.server import Balancer
 from skymesh.balancer.wiring import build_encoder
-from skymesh.config import parse_config
-from skymesh.runtime.procs import free_port
 from skymesh.runtime.prom_text import parse_samples
-from skymesh.testing import vllm_env
-from skymesh.testing.vllm_env import BLOCK_SIZE, MODEL_NAME, ReplicaOptions, VllmReplica
-from tests.mesh_helpers import one_region_config, report_figures
+from skymesh.testing.vllm_env import BLOCK_SIZE, MODEL_NAME, ReplicaOptions
+from tests.mesh_helpers import report_figures
+from tests.vllm_helpers import (
+    Pair,
+    balancer,
+    complete,
+    replicas_or_skip,
+    start_all,
+    stop_all,
+    words,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -58,45 +61,16 @@ JUDGED = tuple(f'skymesh_cache_predictions_total{{cache_source="{src}",result="{
                for src in ("events", "routing-history") for r in ("within_block", "over", "under"))
 
 
-@dataclass
-class Pair:
-    replicas: dict[str, VllmReplica]
-    model_dir: Path
-
-    @property
-    def urls(self) -> dict[str, str]:
-        return {name: r.url for name, r in self.replicas.items()}
-
-
 @pytest.fixture(scope="module")
 def vllm_pair() -> Iterator[Pair]:
     """Two real vLLM replicas for the module, stopped at its end (also on failure)."""
-    reason = vllm_env.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    model_dir = vllm_env.make_model_dir()
     options = ReplicaOptions(max_num_seqs=MAX_NUM_SEQS, extra_args=("--enable-prompt-tokens-details",))
-    reps = {f"v{i}": VllmReplica(f"v{i}", model_dir, options) for i in range(2)}
-
-    async def start_all() -> None:
-        t0 = time.monotonic()
-        results = await asyncio.gather(*(r.start() for r in reps.values()), return_exceptions=True)
-        failed = [e for e in results if isinstance(e, BaseException)]
-        if failed:
-            await asyncio.gather(*(r.stop() for r in reps.values()))
-            raise failed[0]
-        report_figures("vllm_startup", replicas=len(reps), both_healthy_s=time.monotonic() - t0,
-                       **{f"{n}_s": r.start_seconds for n, r in reps.items()})
-
+    p = replicas_or_skip({f"v{i}": options for i in range(2)})
     try:
-        asyncio.run(start_all())
-        yield Pair(reps, model_dir)
+        asyncio.run(start_all(p, "vllm_startup"))
+        yield p
     finally:
-        asyncio.run(_stop_all(list(reps.values())))
-
-
-async def _stop_all(reps: list[VllmReplica]) -> None:
-    await asyncio.gather(*(r.stop() for r in reps))
+        asyncio.run(stop_all(p))
 
 
 @pytest.fixture
@@ -104,47 +78,6 @@ async def pair(vllm_pair: Pair) -> Pair:
     """The module's replicas, each running (a replica a previous test killed is restarted)."""
     await asyncio.gather(*(r.ensure_running() for r in vllm_pair.replicas.values()))
     return vllm_pair
-
-
-@contextlib.asynccontextmanager
-async def balancer(p: Pair, policy: str, kv_events: bool = False, **options: Any
-                   ) -> AsyncIterator[tuple[Balancer, str]]:
-    """An in-process balancer (port 0) over the pair, token-true hashing in vLLM's blocks;
-    ``kv_events``: subscribed to the replicas' KV events."""
-    cfg_dict = one_region_config(p.urls, free_port(), free_port(), name=policy, chunk_tokens=BLOCK_SIZE,
-                                 probe_interval_s=0.1, **({"options": options} if options else {}))
-    if kv_events:
-        for rep_cfg in cfg_dict["regions"][0]["replicas"]:
-            rep = p.replicas[rep_cfg["id"]]
-            rep_cfg["kv_events"] = {"endpoint": rep.kv_endpoint, "replay_endpoint": rep.kv_replay_endpoint,
-                                    "topic": rep.options.kv_topic}
-    cfg_dict["model"] = MODEL_NAME
-    cfg_dict["tokenizer"] = {"path": str(p.model_dir / "tokenizer.json"),
-                             "chat_template": str(p.model_dir / "chat_template.jinja")}
-    b = Balancer(parse_config(cfg_dict), "us-east-1")
-    await b.start(port=0)
-    try:
-        for _ in range(300):
-            if sum(v.healthy for v in b.core.view.replicas.values()) == len(p.replicas):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise TimeoutError(f"the balancer never saw both vLLM replicas healthy: {b.admin_status()}")
-        yield b, f"http://127.0.0.1:{b.bound_port}"
-    finally:
-        await b.stop()
-
-
-def words(tag: str, n: int) -> str:
-    """A prompt of n distinct words (about 4-5 tokens each with the tiny tokenizer)."""
-    return " ".join(f"{tag}{i}" for i in range(n))
-
-
-async def complete(s: aiohttp.ClientSession, base: str, prompt: Any, max_tokens: int = 4,
-                   **extra: Any) -> tuple[int, dict[str, str], Any]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
-    async with s.post(base + "/v1/completions", json=body) as r:
-        return r.status, dict(r.headers), await r.json(content_type=None)
 
 
 async def metrics(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
