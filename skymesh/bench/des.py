@@ -217,6 +217,7 @@ class Simulator:
             raise ValueError("a watch with a TBT target needs the run to record TBT (SimConfig.record_tbt)")
         self._watch = watch
         self._stop = watch is not None and watch.decided
+        self._overdue_at = 0  # requests before this index were swept for an overdue first token
         plotted = [rid for reg in self.regions.values() for rid in reg.replica_ids][: cfg.plot_replicas]
         all_ids = list(self.replicas)
         load_series: list[tuple[float, list[int]]] = []
@@ -356,6 +357,8 @@ class Simulator:
             elif kind == self.KV_MOVED:
                 self._kv_moved(payload, t)
             elif kind == self.SAMPLE:
+                if self._watch is not None:
+                    self._sweep_overdue(t)
                 pending = {rid: 0 for rid in all_ids}
                 for reg in self.regions.values():
                     for core in reg.cores:
@@ -409,6 +412,20 @@ class Simulator:
             return False
         self._dispatch(reg, k, t)
         return True
+
+    def _sweep_overdue(self, t: float) -> None:
+        """Requests that arrived more than the watch's TTFT target before ``t`` and have
+        no first token yet: theirs comes at ``t`` or later, so each is a certain miss
+        (counted now, not when an overloaded queue finally serves it)."""
+        watch = self._watch
+        assert watch is not None
+        slo, first, arrival, n = watch.slo_s, self._first, self._arrival, self._next_index
+        i = self._overdue_at
+        while i < n and arrival[i] + slo < t:
+            if first[i] != first[i] and watch.overdue(i):  # NaN: none yet
+                self._stop = True
+            i += 1
+        self._overdue_at = i
 
     def _rejected(self, rid: str) -> None:
         self._flags[int(rid)] |= 1

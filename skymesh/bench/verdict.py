@@ -6,8 +6,9 @@ requests served within the TTFT target, and the TBT target when one is given, at
 request: an overloaded layout misses more requests in its first minutes than the target
 allows over the whole day. :class:`VerdictWatch` counts, per client region, the requests
 whose outcome is already certain — met (first token within the TTFT target; with a TBT
-target, finished within it too) or missed (a first token past it, a TBT past its target,
-a rejection) — and says when the verdict can no longer change:
+target, finished within it too) or missed (a first token past it, or none yet when the
+target has passed — the simulator sweeps for those every sampling interval —, a TBT past
+its target, a rejection) — and says when the verdict can no longer change:
 
 - a region *fails* for certain when even every request of it still open meeting the SLO
   would leave its attainment under the target;
@@ -100,6 +101,10 @@ class VerdictWatch:
         return self._settle(i, missed=not tbt_s <= self.tbt_slo_s)
 
     def rejected(self, i: int) -> bool:
+        return self._settle(i, missed=True)
+
+    def overdue(self, i: int) -> bool:
+        """Request ``i`` has no first token yet and its TTFT target has passed: a miss."""
         return self._settle(i, missed=True)
 
     def _settle(self, i: int, *, missed: bool) -> bool:
