@@ -214,3 +214,33 @@ def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path) -> None:
     trials = report["trials"]["region-local"]
     assert trials and all(set(t["attainment"]) == set(t["layout"]) for t in trials)
     assert "region-local" in report["best_so_far"]
+
+
+@pytest.mark.parametrize("start", [{"a": 6, "b": 3, "c": 1}, {"a": 20, "b": 9, "c": 5}, {"a": 2, "b": 1, "c": 1},
+                                   {"a": 7, "b": 2, "c": 3}])
+def test_region_local_from_an_estimate_finds_the_same_counts(start: Layout) -> None:
+    search = Search(independent)
+    assert plan_region_local(search, REGIONS, 0.9, 32, start=start) == {"a": 6, "b": 3, "c": 1}
+    if start == {"a": 6, "b": 3, "c": 1}:
+        # an exact estimate: its layout meets, one replica fewer misses, and the answer is
+        # run whole to report it
+        assert [lay for lay, _ in search.trials] == [start, {"a": 5, "b": 2, "c": 1}, start]
+
+
+def test_the_estimate_follows_each_regions_busiest_window() -> None:
+    from skymesh.bench.plan_estimate import estimate_layout
+    from skymesh.bench.traces import TraceRequest
+    from skymesh.hardware import PROFILES
+
+    prof = PROFILES["h100-qwen2.5-7b"]
+    # region a: 40 distinct 4K-token prompts a second for a minute; b: a tenth of that
+    trace = sorted([TraceRequest(i / 40, 4096, 200, tuple(range(i * 8, i * 8 + 8)), "a") for i in range(2400)]
+                   + [TraceRequest(i / 4, 4096, 200, tuple(range(10**6 + i * 8, 10**6 + i * 8 + 8)), "b")
+                      for i in range(240)], key=lambda r: r.arrival_s)
+    est = estimate_layout(trace, ["a", "b", "c"], prof, max_replicas=64)
+    assert est["c"] == 1  # no load: one replica
+    assert est["a"] > est["b"] >= 1
+    assert 8 <= est["a"] / est["b"] <= 12  # ten times the work, rounded up
+    # a prompt seen before costs no prefill: the same day with one shared prompt needs fewer
+    shared = [TraceRequest(r.arrival_s, r.input_len, r.output_len, tuple(range(8)), r.region) for r in trace]
+    assert estimate_layout(shared, ["a", "b", "c"], prof, max_replicas=64)["a"] < est["a"]

@@ -98,11 +98,18 @@ class PlanError(ValueError):
     """No layout within the bounds meets the SLO."""
 
 
-def plan_region_local(search: Search, regions: Sequence[str], target: float, max_replicas: int) -> Layout:
-    """Each region's fewest replicas serving its own clients alone within the SLO."""
+def plan_region_local(search: Search, regions: Sequence[str], target: float, max_replicas: int,
+                      start: Mapping[str, int] | None = None) -> Layout:
+    """Each region's fewest replicas serving its own clients alone within the SLO. Each
+    region's count is searched from ``start`` (default 1; skymesh/bench/plan_estimate.py
+    gives an estimate) by galloping — up by 1, 2, 4, ... while it misses, down by 1, 2,
+    4, ... while it meets — until a count that meets sits above one that misses, then
+    bisecting between them; every region at once, one layout per step. From 1 the
+    gallop up is the doubling 1, 2, 4, 8, ..."""
     lo = dict.fromkeys(regions, 0)  # the most replicas known to miss (0: none needed fewer)
     hi: dict[str, int | None] = dict.fromkeys(regions, None)  # the fewest known to meet
-    probe = dict.fromkeys(regions, 1)
+    probe = {r: min(max_replicas, max(1, (start or {}).get(r, 1))) for r in regions}
+    step = dict.fromkeys(regions, 1)
     while True:
         att = search.run([probe], StopWhen.EVERY_REGION_DECIDED)[0]
         for r in regions:
@@ -117,12 +124,16 @@ def plan_region_local(search: Search, regions: Sequence[str], target: float, max
             return _confirmed({r: int(hi[r]) for r in regions}, search, target, max_replicas)  # type: ignore[arg-type]
         for r in regions:
             h = hi[r]
-            if h is None:
-                nxt = min(max_replicas, probe[r] * 2)
+            if h is None:  # misses so far: up
+                nxt = min(max_replicas, probe[r] + step[r])
                 if nxt == probe[r]:
                     raise PlanError(f"{r}: {max_replicas} replicas serving its own clients miss the SLO "
                                     f"(attainment {att[r]:.3f} < {target:g})")
                 probe[r] = nxt
+                step[r] *= 2
+            elif lo[r] == 0 and h > 1 and att[r] >= target and probe[r] == h:  # meets so far: down
+                probe[r] = max(1, h - step[r])
+                step[r] *= 2
             elif h - lo[r] > 1:
                 probe[r] = (lo[r] + h) // 2
             else:

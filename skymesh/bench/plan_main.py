@@ -36,7 +36,9 @@ from skymesh.bench import sim_setup
 from skymesh.bench.day_shape import day_shape
 from skymesh.bench.des import Simulator
 from skymesh.bench.plan import Attainment, Layout, PlanError, Search, plan_region_local, plan_shared
+from skymesh.bench.plan_estimate import estimate_layout
 from skymesh.bench.verdict import StopWhen, VerdictWatch
+from skymesh.hardware import PROFILES
 
 # sim options that mean nothing to a plan (it chooses the replicas and the systems itself)
 NOT_FOR_PLAN = {"systems", "replicas", "region_replicas", "rates", "goodput_search", "resolution", "windows",
@@ -266,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
     if args.pooled_bound:
         systems["pooled bound"] = f"{args.policy}@pooled"
     t0 = time.perf_counter()
+    # region-local's search starts from each region's offered work (the first seed's day)
+    day = list(sim_setup.build_trace(argparse.Namespace(**{**vars(args), "seed": seeds[0]}), args.rate_multiplier))
+    start = estimate_layout(day, names, PROFILES[args.profile], max_replicas=args.max_replicas)
+    print(f"estimated from the day's offered work: {layout_arg(start)}", flush=True)
     plans: dict[str, Layout] = {}
     trials: dict[str, list[dict[str, Any]]] = {}
     days: dict[str, dict[str, Any]] = {}
@@ -279,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
             search = Search(evaluator)
             searches[label] = evaluator
             if label == "region-local":
-                plans[label] = plan_region_local(search, names, args.target, args.max_replicas)
+                plans[label] = plan_region_local(search, names, args.target, args.max_replicas, start=start)
             else:
                 plans[label] = plan_shared(search, plans["region-local"], args.target, args.max_replicas,
                                            batch=args.jobs)
@@ -308,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
                 **day_shape(args, len(names)).describe(), "start_s": args.start_s,
                 "duration_s": args.duration_s},
         "slo": {"ttft_s": args.slo, "target": args.target, "seeds": seeds, "residency": mesh.residency()},
-        "config": mesh.config, "profile": args.profile, "policy": args.policy, "plans": plans, "replicas": total,
+        "estimate": start, "config": mesh.config, "profile": args.profile, "policy": args.policy, "plans": plans, "replicas": total,
         "mesh_saving": round(saving, 4),
         "shape_ceiling": round(shape_ceiling(days["mesh"]["load"]), 4),
         # the last run of each plan's layout: a whole one (skymesh/bench/plan.py)
