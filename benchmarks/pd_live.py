@@ -78,10 +78,12 @@ EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 class Workload:
     make: Callable[..., list[TraceRequest]]
     rate: float  # req/s, profile time
+    seconds: float  # of arrivals, profile time
     output_len: tuple[int, int]
+    time_scale: float  # the stand-ins' step-time multiplier
 
-    def trace(self, seconds: float, seed: int) -> list[TraceRequest]:
-        return self.make(max(1, round(self.rate * seconds)), self.rate, output_len=self.output_len, seed=seed)
+    def trace(self, seed: int) -> list[TraceRequest]:
+        return self.make(max(1, round(self.rate * self.seconds)), self.rate, output_len=self.output_len, seed=seed)
 
 
 def pair(text: str) -> tuple[int, int]:
@@ -90,8 +92,10 @@ def pair(text: str) -> tuple[int, int]:
 
 
 def workloads(args: argparse.Namespace) -> dict[str, Workload]:
-    return {"long": Workload(long_context, args.long_rate, pair(args.long_output)),
-            "chat": Workload(short_chat, args.chat_rate, pair(args.chat_output))}
+    return {"long": Workload(long_context, args.long_rate, args.long_seconds, pair(args.long_output),
+                             args.long_time_scale),
+            "chat": Workload(short_chat, args.chat_rate, args.chat_seconds, pair(args.chat_output),
+                             args.chat_time_scale)}
 
 
 def pools(system: str, replicas: int) -> tuple[str, int, int]:
@@ -108,11 +112,12 @@ def roles(p: int, d: int, replicas: int) -> list[str]:
     return ["prefill"] * p + ["decode"] * d + ["both"] * (replicas - p - d)
 
 
-def skymesh_config(rule: str, roles_: Sequence[str], ports: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
+def skymesh_config(rule: str, roles_: Sequence[str], ports: Sequence[int], args: argparse.Namespace,
+                   ts: float) -> dict[str, Any]:
     """One region: the stand-ins as ``sim:`` replicas (the pair rules price steps by their
     profile and time scale), their roles, and ``pairing:`` with the scaled TBT target and
-    the stand-ins' KV link (its transfer time is scaled as their steps are)."""
-    ts = args.time_scale
+    the stand-ins' KV link (its transfer time is scaled as their steps are); ``ts``: their
+    time scale."""
     cfg = balancer_config(args.policy, [f"http://127.0.0.1:{p}" for p in ports], 0, args.ttft * ts)
     cfg["regions"][0]["replicas"] = [  # type: ignore[index]
         {"id": f"r{i}", "role": role, "sim": {"profile": args.profile, "port": port, "time_scale": ts}}
@@ -153,8 +158,8 @@ async def stand_in_counters(urls: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def cell_metrics(results: list[LiveResult], args: argparse.Namespace) -> dict[str, Any]:
-    ts = args.time_scale
+def cell_metrics(results: list[LiveResult], args: argparse.Namespace, ts: float) -> dict[str, Any]:
+    """The cell's figures in profile seconds (wall seconds / ``ts``)."""
 
     def arr(vals: Sequence[float | None]) -> np.ndarray:
         return np.array([math.nan if v is None else v / ts for v in vals], dtype=float)
@@ -180,7 +185,7 @@ def cell_metrics(results: list[LiveResult], args: argparse.Namespace) -> dict[st
             "max_send_lateness_s": round(max((r.late_s for r in results), default=0.0), 4)}
 
 
-async def run_cell(system: str, name: str, trace: list[TraceRequest], args: argparse.Namespace,
+async def run_cell(system: str, name: str, wl: Workload, trace: list[TraceRequest], args: argparse.Namespace,
                    tmp: Path, tag: str) -> dict[str, Any] | None:
     rule, p, d = pools(system, args.replicas)
     if rule == VLLM_ROUTER and not peer_available(VLLM_ROUTER):
@@ -189,7 +194,7 @@ async def run_cell(system: str, name: str, trace: list[TraceRequest], args: argp
     children: list[Child] = []
     try:
         reps, urls = await start_sim_replicas(
-            args.replicas, args.profile, args.time_scale, tmp, f"{tag}-r",
+            args.replicas, args.profile, wl.time_scale, tmp, f"{tag}-r",
             extra=["--kv-transfer-port", "0", "--kv-bandwidth-gbps", str(args.kv_gbps)])
         children.extend(reps)
         if rule == VLLM_ROUTER:
@@ -201,7 +206,8 @@ async def run_cell(system: str, name: str, trace: list[TraceRequest], args: argp
             url = f"http://127.0.0.1:{port}"
             await wait_healthy(url + "/health", router, within_s=60)
         else:
-            cfg = skymesh_config(rule, roles(p, d, args.replicas), [c.port("http") for c in reps], args)
+            cfg = skymesh_config(rule, roles(p, d, args.replicas), [c.port("http") for c in reps], args,
+                                 wl.time_scale)
             router = balancer_config_child(cfg, f"{tag}-router", 0, tmp)
             router.start()
             children.append(router)
@@ -209,13 +215,13 @@ async def run_cell(system: str, name: str, trace: list[TraceRequest], args: argp
             await wait_healthy(url + "/health", router, within_s=60)
         cpu0 = cpu_seconds(router.pid)
         t0 = time.perf_counter()
-        results = await replay(scale_rate(trace, 1.0 / args.time_scale), lambda _r: url, args.timeout_s)
+        results = await replay(scale_rate(trace, 1.0 / wl.time_scale), lambda _r: url, args.timeout_s)
         wall = time.perf_counter() - t0
         cpu1 = cpu_seconds(router.pid)
         counters = await stand_in_counters(urls)
     finally:
         await asyncio.gather(*(c.stop() for c in children))
-    m = cell_metrics(results, args)
+    m = cell_metrics(results, args, wl.time_scale)
     m.update(system=system, workload=name, rule=rule, prefill=p, decode=d, wall_s=round(wall, 1),
              split_share=round(counters[PULLS] / m["served"], 4) if m["served"] else None,
              kv_failed=int(counters[FAILED]), kv_expired=int(counters[EXPIRED]),
@@ -262,13 +268,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs (arrival seeds 0..N-1), systems interleaved")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--profile", default="h100-qwen2.5-7b")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="the stand-ins' step-time multiplier")
     ap.add_argument("--policy", default="dualmap", help="the skymesh balancers' policy (picks the prefill replica)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="arrivals per cell, profile seconds")
-    ap.add_argument("--long-rate", type=float, default=4.0, help="long: req/s, profile time")
-    ap.add_argument("--long-output", default="32,128", help="long: output tokens, lowest,highest")
-    ap.add_argument("--chat-rate", type=float, default=20.0, help="chat: req/s, profile time")
-    ap.add_argument("--chat-output", default="32,128", help="chat: output tokens, lowest,highest")
+    # per workload: rate and seconds of arrivals (profile time), output tokens (lowest,highest)
+    # and the stand-ins' time scale (their step-time multiplier: the token stream's rate
+    # on the wall clock is the profile's divided by it)
+    ap.add_argument("--long-rate", type=float, default=4.0)
+    ap.add_argument("--long-seconds", type=float, default=10.0)
+    ap.add_argument("--long-output", default="32,128")
+    ap.add_argument("--long-time-scale", type=float, default=1.0)
+    ap.add_argument("--chat-rate", type=float, default=130.0)
+    ap.add_argument("--chat-seconds", type=float, default=2.5)
+    ap.add_argument("--chat-output", default="32,128")
+    ap.add_argument("--chat-time-scale", type=float, default=5.0)
     ap.add_argument("--ttft", type=float, default=2.0, help="TTFT target, profile seconds")
     ap.add_argument("--tbt", type=float, default=0.1, help="TBT target, profile seconds")
     ap.add_argument("--kv-gbps", type=float, default=100.0, help="the KV link (the stand-ins' modelled pull)")
@@ -292,10 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for run in range(args.runs):
             for name in names:
-                trace = loads[name].trace(args.seconds, seed=run)
+                trace = loads[name].trace(seed=run)
                 for s in systems:
                     tag = f"{s.replace('@', '-').replace(':', '-')}-{name}-{run}"
-                    m = asyncio.run(run_cell(s, name, trace, args, tmp, tag))
+                    m = asyncio.run(run_cell(s, name, loads[name], trace, args, tmp, tag))
                     if m is None:
                         continue
                     m["run"] = run
