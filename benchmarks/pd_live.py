@@ -285,7 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-gbps", type=float, default=100.0, help="the KV link (the stand-ins' modelled pull)")
     ap.add_argument("--timeout-s", type=float, default=60.0, help="wall-clock bound per cell's replay")
     ap.add_argument("--out", default="bench-out/pd_live.json")
+    ap.add_argument("--render", metavar="JSON", default=None,
+                    help="print the tables of a written JSON (a run stopped early included) and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        print(render(doc["cells"], [s for s in doc["config"]["systems"].split(",") if s]))
+        return 0
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         pools(s, args.replicas)
