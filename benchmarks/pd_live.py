@@ -65,6 +65,7 @@ from skymesh.bench.scores import summarize_arrays
 from skymesh.bench.traces import TraceRequest, scale_rate
 from skymesh.runtime.procs import Child, free_port, start_sim_replicas, wait_healthy
 from skymesh.runtime.prom_text import parse_samples
+from skymesh.word_tokenizer import trace_prompt
 
 VLLM_ROUTER = "vllm-router"
 DEFAULT_SYSTEMS = ("aggregated,always@3:1,always@2:2,threshold@3:1,conductor@1:1,"
@@ -112,13 +113,24 @@ def roles(p: int, d: int, replicas: int) -> list[str]:
     return ["prefill"] * p + ["decode"] * d + ["both"] * (replicas - p - d)
 
 
+def bytes_per_token(trace: Sequence[TraceRequest]) -> float:
+    """UTF-8 bytes per stand-in token of the prompts the load generator sends for ``trace``
+    (a stand-in without a tokenizer counts whitespace words)."""
+    prompts = [trace_prompt(r.hash_ids, r.input_len) for r in trace]
+    return sum(len(t.encode()) for t in prompts) / max(1, sum(len(t.split()) for t in prompts))
+
+
 def skymesh_config(rule: str, roles_: Sequence[str], ports: Sequence[int], args: argparse.Namespace,
-                   ts: float) -> dict[str, Any]:
+                   ts: float, bpt: float) -> dict[str, Any]:
     """One region: the stand-ins as ``sim:`` replicas (the pair rules price steps by their
     profile and time scale), their roles, and ``pairing:`` with the scaled TBT target and
     the stand-ins' KV link (its transfer time is scaled as their steps are); ``ts``: their
-    time scale."""
+    time scale. ``bpt``: the workload's bytes per token, so that the balancer's prompt
+    count (its byte estimate, no tokenizer) is the stand-ins': the pair rules size KV and
+    price prefills by it (the default 4 bytes counted these prompts' words 3.7 times over,
+    and a 1.5K-word prompt never fitted a 4,096-token decode replica)."""
     cfg = balancer_config(args.policy, [f"http://127.0.0.1:{p}" for p in ports], 0, args.ttft * ts)
+    cfg["tokenizer"] = {"bytes_per_token": round(bpt, 3)}
     cfg["regions"][0]["replicas"] = [  # type: ignore[index]
         {"id": f"r{i}", "role": role, "sim": {"profile": args.profile, "port": port, "time_scale": ts}}
         for i, (role, port) in enumerate(zip(roles_, ports, strict=True))]
@@ -207,7 +219,7 @@ async def run_cell(system: str, name: str, wl: Workload, trace: list[TraceReques
             await wait_healthy(url + "/health", router, within_s=60)
         else:
             cfg = skymesh_config(rule, roles(p, d, args.replicas), [c.port("http") for c in reps], args,
-                                 wl.time_scale)
+                                 wl.time_scale, bytes_per_token(trace))
             router = balancer_config_child(cfg, f"{tag}-router", 0, tmp)
             router.start()
             children.append(router)
