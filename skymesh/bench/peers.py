@@ -47,9 +47,31 @@ def peer_child(system: str, urls: Sequence[str], port: int, log_dir: Path, polic
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                "--policy", policy, "--worker-urls", *urls]
     else:
-        exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *urls]
+        cmd = [_vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+               "--worker-urls", *urls]
     return Child(system, cmd, log_dir, env=_offline_env())
+
+
+def _vllm_router_exe() -> str:
+    return shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+
+
+def vllm_router_pd_child(prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int, log_dir: Path,
+                         policy: str = "cache_aware", name: str = "vllm-router-pd") -> Child | None:
+    """vllm-router in its vLLM P/D mode (``--vllm-pd-disaggregation``, NIXL's pull protocol
+    by default) over fixed prefill and decode pools: every request is split, its prefill
+    worker and its decode worker each picked by ``policy``. Its Prometheus listener (on by
+    default, port 29000) gets a picked loopback port so that two runs never collide.
+    None when it is not installed."""
+    if not peer_available("vllm-router"):
+        return None
+    cmd = [_vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+           "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    for u in prefill_urls:
+        cmd += ["--prefill", u]
+    for u in decode_urls:
+        cmd += ["--decode", u]
+    return Child(name, cmd, log_dir, env=_offline_env())
 
 
 def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, region: str = "bench-1",
@@ -79,13 +101,20 @@ def balancer_config(policy: str, urls: Sequence[str], port: int, slo_s: float, r
 def balancer_child(policy: str, urls: Sequence[str], port: int, log_dir: Path, slo_s: float,
                    slo_classes: Mapping[str, Any] | None = None, early_rejection: bool = True,
                    queue: Mapping[str, Any] | None = None) -> Child:
-    path = log_dir / f"{policy}-balancer.yaml"
-    path.write_text(yaml.safe_dump(balancer_config(policy, urls, port, slo_s, slo_classes=slo_classes,
-                                                   early_rejection=early_rejection,
-                                                   queue=queue)))
-    return Child(f"balancer-{policy}", skymesh_cmd("balancer", "--config", str(path), "--region", "bench-1",
-                                                   "--http-port", str(port), "--no-controller", "--no-peers",
-                                                   "--log-level", "WARNING"),
+    config = balancer_config(policy, urls, port, slo_s, slo_classes=slo_classes, early_rejection=early_rejection,
+                             queue=queue)
+    return balancer_config_child(config, f"balancer-{policy}", port, log_dir)
+
+
+def balancer_config_child(config: Mapping[str, Any], name: str, port: int, log_dir: Path,
+                          region: str = "bench-1") -> Child:
+    """A skymesh balancer child for region ``region`` of ``config`` (as
+    :func:`balancer_config` makes it, perhaps amended), its config written to
+    ``log_dir/NAME.yaml``; port 0: it binds any and reports it."""
+    path = log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(dict(config)))
+    return Child(name, skymesh_cmd("balancer", "--config", str(path), "--region", region, "--http-port", str(port),
+                                   "--no-controller", "--no-peers", "--log-level", "WARNING"),
                  log_dir)
 
 
