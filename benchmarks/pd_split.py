@@ -11,7 +11,7 @@ which at least 90% count, found by bisection (skymesh/bench/ranking.py) on every
 
 - ``aggregated``: every replica ``both``, no pair rule;
 - ``always@P:D``: P prefill-only and D decode-only replicas, every request split;
-- ``threshold@P:D``: the peers' rule on that split (vllm-router's 256 tokens);
+- ``threshold@P:D``: the peers' conditional rule on that split (256 tokens; vllm-router 0.1.17's P/D mode itself splits every request: docs/benchmarks.md, live section);
 - ``conductor@P:D``: Mooncake's Algorithm 1 on that split (P + D < replicas leaves the rest
   ``both``, where the conductor chooses per request between whole and split).
 

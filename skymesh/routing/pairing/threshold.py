@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ThresholdOptions(PairOptions):
-    # split when the decode replica would prefill this many tokens or more (vllm-router's 256)
+    # split when the decode replica would prefill this many tokens or more (256: the figure
+    # cited for vllm-router's conditional split; the vllm-router 0.1.17 measured here splits
+    # every request in its P/D mode, docs/benchmarks.md)
     threshold_tokens: int = 256
 
     def __post_init__(self) -> None:
