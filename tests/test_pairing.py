@@ -122,7 +122,9 @@ def decoders_of(pricing: PairPricing, req: RoutingRequest, views: dict[str, Repl
     for rid, v in views.items():
         role = roles.get(rid, "both")
         used = v.kv_usage * COST.kv_capacity_tokens + v.pending_decode_tokens
-        fits = used + req.prompt_tokens + req.max_tokens <= COST.kv_capacity_tokens
+        need = req.prompt_tokens + req.max_tokens
+        # larger than an empty replica's KV: no wait makes room, it is not held back
+        fits = need > COST.kv_capacity_tokens or used + need <= COST.kv_capacity_tokens
         assert fits == pricing.kv_fits(req, v)
         if rid not in excluded and v.healthy and role != "prefill" and fits:
             out.append(rid)
@@ -813,3 +815,21 @@ def test_a_region_without_a_replica_that_may_decode_answers_503_at_once() -> Non
     # a replica of role both serves either side
     core.set_roles({"r0": "prefill", "r1": "decode", "r2": "both"})
     assert core.submit(request(4, 800, 100), 0.5) == []
+
+
+def test_a_request_larger_than_any_replicas_kv_is_placed_not_held_for_good() -> None:
+    """Its KV (prompt and output) exceeds an empty decode replica's: waiting for room
+    would keep it queued for good (a balancer that over-counts a prompt's tokens met
+    this live), so room does not hold it back."""
+    core = region_core(3, {"r0": "prefill", "r1": "decode", "r2": "decode"})
+    probe_all(core, 0.0)
+    core.local.replicas["r1"].kv_usage = 0.5
+    huge = request(0, COST.kv_capacity_tokens, 100)
+    core.submit(huge, 0.0)
+    (send,) = sends(core.tick(0.0))
+    assert (send.replica_id, send.decision.decode_replica_id) == ("r0", "r2")  # the less loaded
+    # one that fits an empty replica still waits for room while both are full
+    for rid in ("r1", "r2"):
+        core.local.replicas[rid].kv_usage = 1.0
+    core.submit(request(1, 1000, 100), 0.0)
+    assert sends(core.tick(0.0)) == [] and core.view.state_of("q1") is RequestState.QUEUED

@@ -75,9 +75,16 @@ class PairPricing:
         return {rid: min(req.prompt_tokens, n * model.chunk_tokens) for rid, n in per.items()}
 
     def kv_fits(self, req: RoutingRequest, view: ReplicaView) -> bool:
+        """``view``'s replica has room for the request's KV (prompt and output) beside what
+        it holds and what is booked there. A request larger than an empty replica's KV
+        always fits: no wait makes room for it (it would wait in the queue for good), and
+        the replica's own limits answer it (vLLM preempts, or refuses past its context)."""
         cost = self.ctx.cost
+        need = req.prompt_tokens + req.max_tokens
+        if need > cost.kv_capacity_tokens:
+            return True
         used = view.kv_usage * cost.kv_capacity_tokens + view.pending_decode_tokens
-        return used + req.prompt_tokens + req.max_tokens <= cost.kv_capacity_tokens
+        return used + need <= cost.kv_capacity_tokens
 
     def prefill_ttft_s(self, req: RoutingRequest, view: ReplicaView, matched: int) -> float:
         return self.ctx.model.estimator.estimate(view.pending_prefill_tokens, req.prompt_tokens - matched)
