@@ -157,3 +157,31 @@ def test_a_pair_rule_needs_a_profile_to_price_by() -> None:
     made = pairing_settings(PairingConfig.model_validate({"rule": "threshold", "profile": "tiny-test",
                                                            "options": {"threshold_tokens": 64}, "link_gbps": 8}), ())
     assert made is not None and made.options == {"threshold_tokens": 64} and made.links.bytes_per_s == 1e9
+
+
+async def test_a_request_no_pair_can_serve_within_its_class_targets_gets_a_429_with_retry_after() -> None:
+    from skymesh.balancer.slo_class_lookup import SLO_CLASS_HEADER
+
+    # the conductor prices the one pair: no decode step is a microsecond long
+    b, p, d = await split_region(True, pairing={"rule": "conductor", "profile": "tiny-test"},
+                                 slo_classes={"instant": {"tpot_s": 1e-6}, "chat": {"ttft_s": 30.0}})
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "skymesh-sim", "prompt": f"9 {PROMPT}", "max_tokens": 6}
+            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
+                              headers={SLO_CLASS_HEADER: "instant"}) as r:
+                refused = (r.status, r.headers.get("Retry-After"), await r.json())
+            async with s.post(f"http://127.0.0.1:{b.bound_port}/v1/completions", json=body,
+                              headers={SLO_CLASS_HEADER: "chat"}) as r:
+                served = r.status, await r.text()
+        status, retry_after, error = refused
+        assert status == 429 and retry_after is not None and int(retry_after) >= 1
+        assert error["error"]["code"] == "slo_unreachable" and "time between tokens" in error["error"]["message"]
+        assert served[0] == 200, served[1]
+        assert b.core.local.counters.refused_by_pair_rule == 1
+        # the refused request never reached a replica
+        assert p.engine.generation_tokens_total == 1 and b.core.view.replicas["r1"].pending_decodes == 0
+    finally:
+        await b.stop()
+        await p.close()
+        await d.close()
