@@ -96,12 +96,8 @@ from skymesh.replica_sim.request_state import EngineRequest
 from skymesh.replica_sim.scheduler import StepOutput
 from skymesh.routing.assembly import CostSeed
 from skymesh.routing.base import RoutingRequest
-from skymesh.routing.region import (
-    ForwardToRegion,
-    ProbeSample,
-    Reject,
-    SendToReplica,
-)
+from skymesh.routing.health import ProbeSample
+from skymesh.routing.region_actions import ForwardToRegion, Reject, SendToReplica
 from skymesh.slo_judge import SloClass, apply_slo_class
 from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 
