@@ -58,8 +58,9 @@ mesh under any rules; under a rule the mesh's fraction of it is what the rule an
 mesh together cost.
 
 *Not modelled:* the policy places by its own view and does not price the link
-(dualmap's SLO check sees queue and prefill, not the RTT; at most 2 x 110 ms against a
-2 s SLO on the 3-region layout), so the bound is this policy's over one pool, not the
+(dualmap's SLO check sees queue and prefill, not the RTT: on the 3-region layout at most
+twice the longest one-way link of :data:`~skymesh.bench.sim_setup.GEO3_LATENCY` against
+``--slo``), so the bound is this policy's over one pool, not the
 best placement there is; and no request is refused for an SLO class that cannot afford
 the link, as the mesh's offload refuses to forward it: with SLO classes tighter than a
 round trip the pool is no bound. A pooled request served away from its client's region
