@@ -31,7 +31,7 @@ from skymesh.routing.assembly import (
 from skymesh.routing.health import HealthSettings
 from skymesh.routing.model import DEFAULT_FIRST_TOKEN_FIXED_S, DEFAULT_PREFILL_S_PER_TOKEN
 from skymesh.routing.pairing.base import DecodeCost, KvLinks
-from skymesh.routing.region import RegionSettings
+from skymesh.routing.region_settings import RegionSettings
 
 
 @dataclass(frozen=True, slots=True)

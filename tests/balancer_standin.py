@@ -14,8 +14,9 @@ from skymesh.balancer.ports import Registration, StatusReport
 from skymesh.balancer.prober import SharedPage
 from skymesh.config import HostPort
 from skymesh.routing.assembly import SiblingSettings
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import HeartbeatSnapshot, RegionCore
+from skymesh.routing.region import RegionCore
 from skymesh.routing.registry import make_policy
 from skymesh.routing.siblings import SiblingMessage
 from skymesh.runtime.clock import loop_clock

@@ -11,7 +11,8 @@ from skymesh.routing.admission.rules import admission_rules
 from skymesh.routing.admission.slo_unreachable import SloUnreachableRule
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import RegionCore, RegionSettings
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 
 

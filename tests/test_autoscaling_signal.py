@@ -29,9 +29,12 @@ from skymesh.balancer.autoscaling_signal import (
 from skymesh.config import CloudWatchSignalConfig, ConfigError, parse_config
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.health import ProbeSample
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import ProbeSample, RegionCore, RegionSettings, SendToReplica
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 from skymesh.runtime.procs import Child, free_port, skymesh_cmd
 from tests.mesh_helpers import ROOT, one_region_config

@@ -15,7 +15,7 @@ from skymesh.balancer import services
 from skymesh.balancer.services import ControllerLink, PeerMesh, loop_restart_counts
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
 from skymesh.routing.base import RoutingRequest
-from skymesh.routing.region import ProbeSample
+from skymesh.routing.health import ProbeSample
 from tests.balancer_standin import StandInBalancer
 from tests.mesh_helpers import free_port
 

@@ -18,9 +18,12 @@ from skymesh.routing.disciplines.slo_deadline import (
     schedule_cost,
 )
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.health import ProbeSample
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.region import ProbeSample, RegionCore, RegionSettings, SendToReplica
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 
 

@@ -15,10 +15,13 @@ from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.disciplines.prefix_match import PrefixMatchOrder
 from skymesh.routing.dispatcher import BalancerCore
 from skymesh.routing.hashing import cumulative_hashes
+from skymesh.routing.health import ProbeSample
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.region import ProbeSample, RegionCore, RegionSettings, SendToReplica
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 
 CHUNK = 16

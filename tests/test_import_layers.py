@@ -242,6 +242,40 @@ def test_exceptions_are_still_needed() -> None:
     assert not stale, f"EXCEPTIONS names imports that no longer exist: {stale}"
 
 
+def own_names(source: str) -> set[str]:
+    """The names a module's top level defines itself (functions, classes, assignments),
+    not the ones it imports."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def borrowed_imports(source: str, rel: str, module: str, own: set[str]) -> list[str]:
+    """``file:line: name`` for each name ``source`` imports from ``module`` that ``module``
+    does not define (it only imports it for its own use)."""
+    return [f"{rel}:{node.lineno}: {alias.name}" for node in ast.walk(ast.parse(source, rel))
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == module
+            for alias in node.names if alias.name not in own]
+
+
+def test_the_region_core_is_imported_for_its_own_names() -> None:
+    """skymesh/routing/region.py defines :class:`RegionCore`; the region core's vocabulary
+    (actions, heartbeat, health, settings, request states) has modules of its own and is
+    imported from them, not through region.py, which imports it only for its own use."""
+    own = own_names((ROOT / "skymesh/routing/region.py").read_text())
+    assert "RegionCore" in own
+    files = sorted(p for d in (*SCANNED, "tests", "benchmarks") for p in (ROOT / d).rglob("*.py"))
+    borrowed = [b for p in files for b in borrowed_imports(
+        p.read_text(), p.relative_to(ROOT).as_posix(), "skymesh.routing.region", own)]
+    assert not borrowed, ("imported through skymesh/routing/region.py (import it from the module "
+                          "that defines it):\n" + "\n".join(borrowed))
+
+
 # --- the checkers can fail ---
 
 MODULES = {"skymesh", "skymesh.a", "skymesh.b", "skymesh.pkg", "skymesh.pkg.c", "skymesh.pkg.d"}
@@ -292,3 +326,10 @@ def test_an_upward_import_is_named() -> None:
     assert layer_violations([up, down], layers, {}) == [
         "m/low/x.py:4: m.low.x imports m.high.y (layer low imports the higher layer high)"]
     assert layer_violations([up], layers, {("m.low.x", "m.high.y"): "why"}) == []
+
+
+def test_a_borrowed_import_is_named() -> None:
+    own = own_names("from m.actions import Reject\nclass Core: ...\nLIMIT = 3\n")
+    assert own == {"Core", "LIMIT"}
+    snippet = "from m.region import Core, Reject\nfrom m.actions import Reject\n"
+    assert borrowed_imports(snippet, "t.py", "m.region", own) == ["t.py:1: Reject"]

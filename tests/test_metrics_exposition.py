@@ -25,8 +25,10 @@ from skymesh.balancer.metrics import (
 from skymesh.balancer.prober import parse_probe, probe_replica
 from skymesh.replica_sim.vllm_metrics import ReplicaMetrics, vllm_cache_config_info
 from skymesh.routing.base import Decision, RoutingRequest
+from skymesh.routing.health import ProbeSample
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import HeartbeatSnapshot, ProbeSample, RegionCore
+from skymesh.routing.region import RegionCore
 from skymesh.routing.registry import make_policy
 from skymesh.runtime.prom_text import parse_samples
 

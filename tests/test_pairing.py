@@ -20,6 +20,7 @@ from skymesh.routing.assembly import (
     build_region_core,
 )
 from skymesh.routing.base import Decision, PolicyContext, ReplicaView, RoutingRequest
+from skymesh.routing.health import HealthSettings, ProbeSample
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.pair_registry import UnknownPairRuleError, make_pair_rule
@@ -35,17 +36,11 @@ from skymesh.routing.pairing.base import (
 from skymesh.routing.pairing.conductor import Conductor, ConductorOptions
 from skymesh.routing.pairing.pricing import PairPricing
 from skymesh.routing.pairing.threshold import ThresholdOptions, ThresholdSplit
-from skymesh.routing.region import (
-    AbandonAttempt,
-    HealthSettings,
-    ProbeSample,
-    RegionCore,
-    RegionSettings,
-    Reject,
-    RequestState,
-    SendToReplica,
-)
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import AbandonAttempt, Reject, SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
+from skymesh.routing.request_state import RequestState
 
 H100 = PROFILES["h100-qwen2.5-7b"]
 COST = DecodeCost.of_profile(H100)

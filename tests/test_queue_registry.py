@@ -20,6 +20,7 @@ from skymesh.routing.disciplines.base import DisciplineContext, QueueDiscipline
 from skymesh.routing.disciplines.prefix_match import PrefixMatchOptions, PrefixMatchOrder
 from skymesh.routing.disciplines.slo_deadline import SloDeadlineOptions, SloDeadlineOrder
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.health import ProbeSample
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queue_registry import (
@@ -29,7 +30,9 @@ from skymesh.routing.queue_registry import (
     make_discipline,
 )
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.region import ProbeSample, RegionCore, RegionSettings, SendToReplica
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 
 

@@ -9,21 +9,15 @@ from hypothesis import strategies as st
 
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.health import HealthSettings, ProbeSample
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.model import RegionModel
 from skymesh.routing.offload import RETURN_GRACE_S, OffloadRouter
-from skymesh.routing.region import (
-    AbandonAttempt,
-    ForwardToRegion,
-    HealthSettings,
-    HeartbeatSnapshot,
-    ProbeSample,
-    RegionCore,
-    RegionSettings,
-    Reject,
-    RequestState,
-    SendToReplica,
-)
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import AbandonAttempt, ForwardToRegion, Reject, SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
+from skymesh.routing.request_state import RequestState
 
 OK = ProbeSample()
 

@@ -21,8 +21,11 @@ from skymesh.balancer.reload_rules import reload_plan
 from skymesh.config import MeshConfig, load_config_digest, parse_config
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import RegionCore, RegionSettings, Reject, RequestState, SendToReplica
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import Reject, SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
+from skymesh.routing.request_state import RequestState
 from skymesh.runtime.reload_plan import ReloadPlan, changed_paths, path_text
 from tests.test_region_core import probe_all, req
 

@@ -12,7 +12,7 @@ from skymesh.balancer.metrics import BalancerMetrics, BalancerSnapshot
 from skymesh.balancer.proxy import UpstreamTimeouts
 from skymesh.balancer.request_flow import RequestFlow, Waiter
 from skymesh.routing.heartbeat import HeartbeatSnapshot
-from skymesh.routing.region import AbandonAttempt, ForwardToRegion, Reject
+from skymesh.routing.region_actions import AbandonAttempt, ForwardToRegion, Reject
 from tests.test_region_core import eu_client, residency_core
 
 

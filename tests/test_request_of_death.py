@@ -21,7 +21,9 @@ from skymesh.prompt_encoder import PromptEncoder
 from skymesh.replica_sim.request_parsing import ApiError, RequestParser
 from skymesh.replica_sim.tokenization import StandInTokenizer
 from skymesh.routing.harm import HARMFUL_REQUEST_CODE, STALL_MARGIN, Harm, HeldRequest, suspect
-from skymesh.routing.region import AbandonAttempt, HealthSettings, Reject, RequestState
+from skymesh.routing.health import HealthSettings
+from skymesh.routing.region_actions import AbandonAttempt, Reject
+from skymesh.routing.request_state import RequestState
 from tests.test_region_core import OK, probe_all, region, req, sends
 
 MAX_LEN = 4096

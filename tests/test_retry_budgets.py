@@ -5,16 +5,12 @@ or abandoned when its replica was ejected or left membership)."""
 from __future__ import annotations
 
 from skymesh.routing.base import PolicyContext, RoutingRequest
+from skymesh.routing.health import ProbeSample
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.offload import OffloadRouter
-from skymesh.routing.region import (
-    ForwardToRegion,
-    HeartbeatSnapshot,
-    ProbeSample,
-    RegionCore,
-    RegionSettings,
-    Reject,
-    SendToReplica,
-)
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import ForwardToRegion, Reject, SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 
 

@@ -19,8 +19,9 @@ from skymesh.balancer.services import PeerMesh
 from skymesh.balancer.sibling_link import MAX_PLACEMENTS_PER_MESSAGE, from_proto
 from skymesh.proto_gen import mesh_pb2
 from skymesh.routing.base import RoutingRequest
+from skymesh.routing.health import ProbeSample
 from skymesh.routing.push_shares import Unit
-from skymesh.routing.region import ProbeSample, SendToReplica
+from skymesh.routing.region_actions import SendToReplica
 from tests.balancer_standin import StandInBalancer
 from tests.mesh_helpers import free_port
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from skymesh.balancer.autoscaling_signal import pending_prefill_s_per_replica
 from skymesh.routing.health import ProbeSample
 from skymesh.routing.push_shares import ShareState
-from skymesh.routing.region import RegionCore, SendToReplica
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import SendToReplica
 from skymesh.routing.siblings import RegionSiblings, SiblingLoad, SiblingMessage
 from tests.test_autoscaling_signal import region_core, req
 

@@ -21,17 +21,13 @@ from skymesh.edge.openai_errors import RequestError
 from skymesh.routing.base import PolicyContext, RoutingRequest
 from skymesh.routing.dispatcher import BalancerCore
 from skymesh.routing.hashing import prompt_chunk_hashes
+from skymesh.routing.health import ProbeSample
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.offload import OffloadRouter
 from skymesh.routing.queueing import PriorityQueue
-from skymesh.routing.region import (
-    ForwardToRegion,
-    HeartbeatSnapshot,
-    ProbeSample,
-    RegionCore,
-    RegionSettings,
-    Reject,
-    SendToReplica,
-)
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import ForwardToRegion, Reject, SendToReplica
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 from skymesh.runtime.procs import free_port
 from skymesh.slo_judge import SloClass, apply_slo_class, missed_targets

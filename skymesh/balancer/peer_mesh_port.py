@@ -16,7 +16,9 @@ from skymesh.balancer.membership import PeerInfo
 from skymesh.balancer.mesh_member import MeshMemberPort
 from skymesh.balancer.services import rejected_peer_calls
 from skymesh.config import HostPort, MeshConfig
-from skymesh.routing.region import Action, HeartbeatSnapshot, RegionCore
+from skymesh.routing.heartbeat import HeartbeatSnapshot
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import Action
 from skymesh.runtime.clock import loop_clock
 
 log = logging.getLogger("skymesh.balancer")

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from skymesh.balancer.prober import SharedPage
 from skymesh.config import HostPort
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.pairing.base import Role
-from skymesh.routing.region import HeartbeatSnapshot
 from skymesh.routing.siblings import SiblingMessage
 from skymesh.security.pki import Credentials
 

@@ -40,11 +40,11 @@ from skymesh.cache_prediction import judge_prediction
 from skymesh.edge.openai_errors import error_response
 from skymesh.routing.base import RoutingRequest
 from skymesh.routing.harm import HARMFUL_REQUEST_CODE
-from skymesh.routing.region import (
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import (
     AbandonAttempt,
     Action,
     ForwardToRegion,
-    RegionCore,
     Reject,
     SendToReplica,
 )

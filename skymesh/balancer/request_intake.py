@@ -27,7 +27,8 @@ from skymesh.config import MeshConfig, region_of_address
 from skymesh.context_window import ContextRefusal
 from skymesh.edge.openai_errors import RequestError
 from skymesh.routing.base import RoutingRequest
-from skymesh.routing.region import RegionCore, Reject
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_actions import Reject
 from skymesh.slo_judge import apply_slo_class
 
 if TYPE_CHECKING:  # imported only when tracing is on (server.py)

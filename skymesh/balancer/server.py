@@ -79,13 +79,9 @@ from skymesh.config import (
 from skymesh.context_window import ContextWindow
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits, site_port
 from skymesh.routing.base import RoutingRequest
+from skymesh.routing.health import ProbeSample
 from skymesh.routing.probe_owners import ProbeOwners
-from skymesh.routing.region import (
-    Action,
-    ForwardToRegion,
-    ProbeSample,
-    SendToReplica,
-)
+from skymesh.routing.region_actions import Action, ForwardToRegion, SendToReplica
 from skymesh.runtime.clock import loop_clock
 from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.reload_plan import ReloadStatus

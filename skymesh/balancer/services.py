@@ -28,7 +28,7 @@ from skymesh.balancer.ports import (
 )
 from skymesh.balancer.sibling_link import SiblingLink
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
-from skymesh.routing.region import HeartbeatSnapshot
+from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.runtime.procs import cancel_tasks, wait_event
 from skymesh.runtime.supervise import RestartHook, SupervisedLoop
 from skymesh.security.pki import (

@@ -58,8 +58,9 @@ mesh under any rules; under a rule the mesh's fraction of it is what the rule an
 mesh together cost.
 
 *Not modelled:* the policy places by its own view and does not price the link
-(dualmap's SLO check sees queue and prefill, not the RTT; at most 2 x 110 ms against a
-2 s SLO on the 3-region layout), so the bound is this policy's over one pool, not the
+(dualmap's SLO check sees queue and prefill, not the RTT: on the 3-region layout at most
+twice the longest one-way link of :data:`~skymesh.bench.sim_setup.GEO3_LATENCY` against
+``--slo``), so the bound is this policy's over one pool, not the
 best placement there is; and no request is refused for an SLO class that cannot afford
 the link, as the mesh's offload refuses to forward it: with SLO classes tighter than a
 round trip the pool is no bound. A pooled request served away from its client's region
@@ -96,12 +97,8 @@ from skymesh.replica_sim.request_state import EngineRequest
 from skymesh.replica_sim.scheduler import StepOutput
 from skymesh.routing.assembly import CostSeed
 from skymesh.routing.base import RoutingRequest
-from skymesh.routing.region import (
-    ForwardToRegion,
-    ProbeSample,
-    Reject,
-    SendToReplica,
-)
+from skymesh.routing.health import ProbeSample
+from skymesh.routing.region_actions import ForwardToRegion, Reject, SendToReplica
 from skymesh.slo_judge import SloClass, apply_slo_class
 from skymesh.word_tokenizer import TRACE_BLOCK_TOKENS
 

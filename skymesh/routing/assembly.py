@@ -21,7 +21,8 @@ from skymesh.routing.offload import OffloadRouter, OffloadTrigger, snapshot_trie
 from skymesh.routing.options import PolicyOptions
 from skymesh.routing.pair_registry import make_pair_rule
 from skymesh.routing.pairing.base import DecodeCost, KvLinks, PairContext
-from skymesh.routing.region import RegionCore, RegionSettings
+from skymesh.routing.region import RegionCore
+from skymesh.routing.region_settings import RegionSettings
 from skymesh.routing.registry import make_policy
 from skymesh.routing.siblings import RegionSiblings
 

@@ -35,7 +35,7 @@ from skymesh.routing.disciplines.base import DisciplineContext
 from skymesh.routing.dispatcher import BalancerCore, QueueFull
 from skymesh.routing.drain_rate import DrainRate
 from skymesh.routing.harm import HARMFUL_REQUEST_CODE, SHARED_FAILURE_S, Harm, HeldRequest, suspect
-from skymesh.routing.health import HealthChange, HealthSettings, ProbeSample, ReplicaHealth
+from skymesh.routing.health import HealthChange, ProbeSample, ReplicaHealth
 from skymesh.routing.heartbeat import HeartbeatSnapshot
 from skymesh.routing.kv_index import KvEvent
 from skymesh.routing.model import RegionModel
@@ -53,15 +53,9 @@ from skymesh.routing.region_actions import (
 )
 from skymesh.routing.region_read_view import RegionReadView
 from skymesh.routing.region_settings import RegionSettings
-from skymesh.routing.request_state import ALLOWED_TRANSITIONS, TERMINAL, RequestState
+from skymesh.routing.request_state import ALLOWED_TRANSITIONS, RequestState
 from skymesh.routing.residency import Residency
 from skymesh.routing.siblings import RegionSiblings, SiblingMessage
-
-# the region core's vocabulary, importable from here as before it had modules of its own
-__all__ = [
-    "ALLOWED_TRANSITIONS", "TERMINAL", "AbandonAttempt", "Action", "ForwardToRegion", "HealthSettings",
-    "HeartbeatSnapshot", "ProbeSample", "RegionCore", "RegionSettings", "Reject", "RequestState", "SendToReplica",
-]
 
 
 @dataclass(slots=True)

@@ -254,7 +254,7 @@ def issue_certificate(ca_key_pem: bytes, ca_cert_pem: bytes, identity: str, comm
     return _key_pem(key), cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     # created 0600 from the start: a key is never readable by others, not even briefly
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -275,16 +275,16 @@ def generate_mesh_pki(directory: str | Path, regions: Iterable[str], *, reuse: b
         ca_key, ca_cert = ca_key_path.read_bytes(), ca_cert_path.read_bytes()
     else:
         ca_key, ca_cert = generate_ca()
-        _write_private(ca_key_path, ca_key)
-        _write_private(ca_cert_path, ca_cert)
+        write_private(ca_key_path, ca_key)
+        write_private(ca_cert_path, ca_cert)
         reuse = False  # a new CA: every leaf must be issued again
 
     def leaf(name: str, identity: str, common_name: str, server_name: str | None) -> dict[str, str]:
         cert_path, key_path = d / f"{name}.crt", d / f"{name}.key"
         if not (reuse and cert_path.exists() and key_path.exists()):
             key, cert = issue_certificate(ca_key, ca_cert, identity, common_name, server_name)
-            _write_private(key_path, key)
-            _write_private(cert_path, cert)
+            write_private(key_path, key)
+            write_private(cert_path, cert)
         return {"cert": str(cert_path), "key": str(key_path)}
 
     return {

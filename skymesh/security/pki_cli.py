@@ -31,7 +31,7 @@ import yaml
 
 from skymesh.config import load_config_for_command
 from skymesh.security.admin_auth import LOCAL_PEER_TOKEN_FILE, LOCAL_TOKEN_FILE
-from skymesh.security.pki import _write_private, generate_mesh_pki
+from skymesh.security.pki import generate_mesh_pki, write_private
 
 Mode = Literal["new", "reuse", "force"]
 TOKEN_FILES = (LOCAL_PEER_TOKEN_FILE, LOCAL_TOKEN_FILE)  # "peer-token", "admin-token"
@@ -71,7 +71,7 @@ def issue(directory: str | Path, regions: list[str], mode: Mode = "new") -> dict
     for name in TOKEN_FILES:
         path = d / name
         if mode == "force" or not path.exists():
-            _write_private(path, (new_token() + "\n").encode())
+            write_private(path, (new_token() + "\n").encode())
     return section
 
 
