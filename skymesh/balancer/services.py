@@ -42,6 +42,10 @@ from skymesh.security.pki import (
 )
 
 log = logging.getLogger("skymesh.balancer.mesh")
+# each dial attempt gets a subchannel of its own: gRPC shares subchannels between channels
+# to one address, and one that failed sits in gRPC's own reconnect backoff (about 1 s,
+# jittered), so a dial made at once (a peer said to be back) failed without dialling
+OWN_SUBCHANNEL = (("grpc.use_local_subchannel_pool", 1),)
 
 
 class SupervisedService:
@@ -281,8 +285,8 @@ class PeerMesh(SupervisedService, mesh_pb2_grpc.MeshPeerServicer):
             attempt_at = loop.time()
             try:
                 # TLS verifies that whoever answers at the address holds region's key
-                channel = (grpc.aio.insecure_channel(address) if self.creds is None
-                           else secure_channel(address, self.creds, balancer_server_name(region)))
+                channel = (grpc.aio.insecure_channel(address, options=OWN_SUBCHANNEL) if self.creds is None
+                           else secure_channel(address, self.creds, balancer_server_name(region), OWN_SUBCHANNEL))
                 async with channel:
                     stub = mesh_pb2_grpc.MeshPeerStub(channel)
                     call = stub.Heartbeat(self._outgoing())
