@@ -193,8 +193,12 @@ def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path) -> None:
 
     out = tmp_path / "plan"
     argv = [sys.executable, "-m", "skymesh.cli", *PLAN_DAY, "--out", str(out)]
+    # SIGINT as a terminal's Ctrl-C finds it: a runner that started this test in the
+    # background (a non-interactive shell's `&`) hands its children SIGINT ignored, and a
+    # Python started so installs no KeyboardInterrupt handler
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).resolve().parent.parent)
+                            cwd=Path(__file__).resolve().parent.parent,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         seen = []
