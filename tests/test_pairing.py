@@ -554,6 +554,8 @@ def test_a_decode_leg_failing_before_its_first_token_goes_to_another_decode_repl
     core.submit(request(0, 800, 100), 0.0)
     (send,) = sends(core.tick(0.0))
     assert (send.replica_id, send.decision.decode_replica_id) == ("r0", "r1")
+    # the KV move the rule priced travels with the placement, for the decode leg's deadline
+    assert send.decision.transfer_s > 0 and core.view.transfer_estimate_s("q0") == send.decision.transfer_s
     assert core.prefill_done("q0", 0.2) == "r1"
     r0, r1, r2 = (core.local.replicas[r] for r in ("r0", "r1", "r2"))
     assert r1.pending_decodes == 1
@@ -561,6 +563,7 @@ def test_a_decode_leg_failing_before_its_first_token_goes_to_another_decode_repl
     (again,) = sends(core.fail("q0", 0.3, reason="connection refused"))
     assert (again.request_id, again.replica_id) == ("q0", "r2")
     assert again.decision.decode_leg and again.decision.replica_id == "r2"
+    assert again.decision.transfer_s > 0 and core.view.transfer_estimate_s("q0") == again.decision.transfer_s
     assert core.view.state_of("q0") is RequestState.PLACED
     assert (r1.pending_decodes, r1.pending_decode_tokens) == (0, 0)
     assert (r2.pending_decodes, r2.pending_decode_tokens) == (1, 900)

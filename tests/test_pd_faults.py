@@ -1,12 +1,14 @@
 """Prefill/decode pairs under faults, on real processes: a balancer in front of two prefill
 and two decode stand-ins (vLLM 0.32's NIXL pull protocol, a 10 s lease), each killed with
-SIGKILL at a chosen point of a split request. Nothing accepted is lost, nothing waits past
-its bounds, and no prefill replica keeps blocks past its lease (issue 38)."""
+SIGKILL at a chosen point of a split request, or frozen with SIGSTOP (a stalled replica:
+its connections stay open and nothing answers). Nothing accepted is lost, nothing waits
+past its leg's deadline, and no prefill replica keeps blocks past its lease (issue 38)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +58,8 @@ async def wait_for(cond: Callable[[], bool], what: str, polls: int = 600) -> Non
     raise TimeoutError(what)
 
 
-async def start_pd_region(tmp_path: Path, decode_gbps: tuple[float, float] = (100.0, 100.0)) -> PdRegion:
+async def start_pd_region(tmp_path: Path, decode_gbps: tuple[float, float] = (100.0, 100.0),
+                          upstream: dict[str, float] | None = None) -> PdRegion:
     kv = ["--kv-transfer-port", "0", "--kv-lease-s", str(LEASE_S)]
     procs: dict[str, Child] = {}
     urls: dict[str, str] = {}
@@ -72,6 +75,12 @@ async def start_pd_region(tmp_path: Path, decode_gbps: tuple[float, float] = (10
         for replica in data["regions"][0]["replicas"]:
             replica["role"] = "prefill" if replica["id"].startswith("p") else "decode"
         data["pairing"] = {"rule": "always", "profile": "tiny-test"}
+        if upstream is not None:
+            data["upstream"] = upstream
+            # a stalled engine whose API server still answers probes (vLLM's engine core is
+            # a process of its own): the freeze below stops probes too, so ejection is put
+            # far away, leaving the leg's own deadline the only bound that can act
+            data["health"] = {"unhealthy_threshold": 100}
         b = Balancer(parse_config(data), "us-east-1")
         await b.start(port=0)
     except BaseException:
@@ -182,3 +191,63 @@ async def test_a_decode_replica_killed_after_its_first_token_ends_the_stream_wit
         # the prefill replica's blocks were read before the first token: none held
         await no_blocks_held(s, region, ["p0", "p1"])
     assert nothing_booked(region)
+
+
+# legs bounded by their own deadlines only: the generic first-byte bound is far away
+LEG_BOUNDS = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 600.0, "leg_deadline_multiple": 1.5,
+              "leg_deadline_floor_s": 2.0}
+
+
+async def test_a_frozen_prefill_replica_is_given_up_at_the_legs_deadline_and_the_other_serves(
+        tmp_path: Path) -> None:
+    region = await start_pd_region(tmp_path, upstream=LEG_BOUNDS)
+    frozen: Child | None = None
+    try:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(ask(s, region.base, 4, stream=False))
+            await wait_for(lambda: any(region.view(p).in_flight for p in ("p0", "p1")), "no prefill leg was sent")
+            victim = "p0" if region.view("p0").in_flight else "p1"
+            other = "p1" if victim == "p0" else "p0"
+            frozen = region.procs[victim]
+            frozen.signal_group(signal.SIGSTOP)
+            # only the prefill leg's deadline (1.5 x the 2 s TTFT target) can end the wait:
+            # the connection stays open and the generic bound is 600 s
+            status, text = await asyncio.wait_for(task, 120)
+            assert status == 200, text
+            assert json.loads(text)["usage"]["completion_tokens"] == 4
+            assert (await metrics(s, region.urls[other]))[GENERATED] == 1
+            await no_blocks_held(s, region, [other])
+        assert nothing_booked(region)
+    finally:
+        if frozen is not None:
+            frozen.signal_group(signal.SIGCONT)
+        await region.balancer.stop()
+        await asyncio.gather(*(p.stop() for p in region.procs.values()))
+
+
+async def test_a_frozen_decode_replica_is_given_up_at_the_legs_deadline_and_the_kv_read_elsewhere(
+        tmp_path: Path) -> None:
+    # d0 reads KV slowly (~4 s a prompt): the window in which it is frozen before its first token
+    region = await start_pd_region(tmp_path, decode_gbps=(0.25, 100.0), upstream=LEG_BOUNDS)
+    frozen = region.procs["d0"]
+    try:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(ask(s, region.base, 5, stream=True))
+            await wait_for(lambda: region.view("d0").pending_decodes == 1
+                           and not any(region.view(p).in_flight for p in ("p0", "p1")), "no decode leg on d0")
+            frozen.signal_group(signal.SIGSTOP)
+            status, text = await asyncio.wait_for(task, 120)
+            assert status == 200, text
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+            # the decode leg alone went to d1 and read the KV the prefill held: one prefill
+            # leg in all, no lease ran out
+            after = {p: await metrics(s, region.urls[p]) for p in ("p0", "p1")}
+            assert sum(m[GENERATED] for m in after.values()) == 1
+            assert sum(m[EXPIRED] for m in after.values()) == 0
+            assert (await metrics(s, region.urls["d1"]))[EXTERNAL] > 0
+            await no_blocks_held(s, region, ["p0", "p1"])
+        assert nothing_booked(region)
+    finally:
+        frozen.signal_group(signal.SIGCONT)
+        await region.balancer.stop()
+        await asyncio.gather(*(p.stop() for p in region.procs.values()))

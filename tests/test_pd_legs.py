@@ -129,3 +129,23 @@ async def test_a_failed_or_refused_prefill_leg_says_how(servers: Any) -> None:
 
 def test_the_answer_bound_is_well_above_one_tokens_answer() -> None:
     assert MAX_PREFILL_ANSWER_BYTES >= 64 * 1024
+
+
+def test_a_prefill_leg_is_bounded_by_its_prediction_or_target_not_the_generic_timeout() -> None:
+    t = UpstreamTimeouts(first_byte_s=60.0, leg_multiple=4.0, leg_floor_s=5.0)
+    # a 2 s target and a 0.5 s prediction: 4 x 2 s
+    assert t.prefill_leg_deadline_s(predicted_ttft_s=0.5, ttft_target_s=2.0) == 8.0
+    # a queue predicted longer than the target: 4 x the prediction
+    assert t.prefill_leg_deadline_s(predicted_ttft_s=3.0, ttft_target_s=2.0) == 12.0
+    # never below the floor, never past the generic first-byte bound
+    assert t.prefill_leg_deadline_s(predicted_ttft_s=None, ttft_target_s=0.1) == 5.0
+    assert t.prefill_leg_deadline_s(predicted_ttft_s=30.0, ttft_target_s=2.0) == 60.0
+
+
+def test_a_decode_leg_is_bounded_by_its_kv_move_then_its_generation() -> None:
+    t = UpstreamTimeouts(first_byte_s=60.0, per_output_token_s=0.2, leg_multiple=4.0, leg_floor_s=5.0)
+    assert t.decode_leg_deadline_s(transfer_s=0.01, stream=True, max_tokens=100) == 5.0
+    assert t.decode_leg_deadline_s(transfer_s=3.0, stream=True, max_tokens=100) == 12.0
+    # not streamed: the whole generation on top, as for any attempt
+    assert t.decode_leg_deadline_s(transfer_s=3.0, stream=False, max_tokens=100) == 12.0 + 20.0
+    assert t.decode_leg_deadline_s(transfer_s=100.0, stream=True, max_tokens=1) == 60.0

@@ -113,11 +113,30 @@ class UpstreamTimeouts:
     per_output_token_s: float = 0.2
     # once streaming, the longest silence between two chunks
     stream_idle_s: float = 60.0
+    # a split request's legs: this multiple of what each is expected to take, within
+    # [leg_floor_s, first_byte_s] (config ``upstream.leg_deadline_*``)
+    leg_multiple: float = 4.0
+    leg_floor_s: float = 10.0
 
     def first_byte_deadline_s(self, *, stream: bool, max_tokens: int, extra_s: float = 0.0) -> float:
         """``extra_s``: time the target may legitimately queue the request first (a peer
         balancer's own queue-wait bound)."""
         base = self.first_byte_s + extra_s
+        return base if stream else base + max_tokens * self.per_output_token_s
+
+    def _leg_bound_s(self, expected_s: float) -> float:
+        return min(self.first_byte_s, max(self.leg_floor_s, self.leg_multiple * expected_s))
+
+    def prefill_leg_deadline_s(self, *, predicted_ttft_s: float | None, ttft_target_s: float) -> float:
+        """A prefill leg (one token, not streamed): a multiple of its predicted TTFT or
+        its TTFT target, whichever is longer — a prefill that far past both is stalled,
+        and another replica is its better chance."""
+        return self._leg_bound_s(max(predicted_ttft_s or 0.0, ttft_target_s))
+
+    def decode_leg_deadline_s(self, *, transfer_s: float, stream: bool, max_tokens: int) -> float:
+        """A decode leg until its first byte: reading the KV (a multiple of the move's
+        estimate, at least the floor), then, not streamed, the whole generation."""
+        base = self._leg_bound_s(transfer_s)
         return base if stream else base + max_tokens * self.per_output_token_s
 
 

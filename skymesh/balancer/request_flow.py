@@ -242,21 +242,27 @@ class RequestFlow:
             on_peer = isinstance(action, ForwardToRegion)
             timeouts = self._timeouts()
             body = raw
+            is_decode_leg = False
             if isinstance(action, SendToReplica) and action.decision.decode_replica_id is not None:
                 # a split request: its prefill leg first, then the decode leg is the attempt
                 legs = await self._prefill(request, raw, req, waiter, action, target, timeouts)
                 if legs is None:
                     continue  # the core was told, or took it back: its next word follows
                 target, body = legs
-                decode_leg = body
+                decode_leg, is_decode_leg = body, True
             elif isinstance(action, SendToReplica) and action.decision.decode_leg and decode_leg is not None:
-                body = decode_leg
-            deadline = timeouts.first_byte_deadline_s(
-                stream=stream,
-                max_tokens=req.max_tokens,
-                # a peer may queue it for up to its own queue-wait bound first
-                extra_s=(self.core.settings.max_queue_wait_s or 0.0) if on_peer else 0.0,
-            )
+                body, is_decode_leg = decode_leg, True
+            if is_decode_leg:  # a split request's decode leg: bounded by its KV move
+                deadline = timeouts.decode_leg_deadline_s(
+                    transfer_s=self.core.view.transfer_estimate_s(req.request_id), stream=stream,
+                    max_tokens=req.max_tokens)
+            else:
+                deadline = timeouts.first_byte_deadline_s(
+                    stream=stream,
+                    max_tokens=req.max_tokens,
+                    # a peer may queue it for up to its own queue-wait bound first
+                    extra_s=(self.core.settings.max_queue_wait_s or 0.0) if on_peer else 0.0,
+                )
             span = None if trace is None else trace.attempt_started(action, target)
             task = waiter.attempt_task = asyncio.create_task(
                 attempt(request, body, target, timeouts, deadline, self._first_byte_hook(req, waiter, span))
@@ -310,7 +316,9 @@ class RequestFlow:
         """A split request's prefill leg on ``action``'s replica (skymesh/balancer/pd_legs.py).
         Returns the decode leg's target and body, or None when the leg failed (the core
         was told, as of any attempt that sent the client nothing) or was taken back."""
-        deadline = timeouts.first_byte_deadline_s(stream=False, max_tokens=1)
+        deadline = timeouts.prefill_leg_deadline_s(
+            predicted_ttft_s=action.decision.estimated_ttft_s,
+            ttft_target_s=req.slo_ttft_s if req.slo_ttft_s is not None else self.core.settings.ttft_slo_s)
         task = waiter.attempt_task = asyncio.create_task(prefill_leg(target, raw, timeouts, deadline))
         try:
             result = await task

@@ -24,6 +24,8 @@ def upstream_timeouts(cfg: MeshConfig, replicas: tuple[ReplicaConfig, ...]) -> U
         first_byte_s=up.first_byte_timeout_s,
         per_output_token_s=per_output_token_s(up, replicas),
         stream_idle_s=up.stream_idle_timeout_s,
+        leg_multiple=up.leg_deadline_multiple,
+        leg_floor_s=up.leg_deadline_floor_s,
     )
 
 

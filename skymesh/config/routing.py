@@ -133,6 +133,14 @@ class UpstreamConfig(ConfigModel):
     per_output_token_s: Annotated[Float, Field(gt=0, le=60)] | None = None
     # once streaming, the longest silence between two chunks
     stream_idle_timeout_s: Annotated[Float, Field(gt=0, le=3600)] = 60.0
+    # a split request's legs (pairing:) are bounded by what they are expected to take, not
+    # only by first_byte_timeout_s: the prefill leg by this multiple of its predicted TTFT
+    # or its class's TTFT target, whichever is longer; the decode leg's first token by this
+    # multiple of the KV move's estimate; neither below leg_deadline_floor_s nor above
+    # first_byte_timeout_s. A leg cut so is retried (a decode leg on another decode replica,
+    # which reads the KV still held under its lease)
+    leg_deadline_multiple: Annotated[Float, Field(ge=1, le=100)] = 4.0
+    leg_deadline_floor_s: Annotated[Float, Field(gt=0, le=3600)] = 10.0
     # a request still queued at the balancer this long after arrival gets 504
     # (None: max(60 s, 30 x policy.ttft_slo_s))
     max_queue_wait_s: Annotated[Float, Field(gt=0, le=3600)] | None = None

@@ -94,6 +94,9 @@ class Decision:
     # a split request's decode leg placed again on ``replica_id`` after the first one failed
     # before its first token: the prefill's KV is still held, the driver resends the leg
     decode_leg: bool = False
+    # a split request's KV move, estimated by the pair rule (seconds; 0 when whole): the
+    # driver bounds the decode leg's wait for its first token by it
+    transfer_s: float = 0.0
 
 
 @dataclass(slots=True)

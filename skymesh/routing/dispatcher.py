@@ -58,6 +58,7 @@ class _InFlight:
     decode_replica_id: str | None = None  # a split request's decode replica
     prefill_replica_id: str | None = None  # where its prefill leg ran, once it answered
     decode_tokens: int = 0  # the KV tokens booked there (prompt + output) until its first token
+    transfer_s: float = 0.0  # the KV's move to the decode replica, as the pair rule estimated it
 
 
 @dataclass(slots=True)
@@ -452,7 +453,8 @@ class BalancerCore:
         elif choice.decode_replica_id is None:
             return decision
         return Decision(p, decision.reason if p == decision.replica_id else choice.reason,
-                        choice.matched_tokens, choice.predicted_ttft_s, decode_replica_id=choice.decode_replica_id)
+                        choice.matched_tokens, choice.predicted_ttft_s, decode_replica_id=choice.decode_replica_id,
+                        transfer_s=choice.transfer_s)
 
     def take_refused(self) -> list[tuple[RoutingRequest, PairChoice]]:
         """The requests the pair rule refused since the last call (they left the queue)."""
@@ -486,6 +488,7 @@ class BalancerCore:
         d = decision.decode_replica_id
         if d is not None:
             f.leg = PREFILL_LEG
+            f.transfer_s = decision.transfer_s
             self._book_decode(f, d)
         self.counters.dispatched += 1
         if decision.reason == "spill":
@@ -564,7 +567,13 @@ class BalancerCore:
             self._move_decode(f, now)
         return f.replica_id
 
-    def place_decode_again(self, request_id: str, now: float) -> str | None:
+    def transfer_estimate_s(self, request_id: str) -> float:
+        """A split request's KV move to its current decode replica, as the pair rule
+        estimated it (0: not a split request in flight)."""
+        f = self._in_flight.get(request_id)
+        return 0.0 if f is None else f.transfer_s
+
+    def place_decode_again(self, request_id: str, now: float) -> Decision | None:
         """A split request's decode leg failed before its first token while its prefill's
         KV is held: the pair rule places the leg on another decode replica (the failed one
         held until its next probe, as after a retry), which reads that KV instead of the
@@ -579,7 +588,7 @@ class BalancerCore:
         f.excluded.add(failed)
         self.hold(failed)
         self.counters.retried += 1
-        return f.replica_id
+        return Decision(f.replica_id, "its decode leg again", decode_leg=True, transfer_s=f.transfer_s)
 
     def _move_decode(self, f: _InFlight, now: float) -> bool:
         """``f``'s decode leg to the replica the pair rule picks for the KV on its prefill
@@ -595,6 +604,7 @@ class BalancerCore:
             return False
         self._unbook_decode(f)
         f.replica_id = choice.decode_replica_id
+        f.transfer_s = choice.transfer_s
         self._book_decode(f, choice.decode_replica_id)
         return True
 

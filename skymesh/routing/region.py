@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from skymesh.routing.admission.base import AdmissionRule, first_refusal
 from skymesh.routing.admission.region_view import RegionPartsView
 from skymesh.routing.admission.rules import admission_rules
-from skymesh.routing.base import Decision, Policy, RoutingRequest
+from skymesh.routing.base import Policy, RoutingRequest
 from skymesh.routing.disciplines.base import DisciplineContext
 from skymesh.routing.dispatcher import BalancerCore, QueueFull
 from skymesh.routing.drain_rate import DrainRate
@@ -594,10 +594,10 @@ class RegionCore:
             if counts_against_health and self.health.failed(target) is HealthChange.EJECTED:
                 actions.extend(self._abandon_unstarted(target, now))
             if decode is not None:
-                t.target = decode
+                assert decode.replica_id is not None
+                t.target = decode.replica_id
                 t.placements += 1
-                actions.append(SendToReplica(request_id, decode, Decision(decode, "its decode leg again",
-                                                                          decode_leg=True)))
+                actions.append(SendToReplica(request_id, decode.replica_id, decode))
                 return actions
         if exhausted:
             self._move(t, RequestState.REJECTED)

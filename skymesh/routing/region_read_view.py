@@ -122,6 +122,10 @@ class RegionReadView:
     def request_of(self, request_id: str) -> RoutingRequest:
         return self._requests[request_id].req
 
+    def transfer_estimate_s(self, request_id: str) -> float:
+        """A split request's KV move to its decode replica, estimated (0: none)."""
+        return self._local.transfer_estimate_s(request_id)
+
     def state_of(self, request_id: str) -> RequestState | None:
         t = self._requests.get(request_id)
         return t.state if t is not None else None

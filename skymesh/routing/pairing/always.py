@@ -33,7 +33,8 @@ class AlwaysSplit(PricedRule):
         decoders = [d for d in self.decoders(req, views, roles, excluded) if d != p]
         d = least_loaded_decode(views, decoders)
         if d is not None:
-            return PairChoice(p, d, "split", decision.matched_tokens)
+            transfer = self.pricing.transfer_s(req, p, d, self.pricing.matched(req, [d])[d])
+            return PairChoice(p, d, "split", decision.matched_tokens, transfer_s=transfer)
         if does_decode(roles.get(p, "both")):
             return PairChoice(p, None, "no decode replica free: whole", decision.matched_tokens)
         return None

@@ -124,6 +124,13 @@ class PairPricing:
             return with_chunk
         return (f * with_chunk + (TBT_TOP_SHARE - f) * plain) / TBT_TOP_SHARE
 
+    def transfer_s(self, req: RoutingRequest, prefill_id: str, decode_id: str, matched_decode: int) -> float:
+        """Moving the prompt's KV ``decode_id`` lacks (it holds ``matched_decode`` tokens)
+        from ``prefill_id`` over their link."""
+        ctx = self.ctx
+        moved = max(0, req.prompt_tokens - matched_decode) * ctx.cost.kv_bytes_per_token
+        return ctx.links.transfer_s(prefill_id, decode_id, moved)
+
     def aggregated(self, req: RoutingRequest, view: ReplicaView, matched: int, now: float) -> Candidate:
         ttft = self.prefill_ttft_s(req, view, matched)
         return Candidate(view.replica_id, None, ttft, self.tbt_s(req, view, now), matched)
@@ -132,9 +139,7 @@ class PairPricing:
               matched_decode: int, now: float) -> Candidate:
         """Prefill on ``prefill``, the KV ``decode`` lacks moved there, decode on ``decode``
         (which recomputes the prompt's last token, as vLLM's decode side does)."""
-        ctx = self.ctx
-        moved = max(0, req.prompt_tokens - matched_decode) * ctx.cost.kv_bytes_per_token
-        transfer = ctx.links.transfer_s(prefill.replica_id, decode.replica_id, moved)
+        transfer = self.transfer_s(req, prefill.replica_id, decode.replica_id, matched_decode)
         first_step = self.decode_step_s(req, decode, decode.pending_prefill_tokens)
         ttft = self.prefill_ttft_s(req, prefill, matched_prefill) + transfer + first_step
         return Candidate(prefill.replica_id, decode.replica_id, ttft, self.tbt_s(req, decode, now), matched_prefill,

@@ -46,4 +46,4 @@ class ThresholdSplit(PricedRule):
         matched = pricing.matched(req, [d])[d]
         if d == p or (req.prompt_tokens - matched < self.options.threshold_tokens and views[d].available):
             return PairChoice(d, None, "short uncached suffix: whole on the decode replica", matched)
-        return PairChoice(p, d, "split", decision.matched_tokens)
+        return PairChoice(p, d, "split", decision.matched_tokens, transfer_s=self.pricing.transfer_s(req, p, d, matched))
