@@ -1,5 +1,5 @@
 """`skymesh resolve`: the embedded DNS server asked as a client of each region, with no
-package beyond the project's own (the README's DNS check)."""
+package beyond the project's own (the README's DNS check, run as printed in tests/test_readme_commands.py)."""
 
 from __future__ import annotations
 
