@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from skymesh.balancer.fleet import RegionFleet
 from skymesh.balancer.identity import member_host
@@ -20,6 +20,7 @@ from skymesh.balancer.mesh_member import MeshMemberPort
 from skymesh.balancer.peer_mesh_port import PeerMeshPort
 from skymesh.balancer.ports import Registration, StatusReport
 from skymesh.config import HostPort, MeshConfig
+from skymesh.routing.pairing.base import ROLES, Role
 from skymesh.runtime.clock import loop_clock
 
 log = logging.getLogger("skymesh.balancer")
@@ -102,6 +103,19 @@ class ControllerLinkPort(MeshMemberPort):
     def unresponsive_siblings(self) -> list[str]:
         return self.fleet.unresponsive(loop_clock())
 
+    def _role_of(self, replica_id: str, role: str) -> Role:
+        """A replica's role as the topology names it; a controller that names none (one
+        before roles) leaves the config's for a replica it lists, else ``both``. A role
+        this balancer does not know (a newer controller) is read as ``both`` and logged."""
+        if role in ROLES:
+            return cast(Role, role)
+        if role:
+            log.warning("topology names an unknown replica role; taken as both",
+                        extra={"replica_id": replica_id, "role": role[:32]})
+            return "both"
+        listed = {rep.id: rep.role for r in self._config().regions for rep in r.replicas}
+        return listed.get(replica_id, "both")
+
     def apply_topology(self, topology: Any) -> None:
         if topology.version <= self.topology_version:
             return
@@ -111,7 +125,8 @@ class ControllerLinkPort(MeshMemberPort):
                 self.fleet.topology_members(assignment.members, loop_clock())
                 self._set_replicas(
                     [
-                        ReplicaInfo(r.replica_id, r.url, r.home_region or self.region)
+                        ReplicaInfo(r.replica_id, r.url, r.home_region or self.region,
+                                    self._role_of(r.replica_id, r.role))
                         for r in assignment.replicas
                     ]
                 )

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from skymesh.balancer.prober import ProbeResult
+from skymesh.routing.pairing.base import Role
 
 
 @dataclass(slots=True)
@@ -15,6 +16,9 @@ class ReplicaInfo:
     replica_id: str
     url: str
     home_region: str
+    # its prefill/decode role: the config's for a replica it lists (its home region's,
+    # for one adopted from another region), the controller's topology's otherwise
+    role: Role = "both"
     last_probe: ProbeResult | None = None
     # the replica's prefix-cache counters when first seen (or after it restarted):
     # the hit ratio counts from there
@@ -52,6 +56,7 @@ def merge_replicas(old: Mapping[str, ReplicaInfo], new: Iterable[ReplicaInfo]) -
         prev = old.get(info.replica_id)
         if prev is not None and prev.url == info.url:
             prev.home_region = info.home_region
+            prev.role = info.role
             out[info.replica_id] = prev
         else:
             out[info.replica_id] = info

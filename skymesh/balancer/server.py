@@ -158,7 +158,7 @@ class Balancer:
                                 replica_urls=lambda: [info.url for info in self.replicas.values()])
         self.waiters = self.flow.waiters
         self.set_replicas(
-            [ReplicaInfo(r.id, r.url, region) for r in self.region_cfg.replicas]
+            [ReplicaInfo(r.id, r.url, region, r.role) for r in self.region_cfg.replicas]
         )
         # TLS of the peer listener and of forwards (None: no tls section, loopback only)
         self.peer_tls = peer_tls(cfg, region)
@@ -227,8 +227,8 @@ class Balancer:
         self.replicas = merge_replicas(self.replicas, infos)
         homes = {rid: info.home_region for rid, info in self.replicas.items()}
         self._apply(self.core.set_replicas(list(self.replicas), loop_clock(), homes))
-        # prefill/decode roles as the config gives them (a replica it does not list: both)
-        self.core.set_roles({r.id: r.role for r in self.region_cfg.replicas if r.id in self.replicas})
+        # prefill/decode roles: each replica's as its membership source gave it
+        self.core.set_roles({rid: info.role for rid, info in self.replicas.items()})
         if self.kv_subscriber is not None:
             self.kv_subscriber.set_replicas(self._kv_endpoints())
         self.wake.set()
@@ -283,7 +283,7 @@ class Balancer:
         self.config_sha256 = config_sha256
         self.config_loaded_unix = time.time()
         if own_replicas:
-            self.set_replicas([ReplicaInfo(r.id, r.url, self.region) for r in region_cfg.replicas])
+            self.set_replicas([ReplicaInfo(r.id, r.url, self.region, r.role) for r in region_cfg.replicas])
         self.wake.set()  # queued requests: a placement round under the new settings
 
     def _request_ended(self) -> None:
