@@ -134,3 +134,14 @@ def test_results_plots_draws_every_figure_from_a_data_folder(tmp_path: Path) -> 
     assert sorted(p.name for p in img.iterdir()) == sorted(f.png for f in results_plots.FIGURES)
     assert all(_is_png(p) for p in img.iterdir())
 
+
+
+def test_the_committed_figures_redraw_from_the_committed_json(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert results_plots.main(["--data", str(REPO / "docs" / "data"), "--img", str(tmp_path)]) == 0
+    drawn = {p.name for p in tmp_path.iterdir()}
+    committed = {p.name for p in (REPO / "docs" / "img").glob("*.png")}
+    assert drawn and drawn == committed
+    assert all(_is_png(tmp_path / name) for name in drawn)
+    skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]
+    assert len(drawn) + len(skipped) == len(results_plots.FIGURES)
