@@ -15,7 +15,8 @@ proxies). The load generator runs in its own process (this module with ``--drive
 this process holds the entry proxy and samples every replica's
 ``vllm:num_requests_waiting`` the whole time. CPU is user+system time from /proc.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.fleet_capacity --rounds 3 --json /tmp/fleet.json
+    PYTHONPATH=. .venv/bin/python -m benchmarks.fleet_capacity --rounds 3 --json /tmp/fleet.json [--png FIG.png]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.fleet_capacity --replot /tmp/fleet.json --png FIG.png
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from skymesh.bench.figures import fleet_figure, load_json
 from skymesh.bench.loadgen import ReplicaWaitingSampler
 from skymesh.bench.proxy_cost import cpu_seconds
 from skymesh.operations.up import Mesh
@@ -407,6 +409,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=0.1, help="the stand-ins' time scale (tiny-test)")
     p.add_argument("--json", default=None)
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="also draw the results page's figure (CPU per request and requests/s at saturation "
+                        "against the balancers) to PATH")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="run nothing: draw --png from a --json this command wrote earlier")
     p.add_argument("--idle-only", action="store_true",
                    help="only the members' idle CPU and sibling messages, per --sibling-intervals")
     p.add_argument("--sibling-intervals", type=float, nargs="+", default=[0.02],
@@ -424,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
                                 args.max_tokens, args.connections))
         print(json.dumps(res), flush=True)
         return 0
+    if args.replot:
+        if not args.png:
+            raise SystemExit("--replot: name the figure's file with --png PATH")
+        print(f"wrote {fleet_figure(load_json(args.replot), Path(args.png))}")
+        return 0
     if args.idle_only:
         idle = asyncio.run(idle_only(args))
         print(json.dumps(idle, indent=2))
@@ -437,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out["summary"], indent=2))
     if args.json:
         Path(args.json).write_text(text)
+    if args.png:
+        print(f"wrote {fleet_figure(out, Path(args.png))}")
     return 0
 
 

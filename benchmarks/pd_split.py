@@ -16,7 +16,8 @@ which at least 90% count, found by bisection (skymesh/bench/ranking.py) on every
   ``both``, where the conductor chooses per request between whole and split).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.pd_split --workloads long,chat,conversation \\
-        --seeds 0,1 --jobs 2 --out bench-out/pd_split.json
+        --seeds 0,1 --jobs 2 --out bench-out/pd_split.json [--png FIG.png]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.pd_split --replot A.json [B.json ...] --png FIG.png
 
 The conversation trace is read from ``--trace`` (default ../shared/traces/mooncake_conversation.jsonl).
 """
@@ -29,11 +30,13 @@ import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from skymesh.bench.des import Simulator
+from skymesh.bench.figures import load_json, merge_pd_results, pd_figure
 from skymesh.bench.pd_workloads import long_context, short_chat
 from skymesh.bench.ranking import bisect_goodput
 from skymesh.bench.sim_config import SimConfig
@@ -128,7 +131,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default="bench-out/pd_split.json")
+    ap.add_argument("--png", default=None, metavar="PATH",
+                    help="also draw the results page's figure (goodput over aggregated's per workload) to PATH")
+    ap.add_argument("--replot", default=None, metavar="JSON", nargs="+",
+                    help="run nothing: draw --png from JSON files this command wrote earlier (a later file's "
+                         "system, workload and seed replace an earlier one's), the systems of --systems in its order")
     args = ap.parse_args(argv)
+    if args.replot:
+        if not args.png:
+            raise SystemExit("--replot: name the figure's file with --png PATH")
+        order = {s: i for i, s in enumerate(args.systems.split(","))}
+        merged = [r for r in merge_pd_results(load_json(path) for path in args.replot) if r["system"] in order]
+        print(f"wrote {pd_figure(sorted(merged, key=lambda r: order[r['system']]), Path(args.png))}")
+        return 0
     systems = args.systems.split(",")
     for s in systems:
         parse_system(s, args.replicas)
@@ -140,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(render(results, systems))
+    if args.png:
+        print(f"wrote {pd_figure(results, Path(args.png))}")
     return 0
 
 

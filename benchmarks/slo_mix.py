@@ -9,7 +9,8 @@ Configurations: ``fcfs`` (arrival order), ``slo`` (the annealed head window), ``
 (chat one priority above batch, FCFS within), each with early rejection; and ``slo`` /
 ``fcfs`` without it.
 
-    .venv/bin/python -m benchmarks.slo_mix [--rates 4,5,6] [--jobs 2]
+    .venv/bin/python -m benchmarks.slo_mix [--rates 4,5,6] [--jobs 2] [--out FILE.json] [--png FIG.png]
+    .venv/bin/python -m benchmarks.slo_mix --replot FILE.json --png FIG.png
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from skymesh.bench import sim_main, sim_setup  # noqa: E402
+from skymesh.bench.figures import load_json, slo_mix_figure  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MIXED = HERE / "classes" / "mixed.yaml"
@@ -66,14 +68,23 @@ def col(pts: list[dict[str, Any]], cls: str, key: str) -> str:
     return " / ".join("–" if p["classes"][cls][key] is None else f"{p['classes'][cls][key]:.3g}" for p in pts)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="4,5,6")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="bench-out/slo_mix.json")
-    args = ap.parse_args()
+    ap.add_argument("--png", default=None, metavar="PATH",
+                    help="also draw the results page's figure (each class's attainment per rate) to PATH")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="run nothing: draw --png from a JSON this command wrote earlier")
+    args = ap.parse_args(argv)
+    if args.replot:
+        if not args.png:
+            raise SystemExit("--replot: name the figure's file with --png PATH")
+        print(f"wrote {slo_mix_figure(load_json(args.replot), Path(args.png))}")
+        return 0
     seeds = [int(s) for s in args.seeds.split(",")]
     check = argparse.ArgumentParser(prog="benchmarks.slo_mix")
     sim_setup.add_arguments(check)
@@ -93,6 +104,8 @@ def main() -> int:
             rej = " / ".join(str(p["rejected"]) for p in pts)
             print(f"| {label} | x{rate} | {col(pts, 'chat', 'slo_attainment')} | {col(pts, 'batch', 'slo_attainment')} | "
                   f"{col(pts, 'chat', 'ttft_mean')} | {col(pts, 'batch', 'e2e_mean')} | {rej} |")
+    if args.png:
+        print(f"wrote {slo_mix_figure(runs, Path(args.png))}")
     return 0
 
 

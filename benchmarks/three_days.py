@@ -22,7 +22,8 @@ each planned at a load of about 19 req/s on average):
   one), peaks at 0 / 0.6 / 0.3 of the period, amplitudes 0.5 / 0.95 / 0.8.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.three_days [--days balanced,...] [--seeds 0,1,2]
-        [--jobs 2] [--out bench-out/three_days] [--load-factor 2 --no-goodput]
+        [--jobs 2] [--out bench-out/three_days] [--load-factor 2 --no-goodput] [--png FIG.png]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.three_days --replot three_days.json --png FIG.png
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from skymesh.bench.figures import geo_figure, load_json
 
 PERIOD = ["--regions", "3", "--diurnal-period-s", "1200", "--duration-s", "1200", "--slo", "2"]
 # day -> (its shape, the rate multiplier it is planned at)
@@ -115,7 +118,7 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--days", default=",".join(DAYS))
     p.add_argument("--seeds", default="0,1,2")
@@ -126,8 +129,18 @@ def main() -> int:
                    help="plan every day at this many times its load (finer replica counts)")
     p.add_argument("--no-goodput", action="store_true", help="plans only, no goodput search on the mesh's layout")
     p.add_argument("--table", action="store_true", help="print the table of --out's three_days.json, run nothing")
-    args = p.parse_args()
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="also draw the results page's figure (replicas per plan; the mesh's saving against the "
+                        "pooled bound's and the day's shape ceiling) to PATH")
+    p.add_argument("--replot", default=None, metavar="THREE_DAYS_JSON",
+                   help="run nothing: draw --png from a three_days.json this command wrote earlier")
+    args = p.parse_args(argv)
     out = Path(args.out)
+    if args.replot:
+        if not args.png:
+            raise SystemExit("--replot: name the figure's file with --png PATH")
+        print(f"wrote {geo_figure(load_json(args.replot), Path(args.png))}")
+        return 0
     if args.table:
         print(table(json.loads((out / "three_days.json").read_text())))
         return 0
@@ -144,6 +157,8 @@ def main() -> int:
         results = list(pool.map(lambda j: job(*j), jobs))
     (out / "three_days.json").write_text(json.dumps(results, indent=1))
     print(table(results))
+    if args.png:
+        print(f"wrote {geo_figure(results, Path(args.png))}")
     print(f"wall {time.perf_counter() - t0:.0f} s")
     return 0
 

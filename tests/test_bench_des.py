@@ -183,7 +183,7 @@ def test_policy_options_from_the_command_line_arrive_typed() -> None:
 def test_history_view_results_are_unchanged() -> None:
     # pinned from the simulator before the "events" cache view existed (main at 1ef2763):
     # the default view must not move a single result. Re-pinned when a lone balancer
-    # stopped returning a unit twice (BalancerCore._unit_back; docs/benchmarks.md):
+    # stopped returning a unit twice (BalancerCore._unit_back; docs/routing.md, "Reading the page"):
     # TTFT sum 7.5724 -> 7.5644, E2E sum 45.7193 -> 45.7210, hit rate and events unchanged
     reqs = hot_prefix_workload(300, 40.0, n_prompts=4, prompt_blocks=1, hot_share=0.9, user_blocks=1,
                                output_len=40, seed=5)

@@ -52,7 +52,7 @@ the EU rule the pool by the same policy is no bound. Its policy spreads the US a
 clients over every replica by hash, the EU's included, so at the EU's peak they hold EU
 replicas that the EU's clients alone may use, where the mesh sends them to the EU only
 when the EU is expected to answer sooner (on the geo day the pool under the EU rule
-reaches less goodput than the mesh: the figures are in docs/benchmarks.md, "The pooled
+reaches less goodput than the mesh: docs/benchmarks.md, "The pooled
 bound"). A rule only takes placements away, so the free pool is the ceiling for a
 mesh under any rules; under a rule the mesh's fraction of it is what the rule and the
 mesh together cost.

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from skymesh.bench import figures
 from skymesh.bench.classes import add_class_arguments, slo_classes, with_slo_mix
 from skymesh.bench.day_shape import DayShape, add_day_arguments, day_shape
 from skymesh.bench.loadgen import LiveResult, LoadSampler, prefix_hit_rate, replay
@@ -203,9 +204,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_class_arguments(p)
     p.add_argument("--load-sample-s", type=float, default=1.0,
                    help="trace seconds between samples of the balancers' per-replica load")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="also draw the results page's figure (attainment per rate, goodput per system) to PATH")
+    p.add_argument("--replot", default=None, metavar="RESULTS_JSON",
+                   help="run nothing: draw --png from a results.json this command wrote earlier")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        if not args.png:
+            raise SystemExit("--replot: name the figure's file with --png PATH")
+        print(f"wrote {figures.peers_figure(figures.load_json(args.replot), Path(args.png))}")
+        return 0
     profile = PROFILES[args.profile]
     # the same cut the discrete-event mode makes, so both replay the same work
     base = fit_to_context(load_mooncake(args.trace, args.requests), profile.max_model_len,
@@ -272,4 +282,6 @@ def run(args: argparse.Namespace) -> int:
     write_report(Path(args.out), systems, config | {"slo_s": args.slo}, sweeps, ttfts, series, plot_system,
                  replica_ids)
     print(markdown_table(systems))
+    if args.png:
+        print(f"wrote {figures.peers_figure(figures.load_json(Path(args.out) / 'results.json'), Path(args.png))}")
     return 0
