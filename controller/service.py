@@ -6,12 +6,15 @@ dead one's replicas (and hands them back on recovery), pushes every topology cha
 the balancers' WatchTopology streams, keeps its state in SQLite (recovered on restart) and
 tells the DNS provider which balancers are healthy. Balancers never wait on it.
 
-Liveness: a region is a fleet of balancers (controller/balancer_members.py), each with its
-own registration and epoch. A balancer is alive while its HTTP ``/health`` answers the
-controller's probe or it keeps calling Register/Report (either resets its failure count);
-it is dead after ``failure_threshold`` consecutive failed probes with no Register/Report in
-between, or once it deregisters. A region is alive while any of its balancers is: failover
-and DNS change only when the last one dies or leaves.
+This module is the shell: gRPC handlers, the HTTP app, the probe and DNS loops, SQLite
+and the topology push. What the controller knows of each region is typed state
+(controller/core/region_state.py) and every decision on it is the pure core's
+(controller/core/): a balancer registers, reports, dies and is forgotten
+(balancer_liveness.py: a balancer is alive while its ``/health`` answers or it keeps
+calling Register/Report, dead after ``failure_threshold`` failed probes, when its siblings
+take it out, or once it deregisters), a region is alive while any of its balancers is and
+its replicas and DNS follow (failover.py), a replica's drain ends (drain.py). The shell
+reads the clock and hands the core ``now``.
 DNS is synced by its own task (on every change and every ``DNS_RESYNC_S``), so a slow or
 dead DNS endpoint never delays failover or the topology push.
 """
