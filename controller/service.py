@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -213,8 +214,10 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             self.version += 1
             homes = self.home_of()
             owners = {rid: (o, homes[rid][0], homes[rid][1]) for rid, o in self.owners.items()}
-            await asyncio.to_thread(self.store.save_topology, self.version, owners, self.balancers,
-                                    self.members)
+            # copies: the event loop goes on changing the records while the thread saves
+            records = {name: replace(st.record) for name, st in self.regions.items()}
+            members = {name: [replace(m) for m in st.members] for name, st in self.regions.items()}
+            await asyncio.to_thread(self.store.save_topology, self.version, owners, records, members)
             topo = self.topology()
             for q in list(self._subscribers):
                 while not q.empty():
