@@ -20,12 +20,13 @@ back with their next renewal and AWS ones with the first poll.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from controller.core.drain import MemberLoad, drain_end, loads_of
 from controller.membership_store import SavedMember
 from skymesh.config import MeshConfig
 
@@ -245,12 +246,12 @@ class Membership:
             m.drain_version = self._version() + 1
         self.update_metrics()
 
-    def sweep(self, owners: Mapping[str, str], reports: Mapping[str, Any]) -> bool:
+    def sweep(self, owners: Mapping[str, str], loads: Mapping[str, Sequence[MemberLoad | None]]) -> bool:
         """Expired leases start draining; drains end after the grace period or once every
-        live balancer of the owning region (``owners``: home region -> owner; ``reports``:
-        region -> the latest report of each of its live balancers, None for one that has
-        not reported) reported nothing in flight on the replica. True when the topology
-        changed."""
+        live balancer of the owning region (``owners``: home region -> owner; ``loads``:
+        region -> the load each of its live balancers last reported, None for one that has
+        not reported; an admin JSON object in its place is read as one) reported nothing in
+        flight on the replica (controller/core/drain.py). True when the topology changed."""
         now = self._clock()
         grace = self.cfg.membership.drain_grace_s
         changed = False
@@ -261,11 +262,9 @@ class Membership:
                     changed = True
                 continue
             assert m.draining_since is not None
-            if now - m.draining_since >= grace:
-                reason = "grace"
-            elif _all_reported_idle(reports.get(owners.get(m.region, m.region)), m):
-                reason = "idle"
-            else:
+            owner_loads = loads_of(loads.get(owners.get(m.region, m.region)))
+            reason = drain_end(m.replica_id, m.drain_version, now - m.draining_since, grace, owner_loads)
+            if reason is None:
                 continue
             del self.members[m.replica_id]
             self.metrics.drained.labels(reason).inc()
@@ -336,31 +335,3 @@ def _static_urls(cfg: MeshConfig) -> dict[str, str]:
 
 def aws_source_name(aws_region: str) -> str:
     return f"aws:{aws_region}"
-
-
-def _all_reported_idle(reports: Any, m: Member) -> bool:
-    """Whether every live balancer of the owning region (at least one) reported ``m``
-    idle: a fleet's members each place requests on it, and one's word is not another's."""
-    if not isinstance(reports, (list, tuple)) or not reports:
-        return False
-    return all(_reported_idle(r, m) for r in reports)
-
-
-def _reported_idle(report: Any, m: Member) -> bool:
-    """Whether a balancer's report (its admin JSON: untrusted shape) was made at a topology
-    version that marks ``m`` draining and shows nothing in flight on it."""
-    if not isinstance(report, Mapping):
-        return False
-    version = report.get("topology_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < m.drain_version:
-        return False
-    replicas = report.get("replicas")
-    if not isinstance(replicas, Mapping):
-        return False
-    entry = replicas.get(m.replica_id)
-    if entry is None:
-        return True  # it does not hold the replica at all
-    if not isinstance(entry, Mapping):
-        return False
-    in_flight = entry.get("in_flight")
-    return isinstance(in_flight, int) and not isinstance(in_flight, bool) and in_flight == 0

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from controller.core.drain import MemberLoad
 from controller.membership import Membership
 from controller.membership_store import MembershipStore
 from controller.replica_aws import AwsSource
@@ -37,8 +38,8 @@ class ControllerView(Protocol):
 
     def alive_regions(self) -> set[str]: ...
 
-    def live_member_reports(self, region: str) -> list[Any]:
-        """The latest report of each live balancer of ``region`` (None: none yet)."""
+    def live_member_loads(self, region: str) -> list[MemberLoad | None]:
+        """The load each live balancer of ``region`` last reported (None: none yet)."""
         ...
 
     async def _changed(self, reason: str) -> None: ...
@@ -105,8 +106,8 @@ class MembershipSources:
 
     async def sweep_once(self) -> None:
         owners = region_owners(self._c.cfg, self._c.alive_regions())
-        reports: Mapping[str, Any] = {r.name: self._c.live_member_reports(r.name) for r in self._c.cfg.regions}
-        if self.table.sweep(owners, reports):
+        loads = {r.name: self._c.live_member_loads(r.name) for r in self._c.cfg.regions}
+        if self.table.sweep(owners, loads):
             await self._changed("leases or drains ended")
 
     async def _sweep_loop(self) -> None:

@@ -6,12 +6,15 @@ dead one's replicas (and hands them back on recovery), pushes every topology cha
 the balancers' WatchTopology streams, keeps its state in SQLite (recovered on restart) and
 tells the DNS provider which balancers are healthy. Balancers never wait on it.
 
-Liveness: a region is a fleet of balancers (controller/balancer_members.py), each with its
-own registration and epoch. A balancer is alive while its HTTP ``/health`` answers the
-controller's probe or it keeps calling Register/Report (either resets its failure count);
-it is dead after ``failure_threshold`` consecutive failed probes with no Register/Report in
-between, or once it deregisters. A region is alive while any of its balancers is: failover
-and DNS change only when the last one dies or leaves.
+This module is the shell: gRPC handlers, the HTTP app, the probe and DNS loops, SQLite
+and the topology push. What the controller knows of each region is typed state
+(controller/core/region_state.py) and every decision on it is the pure core's
+(controller/core/): a balancer registers, reports, dies and is forgotten
+(balancer_liveness.py: a balancer is alive while its ``/health`` answers or it keeps
+calling Register/Report, dead after ``failure_threshold`` failed probes, when its siblings
+take it out, or once it deregisters), a region is alive while any of its balancers is and
+its replicas and DNS follow (failover.py), a replica's drain ends (drain.py). The shell
+reads the clock and hands the core ``now``.
 DNS is synced by its own task (on every change and every ``DNS_RESYNC_S``), so a slow or
 dead DNS endpoint never delays failover or the topology push.
 """
@@ -19,33 +22,27 @@ dead DNS endpoint never delays failover or the topology push.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
-from urllib.parse import urlparse
 
 import aiohttp
 import grpc
 from aiohttp import web
 
-from controller.balancer_members import (
-    UNPROBED_REPORT_STALE_S,
-    MemberState,
-    configured_members,
-    dialable,
-    member_of_registration,
-    registered_member,
-)
+from controller.balancer_members import MemberState
+from controller.core import balancer_liveness, failover
+from controller.core.drain import MemberLoad
+from controller.core.recovery import recovered_region
+from controller.core.region_state import Now, RegionRecord, RegionState
 from controller.entry_targets import EntryTargets
 from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
 from controller.replica_sources import MembershipSources
-from controller.sibling_watch import WatchedMember, bounded_names, taken_out
 from controller.state import StateStore
-from controller.topology import assign_owners, nearest_alive
-from skymesh.config import MeshConfig, RegionConfig
+from controller.topology import nearest_alive
+from skymesh.config import MeshConfig
 from skymesh.dns.base import BalancerEndpoint, DnsProvider
 from skymesh.edge.server import EdgeAppRunner, EdgeLimits
 from skymesh.proto_gen import mesh_pb2, mesh_pb2_grpc
@@ -66,34 +63,15 @@ log = logging.getLogger("skymesh.controller")
 
 DNS_RESYNC_S = 5.0
 SIBLINGS_TOOK_OUT = "its siblings report it unresponsive and its reports stopped"
-# a member the config does not list, dead and silent this long, is forgotten (an Auto
-# Scaling group replaces instances: their records must not pile up)
-FORGET_UNLISTED_AFTER_S = 900.0
-
-
-@dataclass(slots=True)
-class MemberReport:
-    """One balancer's latest report: its admin JSON (an untrusted shape), the report as
-    sent, and when it came."""
-
-    admin: dict[str, Any]
-    proto: Any  # mesh_pb2.BalancerReport
-    at_ms: int
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _dialable_url(url: str) -> bool:
-    """An http(s) URL whose host is neither empty nor a wildcard."""
-    try:
-        u = urlparse(url)
-        port = u.port
-    except ValueError:
-        return False
-    return u.scheme in ("http", "https") and bool(u.hostname) and port is not None \
-        and dialable(f"{u.hostname}:{port}")
+def _now() -> Now:
+    """The instant the core's decisions are made at (the core reads no clock)."""
+    return Now(wall_ms=_now_ms(), monotonic_s=time.monotonic())
 
 
 class ControllerService(mesh_pb2_grpc.ControllerServicer):
@@ -110,48 +88,24 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         self.creds: Credentials | None = load_credentials(cfg, "controller")
         require_credentials_off_loopback(cfg.controller.listen.host, self.creds, "the controller")
         self.store = StateStore(cfg.controller.state_path)
-        st = self.store.load()
-        self.version: int = st["version"]
+        stored = self.store.load()
+        self.version: int = stored.version
         self.started_ms = _now_ms()
         self.metrics = ControllerMetrics()
-        # each region as one endpoint (alive: any of its balancers), derived from its
-        # members by _refresh_region; the region's latest registration names it
-        self.balancers: dict[str, dict[str, Any]] = {}
-        self.members: dict[str, list[MemberState]] = {}
-        self._latest_member: dict[str, str] = {}
+        # what the controller knows of each region (controller/core/region_state.py): its
+        # record as one endpoint (alive: any of its balancers), its balancers, their reports
+        now = _now()
+        presumed_until = failover.presumed_alive_until(cfg, now)
+        self.regions: dict[str, RegionState] = {}
         for r in cfg.regions:
-            saved = st["balancers"].get(r.name, {})
-            self.members[r.name] = self._recovered_members(r, saved, st["members"].get(r.name, {}))
-            self.balancers[r.name] = {
-                "balancer_id": saved.get("balancer_id") or "",
-                "epoch": saved.get("epoch") or 0,
-                "alive": True,
-                "http_url": r.balancer.advertise_url,
-                "grpc_address": str(r.balancer.grpc_advertise),
-                "last_seen_ms": saved.get("last_seen_ms"),
-            }
-            latest = max(self.members[r.name], key=lambda m: m.epoch, default=None)
-            if latest is not None and latest.epoch:
-                self._latest_member[r.name] = latest.key
-        # a registered fleet with no member known yet (a first start) is presumed alive for
-        # as long as a listed balancer would be: until its first balancers had time to
-        # register (probe rounds to the failure threshold, plus a report's staleness)
-        self._presumed_until = time.monotonic() + (cfg.controller.failure_threshold * cfg.controller.probe_interval_s
-                                                   + UNPROBED_REPORT_STALE_S)
-        for r in cfg.regions:
-            self._refresh_region(r.name)
-        # the region's latest report (its view for status), and every member's own
-        self.reports: dict[str, dict[str, Any]] = st["reports"]
-        self.member_reports: dict[str, dict[str, MemberReport]] = {r.name: {} for r in cfg.regions}
-        self.last_reports: dict[str, Any] = {}
-        for region, blob in st["report_protos"].items():
-            self.last_reports[region] = mesh_pb2.BalancerReport.FromString(blob)
-        saved_owners = st["owners"]
-        known = {rep.id for r in cfg.regions for rep in r.replicas}
-        if saved_owners and set(saved_owners) == known:
-            self.owners = saved_owners  # recovered ownership (e.g. an adoption in force)
-        else:
-            self.owners = assign_owners(cfg, self.alive_regions())
+            state = recovered_region(r, stored.regions.get(r.name), stored.members.get(r.name, {}), presumed_until)
+            if r.name in stored.reports:
+                state.last_admin = stored.reports[r.name]
+            if r.name in stored.report_protos:
+                state.last_report = mesh_pb2.BalancerReport.FromString(stored.report_protos[r.name])
+            self.regions[r.name] = state
+            self._refresh_region(state, now)
+        self.owners = failover.recovered_owners(cfg, stored.owners, self.regions)
         # one slot per watcher: only the newest topology matters (balancers skip older)
         self._subscribers: set[asyncio.Queue[Any]] = set()
         self._dns_dirty = asyncio.Event()
@@ -171,79 +125,57 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         if EntryTargets.configured(cfg.regions):
             self.entry = EntryTargets(cfg.regions, self.metrics.registry)
 
-    # ------------------------------------------------------------------ members
+    # ------------------------------------------------------------------ regions
 
-    @staticmethod
-    def _recovered_members(region: RegionConfig, saved_region: dict[str, Any],
-                           saved: dict[str, dict[str, Any]]) -> list[MemberState]:
-        """The region's configured members plus those that registered without being in the
-        config, with what the state file kept of each (epochs never repeat)."""
-        members = configured_members(region)
-        known = {m.key for m in members}
-        for key, rec in saved.items():
-            if key not in known:
-                members.append(MemberState(key=key, configured=False, http_url=rec.get("http_url") or "",
-                                           grpc_address=rec.get("grpc_address") or "", probe_url=""))
-        for m in members:
-            rec = saved.get(m.key)
-            if rec is not None:
-                m.balancer_id = rec.get("balancer_id") or ""
-                m.epoch = rec.get("epoch") or 0
-                m.instance_epoch = rec.get("instance_epoch") or 0
-                # a balancer not known to be dead is presumed alive until probes say so
-                m.alive = bool(rec.get("alive", True))
-                m.draining = bool(rec.get("draining"))
-                m.last_seen_ms = rec.get("last_seen_ms")
-        if len(members) == 1 and members[0].configured and not saved:
-            # a state file from before fleets: the region's record was its one balancer's
-            m = members[0]
-            m.balancer_id = saved_region.get("balancer_id") or ""
-            m.epoch = saved_region.get("epoch") or 0
-            m.alive = bool(saved_region.get("alive", True))
-            m.last_seen_ms = saved_region.get("last_seen_ms")
-        return members
+    @property
+    def balancers(self) -> dict[str, RegionRecord]:
+        """region -> its record as one endpoint."""
+        return {name: state.record for name, state in self.regions.items()}
 
-    def _refresh_region(self, region: str) -> None:
-        """The region's record from its members: alive while any is, draining when all
-        are, named by its latest registration."""
-        b = self.balancers[region]
-        members = self.members[region]
-        if members:
-            b["alive"] = any(m.alive for m in members)
-            b["draining"] = all(m.draining for m in members)
-        else:  # a registered fleet none of whose balancers registered yet
-            b["alive"] = time.monotonic() < self._presumed_until
-            b["draining"] = False
-        latest = next((m for m in members if m.key == self._latest_member.get(region)), None)
-        if latest is not None:
-            b["balancer_id"], b["epoch"] = latest.balancer_id, latest.epoch
-        seen = [m.last_seen_ms for m in members if m.last_seen_ms is not None]
-        b["last_seen_ms"] = max(seen) if seen else b.get("last_seen_ms")
-        self.metrics.balancers.labels(region).set(len(members))
-        self.metrics.balancers_alive.labels(region).set(sum(m.alive for m in members))
+    @property
+    def members(self) -> dict[str, list[MemberState]]:
+        """region -> its balancers."""
+        return {name: state.members for name, state in self.regions.items()}
 
-    def _members_json(self) -> dict[str, list[dict[str, Any]]]:
-        return {region: [m.as_json() for m in members] for region, members in self.members.items()}
+    @property
+    def reports(self) -> dict[str, dict[str, Any]]:
+        """region -> its latest report's admin JSON (shown by status as sent)."""
+        return {name: s.last_admin for name, s in self.regions.items() if s.last_admin is not None}
+
+    @property
+    def last_reports(self) -> dict[str, Any]:
+        """region -> its latest BalancerReport (GetStatus)."""
+        return {name: s.last_report for name, s in self.regions.items() if s.last_report is not None}
+
+    def _refresh_region(self, state: RegionState, now: Now) -> bool:
+        """The region's record from its members (controller.core.failover.refresh_region),
+        and its member gauges; True when the region's liveness changed."""
+        changed = failover.refresh_region(state, now)
+        self._region_gauges(state)
+        return changed
+
+    def _region_gauges(self, state: RegionState) -> None:
+        self.metrics.balancers.labels(state.name).set(len(state.members))
+        self.metrics.balancers_alive.labels(state.name).set(sum(m.alive for m in state.members))
 
     def _add_members(self, out: Any, region: str) -> None:
         """The region's balancers into a repeated BalancerMember field."""
-        for m in self.members[region]:
+        for m in self.regions[region].members:
             out.add(balancer_id=m.name, alive=m.alive, epoch=m.epoch, http_url=m.http_url,
                     grpc_address=m.published_grpc_address, last_seen_unix_ms=m.last_seen_ms or 0,
                     instance_epoch=m.instance_epoch)
 
-    def live_member_reports(self, region: str) -> list[Any]:
-        """The latest report of each live member of ``region`` (admin JSON), None for a live
-        member that has not reported since it registered: a replica's drain ends only when
-        every one of them says it is idle (controller/membership.py)."""
-        got = self.member_reports.get(region, {})
-        return [got[m.key].admin if m.key in got else None
-                for m in self.members.get(region, []) if m.alive and not m.draining]
+    def live_member_loads(self, region: str) -> list[MemberLoad | None]:
+        """The load each live member of ``region`` last reported, None for one that has not
+        reported since it registered: a replica's drain ends only when every one of them
+        says it is idle (controller/core/drain.py)."""
+        state = self.regions.get(region)
+        return state.live_loads() if state is not None else []
 
     # ------------------------------------------------------------------ topology
 
     def alive_regions(self) -> set[str]:
-        return {r for r, b in self.balancers.items() if b["alive"]}
+        return failover.alive_regions(self.regions)
 
     def home_of(self) -> dict[str, tuple[str, str]]:
         return {rep.id: (r.name, rep.url) for r in self.cfg.regions for rep in r.replicas}
@@ -253,18 +185,19 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         owns it says (an empty role, from a balancer before roles: ``both``), else as the
         config gives it."""
         roles = {rep.id: str(rep.role) for r in self.cfg.regions for rep in r.replicas}
-        for report in self.last_reports.values():
-            roles.update({x.replica_id: x.role or "both" for x in report.replicas})
+        for state in self.regions.values():
+            if state.last_report is not None:
+                roles.update({x.replica_id: x.role or "both" for x in state.last_report.replicas})
         return roles
 
     def topology(self) -> Any:
         homes = self.home_of()
         out = mesh_pb2.Topology(version=self.version, policy=self.cfg.policy.name)
         for r in self.cfg.regions:
-            b = self.balancers[r.name]
+            b = self.regions[r.name].record
             a = out.balancers.add(
-                region=r.name, balancer_id=b["balancer_id"], http_url=b["http_url"],
-                grpc_address=b["grpc_address"], alive=b["alive"],
+                region=r.name, balancer_id=b.balancer_id, http_url=b.http_url,
+                grpc_address=b.grpc_address, alive=b.alive,
             )
             self._add_members(a.members, r.name)
             for rid, owner in sorted(self.owners.items()):
@@ -277,12 +210,14 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
     async def _changed(self, reason: str) -> None:
         """Recompute ownership after a liveness change; persist, push, update DNS."""
         async with self._lock:
-            self.owners = assign_owners(self.cfg, self.alive_regions())
+            self.owners = failover.owners(self.cfg, self.regions)
             self.version += 1
             homes = self.home_of()
             owners = {rid: (o, homes[rid][0], homes[rid][1]) for rid, o in self.owners.items()}
-            await asyncio.to_thread(self.store.save_topology, self.version, owners, self.balancers,
-                                    self._members_json())
+            # copies: the event loop goes on changing the records while the thread saves
+            records = {name: replace(st.record) for name, st in self.regions.items()}
+            members = {name: [replace(m) for m in st.members] for name, st in self.regions.items()}
+            await asyncio.to_thread(self.store.save_topology, self.version, owners, records, members)
             topo = self.topology()
             for q in list(self._subscribers):
                 while not q.empty():
@@ -303,7 +238,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         # that one of them lacks
         self.membership.config_changed(self.cfg, cfg)
         self.cfg = cfg
-        self.owners = assign_owners(cfg, self.alive_regions())
+        self.owners = failover.owners(cfg, self.regions)
         self.admin_token = admin_token
         self.config_sha256 = config_sha256
         self.config_loaded_unix = time.time()
@@ -317,16 +252,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             await self._changed("config reloaded")
 
     def endpoints(self) -> list[BalancerEndpoint]:
-        eps = []
-        for r in self.cfg.regions:
-            b = self.balancers[r.name]
-            u = urlparse(b["http_url"])
-            eps.append(BalancerEndpoint(
-                region=r.name, balancer_id=b["balancer_id"] or r.name,
-                ip=r.balancer.public_ip or u.hostname or "",
-                port=u.port or 80, healthy=b["alive"], aws_region=r.aws_region,
-            ))
-        return eps
+        return failover.endpoints(self.cfg, self.regions)
 
     async def sync_dns(self) -> bool:
         """Push the current endpoint health to the DNS provider; False when that failed."""
@@ -357,29 +283,18 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
     # ------------------------------------------------------------------ health
 
     async def _set_alive(self, region: str, alive: bool, reason: str, member: MemberState) -> None:
-        """One balancer of ``region`` is alive (seen now) or dead; the region follows its
-        members: it dies with the last and recovers with the first."""
-        if alive and member.draining:
-            # a deregistered balancer still answers while it drains: only a new
-            # registration brings it back
+        """One balancer of ``region`` is alive (seen now) or dead
+        (controller.core.balancer_liveness.mark); a change is pushed, and the region's
+        entry told."""
+        state = self.regions[region]
+        change = balancer_liveness.mark(state, member, alive, _now())
+        if change is None:
             return
-        if alive:
-            member.failures = 0
-            member.last_seen_ms = _now_ms()
-        region_was_alive = self.balancers[region]["alive"]
-        member_changed = member.alive != alive
-        member.alive = alive
-        self._refresh_region(region)
-        if self.entry is not None and (member_changed or member.draining):
+        self._region_gauges(state)
+        if self.entry is not None and (change.member_changed or member.draining):
             self.entry.poke()
-        if not member_changed:
-            return
-        if self.balancers[region]["alive"] != region_was_alive:
-            await self._changed(f"{region} {'recovered' if alive else 'dead'}: {reason}")
-        else:
-            # the region's own state is unchanged (DNS and ownership too); its balancers
-            # learn who their siblings are from the pushed topology
-            await self._changed(f"{region} balancer {member.name} {'recovered' if alive else 'dead'}: {reason}")
+        if change.member_changed:
+            await self._changed(failover.member_change_reason(region, member, alive, reason, change.region_changed))
 
     async def _probe(self, region: str, member: MemberState,
                      limit: aiohttp.ClientTimeout) -> tuple[str, MemberState, bool, str]:
@@ -387,8 +302,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         reported lately, why not)."""
         assert self._session is not None
         if not member.probe_url:
-            quiet_s = (_now_ms() - (member.last_seen_ms or 0)) / 1000
-            return region, member, quiet_s <= UNPROBED_REPORT_STALE_S, f"no report for {quiet_s:.0f}s"
+            return (region, member, *balancer_liveness.unprobed_answer(member, _now()))
         try:
             async with self._session.get(member.probe_url + "/health", timeout=limit) as r:
                 return region, member, r.status == 200, f"HTTP {r.status}"
@@ -404,67 +318,40 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
 
             # a failed round (e.g. the state disk is full) raises to the supervisor, which
             # logs it (rate-limited), counts it and probes again after a short backoff
-            probes = [self._probe(region, m, limit) for region, members in self.members.items() for m in members]
+            probes = [self._probe(name, m, limit) for name, state in self.regions.items() for m in state.members]
             for region, member, ok, why in await asyncio.gather(*probes):
-                if ok and member.probe_url:
+                verdict = balancer_liveness.after_probe(member, ok, self.cfg.controller.failure_threshold)
+                if verdict.alive:
                     await self._set_alive(region, True, "probe ok", member)
-                elif ok:
-                    member.failures = 0  # it reported lately; only its calls say it was seen
-                else:
-                    member.failures += 1
-                    if member.failures >= self.cfg.controller.failure_threshold:
-                        if member.alive and not member.draining:
-                            self.metrics.members_taken_out.labels(region, "probes").inc()
-                        await self._set_alive(region, False, why, member)
-            for region in list(self.members):
+                elif verdict.dead:
+                    if verdict.taken_out:
+                        self.metrics.members_taken_out.labels(region, "probes").inc()
+                    await self._set_alive(region, False, why, member)
+            for region in list(self.regions):
                 await self._watch_siblings(region)
             await self._forget_and_presume()
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
-    def _watched(self, region: str) -> list[WatchedMember]:
-        """The region's members as the sibling watch reads them: heard from at their latest
-        report, registration or good probe, and never before this controller started (no
-        report could reach it earlier); each report's names bounded."""
-        reports = self.member_reports.get(region, {})
-        out = []
-        for m in self.members[region]:
-            rep = reports.get(m.key)
-            heard = max(t for t in (rep.at_ms if rep else None, m.last_seen_ms, self.started_ms) if t is not None)
-            out.append(WatchedMember(
-                key=m.key, balancer_id=m.balancer_id, alive=m.alive, draining=m.draining, heard_at_ms=heard,
-                named_unresponsive=bounded_names(rep.proto.unresponsive_siblings) if rep else frozenset(),
-                report_at_ms=rep.at_ms if rep else None))
-        return out
-
     async def _watch_siblings(self, region: str) -> None:
         """Take out the members of ``region`` their siblings' reports say are gone
         (controller/sibling_watch.py); one comes back as ever, by a report or good probe."""
-        gone = set(taken_out(self._watched(region), _now_ms()))
-        for m in [m for m in self.members[region] if m.key in gone and m.alive]:
+        for m in balancer_liveness.taken_out_by_siblings(self.regions[region], self.started_ms, _now()):
             self.metrics.members_taken_out.labels(region, "siblings").inc()
             log.warning("balancer taken out by its siblings", extra={"region": region, "balancer_id": m.name})
             await self._set_alive(region, False, SIBLINGS_TOOK_OUT, m)
 
     async def _forget_and_presume(self) -> None:
-        """Members the config does not list, dead and silent past FORGET_UNLISTED_AFTER_S,
-        are dropped; a registered fleet none of whose balancers is known stops being
-        presumed alive once its first balancers had time to register."""
-        now = _now_ms()
-        for region, members in self.members.items():
-            gone = [m for m in members if not m.configured and not m.alive
-                    and now - (m.last_seen_ms or 0) > FORGET_UNLISTED_AFTER_S * 1000]
-            for m in gone:
-                members.remove(m)
-                self.member_reports.get(region, {}).pop(m.key, None)
-                if self._latest_member.get(region) == m.key:
-                    self._latest_member.pop(region)
+        """Members the config does not list, dead and silent past
+        balancer_liveness.FORGET_UNLISTED_AFTER_S, are dropped; a registered fleet none of
+        whose balancers is known stops being presumed alive once its first balancers had
+        time to register."""
+        for region, state in self.regions.items():
+            now = _now()
+            for m in balancer_liveness.forget_departed(state, now):
                 await asyncio.to_thread(self.store.forget_member, region, m.key)
                 log.info("forgot a departed balancer", extra={"region": region, "balancer_id": m.name})
-            was_alive = self.balancers[region]["alive"]
-            self._refresh_region(region)
-            if self.balancers[region]["alive"] != was_alive:
-                await self._changed(f"{region} {'alive' if not was_alive else 'dead'}: "
-                                    f"{'no balancer registered' if not members else 'its balancers left'}")
+            if self._refresh_region(state, now):
+                await self._changed(failover.emptied_reason(state))
 
     # ------------------------------------------------------------------ gRPC
 
@@ -482,7 +369,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                                 f"identity {identity or 'none'} may not act for region {region!r}")
 
     async def Register(self, request: Any, context: Any) -> Any:  # noqa: N802
-        if request.region not in self.balancers:
+        if request.region not in self.regions:
             return mesh_pb2.RegisterReply(accepted=False, reason=f"unknown region {request.region!r}")
         if len(request.balancer_id) > 128:
             return mesh_pb2.RegisterReply(accepted=False, reason="balancer id longer than 128 characters")
@@ -496,52 +383,29 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                 self.metrics.rejected_calls.labels("wrong_address").inc()
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{field} {claimed!r} is not the configured {configured!r} of {request.region}")
-        members = self.members[request.region]
-        registered_fleet = region_cfg.balancer.fleet == "registered"
-        if registered_fleet and not request.balancer_id:
+        if region_cfg.balancer.fleet == "registered" and not request.balancer_id:
             self.metrics.rejected_calls.labels("no_balancer_id").inc()
             return mesh_pb2.RegisterReply(accepted=False, reason=f"{request.region} is a registered fleet: a balancer "
                                                                  "registers under its own id")
+        state = self.regions[request.region]
         # its own addresses, as it says (the sibling channel and the controller's calls
-        # authenticate themselves); a wildcard is never kept: nobody could dial it
-        own_grpc = request.member_grpc_address if dialable(request.member_grpc_address) else ""
-        own_http = request.member_http_url if _dialable_url(request.member_http_url) else ""
-        member = member_of_registration(members, request.balancer_id, own_grpc)
-        if member is not None and member.configured and len(members) == 1 and request.balancer_id \
-                and member.balancer_id and member.balancer_id != request.balancer_id and member.alive \
-                and member.last_seen_ms is not None and _now_ms() - member.last_seen_ms < UNPROBED_REPORT_STALE_S * 1000:
-            # a listed region of one balancer takes any id (a restart picks a fresh one), so
+        # authenticate themselves); the controller issues the epoch, the caller's own
+        # request.epoch only names its sibling messages
+        admitted = balancer_liveness.admit_registration(state, request.balancer_id, int(request.epoch),
+                                                        request.member_grpc_address, request.member_http_url,
+                                                        _now())
+        if admitted.displaced is not None:
             # two live balancers of one config fold onto its one member: say how to fix it
             log.warning("another balancer took the region's only listed member while the last one still reported;"
                         " an Auto Scaling group needs balancer.fleet: registered",
-                        extra={"region": request.region, "previous": member.balancer_id,
+                        extra={"region": request.region, "previous": admitted.displaced,
                                "balancer_id": request.balancer_id})
-        if member is None:
-            # a balancer the config does not list: a member of the fleet, known by its id,
-            # alive by its reports
-            member = MemberState(key=request.balancer_id or f"{request.region}-{len(members)}", configured=False,
-                                 http_url=own_http, grpc_address=own_grpc, probe_url="")
-            members.append(member)
-        elif not member.configured:
-            # the same id again (a restarted process on the same instance): its addresses now
-            member.grpc_address, member.http_url = own_grpc or member.grpc_address, own_http or member.http_url
-        changed = member.balancer_id != request.balancer_id or member.instance_epoch != request.epoch
-        member.balancer_id = request.balancer_id
-        # what its sibling messages carry: siblings refuse any other epoch for this id
-        member.instance_epoch = int(request.epoch)
-        self.member_reports.setdefault(request.region, {}).pop(member.key, None)  # an earlier process's
-        # the controller issues the epoch (each registration its own, monotonic over the
-        # region's balancers, persisted before it is handed out); the caller's own
-        # request.epoch is ignored
-        epoch = max(m.epoch for m in members) + 1
-        epoch = max(epoch, int(self.balancers[request.region]["epoch"] or 0) + 1)
-        member.epoch = epoch
+        member, epoch = admitted.member, admitted.epoch
+        # persisted before it is handed out: an epoch never repeats, even across a restart
         await asyncio.to_thread(self.store.save_member_epoch, request.region, member.key, member.balancer_id, epoch)
-        self._latest_member[request.region] = member.key
-        was_alive = member.alive
-        member.draining = False
+        was_alive = balancer_liveness.registered(state, member)
         await self._set_alive(request.region, True, f"registered (epoch {epoch})", member)
-        if changed and was_alive:
+        if admitted.changed and was_alive:
             # a restarted balancer (new id): persist and push
             await self._changed(f"{request.region} registered {member.name} epoch {epoch}")
         log.info("balancer registered", extra={"region": request.region, "balancer_id": request.balancer_id,
@@ -550,53 +414,35 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         return mesh_pb2.RegisterReply(accepted=True, topology=self.topology(), epoch=epoch)
 
     async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
-        b = self.balancers.get(request.region)
-        if b is None:
+        state = self.regions.get(request.region)
+        if state is None:
             return mesh_pb2.ReportReply(topology_version=self.version)
         await self._authorize_region(request.region, context)
-        members = self.members[request.region]
-        member = registered_member(members, request.balancer_id) or (members[0] if len(members) == 1 else None)
-        if member is None or request.epoch < member.epoch:
-            # a report from an older registration of the balancer (or of none); an epoch
-            # larger than the issued one is not believed (and changes nothing)
+        member = balancer_liveness.reporting_member(state, request.balancer_id, request.epoch)
+        if member is None:
             return mesh_pb2.ReportReply(topology_version=self.version)
-        try:
-            report = json.loads(request.admin_json) if request.admin_json else {}
-        except json.JSONDecodeError:
-            report = {}
-        if not isinstance(report, dict):
-            report = {}
-        self.reports[request.region] = report
-        self.last_reports[request.region] = request
-        self.member_reports.setdefault(request.region, {})[member.key] = MemberReport(report, request, _now_ms())
-        if request.balancer_id:
-            member.balancer_id = request.balancer_id
-            # a balancer reporting before it registered (a controller restarted under it)
-            # names its region until a registration does
-            self._latest_member.setdefault(request.region, member.key)
+        admin = balancer_liveness.admin_of(request.admin_json)
+        now = _now()
+        balancer_liveness.take_report(state, member, request, admin, now)
         await self._set_alive(request.region, True, "report", member)
         await self._watch_siblings(request.region)
-        now = _now_ms()
-        await asyncio.to_thread(self.store.save_report, request.region, report, now,
+        await asyncio.to_thread(self.store.save_report, request.region, admin, _now_ms(),
                                 request.SerializeToString())
         return mesh_pb2.ReportReply(topology_version=self.version)
 
     async def Deregister(self, request: Any, context: Any) -> Any:  # noqa: N802
-        b = self.balancers.get(request.region)
-        if b is None:
+        state = self.regions.get(request.region)
+        if state is None:
             return mesh_pb2.DeregisterReply(accepted=False, reason=f"unknown region {request.region!r}",
                                             topology_version=self.version)
         await self._authorize_region(request.region, context)
-        member = registered_member(self.members[request.region], request.balancer_id)
-        if member is None or request.epoch != member.epoch or request.balancer_id != member.balancer_id:
-            # only a current registration may take its balancer out: a stale process (or
-            # a replayed call) must not black out the balancer that replaced it
+        member = balancer_liveness.deregistering_member(state, request.balancer_id, request.epoch)
+        if member is None:
             self.metrics.rejected_calls.labels("stale_deregister").inc()
             return mesh_pb2.DeregisterReply(
                 accepted=False, topology_version=self.version,
-                reason=f"not the current registration of {request.region} (epoch {b['epoch']})")
-        member.draining = True
-        member.failures = 0
+                reason=f"not the current registration of {request.region} (epoch {state.record.epoch})")
+        balancer_liveness.start_drain(member)
         reason = request.reason[:200] or "deregistered"
         # the region stays alive (DNS unchanged) while another of its balancers is
         await self._set_alive(request.region, False, f"deregistered: {reason}", member)
@@ -629,12 +475,13 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             topology=self.topology(), controller_started_unix_ms=self.started_ms, state_version=self.version
         )
         for r in self.cfg.regions:
-            b = self.balancers[r.name]
-            rs = st.regions.add(region=r.name, balancer_alive=b["alive"], balancer_id=b["balancer_id"],
-                                last_seen_unix_ms=b["last_seen_ms"] or 0)
+            state = self.regions[r.name]
+            b = state.record
+            rs = st.regions.add(region=r.name, balancer_alive=b.alive, balancer_id=b.balancer_id,
+                                last_seen_unix_ms=b.last_seen_ms or 0)
             self._add_members(rs.members, r.name)
-            if r.name in self.last_reports:
-                rs.last_report.CopyFrom(self.last_reports[r.name])
+            if state.last_report is not None:
+                rs.last_report.CopyFrom(state.last_report)
         return st
 
     # ------------------------------------------------------------------ HTTP (status)
@@ -644,25 +491,26 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
         roles = self.replica_roles()
         regions = []
         for r in self.cfg.regions:
-            b = self.balancers[r.name]
+            state = self.regions[r.name]
+            b = state.record
             regions.append({
                 "region": r.name,
-                "balancer_alive": b["alive"],
+                "balancer_alive": b.alive,
                 # deregistered (SIGTERM drain): out until it registers again
-                "balancer_draining": bool(b.get("draining")),
-                "balancer_id": b["balancer_id"],
-                "balancer_epoch": b["epoch"],
-                "balancer_url": b["http_url"],
-                "balancer_grpc": b["grpc_address"],
-                "last_seen_unix_ms": b["last_seen_ms"],
+                "balancer_draining": b.draining,
+                "balancer_id": b.balancer_id,
+                "balancer_epoch": b.epoch,
+                "balancer_url": b.http_url,
+                "balancer_grpc": b.grpc_address,
+                "last_seen_unix_ms": b.last_seen_ms,
                 # the region's balancers (a fleet behind its entry); alive: any of them
-                "balancers": [m.as_json() for m in self.members[r.name]],
+                "balancers": [m.as_json() for m in state.members],
                 "owned_replicas": [
                     {"replica_id": rid, "url": homes[rid][1], "home_region": homes[rid][0], "role": roles[rid]}
                     for rid, o in sorted(self.owners.items()) if o == r.name
                 ],
                 "nearest_alive": nearest_alive(self.cfg, r.name, self.alive_regions()),
-                "report": self.reports.get(r.name) if b["alive"] else None,
+                "report": state.last_admin if b.alive else None,
             })
         return {
             "source": "controller",

@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from controller.balancer_members import MemberState
+from controller.core.region_state import RegionRecord, StoredBalancer, StoredRegion
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -33,6 +38,19 @@ SQLITE_MAX_INT = 2**63 - 1
 MEMBER_COLUMNS_ADDED = (("instance_epoch", "INTEGER NOT NULL DEFAULT 0"),)
 
 
+@dataclass(frozen=True, slots=True)
+class StoredState:
+    """Everything the state file kept."""
+
+    version: int
+    regions: dict[str, StoredRegion]
+    owners: dict[str, str]  # replica id -> owner region
+    reports: dict[str, dict[str, Any]]  # region -> its latest report's admin JSON
+    report_protos: dict[str, bytes]  # region -> its latest serialized BalancerReport
+    # region -> member key -> its record (controller/balancer_members.py)
+    members: dict[str, dict[str, StoredBalancer]]
+
+
 class StateStore:
     def __init__(self, path: str | Path) -> None:
         p = Path(path)
@@ -51,12 +69,12 @@ class StateStore:
         with self._lock:
             self._db.close()
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> StoredState:
         with self._lock:
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
-            balancers = {
-                r[0]: {"balancer_id": r[1], "epoch": r[2], "alive": bool(r[3]), "http_url": r[4],
-                       "grpc_address": r[5], "last_seen_ms": r[6]}
+            regions = {
+                r[0]: StoredRegion(balancer_id=r[1], epoch=r[2], alive=bool(r[3]), http_url=r[4],
+                                   grpc_address=r[5], last_seen_ms=r[6])
                 for r in self._db.execute(
                     "SELECT region, balancer_id, epoch, alive, http_url, grpc_address, last_seen_ms FROM balancers"
                 )
@@ -64,26 +82,20 @@ class StateStore:
             owners = {r[0]: r[1] for r in self._db.execute("SELECT replica_id, owner_region FROM ownership")}
             reports = {r[0]: json.loads(r[1]) for r in self._db.execute("SELECT region, report_json FROM reports")}
             protos = {r[0]: bytes(r[1]) for r in self._db.execute("SELECT region, report FROM report_protos")}
-            members: dict[str, dict[str, dict[str, Any]]] = {}
+            members: dict[str, dict[str, StoredBalancer]] = {}
             for r in self._db.execute("SELECT region, member_key, balancer_id, epoch, alive, draining, http_url,"
                                       " grpc_address, last_seen_ms, instance_epoch FROM balancer_members"):
-                members.setdefault(r[0], {})[r[1]] = {
-                    "balancer_id": r[2], "epoch": r[3], "alive": bool(r[4]), "draining": bool(r[5]),
-                    "http_url": r[6], "grpc_address": r[7], "last_seen_ms": r[8], "instance_epoch": r[9]}
-        return {
-            "version": int(meta.get("version", "0")),
-            "balancers": balancers,
-            "owners": owners,
-            "reports": reports,
-            "report_protos": protos,  # region -> serialized BalancerReport
-            "members": members,  # region -> member key -> its record (controller/balancer_members.py)
-        }
+                members.setdefault(r[0], {})[r[1]] = StoredBalancer(
+                    balancer_id=r[2], epoch=r[3], alive=bool(r[4]), draining=bool(r[5]), http_url=r[6],
+                    grpc_address=r[7], last_seen_ms=r[8], instance_epoch=r[9])
+        return StoredState(version=int(meta.get("version", "0")), regions=regions, owners=owners,
+                           reports=reports, report_protos=protos, members=members)
 
     def save_topology(self, version: int, owners: dict[str, tuple[str, str, str]],
-                      balancers: dict[str, dict[str, Any]],
-                      members: dict[str, list[dict[str, Any]]] | None = None) -> None:
-        """owners: replica id -> (owner region, home region, url); members: region -> the
-        records of its balancers (MemberState.as_json)."""
+                      regions: Mapping[str, RegionRecord],
+                      members: Mapping[str, Sequence[MemberState]] | None = None) -> None:
+        """owners: replica id -> (owner region, home region, url); regions: region -> its
+        record; members: region -> its balancers."""
         with self._lock:
             db = self._db
             db.execute("BEGIN")
@@ -94,22 +106,20 @@ class StateStore:
                     "INSERT INTO ownership(replica_id, owner_region, home_region, url) VALUES (?, ?, ?, ?)",
                     [(rid, o, h, u) for rid, (o, h, u) in owners.items()],
                 )
-                for region, b in balancers.items():
+                for region, b in regions.items():
                     db.execute(
                         "INSERT OR REPLACE INTO balancers(region, balancer_id, epoch, alive, http_url, grpc_address,"
                         " last_seen_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (region, b.get("balancer_id"), b.get("epoch"), int(bool(b.get("alive"))),
-                         b.get("http_url"), b.get("grpc_address"), b.get("last_seen_ms")),
+                        (region, b.balancer_id, b.epoch, int(b.alive), b.http_url, b.grpc_address, b.last_seen_ms),
                     )
-                for region, records in (members or {}).items():
-                    for m in records:
+                for region, region_members in (members or {}).items():
+                    for m in region_members:
                         db.execute(
                             "INSERT OR REPLACE INTO balancer_members(region, member_key, balancer_id, epoch, alive,"
                             " draining, http_url, grpc_address, last_seen_ms, instance_epoch)"
                             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (region, m["key"], m["balancer_id"], m["epoch"], int(bool(m["alive"])),
-                             int(bool(m["draining"])), m["http_url"], m["grpc_address"], m["last_seen_unix_ms"],
-                             min(int(m.get("instance_epoch") or 0), SQLITE_MAX_INT)),
+                            (region, m.key, m.balancer_id, m.epoch, int(m.alive), int(m.draining), m.http_url,
+                             m.grpc_address, m.last_seen_ms, min(m.instance_epoch, SQLITE_MAX_INT)),
                         )
                 db.execute("COMMIT")
             except BaseException:
