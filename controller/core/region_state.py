@@ -9,7 +9,7 @@ status, in :attr:`RegionState.last_admin` and :attr:`RegionState.last_report`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from controller.balancer_members import MemberState
@@ -39,22 +39,6 @@ class RegionRecord:
     grpc_address: str
     last_seen_ms: int | None
     draining: bool = False
-
-    # Item access by field name: the record was a dict, and callers (tests among them)
-    # read and set it by key. Only its fields are keys.
-    def __getitem__(self, key: str) -> Any:
-        if key not in _RECORD_FIELDS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key not in _RECORD_FIELDS:
-            raise KeyError(key)
-        setattr(self, key, value)
-
-
-_RECORD_FIELDS = frozenset(f.name for f in fields(RegionRecord))
-
 
 @dataclass(frozen=True, slots=True)
 class MemberReport:
