@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from controller.core.drain import MemberLoad, drain_end, loads_of
 from controller.membership_store import SavedMember
 from skymesh.config import MeshConfig
+from skymesh.routing.pairing.base import Role
 
 STATIC = "static"
 REGISTRATION = "registration"
@@ -43,6 +44,7 @@ class Member:
     url: str
     region: str  # its home region
     source: str  # STATIC, REGISTRATION or an AWS source's name ("aws:<aws region>")
+    role: Role = "both"  # its prefill/decode role, as its source names it
     # a registration's lease end (monotonic); None: the source says when it leaves
     expires_at: float | None = None
     draining_since: float | None = None
@@ -63,6 +65,7 @@ class Discovered:
     replica_id: str
     url: str
     region: str
+    role: Role = "both"
 
 
 class MembershipRefused(Exception):
@@ -148,7 +151,8 @@ class Membership:
             raise MembershipRefused(409, f"{url} is already replica {user!r}", "url")
         return prev
 
-    def register(self, replica_id: str, url: str, region: str, ttl_s: float) -> tuple[bool, bool]:
+    def register(self, replica_id: str, url: str, region: str, ttl_s: float,
+                 role: Role = "both") -> tuple[bool, bool]:
         """Register or renew a lease: (new to the topology or changed, renewal). Raises
         :class:`MembershipRefused`."""
         prev = self._check_free(replica_id, url, region, REGISTRATION)
@@ -157,11 +161,13 @@ class Membership:
             if self.registered_count() >= self.cfg.membership.registration.max_replicas:
                 raise MembershipRefused(429, "the registration table is full "
                                              f"({self.cfg.membership.registration.max_replicas} replicas)")
-            self.members[replica_id] = Member(replica_id, url, region, REGISTRATION, expires_at=expires, ttl_s=ttl_s)
+            self.members[replica_id] = Member(replica_id, url, region, REGISTRATION, role, expires_at=expires,
+                                              ttl_s=ttl_s)
             self.update_metrics()
             return True, False
-        changed = prev.draining or prev.url != url
+        changed = prev.draining or prev.url != url or prev.role != role
         prev.url = url
+        prev.role = role
         prev.expires_at = expires
         prev.ttl_s = ttl_s
         prev.draining_since = None
@@ -204,10 +210,11 @@ class Membership:
                 urls.pop(prev.url, None)
             urls[d.url] = d.replica_id
             if prev is None:
-                self.members[d.replica_id] = Member(d.replica_id, d.url, d.region, source)
+                self.members[d.replica_id] = Member(d.replica_id, d.url, d.region, source, d.role)
                 changed = True
-            elif prev.draining or prev.url != d.url:
+            elif prev.draining or prev.url != d.url or prev.role != d.role:
                 prev.url = d.url
+                prev.role = d.role
                 prev.draining_since = None
                 changed = True
         for m in list(self.members.values()):
@@ -277,7 +284,7 @@ class Membership:
 
     def saved(self) -> list[SavedMember]:
         """The members as the store keeps them."""
-        return [SavedMember(m.replica_id, m.url, m.region, m.source, m.ttl_s, m.draining, m.drain_version)
+        return [SavedMember(m.replica_id, m.url, m.region, m.source, m.ttl_s, m.draining, m.drain_version, m.role)
                 for m in sorted(self.members.values(), key=lambda m: m.replica_id)]
 
     def restore(self, saved: list[SavedMember]) -> int:
@@ -291,7 +298,7 @@ class Membership:
             if (s.replica_id in self._static or s.replica_id in self.members or s.region not in regions
                     or s.source not in self.sources or s.url in urls or (s.source == STATIC and not s.draining)):
                 continue
-            m = Member(s.replica_id, s.url, s.region, s.source, ttl_s=s.ttl_s)
+            m = Member(s.replica_id, s.url, s.region, s.source, s.role, ttl_s=s.ttl_s)
             if s.draining:
                 m.draining_since = now
                 m.drain_version = s.drain_version

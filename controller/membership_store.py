@@ -16,12 +16,17 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from skymesh.routing.pairing.base import ROLES, Role
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS dynamic_members (
     replica_id TEXT PRIMARY KEY, url TEXT NOT NULL, region TEXT NOT NULL, source TEXT NOT NULL,
-    ttl_s REAL, draining INTEGER NOT NULL, drain_version INTEGER NOT NULL
+    ttl_s REAL, draining INTEGER NOT NULL, drain_version INTEGER NOT NULL,
+    role TEXT NOT NULL DEFAULT 'both'
 );
 """
+# a file written before roles: its members are ``both``
+ADD_ROLE = "ALTER TABLE dynamic_members ADD COLUMN role TEXT NOT NULL DEFAULT 'both'"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,7 @@ class SavedMember:
     ttl_s: float | None  # a registration's lease length; None: a polled source's
     draining: bool
     drain_version: int
+    role: Role = "both"
 
 
 class MembershipStore:
@@ -42,6 +48,9 @@ class MembershipStore:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(p), check_same_thread=False, isolation_level=None, timeout=10.0)
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(dynamic_members)")}
+        if "role" not in columns:
+            self._db.execute(ADD_ROLE)
 
     def close(self) -> None:
         with self._lock:
@@ -49,9 +58,10 @@ class MembershipStore:
 
     def load(self) -> list[SavedMember]:
         with self._lock:
-            rows = self._db.execute("SELECT replica_id, url, region, source, ttl_s, draining, drain_version"
+            rows = self._db.execute("SELECT replica_id, url, region, source, ttl_s, draining, drain_version, role"
                                     " FROM dynamic_members ORDER BY replica_id").fetchall()
-        return [SavedMember(r[0], r[1], r[2], r[3], None if r[4] is None else float(r[4]), bool(r[5]), int(r[6]))
+        return [SavedMember(r[0], r[1], r[2], r[3], None if r[4] is None else float(r[4]), bool(r[5]), int(r[6]),
+                            r[7] if r[7] in ROLES else "both")
                 for r in rows]
 
     def save(self, members: list[SavedMember]) -> None:
@@ -62,9 +72,9 @@ class MembershipStore:
             try:
                 db.execute("DELETE FROM dynamic_members")
                 db.executemany(
-                    "INSERT INTO dynamic_members(replica_id, url, region, source, ttl_s, draining, drain_version)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [(m.replica_id, m.url, m.region, m.source, m.ttl_s, int(m.draining), m.drain_version)
+                    "INSERT INTO dynamic_members(replica_id, url, region, source, ttl_s, draining, drain_version,"
+                    " role) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(m.replica_id, m.url, m.region, m.source, m.ttl_s, int(m.draining), m.drain_version, m.role)
                      for m in members])
                 db.execute("COMMIT")
             except BaseException:

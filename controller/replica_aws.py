@@ -17,6 +17,7 @@ from typing import Any
 
 from controller.membership import Discovered, aws_source_name
 from skymesh.config import REPLICA_ID_RE, AwsSourceConfig
+from skymesh.routing.pairing.base import Role
 
 log = logging.getLogger("skymesh.controller.aws")
 
@@ -44,9 +45,9 @@ class AwsSource:
 
     def poll(self) -> list[Discovered]:
         """Blocking: the replicas the source has now (raises on an API error)."""
-        wanted: dict[str, str] = {}  # instance id -> region
+        wanted: dict[str, tuple[str, Role]] = {}  # instance id -> (region, role)
         if self.cfg.auto_scaling_groups:
-            region_of_group = {g.name: g.region for g in self.cfg.auto_scaling_groups}
+            region_of_group = {g.name: (g.region, g.role) for g in self.cfg.auto_scaling_groups}
             pages = self._autoscaling.get_paginator("describe_auto_scaling_groups").paginate(
                 AutoScalingGroupNames=list(region_of_group))
             for page in pages:
@@ -61,7 +62,8 @@ class AwsSource:
         ids = sorted(wanted)
         for i in range(0, len(ids), _IDS_PER_CALL):
             for inst in self._instances(InstanceIds=ids[i:i + _IDS_PER_CALL]):
-                d = self._replica(inst, wanted.get(inst.get("InstanceId", "")))
+                region, role = wanted.get(inst.get("InstanceId", ""), (None, "both"))
+                d = self._replica(inst, region, role)
                 if d is not None:
                     found.setdefault(d.replica_id, d)
         if self.cfg.tag_key is not None:
@@ -78,8 +80,9 @@ class AwsSource:
             for reservation in page.get("Reservations", []):
                 yield from reservation.get("Instances", [])
 
-    def _replica(self, inst: dict[str, Any], region: Any) -> Discovered | None:
-        """The replica of one instance, or None (no region, no usable id or private IP)."""
+    def _replica(self, inst: dict[str, Any], region: Any, role: Role = "both") -> Discovered | None:
+        """The replica of one instance, or None (no region, no usable id or private IP); a
+        tagged instance's role is ``both`` (a group's is the group's)."""
         iid, ip = inst.get("InstanceId"), inst.get("PrivateIpAddress")
         if region not in self.regions or not isinstance(iid, str) or not REPLICA_ID_RE.match(iid) or "\n" in iid:
             return None
@@ -91,4 +94,4 @@ class AwsSource:
             log.warning("instance without a usable private IP", extra={"instance": iid, "source": self.name})
             return None
         host = f"[{addr}]" if addr.version == 6 else str(addr)
-        return Discovered(iid, f"{self.cfg.scheme}://{host}:{self.cfg.port}", region)
+        return Discovered(iid, f"{self.cfg.scheme}://{host}:{self.cfg.port}", region, role)

@@ -1,7 +1,7 @@
 """The registration source: replicas register themselves on the controller's HTTP
 listener and keep a lease by registering again; deregistering drains them.
 
-    POST   /membership/v1/replicas                         {"replica_id", "url", "region", "ttl_s"?}
+    POST   /membership/v1/replicas                         {"replica_id", "url", "region", "ttl_s"?, "role"?}
     DELETE /membership/v1/replicas/<replica_id>            drain it
     POST   /membership/v1/replicas/<replica_id>/deregister the same, for clients without DELETE
 
@@ -21,7 +21,7 @@ import ipaddress
 import json
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -30,12 +30,13 @@ from controller.membership import Membership, MembershipRefused
 from skymesh.config import REPLICA_ID_RE, MeshConfig
 from skymesh.edge.body import BodyLimits, read_body_or_reject
 from skymesh.edge.openai_errors import error_response
+from skymesh.routing.pairing.base import ROLES, Role
 from skymesh.security.admin_auth import bearer_of, token_from, token_matches
 
 PATH = "/membership/v1/replicas"
 MAX_URL_CHARS = 2048
 _HOST_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
-_FIELDS = frozenset({"replica_id", "url", "region", "ttl_s"})
+_FIELDS = frozenset({"replica_id", "url", "region", "ttl_s", "role"})
 
 
 class BadRegistration(Exception):
@@ -83,8 +84,8 @@ def normalize_url(value: Any, cfg: MeshConfig) -> str:
     return f"{u.scheme}://{shown}:{port}"
 
 
-def parse_registration(body: bytes, cfg: MeshConfig) -> tuple[str, str, str, float]:
-    """(replica_id, url, region, ttl_s) from a registration body; raises :class:`BadRegistration`."""
+def parse_registration(body: bytes, cfg: MeshConfig) -> tuple[str, str, str, float, Role]:
+    """(replica_id, url, region, ttl_s, role) from a registration body; raises :class:`BadRegistration`."""
     try:
         doc = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -111,7 +112,10 @@ def parse_registration(body: bytes, cfg: MeshConfig) -> tuple[str, str, str, flo
     ttl = doc.get("ttl_s", reg.default_ttl_s)
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl <= reg.max_ttl_s:
         raise BadRegistration(400, f"ttl_s must be a number from 1 to {reg.max_ttl_s:g}", "ttl_s")
-    return rid, url, region, float(ttl)
+    role = doc.get("role", "both")
+    if role not in ROLES:
+        raise BadRegistration(400, f"role must be one of {', '.join(ROLES)}", "role")
+    return rid, url, region, float(ttl), cast(Role, role)
 
 
 class RegistrationApi:
@@ -168,14 +172,14 @@ class RegistrationApi:
             self.membership.metrics.registrations.labels("rejected").inc()
             return rejected
         try:
-            rid, url, region, ttl = parse_registration(await request.read(), cfg)
-            changed, renewed = self.membership.register(rid, url, region, ttl)
+            rid, url, region, ttl, role = parse_registration(await request.read(), cfg)
+            changed, renewed = self.membership.register(rid, url, region, ttl, role)
         except (BadRegistration, MembershipRefused) as e:
             return self._refused(e.status, e.message, e.param)
         self.membership.metrics.registrations.labels("renewed" if renewed else "registered").inc()
         if changed:
             await self._changed(f"replica {rid} registered in {region}")
-        return web.json_response({"replica_id": rid, "url": url, "region": region, "ttl_s": ttl,
+        return web.json_response({"replica_id": rid, "url": url, "region": region, "ttl_s": ttl, "role": role,
                                   "state": "active"})
 
     async def deregister(self, request: web.Request) -> web.Response:

@@ -82,7 +82,12 @@ class MembershipSources:
             if a is None:
                 continue
             for m in self.table.of_region(r.name):
-                a.replicas.add(replica_id=m.replica_id, url=m.url, home_region=m.region, draining=m.draining)
+                a.replicas.add(replica_id=m.replica_id, url=m.url, home_region=m.region, draining=m.draining,
+                               role=m.role)
+
+    def roles(self) -> dict[str, str]:
+        """replica id -> its role, of every replica a source other than the YAML gives."""
+        return {m.replica_id: m.role for m in self.table.members.values()}
 
     def add_routes(self, app: web.Application) -> None:
         self.api.add_routes(app)

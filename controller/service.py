@@ -183,8 +183,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
     def replica_roles(self) -> dict[str, str]:
         """replica id -> its prefill/decode role: as the latest report of the region that
         owns it says (an empty role, from a balancer before roles: ``both``), else as the
-        config gives it."""
+        config or its membership source gives it."""
         roles = {rep.id: str(rep.role) for r in self.cfg.regions for rep in r.replicas}
+        roles.update(self.membership.roles())
         for state in self.regions.values():
             if state.last_report is not None:
                 roles.update({x.replica_id: x.role or "both" for x in state.last_report.replicas})
@@ -193,6 +194,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
     def topology(self) -> Any:
         homes = self.home_of()
         out = mesh_pb2.Topology(version=self.version, policy=self.cfg.policy.name)
+        listed_roles = {rep.id: rep.role for r in self.cfg.regions for rep in r.replicas}
         for r in self.cfg.regions:
             b = self.regions[r.name].record
             a = out.balancers.add(
@@ -203,7 +205,7 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             for rid, owner in sorted(self.owners.items()):
                 if owner == r.name:
                     home, url = homes[rid]
-                    a.replicas.add(replica_id=rid, url=url, home_region=home)
+                    a.replicas.add(replica_id=rid, url=url, home_region=home, role=listed_roles.get(rid, "both"))
         self.membership.assign(out)
         return out
 

@@ -343,3 +343,27 @@ def test_skymesh_status_shows_a_draining_replica() -> None:
     rows = {line.split()[0]: line.split()[2] for line in render(status).splitlines()
             if line.strip().startswith(("joiner", "r0"))}
     assert rows == {"joiner": "drain", "r0": "busy"}
+
+
+def test_a_membership_file_from_before_roles_loads_its_members_as_both(tmp_path: Any) -> None:
+    import sqlite3
+
+    from controller.membership_store import MembershipStore, SavedMember
+
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(str(path))
+    db.executescript("CREATE TABLE dynamic_members (replica_id TEXT PRIMARY KEY, url TEXT NOT NULL, "
+                     "region TEXT NOT NULL, source TEXT NOT NULL, ttl_s REAL, draining INTEGER NOT NULL, "
+                     "drain_version INTEGER NOT NULL);"
+                     "INSERT INTO dynamic_members VALUES ('old', 'http://10.0.0.5:8000', 'us-east-1', "
+                     "'registration', 60, 0, 0);")
+    db.close()
+    store = MembershipStore(path)
+    try:
+        (old,) = store.load()
+        assert (old.replica_id, old.role) == ("old", "both")
+        store.save([old, SavedMember("new", "http://10.0.0.6:8000", "us-east-1", "registration", 60.0, False, 0,
+                                     "decode")])
+        assert [(m.replica_id, m.role) for m in store.load()] == [("new", "decode"), ("old", "both")]
+    finally:
+        store.close()

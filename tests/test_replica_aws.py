@@ -98,7 +98,9 @@ async def test_group_and_tagged_instances_join_and_scaled_in_ones_drain(tmp_path
     aws.create_group(desired=2)
     tagged = aws.run_tagged("eu-west-1")
     aws.run_tagged("mars-1")  # names no configured region: ignored
-    cfg = aws_cfg(tmp_path, moto_url, auto_scaling_groups=[{"name": GROUP, "region": "us-east-1"}], tag_key=TAG)
+    # the group runs decode replicas (a P/D deployment's decode pool); a tagged one is both
+    cfg = aws_cfg(tmp_path, moto_url, auto_scaling_groups=[{"name": GROUP, "region": "us-east-1", "role": "decode"}],
+                  tag_key=TAG)
     static = {rep.id for r in cfg.regions for rep in r.replicas}
     svc = ControllerService(cfg)
     await svc.start()
@@ -114,6 +116,10 @@ async def test_group_and_tagged_instances_join_and_scaled_in_ones_drain(tmp_path
 
         await wait_until(lambda: discovered() == want, "the instances became replicas",
                          state=lambda: f"want {want}, have {discovered()}")
+        roles = {x.replica_id: x.role for b in svc.topology().balancers for x in b.replicas}
+        assert {iid: roles[iid] for iid in want} == {**dict.fromkeys(in_group, "decode"), tagged: "both"}
+        assert {iid: svc.replica_roles()[iid] for iid in want} == {**dict.fromkeys(in_group, "decode"),
+                                                                  tagged: "both"}
         assert svc.metrics.registry.get_sample_value(
             "skymesh_membership_replicas", {"region": "us-east-1", "source": "aws:us-east-1"}) == 2
 

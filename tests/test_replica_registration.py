@@ -154,6 +154,10 @@ async def test_the_token_is_checked_first_and_in_its_own_right(api: Api) -> None
      {}, 400, "ttl_s"),
     (json.dumps({"replica_id": "a", "url": "http://10.0.0.5:8000", "region": "us-east-1",
                  "ttl_s": 1e9}).encode(), {}, 400, "ttl_s"),
+    (json.dumps({"replica_id": "a", "url": "http://10.0.0.5:8000", "region": "us-east-1",
+                 "role": "kv_consumer"}).encode(), {}, 400, "role"),
+    (json.dumps({"replica_id": "a", "url": "http://10.0.0.5:8000", "region": "us-east-1", "role": 1}).encode(),
+     {}, 400, "role"),
     (b"{}", {"Content-Encoding": "br"}, 415, None),
 ])
 async def test_bad_registrations_get_openai_shaped_4xx(api: Api, data: bytes, headers: dict[str, str],
@@ -209,6 +213,25 @@ async def test_register_drain_and_leave(api: Api) -> None:
     m = await api.metrics()
     assert m[("skymesh_membership_draining", (("region", "eu-west-1"),))] == 0
     assert m[("skymesh_membership_drained_total", (("reason", "grace"),))] == 1
+
+
+async def test_a_registered_replica_names_its_role_and_the_balancers_get_it(api: Api) -> None:
+    body = {"replica_id": "r-dec", "url": "http://10.0.0.7:8000", "region": "us-east-1", "role": "decode"}
+    status, doc = await api.register(body)
+    assert status == 200 and doc["role"] == "decode", doc
+    assert (await api.topology())["r-dec"]["role"] == "decode"
+    grpc_roles = {x.replica_id: x.role for b in api.svc.topology().balancers for x in b.replicas}
+    assert grpc_roles["r-dec"] == "decode"
+    # the YAML's replicas carry the config's role (both here) in the balancers' topology
+    static = api.svc.cfg.regions[0].replicas[0]
+    assert grpc_roles[static.id] == static.role == "both"
+    # a renewal that changes the role is a change: a new topology version
+    version = api.svc.version
+    assert (await api.register({**body, "role": "prefill"}))[0] == 200
+    assert api.svc.version > version and (await api.topology())["r-dec"]["role"] == "prefill"
+    # no role named: both
+    status, doc = await api.register({"replica_id": "r-any", "url": "http://10.0.0.8:8000", "region": "us-east-1"})
+    assert status == 200 and doc["role"] == "both" and (await api.topology())["r-any"]["role"] == "both"
 
 
 async def test_a_lease_not_renewed_drains(api: Api) -> None:
@@ -273,7 +296,7 @@ async def test_registrations_survive_a_controller_restart(tmp_path: Path, monkey
             api = Api(svc, s)
             for rid, port in (("stays", 8001), ("leaves", 8002)):
                 status, doc = await api.register({"replica_id": rid, "url": f"http://10.0.0.5:{port}",
-                                                  "region": "eu-west-1", "ttl_s": 60})
+                                                  "region": "eu-west-1", "ttl_s": 60, "role": "prefill"})
                 assert status == 200, doc
             assert (await api.call("DELETE", f"{PATH}/leaves"))[0] == 200
     finally:
@@ -284,6 +307,7 @@ async def test_registrations_survive_a_controller_restart(tmp_path: Path, monkey
         async with aiohttp.ClientSession() as s:
             topo = await Api(svc, s).topology()
         assert topo["stays"]["url"] == "http://10.0.0.5:8001" and not topo["stays"]["draining"]
+        assert topo["stays"]["role"] == "prefill"  # its role was saved with it
         assert topo["leaves"]["draining"]
         lease = next(m for m in svc.membership.status_json() if m["replica_id"] == "stays")["lease_left_s"]
         assert 0 < lease <= 60

@@ -49,6 +49,9 @@ class AwsGroupConfig(ConfigModel):
 
     name: Annotated[Text, Field(max_length=255)]
     region: RegionName
+    # the prefill/decode role of every replica the group runs (docs/routing.md, "Prefill
+    # and decode pairs"): a P/D deployment runs a group per role
+    role: Literal["both", "prefill", "decode"] = "both"
 
 
 class AwsSourceConfig(ConfigModel):
