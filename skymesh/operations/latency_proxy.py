@@ -323,15 +323,21 @@ class DelayProxy:
         return self.targets[0]
 
     def _targets_in_turn(self) -> list[tuple[str, int]]:
-        """Every healthy target (every one when none is), starting with the one whose turn
-        it is (round robin)."""
+        """Every target in service, starting with the one whose turn it is (round robin).
+        When none is, it fails open as an NLB does, but the controller's word outranks its
+        own checks: the targets the controller does not list dead first (a check that timed
+        out on a busy member is weaker evidence than a member its siblings stopped hearing),
+        then the rest."""
         first = self._next_target
         self._next_target = (first + 1) % len(self.targets)
         in_turn = [*self.targets[first:], *self.targets[:first]]
-        if self.health is None:
+        health = self.health
+        if health is None:
             return in_turn
-        healthy = [t for t in in_turn if self.health.in_service(self.health_of[t])]
-        return healthy or in_turn
+        healthy = [t for t in in_turn if health.in_service(self.health_of[t])]
+        if healthy:
+            return healthy
+        return sorted(in_turn, key=lambda t: self.health_of[t] in health.listed_dead)
 
     async def _connect_upstream(
             self, source: str | None) -> tuple[tuple[str, int], asyncio.StreamReader, asyncio.StreamWriter] | None:
