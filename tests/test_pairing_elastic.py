@@ -217,6 +217,7 @@ def test_the_region_core_applies_the_plan_to_new_work_only() -> None:
     assert sorted(roles.values()) == ["decode", "prefill", "prefill", "prefill"]
     (dec,) = [rid for rid, r in roles.items() if r == "decode"]
     assert dec not in core.local.policy.replica_ids  # type: ignore[attr-defined]
+    assert core.view.heartbeat(1.0).replicas_total == 3  # a new request may start on 3
     assert send.replica_id != dec and send.decision.decode_replica_id == dec
     # what was placed before runs on: its bookings are untouched
     assert sum(core.local.replicas[s.replica_id].in_flight for s in whole) >= 1
