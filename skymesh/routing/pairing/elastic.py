@@ -9,12 +9,14 @@ request on the roles of the moment, and the plan reads what its prices said:
 - **Whether P/D pays** (k = 0 ↔ 1): the share of requests whose whole placement on the
   policy's pick was priced past the TBT target (its own prefill pool's chunks would
   stretch its decode). At ``enter_share`` or more the region splits (k = 1); with k > 0,
-  under ``leave_share`` it steps k down towards aggregation.
+  after ``leave_windows`` decisions in a row under ``leave_share`` it steps k down
+  towards aggregation.
 - **How many decode replicas** (k ↔ k ± 1, within ``max_decode_share`` of the pool): one
   more when the decode replicas' KV (used, and booked for decode legs not yet started) is
-  past ``raise_fill`` of their capacity, or when at least ``short_share`` of requests had
-  no decode replica priced within the TBT target; one fewer when the KV of k would fill
-  k − 1 to under ``lower_fill`` and no request was short of one.
+  past ``raise_fill`` of their capacity, or after ``short_windows`` decisions in a row in
+  which at least ``short_share`` of requests had no decode replica priced within the TBT
+  target; one fewer after ``leave_windows`` decisions in a row in which the KV of k would
+  fill k − 1 to under ``lower_fill`` and no request was short of one.
 
 k moves by at most one per interval, and a decision waits for ``min_requests`` priced
 requests (the window then starts again). Replicas configured ``prefill`` or ``decode`` keep
