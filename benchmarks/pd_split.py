@@ -13,7 +13,10 @@ which at least 90% count, found by bisection (skymesh/bench/ranking.py) on every
 - ``always@P:D``: P prefill-only and D decode-only replicas, every request split;
 - ``threshold@P:D``: the peers' conditional rule on that split (256 tokens; vllm-router 0.1.17's P/D mode itself splits every request: docs/benchmarks.md, live section);
 - ``conductor@P:D``: Mooncake's Algorithm 1 on that split (P + D < replicas leaves the rest
-  ``both``, where the conductor chooses per request between whole and split).
+  ``both``, where the conductor chooses per request between whole and split);
+- ``elastic@P:D``: the conductor over roles that follow the load (``elastic@0:0``: every
+  replica ``both``, and every 2 s the rule's role plan sets k of them decode-only and the
+  rest prefill-only, k = 0 being aggregated: skymesh/routing/pairing/elastic.py).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.pd_split --workloads long,chat,conversation \\
         --seeds 0,1 --jobs 2 --out bench-out/pd_split.json [--png FIG.png]

@@ -11,12 +11,13 @@ from pydantic import Field
 
 from skymesh.config.base import ConfigModel, Float, Text
 
-PairRuleConfigName = Literal["never", "always", "threshold", "conductor"]
+PairRuleConfigName = Literal["never", "always", "threshold", "conductor", "elastic"]
 
 
 class PairingConfig(ConfigModel):
     # never (every request whole), always, threshold (the peers' rule), conductor
-    # (Mooncake's Algorithm 1): skymesh/routing/pair_registry.py
+    # (Mooncake's Algorithm 1), elastic (the conductor over roles that follow the load):
+    # skymesh/routing/pair_registry.py
     rule: PairRuleConfigName = "never"
     # the rule's options by name (threshold_tokens, whole_on_decode)
     options: dict[str, Any] = Field(default_factory=dict)

@@ -122,6 +122,7 @@ class BalancerCore:
         # prefill/decode pairs (skymesh/routing/pairing): each replica's role (missing:
         # ``both``) and the rule that splits requests; None: every request runs whole
         self.roles: dict[str, Role] = {}
+        self._configured_roles: dict[str, Role] = {}  # set_roles's; the pair rule may plan others
         self._decode_only: frozenset[str] = frozenset()
         self.pair_rule: PairRule | None = None
         # requests the pair rule refused since the region core last took them (no
@@ -175,6 +176,10 @@ class BalancerCore:
     def set_roles(self, roles: Mapping[str, Role]) -> None:
         """Each replica's role (missing: ``both``). Decode-only replicas are not offered to
         the policy: they take decode legs, or whole requests a pair rule sends them."""
+        self._configured_roles = dict(roles)
+        self._apply_roles(roles)
+
+    def _apply_roles(self, roles: Mapping[str, Role]) -> None:
         self.roles = {rid: role for rid, role in roles.items() if role != "both"}
         decode_only = frozenset(rid for rid, role in self.roles.items() if not does_prefill(role))
         if decode_only != self._decode_only:  # the policy's replicas change only with it
@@ -339,6 +344,10 @@ class BalancerCore:
             self.wants = {}
         if not self._queue:
             return []
+        if self.pair_rule is not None:  # roles that follow the load (skymesh/routing/pairing/elastic.py)
+            planned = self.pair_rule.plan_roles(self._configured_roles, self.replicas, now)
+            if planned is not None:
+                self._apply_roles(planned)
         self.budget.expire(now)  # a lease that ended since the last step
         if now - self._last_rebalance >= self.rebalance_interval_s:
             self._last_rebalance = now

@@ -12,10 +12,11 @@ from typing import Any, Literal
 from skymesh.routing.pairing.always import AlwaysOptions, AlwaysSplit
 from skymesh.routing.pairing.base import PairContext, PairOptions, PairRule
 from skymesh.routing.pairing.conductor import Conductor, ConductorOptions
+from skymesh.routing.pairing.elastic import ElasticConductor, ElasticOptions
 from skymesh.routing.pairing.threshold import ThresholdOptions, ThresholdSplit
 
 # the names of PAIR_RULES, as a type (the config validates against it)
-PairRuleName = Literal["never", "always", "threshold", "conductor"]
+PairRuleName = Literal["never", "always", "threshold", "conductor", "elastic"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ PAIR_RULES: dict[PairRuleName, PairRuleSpec] = {
     "always": PairRuleSpec(AlwaysSplit.build, AlwaysOptions),
     "threshold": PairRuleSpec(ThresholdSplit.build, ThresholdOptions),  # the peers' rule
     "conductor": PairRuleSpec(Conductor.build, ConductorOptions),  # Mooncake's Algorithm 1
+    "elastic": PairRuleSpec(ElasticConductor.build, ElasticOptions),  # the conductor, roles following the load
 }
 
 

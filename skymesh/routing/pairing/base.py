@@ -134,3 +134,10 @@ class PairRule(Protocol):
 
     def choose(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],
                roles: Mapping[str, Role], excluded: AbstractSet[str], now: float) -> PairChoice | None: ...
+
+    def plan_roles(self, configured: Mapping[str, Role], views: Mapping[str, ReplicaView],
+                   now: float) -> Mapping[str, Role] | None:
+        """The roles the region's replicas should have for new work from ``now`` on, given
+        the ``configured`` ones (missing: ``both``); None: no change (the configured roles,
+        or the last plan, stand). A role change never moves work already placed."""
+        ...

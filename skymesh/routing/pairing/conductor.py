@@ -65,7 +65,10 @@ class Conductor(PricedRule):
 
     def choose(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],
                roles: Mapping[str, Role], excluded: AbstractSet[str], now: float) -> PairChoice | None:
-        cands = self.candidates(req, decision, views, roles, excluded, now)
+        return self.best(req, self.candidates(req, decision, views, roles, excluded, now))
+
+    def best(self, req: RoutingRequest, cands: list[Candidate]) -> PairChoice | None:
+        """Algorithm 1's pick among priced placements (None: there are none)."""
         if not cands:
             return None
         ttft_slo, tbt_slo = self.pricing.targets(req)

@@ -160,6 +160,11 @@ class PricedRule:
     def build(cls, options: Any, ctx: PairContext) -> Self:
         return cls(options, ctx)
 
+    def plan_roles(self, configured: Mapping[str, Role], views: Mapping[str, ReplicaView],
+                   now: float) -> Mapping[str, Role] | None:
+        """Fixed roles: the configured ones stand."""
+        return None
+
     def decoders(self, req: RoutingRequest, views: Mapping[str, ReplicaView], roles: Mapping[str, Role],
                  excluded: AbstractSet[str]) -> list[str]:
         """The replicas that may take the request's decode leg now: healthy, allowed,
