@@ -19,7 +19,7 @@ from benchmarks import fleet_capacity, pd_split, slo_mix, three_days
 from skymesh.bench import live
 
 PD_SYSTEMS = ("aggregated,always@2:6,always@3:5,always@4:4,always@5:3,always@6:2,always@7:1,threshold@5:3,"
-              "conductor@6:2,conductor@2:2,conductor@0:0")
+              "conductor@6:2,conductor@2:2,conductor@0:0,elastic@0:0")
 
 
 def _live_replot(argv: list[str]) -> int:
@@ -49,7 +49,7 @@ FIGURES: tuple[Figure, ...] = (
            "PYTHONPATH=. .venv/bin/python -m benchmarks.fleet_capacity --replot {data} --png {png}"),
     Figure("slo_mix.png", ("slo_mix.json",), slo_mix.main,
            "PYTHONPATH=. .venv/bin/python -m benchmarks.slo_mix --replot {data} --png {png}"),
-    Figure("pd_split.png", ("pd_split.json", "pd_split_7.json", "pd_conductor.json"), pd_split.main,
+    Figure("pd_split.png", ("pd_split.json", "pd_split_7.json", "pd_conductor.json", "pd_elastic.json"), pd_split.main,
            "PYTHONPATH=. .venv/bin/python -m benchmarks.pd_split --replot {data} --png {png} --systems " + PD_SYSTEMS,
            ("--systems", PD_SYSTEMS)),
 )
