@@ -127,7 +127,7 @@ def test_results_plots_draws_every_figure_from_a_data_folder(tmp_path: Path) -> 
     data.mkdir()
     for name, content in (("peers.json", PEERS), ("three_days.json", THREE_DAYS), ("fleet_capacity.json", FLEET),
                           ("slo_mix.json", SLO_MIX), ("pd_split.json", PD), ("pd_split_7.json", []),
-                          ("pd_conductor.json", [])):
+                          ("pd_conductor.json", []), ("pd_elastic.json", [])):
         _write(data / name, content)
     img = tmp_path / "img"
     assert results_plots.main(["--data", str(data), "--img", str(img)]) == 0
