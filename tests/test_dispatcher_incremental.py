@@ -34,7 +34,7 @@ def _assert_counts_match_a_scan(c: BalancerCore) -> None:
 
 def _random_event(c: BalancerCore, rng: random.Random, now: float, next_id: int) -> int:
     """One event of the kinds that move availability or a budget's charge."""
-    kind = rng.randrange(11)
+    kind = rng.randrange(12)
     in_flight = list(c._in_flight)
     rid = rng.choice(REPLICAS)
     if kind == 0:
@@ -63,6 +63,8 @@ def _random_event(c: BalancerCore, rng: random.Random, now: float, next_id: int)
         c.set_replicas(rng.sample(REPLICAS, rng.randint(3, len(REPLICAS))))
     elif kind == 10 and in_flight:
         c.give_up(rng.choice(in_flight), now)
+    elif kind == 11:
+        c.dispatch_budget = rng.randint(1, 4)  # a config reload
     return next_id
 
 

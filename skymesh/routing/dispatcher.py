@@ -140,6 +140,14 @@ class BalancerCore:
         """Requests each replica may be pushed between probes (region-wide)."""
         return self.budget.dispatch_budget
 
+    @dispatch_budget.setter
+    def dispatch_budget(self, dispatch_budget: int) -> None:
+        """A new budget (a config reload): each replica's free slots follow at once; its
+        availability with its next event, as it always has."""
+        self.budget.dispatch_budget = dispatch_budget
+        for view in self.replicas.values():
+            self._track(view)
+
     def loads(self) -> dict[str, SiblingLoad]:
         """Per replica, what this balancer has on it (what its siblings are told)."""
         return {rid: SiblingLoad(v.in_flight, self.budget.charged(rid), self.own_pending_prefill(rid))

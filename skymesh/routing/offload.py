@@ -257,8 +257,10 @@ class OffloadRouter:
     def newly_dead(self, now: float) -> list[str]:
         """Peers whose heartbeats timed out since they were last seen alive (not yet
         declared down): the heartbeat timeout as an event, for the region core's tick."""
+        # is_fresh, read inline (every tick asks of every peer)
+        limit = self.heartbeat_interval_s * self.miss_limit
         return [r for r, p in self.peers.items()
-                if not p.down and p.last_seen != float("-inf") and not self.is_fresh(r, now)]
+                if not p.down and p.last_seen != float("-inf") and not now - p.last_seen <= limit]
 
     def staleness_s(self, region: str, now: float) -> float:
         p = self.peers.get(region)
@@ -337,9 +339,11 @@ class OffloadRouter:
 
     def _fastest_peer(self, req: RoutingRequest, now: float, local_wait_s: float) -> str | None:
         src = req.origin_region or self.region
+        limit = self.heartbeat_interval_s * self.miss_limit  # is_fresh, read inline
         cands = [
             r for r, p in self.peers.items()
-            if self.allowed(src, r) and self.affordable(r, req.slo_ttft_s) and self.is_fresh(r, now)
+            if self.allowed(src, r) and self.affordable(r, req.slo_ttft_s)
+            and not p.down and now - p.last_seen <= limit
             and p.replicas_total > 0 and p.queue_length <= self.max_remote_queue
         ]
         if not cands:
