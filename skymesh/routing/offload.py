@@ -327,9 +327,14 @@ class OffloadRouter:
         at its balancer nothing while it has a free replica our forwards have not used up,
         else the requests ahead (its queue, plus our forwards beyond its free replicas)
         over its placement rate; then on its replica."""
+        return self._wait_at(p, self.prefill_s_per_token)
+
+    @staticmethod
+    def _wait_at(p: PeerState, s_per_token: float) -> float:
+        """:meth:`peer_wait_s` with the prefill price read once by the caller."""
         # then the prefill already on its replicas ahead of it (its advertised pending
         # prefill, spread over its replicas: the heartbeat carries no per-replica detail)
-        on_replica = self.prefill_s_per_token * p.pending_prefill_tokens / max(1, p.replicas_total)
+        on_replica = s_per_token * p.pending_prefill_tokens / max(1, p.replicas_total)
         beyond_free = p.forwarded_since_heartbeat - p.replicas_available
         if p.queue_length == 0 and beyond_free < 0:
             return on_replica
@@ -349,10 +354,14 @@ class OffloadRouter:
         if not cands:
             return None
         held = self.snapshot.match_per_target(req.chunk_hashes, [*cands, self.region])
-        local = local_wait_s + self._prefill_s(req, held.get(self.region, 0))
+        # _prefill_s and peer_wait_s with the model's price read once for every peer
+        s_per_token, chunk, tokens = self.prefill_s_per_token, self.chunk_tokens, req.prompt_tokens
+        local = local_wait_s + s_per_token * max(0, tokens - held.get(self.region, 0) * chunk)
         best, best_s = None, math.inf
+        peers, rtt_s = self.peers, self.rtt_s
         for r in cands:
-            remote = self.rtt_s.get(r, math.inf) + self.peer_wait_s(self.peers[r]) + self._prefill_s(req, held.get(r, 0))
+            remote = (rtt_s.get(r, math.inf) + self._wait_at(peers[r], s_per_token)
+                      + s_per_token * max(0, tokens - held.get(r, 0) * chunk))
             if remote < best_s or (remote == best_s and best is not None and r < best):
                 best, best_s = r, remote
         return best if best_s + self.min_gain_s < local else None
