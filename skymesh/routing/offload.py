@@ -130,6 +130,11 @@ class OffloadRouter:
         self.model: RegionModel | None = None
         self.chunk_tokens = chunk_tokens
         self.peers: dict[str, PeerState] = {}
+        # kept so that a tick asks no peer when none can have timed out or lapsed: the
+        # oldest last heartbeat of a live peer (None: to be found again after a change),
+        # and the peers said to be back and not heard from (expected_until set)
+        self._oldest_live_seen: float | None = None
+        self._expecting: set[str] = set()
         # the snapshot trie: prefixes sent to each peer (target = its region) and, for the
         # predicted-TTFT trigger, dispatched locally (target = this region); a routing
         # history of regions, read through a CacheView like the replicas' caches
@@ -207,6 +212,8 @@ class OffloadRouter:
         p.forwarded_since_heartbeat = 0
         p.down = False
         p.expected_until = float("-inf")
+        self._oldest_live_seen = None
+        self._expecting.discard(region)
         return True
 
     def expect(self, region: str, now: float, replicas: int) -> bool:
@@ -221,6 +228,8 @@ class OffloadRouter:
             p = self.peers[region] = PeerState(region=region, down=True)
         p.expected_until = now + RETURN_GRACE_S
         p.expected_replicas = replicas
+        self._oldest_live_seen = None
+        self._expecting.add(region)
         return True
 
     def is_expected(self, region: str, now: float) -> bool:
@@ -231,10 +240,13 @@ class OffloadRouter:
     def lapsed_expectations(self, now: float) -> list[str]:
         """Peers said to be back whose grace ran out without a heartbeat (each returned
         once): what waited for them is decided again."""
-        out = []
+        out: list[str] = []
+        if not self._expecting:
+            return out
         for r, p in self.peers.items():
             if p.expected_until != float("-inf") and now >= p.expected_until:
                 p.expected_until = float("-inf")
+                self._expecting.discard(r)
                 if not self.is_fresh(r, now):
                     out.append(r)
         return out
@@ -252,13 +264,23 @@ class OffloadRouter:
         if p is None or p.down:
             return False
         p.down = True
+        self._oldest_live_seen = None
         return True
 
     def newly_dead(self, now: float) -> list[str]:
         """Peers whose heartbeats timed out since they were last seen alive (not yet
         declared down): the heartbeat timeout as an event, for the region core's tick."""
-        # is_fresh, read inline (every tick asks of every peer)
+        # is_fresh, read inline (every tick asks)
         limit = self.heartbeat_interval_s * self.miss_limit
+        oldest = self._oldest_live_seen
+        if oldest is None:
+            oldest = self._oldest_live_seen = min(
+                (p.last_seen for p in self.peers.values() if not p.down and p.last_seen != float("-inf")),
+                default=math.inf)
+        if now - oldest <= limit:
+            # the live peer heard from longest ago is fresh, so is every other (a later
+            # heartbeat's now - last_seen is no larger, rounding included)
+            return []
         return [r for r, p in self.peers.items()
                 if not p.down and p.last_seen != float("-inf") and not now - p.last_seen <= limit]
 
