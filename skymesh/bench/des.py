@@ -477,13 +477,15 @@ class Simulator:
         core, reps = reg.cores[k], self.replicas
         for rid in reg.replica_ids:
             e = reps[rid].engine
-            if e.num_waiting > self.max_replica_waiting:
-                self.max_replica_waiting = e.num_waiting
-            if e.num_waiting and e.num_waiting_never_admitted > self.max_replica_unadmitted:
+            waiting = e.num_waiting
+            if waiting > self.max_replica_waiting:
+                self.max_replica_waiting = waiting
+            if waiting and e.num_waiting_never_admitted > self.max_replica_unadmitted:
                 self.max_replica_unadmitted = e.num_waiting_never_admitted
             if self._exact_probes and reps[rid].state == SimReplica.LAZY:
                 self._at(reps[rid], t, _nothing)
-            core.probe(rid, ProbeSample(num_running=e.num_running, num_waiting=e.num_waiting,
+                waiting = e.num_waiting  # brought up to the probe's time
+            core.probe(rid, ProbeSample(num_running=e.num_running, num_waiting=waiting,
                                         kv_usage=e.kv_cache_usage, sent_at=t), t)
         self._dispatch(reg, k, t)
 

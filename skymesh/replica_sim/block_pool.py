@@ -5,11 +5,12 @@ for blocks and hands them back, as vLLM v1 keeps its ``BlockPool``."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 from collections.abc import Sequence
 
 import xxhash
 
+from skymesh.replica_sim.block_lru import BlockLru
 from skymesh.replica_sim.kv_events import AllBlocksCleared, StandInEvent, removed, stored
 from skymesh.replica_sim.request_state import EngineRequest
 
@@ -40,12 +41,14 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # per block: reference count and the prefix hash it holds (None: not cached)
-        self._ref = [0] * num_blocks
+        # per block: reference count and the prefix hash it holds (None: not cached); the
+        # integer tables are flat arrays (an engine of thousands of blocks, a simulation
+        # of a thousand engines: no int object per block)
+        self._ref = array("i", [0]) * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         # no hash, ref 0; a stack: which free block is used first does not matter
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU order
+        self._free = array("i", range(num_blocks - 1, -1, -1))
+        self._evictable = BlockLru(num_blocks)  # cached, ref 0, LRU order
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.used = 0  # blocks with ref > 0
         self.evictions = 0
@@ -104,10 +107,10 @@ class BlockPool:
     def clear(self) -> None:
         """Every block free and uncached, whatever state the structures were left in: only
         builds fresh ones, so it cannot fail (the eviction counter is kept)."""
-        self._ref = [0] * self.num_blocks
+        self._ref = array("i", [0]) * self.num_blocks
         self._hash = [None] * self.num_blocks
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._evictable = OrderedDict()
+        self._free = array("i", range(self.num_blocks - 1, -1, -1))
+        self._evictable = BlockLru(self.num_blocks)
         self._cached = {}
         self.used = 0
         if self.kv_events is not None:
@@ -121,7 +124,7 @@ class BlockPool:
         if self._free:
             b = self._free.pop()
         elif self._evictable:
-            b, _ = self._evictable.popitem(last=False)
+            b = self._evictable.pop_oldest()
             h = self._hash[b]
             if h is not None and self._cached.get(h) == b:
                 del self._cached[h]
@@ -165,7 +168,7 @@ class BlockPool:
                 self.used -= 1
                 h = hashes[b]
                 if h is not None and cached.get(h) == b:
-                    self._evictable[b] = None  # stays cached until evicted (LRU)
+                    self._evictable.append(b)  # stays cached until evicted (LRU)
                 else:
                     hashes[b] = None
                     self._free.append(b)
@@ -195,7 +198,7 @@ class BlockPool:
         ref = self._ref
         for b in blocks:
             if ref[b] == 0:
-                del self._evictable[b]
+                self._evictable.remove(b)
                 self.used += 1
             ref[b] += 1
 

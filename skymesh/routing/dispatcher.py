@@ -97,6 +97,13 @@ class BalancerCore:
         self.lookahead = lookahead
         self.rebalance_interval_s = rebalance_interval_s
         self.replicas: dict[str, ReplicaView] = {}
+        # kept with every change to a view's ``available`` or a budget's charge (the only
+        # writers are this class's methods): the available replicas, and per available one
+        # with free slots its count (what :meth:`_free_slots` gives for an unshared budget)
+        # and their sum, so a tick's reads cost no scan of every replica
+        self._available_ids: set[str] = set()
+        self._free_slots_of: dict[str, int] = {}
+        self._free_slots_total = 0
         # highest priority first (SLO classes), FCFS within a priority
         self._queue: PriorityQueue[_Queued] = PriorityQueue()
         self._queued_prompt_tokens = 0  # the prompt tokens of every queued request
@@ -134,6 +141,14 @@ class BalancerCore:
         """Requests each replica may be pushed between probes (region-wide)."""
         return self.budget.dispatch_budget
 
+    @dispatch_budget.setter
+    def dispatch_budget(self, dispatch_budget: int) -> None:
+        """A new budget (a config reload): each replica's free slots follow at once; its
+        availability with its next event, as it always has."""
+        self.budget.dispatch_budget = dispatch_budget
+        for view in self.replicas.values():
+            self._track(view)
+
     def loads(self) -> dict[str, SiblingLoad]:
         """Per replica, what this balancer has on it (what its siblings are told)."""
         return {rid: SiblingLoad(v.in_flight, self.budget.charged(rid), self.own_pending_prefill(rid))
@@ -164,6 +179,7 @@ class BalancerCore:
             if rid not in wanted:
                 del self.replicas[rid]
                 self.budget.remove_replica(rid)
+                self._untrack(rid)
         for rid in wanted:
             if rid not in self.replicas:
                 self.replicas[rid] = ReplicaView(replica_id=rid, healthy=False, available=False)
@@ -214,6 +230,32 @@ class BalancerCore:
         rid = view.replica_id
         budget_left = self.budget.refresh(rid)
         view.available = view.healthy and view.num_waiting == 0 and budget_left and rid not in self.draining
+        self._track(view)
+
+    def _set_unavailable(self, view: ReplicaView) -> None:
+        view.available = False
+        self._track(view)
+
+    def _track(self, view: ReplicaView) -> None:
+        """After a change to ``view.available`` or its replica's budget: the available set
+        and the free slots follow."""
+        rid = view.replica_id
+        slots = 0
+        if view.available:
+            self._available_ids.add(rid)
+            slots = self.budget.free_slots(rid)
+        else:
+            self._available_ids.discard(rid)
+        old = self._free_slots_of.pop(rid, 0)
+        if slots > 0:
+            self._free_slots_of[rid] = slots
+            self._free_slots_total += slots - old
+        else:
+            self._free_slots_total -= old
+
+    def _untrack(self, replica_id: str) -> None:
+        self._available_ids.discard(replica_id)
+        self._free_slots_total -= self._free_slots_of.pop(replica_id, 0)
 
     def set_draining(self, replica_ids: Iterable[str]) -> None:
         """The members that are leaving (the controller marks them draining): none of them
@@ -221,20 +263,20 @@ class BalancerCore:
         becomes available again with its next probe."""
         self.draining = frozenset(rid for rid in replica_ids if rid in self.replicas)
         for rid in self.draining:
-            self.replicas[rid].available = False
+            self._set_unavailable(self.replicas[rid])
 
     def eject(self, replica_id: str) -> None:
         """No dispatch to ``replica_id`` at all until a probe says it is healthy again."""
         view = self.replicas[replica_id]
         view.healthy = False
-        view.available = False
+        self._set_unavailable(view)
 
     def hold(self, replica_id: str) -> None:
         """No new dispatch to ``replica_id`` until its next successful probe."""
         view = self.replicas.get(replica_id)
         if view is not None:
             self.budget.hold(replica_id)
-            view.available = False
+            self._set_unavailable(view)
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._in_flight
@@ -247,14 +289,18 @@ class BalancerCore:
         ]
 
     def any_available(self) -> bool:
-        return any(v.available for v in self.replicas.values())
+        return bool(self._available_ids)
 
     def free_dispatch_slots(self) -> int:
         """Requests the available replicas can still be sent before their next probe."""
-        return sum(self._free_slots().values())
+        if self.budget.shared:
+            # the units held here move with the siblings' messages and leases, outside
+            # this class's events: counted afresh
+            return sum(self._free_slots().values())
+        return self._free_slots_total
 
     def available_count(self) -> int:
-        return sum(1 for v in self.replicas.values() if v.available)
+        return len(self._available_ids)
 
     def role_of(self, replica_id: str) -> Role:
         """``replica_id``'s prefill/decode role (``both`` unless :meth:`set_roles` said otherwise)."""
@@ -366,7 +412,8 @@ class BalancerCore:
                 break
             q = self._queue[rid]
             views = self._views_for(q)
-            if not any(v.available for v in views.values()):
+            # every replica's views: some is available (the loop's test)
+            if views is not self.replicas and not any(v.available for v in views.values()):
                 held += 1
                 continue
             decision = self.policy.choose(q.req, views, now)

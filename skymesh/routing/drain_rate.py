@@ -170,6 +170,11 @@ class DrainRate:
         capacity = self._queue.sustainable_dispatch_rate(now, self.first_token_s())
         return max(observed, capacity)
 
+    def has_offload_rate(self, now: float) -> bool:
+        """:meth:`offload_rate_per_s` is not None now (the capacity it is floored by is
+        not computed)."""
+        return self.observed_rate(now) is not None
+
     def expected_queue_wait_s(self, now: float) -> float | None:
         """How long a request queued now would wait for its placement, at the service
         rate; None while there is too little history to go by."""

@@ -130,6 +130,11 @@ class OffloadRouter:
         self.model: RegionModel | None = None
         self.chunk_tokens = chunk_tokens
         self.peers: dict[str, PeerState] = {}
+        # kept so that a tick asks no peer when none can have timed out or lapsed: the
+        # oldest last heartbeat of a live peer (None: to be found again after a change),
+        # and the peers said to be back and not heard from (expected_until set)
+        self._oldest_live_seen: float | None = None
+        self._expecting: set[str] = set()
         # the snapshot trie: prefixes sent to each peer (target = its region) and, for the
         # predicted-TTFT trigger, dispatched locally (target = this region); a routing
         # history of regions, read through a CacheView like the replicas' caches
@@ -207,6 +212,8 @@ class OffloadRouter:
         p.forwarded_since_heartbeat = 0
         p.down = False
         p.expected_until = float("-inf")
+        self._oldest_live_seen = None
+        self._expecting.discard(region)
         return True
 
     def expect(self, region: str, now: float, replicas: int) -> bool:
@@ -221,6 +228,8 @@ class OffloadRouter:
             p = self.peers[region] = PeerState(region=region, down=True)
         p.expected_until = now + RETURN_GRACE_S
         p.expected_replicas = replicas
+        self._oldest_live_seen = None
+        self._expecting.add(region)
         return True
 
     def is_expected(self, region: str, now: float) -> bool:
@@ -231,10 +240,13 @@ class OffloadRouter:
     def lapsed_expectations(self, now: float) -> list[str]:
         """Peers said to be back whose grace ran out without a heartbeat (each returned
         once): what waited for them is decided again."""
-        out = []
+        out: list[str] = []
+        if not self._expecting:
+            return out
         for r, p in self.peers.items():
             if p.expected_until != float("-inf") and now >= p.expected_until:
                 p.expected_until = float("-inf")
+                self._expecting.discard(r)
                 if not self.is_fresh(r, now):
                     out.append(r)
         return out
@@ -252,13 +264,25 @@ class OffloadRouter:
         if p is None or p.down:
             return False
         p.down = True
+        self._oldest_live_seen = None
         return True
 
     def newly_dead(self, now: float) -> list[str]:
         """Peers whose heartbeats timed out since they were last seen alive (not yet
         declared down): the heartbeat timeout as an event, for the region core's tick."""
+        # is_fresh, read inline (every tick asks)
+        limit = self.heartbeat_interval_s * self.miss_limit
+        oldest = self._oldest_live_seen
+        if oldest is None:
+            oldest = self._oldest_live_seen = min(
+                (p.last_seen for p in self.peers.values() if not p.down and p.last_seen != float("-inf")),
+                default=math.inf)
+        if now - oldest <= limit:
+            # the live peer heard from longest ago is fresh, so is every other (a later
+            # heartbeat's now - last_seen is no larger, rounding included)
+            return []
         return [r for r, p in self.peers.items()
-                if not p.down and p.last_seen != float("-inf") and not self.is_fresh(r, now)]
+                if not p.down and p.last_seen != float("-inf") and not now - p.last_seen <= limit]
 
     def staleness_s(self, region: str, now: float) -> float:
         p = self.peers.get(region)
@@ -325,9 +349,14 @@ class OffloadRouter:
         at its balancer nothing while it has a free replica our forwards have not used up,
         else the requests ahead (its queue, plus our forwards beyond its free replicas)
         over its placement rate; then on its replica."""
+        return self._wait_at(p, self.prefill_s_per_token)
+
+    @staticmethod
+    def _wait_at(p: PeerState, s_per_token: float) -> float:
+        """:meth:`peer_wait_s` with the prefill price read once by the caller."""
         # then the prefill already on its replicas ahead of it (its advertised pending
         # prefill, spread over its replicas: the heartbeat carries no per-replica detail)
-        on_replica = self.prefill_s_per_token * p.pending_prefill_tokens / max(1, p.replicas_total)
+        on_replica = s_per_token * p.pending_prefill_tokens / max(1, p.replicas_total)
         beyond_free = p.forwarded_since_heartbeat - p.replicas_available
         if p.queue_length == 0 and beyond_free < 0:
             return on_replica
@@ -337,18 +366,24 @@ class OffloadRouter:
 
     def _fastest_peer(self, req: RoutingRequest, now: float, local_wait_s: float) -> str | None:
         src = req.origin_region or self.region
+        limit = self.heartbeat_interval_s * self.miss_limit  # is_fresh, read inline
         cands = [
             r for r, p in self.peers.items()
-            if self.allowed(src, r) and self.affordable(r, req.slo_ttft_s) and self.is_fresh(r, now)
+            if self.allowed(src, r) and self.affordable(r, req.slo_ttft_s)
+            and not p.down and now - p.last_seen <= limit
             and p.replicas_total > 0 and p.queue_length <= self.max_remote_queue
         ]
         if not cands:
             return None
         held = self.snapshot.match_per_target(req.chunk_hashes, [*cands, self.region])
-        local = local_wait_s + self._prefill_s(req, held.get(self.region, 0))
+        # _prefill_s and peer_wait_s with the model's price read once for every peer
+        s_per_token, chunk, tokens = self.prefill_s_per_token, self.chunk_tokens, req.prompt_tokens
+        local = local_wait_s + s_per_token * max(0, tokens - held.get(self.region, 0) * chunk)
         best, best_s = None, math.inf
+        peers, rtt_s = self.peers, self.rtt_s
         for r in cands:
-            remote = self.rtt_s.get(r, math.inf) + self.peer_wait_s(self.peers[r]) + self._prefill_s(req, held.get(r, 0))
+            remote = (rtt_s.get(r, math.inf) + self._wait_at(peers[r], s_per_token)
+                      + s_per_token * max(0, tokens - held.get(r, 0) * chunk))
             if remote < best_s or (remote == best_s and best is not None and r < best):
                 best, best_s = r, remote
         return best if best_s + self.min_gain_s < local else None

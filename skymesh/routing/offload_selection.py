@@ -79,7 +79,7 @@ class OffloadSelection:
         if (
             offload.enabled and queue.queue_length
             and (restricted or not queue.any_available())
-            and (not self.predicted_ttft_on or restricted or self._drain_rate.offload_rate_per_s(now) is None)
+            and (not self.predicted_ttft_on or restricted or not self._drain_rate.has_offload_rate(now))
         ):
             return self.saturated_offload(now, restricted)
         return []
@@ -94,24 +94,34 @@ class OffloadSelection:
         healthy one). Only the first ``lookahead`` requests kept here are looked at:
         further back the wait here is long, and they are reached as the head moves."""
         queue, offload = self._queue, self._offload
-        rate = self._drain_rate.offload_rate_per_s(now)
         free = queue.free_dispatch_slots()
         s_per_token = offload.prefill_s_per_token
         views = queue.replicas.values()
         # what fits in the free slots goes to an available replica; the rest to whichever
-        # healthy replica frees first
-        on_available = s_per_token * min((v.pending_prefill_tokens for v in views if v.available), default=0)
-        on_any = s_per_token * min((v.pending_prefill_tokens for v in views if v.healthy), default=0)
+        # healthy replica frees first. Each term is read once, when a request first needs
+        # it (choosing forwards changes none of them: the queue, its replicas and its rate
+        # stay as they are until the chosen leave it)
+        on_available: float | None = None
+        on_any: float | None = None
+        rate: float | None = None
+        rate_read = False
         chosen: list[Choice] = []
         kept = 0
         for req in queue.iter_queued():
             if kept >= queue.lookahead:
                 break
             if kept < free:
+                if on_available is None:
+                    on_available = s_per_token * min((v.pending_prefill_tokens for v in views if v.available),
+                                                     default=0)
                 local_wait = on_available
-            elif rate is None:
-                break  # no drain rate yet: the saturated rule after dispatch decides the rest
             else:
+                if not rate_read:
+                    rate, rate_read = self._drain_rate.offload_rate_per_s(now), True
+                if rate is None:
+                    break  # no drain rate yet: the saturated rule after dispatch decides the rest
+                if on_any is None:
+                    on_any = s_per_token * min((v.pending_prefill_tokens for v in views if v.healthy), default=0)
                 local_wait = (kept - free + 1) / rate + on_any
             region = offload.choose(req, now, local_wait)
             if region is None:

@@ -214,7 +214,9 @@ class PushBudget:
     def budget_of(self, replica_id: str) -> int:
         """Pushes this balancer may have unseen on ``replica_id``: the dispatch budget,
         or in a region of several balancers the units of it this one holds."""
-        return self.rule.units_on(replica_id, self.dispatch_budget)
+        rule = self.rule
+        # a budget of one balancer is the whole of it (CountCredit): no call per read
+        return rule.units_on(replica_id, self.dispatch_budget) if rule.shared else self.dispatch_budget
 
     def charged(self, replica_id: str) -> int:
         """This balancer's pushes to ``replica_id`` its last page does not show yet."""

@@ -265,7 +265,7 @@ class RegionCore:
         self.settings = settings
         local = self.local
         local.queue_bound = settings.queue_bound
-        local.budget.dispatch_budget = settings.dispatch_budget
+        local.dispatch_budget = settings.dispatch_budget
         local.lookahead = settings.lookahead
         local.rebalance_interval_s = settings.rebalance_interval_s
         self.offload.reconfigure(allowed=allowed, max_remote_queue=max_remote_queue, miss_limit=miss_limit,
