@@ -184,34 +184,43 @@ def test_a_result_is_reused_only_where_it_answers_the_question() -> None:
     assert asked == [StopWhen.ANY_REGION_FAILS, StopWhen.EVERY_REGION_DECIDED, None]
 
 
-def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT) once the first layouts were evaluated: the plan stops cleanly,
-    exits 130 and leaves a readable plan.json with every layout evaluated so far."""
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path, jobs: int) -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once the first
+    layouts were evaluated: the plan stops cleanly, exits 130 and leaves a readable
+    plan.json with every layout evaluated so far; its pool's workers end silently (no
+    traceback of theirs)."""
+    import os
     import signal
     import subprocess
     import sys
 
+    def own_group_and_default_sigint() -> None:
+        # a process group of its own, as a terminal's foreground job; SIGINT as a
+        # terminal's Ctrl-C finds it: a runner that started this test in the background
+        # (a non-interactive shell's `&`) hands its children SIGINT ignored, and a Python
+        # started so installs no KeyboardInterrupt handler
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     out = tmp_path / "plan"
-    argv = [sys.executable, "-m", "skymesh.cli", *PLAN_DAY, "--out", str(out)]
-    # SIGINT as a terminal's Ctrl-C finds it: a runner that started this test in the
-    # background (a non-interactive shell's `&`) hands its children SIGINT ignored, and a
-    # Python started so installs no KeyboardInterrupt handler
+    argv = [sys.executable, "-m", "skymesh.cli", *PLAN_DAY, "--jobs", str(jobs), "--out", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).resolve().parent.parent,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            cwd=Path(__file__).resolve().parent.parent, preexec_fn=own_group_and_default_sigint)
     try:
         assert proc.stdout is not None
         seen = []
         for line in proc.stdout:
             seen.append(line)
             if "layouts in" in line:  # the progress line after the first batch of layouts
-                proc.send_signal(signal.SIGINT)
+                os.killpg(proc.pid, signal.SIGINT)
                 break
         rest = proc.stdout.read()
         assert proc.wait() == 130, "".join(seen) + rest
+        assert "Traceback" not in rest, rest
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     report = json.loads((out / "plan.json").read_text())
     assert report["interrupted"] is True and "interrupted" in rest

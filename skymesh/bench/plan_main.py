@@ -39,6 +39,7 @@ from skymesh.bench.plan import Attainment, Layout, PlanError, Search, plan_regio
 from skymesh.bench.plan_estimate import estimate_layout
 from skymesh.bench.verdict import StopWhen, VerdictWatch
 from skymesh.hardware import PROFILES
+from skymesh.runtime.procs import quiet_pool_worker
 
 # sim options that mean nothing to a plan (it chooses the replicas and the systems itself)
 NOT_FOR_PLAN = {"systems", "replicas", "region_replicas", "rates", "goodput_search", "resolution", "windows",
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     trials: dict[str, list[dict[str, Any]]] = {}
     days: dict[str, dict[str, Any]] = {}
     early: dict[str, dict[str, Any]] = {}
-    pool = ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else None
+    pool = ProcessPoolExecutor(max_workers=args.jobs, initializer=quiet_pool_worker) if args.jobs > 1 else None
     searches: dict[str, Evaluator] = {}
     try:
         for label, system in systems.items():

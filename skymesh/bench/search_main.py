@@ -34,6 +34,7 @@ from skymesh.bench.sim_setup import (
 )
 from skymesh.bench.traces import fit_to_context, lru_hit_rate, oracle_hit_rate
 from skymesh.hardware import PROFILES
+from skymesh.runtime.procs import quiet_pool_worker
 
 # the attainment a rate must reach to count in the goodput (skymesh/bench/ranking.py)
 GOODPUT_TARGET = 0.9
@@ -118,7 +119,7 @@ def run_search(args: argparse.Namespace) -> int:
     jobs = [(s, i) for s in systems for i in range(len(vs))]
     results: dict[tuple[str, int], dict[str, Any]] = {}
     if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        with ProcessPoolExecutor(max_workers=args.jobs, initializer=quiet_pool_worker) as pool:
             futs = {pool.submit(search_one, args, s, vs[i]): (s, i) for s, i in jobs}
             for f in as_completed(futs):
                 results[futs[f]] = f.result()

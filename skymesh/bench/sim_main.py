@@ -50,6 +50,7 @@ from skymesh.bench.sim_setup import (
 )
 from skymesh.bench.traces import fit_to_context, oracle_hit_rate
 from skymesh.hardware import PROFILES
+from skymesh.runtime.procs import quiet_pool_worker
 
 # the `skymesh sim` command (skymesh/cli.py): its options are the shared ones (sim_setup.py)
 __all__ = ["add_arguments", "run"]
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[tuple[str, float], dict[str, Any]] = {}
     t_start = time.perf_counter()
     if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        with ProcessPoolExecutor(max_workers=args.jobs, initializer=quiet_pool_worker) as pool:
             futs = {pool.submit(run_one, args, s, r, False): (s, r) for s, r in jobs}
             with tqdm(total=len(jobs), desc="simulations", unit="run") as bar:
                 from concurrent.futures import as_completed

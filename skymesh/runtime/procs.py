@@ -76,6 +76,18 @@ def _load_prctl() -> Callable[..., int] | None:
 _PRCTL = _load_prctl()
 
 
+def _exit_on_interrupt(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
+
+
+def quiet_pool_worker() -> None:
+    """A process pool's worker initializer: Ctrl-C (SIGINT, sent to the whole foreground
+    process group) ends a worker at once and silently. The parent owns the interrupt: it
+    stops the pool and says what was found; the workers hold no state to save (each
+    simulates one layout or rate), and without this each printed its traceback."""
+    signal.signal(signal.SIGINT, _exit_on_interrupt)
+
+
 def die_with_parent_preexec(parent_pid: int, sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child get ``sig`` when its parent dies; None where
     the platform has no ``PR_SET_PDEATHSIG``. If the parent died before the ``prctl``
