@@ -35,7 +35,7 @@ from controller.balancer_members import MemberState
 from controller.core import balancer_liveness, failover
 from controller.core.drain import MemberLoad
 from controller.core.recovery import recovered_region
-from controller.core.region_state import Now, RegionRecord, RegionState
+from controller.core.region_state import Now, RegionState
 from controller.entry_targets import EntryTargets
 from controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from controller.metrics import ControllerMetrics
@@ -126,26 +126,6 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
             self.entry = EntryTargets(cfg.regions, self.metrics.registry)
 
     # ------------------------------------------------------------------ regions
-
-    @property
-    def balancers(self) -> dict[str, RegionRecord]:
-        """region -> its record as one endpoint."""
-        return {name: state.record for name, state in self.regions.items()}
-
-    @property
-    def members(self) -> dict[str, list[MemberState]]:
-        """region -> its balancers."""
-        return {name: state.members for name, state in self.regions.items()}
-
-    @property
-    def reports(self) -> dict[str, dict[str, Any]]:
-        """region -> its latest report's admin JSON (shown by status as sent)."""
-        return {name: s.last_admin for name, s in self.regions.items() if s.last_admin is not None}
-
-    @property
-    def last_reports(self) -> dict[str, Any]:
-        """region -> its latest BalancerReport (GetStatus)."""
-        return {name: s.last_report for name, s in self.regions.items() if s.last_report is not None}
 
     def _refresh_region(self, state: RegionState, now: Now) -> bool:
         """The region's record from its members (controller.core.failover.refresh_region),
@@ -590,7 +570,9 @@ class ControllerService(mesh_pb2_grpc.ControllerServicer):
                  *self.membership.loops()]
         if self.entry is not None:
             entry = self.entry
-            loops.append(("entry-targets", lambda: entry.run(self.members, lambda: self.cfg.controller.probe_interval_s),
+            loops.append(("entry-targets",
+                          lambda: entry.run({name: st.members for name, st in self.regions.items()},
+                                            lambda: self.cfg.controller.probe_interval_s),
                           interval))
         for name, body, backoff_s in loops:
             self._tasks.append(SupervisedLoop(

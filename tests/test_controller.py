@@ -434,7 +434,7 @@ async def test_register_and_report_count_as_liveness(tmp_path: Path) -> None:
             # a report from an older registration (an epoch below the issued one) is ignored
             await use1_stub.Report(mesh_pb2.BalancerReport(region="us-east-1", epoch=reg.epoch - 1, queue_length=99,
                                                       admin_json='{"stale": true}'), timeout=5)
-            assert "us-east-1" not in svc.reports and "us-east-1" not in svc.last_reports
+            assert svc.regions["us-east-1"].last_admin is None and svc.regions["us-east-1"].last_report is None
             st = await stub.GetStatus(mesh_pb2.StatusRequest(), timeout=5)
             rs = {r.region: r for r in st.regions}
             assert rs["eu-west-1"].balancer_id == "euw1-b" and rs["eu-west-1"].last_report.queue_length == 1

@@ -166,7 +166,7 @@ class Reporter:
 
 
 def member_alive(svc: ControllerService, balancer_id: str) -> bool:
-    return next(m.alive for m in svc.members[US] if m.balancer_id == balancer_id)
+    return next(m.alive for m in svc.regions[US].members if m.balancer_id == balancer_id)
 
 
 def taken_out(svc: ControllerService, reason: str) -> float:

@@ -218,7 +218,7 @@ async def test_every_instance_of_a_registered_fleet_is_its_own_member_matched_by
     # the state file kept every member and its own epoch (read as a restarted controller does)
     restarted = ControllerService(cfg)
     try:
-        recovered = {m.key: m for m in restarted.members[US]}
+        recovered = {m.key: m for m in restarted.regions[US].members}
         assert recovered["i-0bbbbbbbb"].instance_epoch == 2000 and not recovered["i-0aaaaaaaa"].alive
     finally:
         restarted.store.close()

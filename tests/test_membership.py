@@ -225,7 +225,7 @@ def test_the_topology_carries_dynamic_replicas_to_the_owner_of_their_home_region
         assert replicas_of("eu-west-1")["new-1"] == ("http://10.0.0.9:8000", "eu-west-1", False)
         assert replicas_of("eu-west-1")["new-2"] == ("http://10.0.0.8:8000", "eu-west-1", True)
         # eu-west-1's balancer is dead: its nearest live region adopts its dynamic replicas too
-        svc.balancers["eu-west-1"].alive = False
+        svc.regions["eu-west-1"].record.alive = False
         adopter = next(b.region for b in svc.topology().balancers
                        if any(x.replica_id == "new-1" for x in b.replicas))
         assert adopter != "eu-west-1"

@@ -70,7 +70,7 @@ def register_request(cfg: MeshConfig, region: str, **overrides: Any) -> Any:
 
 def snapshot(svc: ControllerService) -> tuple[Any, ...]:
     """What a forged call must not change: the balancers' records, the topology, DNS."""
-    return (repr(svc.balancers), svc.version, repr(svc.endpoints()))
+    return (repr({name: s.record for name, s in svc.regions.items()}), svc.version, repr(svc.endpoints()))
 
 
 @contextlib.asynccontextmanager
@@ -191,7 +191,7 @@ async def test_forged_registers_are_rejected_and_change_nothing(tmp_path: Path) 
                 mesh_pb2.DeregisterRequest(region="us-east-1", balancer_id="not-the-one", epoch=HUGE_EPOCH), timeout=5)
             assert not reply.accepted
         assert snapshot(svc) == before
-        assert svc.balancers["us-east-1"].http_url == cfg.region("us-east-1").balancer.advertise_url
+        assert svc.regions["us-east-1"].record.http_url == cfg.region("us-east-1").balancer.advertise_url
         # the refusals past the TLS handshake are counted on the controller's /metrics
         page = svc.metrics.render().decode()
         assert 'skymesh_controller_rejected_calls_total{reason="wrong_identity"} 3.0' in page.splitlines()
@@ -208,7 +208,7 @@ async def test_the_controller_issues_epochs_and_ignores_the_callers(tmp_path: Pa
         reply = await call_register(cfg, secure_channel(addr, use1, CONTROLLER_SERVER_NAME),
                                     register_request(cfg, "us-east-1", epoch=HUGE_EPOCH))
         assert reply.accepted and reply.epoch == 1
-        assert svc.balancers["us-east-1"].epoch == 1
+        assert svc.regions["us-east-1"].record.epoch == 1
         # the real balancer (re)registers with a small epoch of its own: still accepted,
         # and its reports with the issued epoch count
         reply = await call_register(cfg, secure_channel(addr, use1, CONTROLLER_SERVER_NAME),
@@ -218,15 +218,15 @@ async def test_the_controller_issues_epochs_and_ignores_the_callers(tmp_path: Pa
             stub = mesh_pb2_grpc.ControllerStub(ch)
             await stub.Report(mesh_pb2.BalancerReport(region="us-east-1", balancer_id="use1-real",
                                                       epoch=HUGE_EPOCH, admin_json='{"n": 1}'), timeout=5)
-            assert svc.reports["us-east-1"] == {"n": 1}
-            assert svc.balancers["us-east-1"].epoch == 2  # a larger claimed epoch is not believed
+            assert svc.regions["us-east-1"].last_admin == {"n": 1}
+            assert svc.regions["us-east-1"].record.epoch == 2  # a larger claimed epoch is not believed
             await stub.Report(mesh_pb2.BalancerReport(region="us-east-1", balancer_id="use1-real",
                                                       epoch=reply.epoch, admin_json='{"n": 2}'), timeout=5)
-            assert svc.reports["us-east-1"] == {"n": 2}
+            assert svc.regions["us-east-1"].last_admin == {"n": 2}
             # an older registration's report is stale
             await stub.Report(mesh_pb2.BalancerReport(region="us-east-1", epoch=1, admin_json='{"n": 3}'),
                               timeout=5)
-            assert svc.reports["us-east-1"] == {"n": 2}
+            assert svc.regions["us-east-1"].last_admin == {"n": 2}
     # the issued epoch survives a controller restart: it never repeats
     async with running_controller(cfg):
         reply = await call_register(cfg, secure_channel(addr, use1, CONTROLLER_SERVER_NAME),
@@ -345,11 +345,11 @@ async def test_happy_path_two_balancers_and_the_controller(tmp_path: Path) -> No
             async def meshed() -> bool:
                 return ("eu-west-1" in balancer_a.core.offload.peers and "us-east-1" in balancer_b.core.offload.peers
                         and all(link.controller_epoch for link in links)
-                        and {"us-east-1", "eu-west-1"} <= set(svc.reports))
+                        and {"us-east-1", "eu-west-1"} <= {name for name, s in svc.regions.items() if s.last_admin is not None})
 
             await wait_until(meshed, "heartbeats exchanged, both registered and reporting", within_s=20)
             assert a.rejected_heartbeats == {} and b.rejected_heartbeats == {}
-            assert svc.balancers["us-east-1"].balancer_id == "us-east-1-1"
+            assert svc.regions["us-east-1"].record.balancer_id == "us-east-1-1"
             assert balancer_a.controller_connected and balancer_b.controller_connected
         finally:
             for svc_ in (*links, a, b):
