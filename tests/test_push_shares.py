@@ -228,6 +228,40 @@ def test_units_of_a_replica_are_leased_to_the_sibling_that_wants_it_and_come_bac
     fleet.assert_exclusive()
 
 
+def test_members_sharing_a_replicas_units_lend_only_what_stayed_unused_a_while() -> None:
+    """Two members hold one unit each of every replica. One pushes on its unit of r0 in
+    every other round while the other wants r0: the unit is free only between pushes, and
+    is not lent into those gaps (a grant and a recall each time, for nothing); left
+    unused for ``want_memory_s``, it is lent."""
+    fleet = Fleet.of(2, 2, seed=3)
+    settle(fleet)
+    b0, b1 = fleet.shares
+    assert b0.units_on("r0") == 1 and b1.units_on("r0") == 1
+    fleet.queues["b1"], fleet.wants["b1"] = 5, {"r0": 1}
+    for i in range(30):
+        fleet.unseen["b0"]["r0"] = i % 2  # pushed, then seen: free at every other step
+        fleet.tick(0.01, 0.002)
+        assert b1.units_on("r0") == 1 and not b0.grants, f"lent into a gap at t={fleet.now:.2f}"
+    fleet.unseen["b0"]["r0"] = 0
+    idle(fleet, b0.want_memory_s + 0.05)
+    assert b1.units_on("r0") == 2 and b0.units_on("r0") == 0
+
+
+def test_a_member_with_no_unit_of_a_replica_borrows_it_at_once() -> None:
+    """Budget 1: each replica's one unit has one home. The other member, wanting it, gets
+    it as soon as the home's push on it was seen (it has no unit of its own there)."""
+    fleet = Fleet.of(2, 1, seed=3)
+    settle(fleet)
+    b0, b1 = fleet.shares
+    r = next(r for r in REPLICAS if b0.units_on(r) == 1)
+    fleet.unseen["b0"][r] = 1
+    fleet.tick(0.01, 0.002)
+    fleet.unseen["b0"][r] = 0  # seen
+    fleet.queues["b1"], fleet.wants["b1"] = 5, {r: 1}
+    settle(fleet, 5)
+    assert b1.units_on(r) == 1 and b0.units_on(r) == 0
+
+
 def test_a_recalled_lease_in_use_is_given_back_only_once_free() -> None:
     fleet = Fleet.of(2, 1, seed=5)
     fleet.queues["b1"] = 10

@@ -21,6 +21,9 @@ under message loss and delay, a member's death, a stalled loop and bounded clock
 - **Leases, not consensus.** A home lends units it is not using to the siblings that want
   that replica (their picks went elsewhere for lack of a unit there), all grants of a
   round in one message, each valid for ``lease_s`` from the moment the message was built.
+  A sibling that holds a home unit of the replica itself borrows only a unit left unused
+  here for ``want_memory_s`` (a keepalive), so members under like demand do not trade one
+  unit back and forth at every gap between pushes.
   A borrower uses a leased unit until it releases it or the lease ends (on its own clock:
   a borrower whose loop stalled finds the lease over when it resumes), with no
   acknowledgement per use. The home renews a grant in every message while the borrower
@@ -148,6 +151,9 @@ class PushShares:
     want_memory_s: float = 0.25
     _wanted: dict[str, tuple[float, int]] = field(default_factory=dict)
     _fenced_at: float | None = None
+    # replica -> the last step at which this balancer had a push unseen there (a sibling
+    # with a home unit of its own there borrows only a unit left unused for want_memory_s)
+    _in_use_at: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -193,6 +199,7 @@ class PushShares:
         self.grants = {u: g for u, g in self.grants.items() if u.replica_id in keep}
         self.leases = {u: ls for u, ls in self.leases.items() if u.replica_id in keep}
         self.released = {u: r for u, r in self.released.items() if u.replica_id in keep}
+        self._in_use_at = {r: at for r, at in self._in_use_at.items() if r in keep}
         self._count_held()
 
     def set_members(self, sibling_ids: Iterable[str], *, self_listed: bool = True) -> None:
@@ -244,6 +251,9 @@ class PushShares:
             self._fenced_at = None
         self._last_step_at = now
         self._unseen = unseen_pushes
+        for r, n in unseen_pushes.items():
+            if n > 0:
+                self._in_use_at[r] = now
         wants = self._remember_wants(wants, now)
         homes = self._homes()
         self._homes_now = homes
@@ -431,7 +441,12 @@ class PushShares:
 
     def _lend(self, wants: Mapping[str, int], now: float) -> None:
         """Lend what this balancer does not use of its home units to the siblings that want
-        their replica, the one wanting it most first."""
+        their replica, the one wanting it most first. A sibling that holds a home unit of
+        that replica itself borrows only once this balancer has had no push unseen there
+        for ``want_memory_s``: members that share a replica's units under like demand
+        would otherwise lend each other the unit in every gap between pushes, a grant and
+        a recall (two messages) each time, for no request placed sooner on the whole; a
+        sibling with no unit of its own there gets one at once (it has no other way in)."""
         if self._fenced_at is not None:
             return
         takers: dict[str, list[tuple[int, str]]] = {}
@@ -439,7 +454,8 @@ class PushShares:
             if not self._heard_recently(sid, now):
                 continue  # a draining sibling still borrows: it serves what its kept-alive connections bring
             for r, n in s.state.wants.items():
-                if n > 0:
+                if n > 0 and (self._lacks_home_unit(s.state, sid, r)
+                              or now - self._in_use_at.get(r, float("-inf")) >= self.want_memory_s):
                     takers.setdefault(r, []).append((-n, sid))
         if not takers:
             return
@@ -465,6 +481,11 @@ class PushShares:
                 counts[sid] -= 1
                 if counts[sid] <= 0:
                     who.pop(0)
+
+    def _lacks_home_unit(self, state: ShareState, sid: str, replica_id: str) -> bool:
+        """The sibling ``sid`` holds no home unit of ``replica_id`` (as it last said)."""
+        homes = self._homes_now or self._homes()
+        return not any(u.replica_id == replica_id and self._home(u, homes) == sid for u in state.held)
 
     def units_in_use(self) -> frozenset[Unit]:
         """The units this balancer may push on, or may still have pushes unseen on (what
