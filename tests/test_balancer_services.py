@@ -193,3 +193,27 @@ async def test_controller_link_and_report_loops_restart_after_a_bug(monkeypatch:
         await link.stop()
         await server.stop(grace=0)
     assert link._task is not None and link._task.done()
+
+
+async def test_a_dispatch_round_that_moves_availability_wakes_the_heartbeat_senders() -> None:
+    """The heartbeat goes out in the dispatch round that moved the region's availability
+    (PeerMesh listens to dispatch rounds), not at the next poll of its state: the poll is
+    only a safety net, once a heartbeat interval."""
+    balancer = fake_balancer("a", free_port(), {})
+    mesh = PeerMesh(balancer, balancer)
+    sender = asyncio.Event()
+    mesh._subscribers.add(sender)  # what each outgoing stream waits on
+    core = balancer.core
+    core.set_replicas(["r0"], 0.0)
+    for listener in balancer.dispatch_listeners:  # a round that moved nothing yet
+        listener()
+    sender.clear()
+    for listener in balancer.dispatch_listeners:  # nothing moved: nobody woken
+        listener()
+    assert not sender.is_set()
+    now = asyncio.get_running_loop().time()
+    core.probe("r0", ProbeSample(), now)  # r0 available: the region's availability moved
+    core.tick(now)
+    for listener in balancer.dispatch_listeners:  # the round's end, as the daemon calls them
+        listener()
+    assert sender.is_set()

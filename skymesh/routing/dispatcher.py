@@ -313,7 +313,10 @@ class BalancerCore:
 
     def available_for_new_requests(self) -> int:
         """Of :meth:`replicas_for_new_requests`, those available now (selective pushing)."""
-        return sum(1 for rid, v in self.replicas.items() if v.available and rid not in self._decode_only)
+        # the kept available set, not a scan: every dispatch round asks (the heartbeat)
+        if not self._decode_only:
+            return len(self._available_ids)
+        return sum(1 for rid in self._available_ids if rid not in self._decode_only)
 
     def sustainable_dispatch_rate(self, now: float, first_token_s: float) -> float:
         """Requests per second the replicas can at least be sent from the queue, from
