@@ -101,6 +101,8 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
 
 def pools(system: str, replicas: int) -> tuple[str, int, int]:
     """(rule or ``vllm-router``, P, D) of a system name."""
+    if "+" in system:
+        raise ValueError(f"{system}: the live comparison runs each rule with its default options")
     rule, (p, d) = parse_system(system, replicas)
     if rule == VLLM_ROUTER and (p < 1 or d < 1 or p + d != replicas):
         raise ValueError(f"{system}: vllm-router's P/D mode needs P + D = {replicas} replicas, each >= 1")

@@ -16,7 +16,9 @@ which at least 90% count, found by bisection (skymesh/bench/ranking.py) on every
   ``both``, where the conductor chooses per request between whole and split);
 - ``elastic@P:D``: the conductor over roles that follow the load (``elastic@0:0``: every
   replica ``both``, and every 2 s the rule's role plan sets k of them decode-only and the
-  rest prefill-only, k = 0 being aggregated: skymesh/routing/pairing/elastic.py).
+  rest prefill-only, k = 0 being aggregated: skymesh/routing/pairing/elastic.py);
+- ``rule@P:D+option``: any of them with a boolean option of its rule set (``+`` again for
+  more), e.g. ``conductor@6:2+prefill_pool``.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.pd_split --workloads long,chat,conversation \\
         --seeds 0,1 --jobs 2 --out bench-out/pd_split.json [--png FIG.png]
@@ -57,8 +59,17 @@ TRACE_WINDOW_S = 600.0
 TARGET = 0.9
 
 
+def system_options(system: str) -> dict[str, bool]:
+    """``rule@P:D+a+b`` -> {"a": True, "b": True} (the rule's options; the registry
+    refuses a name the rule does not have)."""
+    _, *flags = system.split("+")
+    return dict.fromkeys(flags, True)
+
+
 def parse_system(system: str, replicas: int) -> tuple[str, tuple[int, int]]:
-    """``rule@P:D`` -> (rule, (P, D)); ``aggregated`` -> ("never", (0, 0))."""
+    """``rule@P:D`` (options after ``+`` left out) -> (rule, (P, D)); ``aggregated`` ->
+    ("never", (0, 0))."""
+    system = system.split("+")[0]
     if system == "aggregated":
         return "never", (0, 0)
     rule, _, split = system.partition("@")
@@ -81,7 +92,8 @@ def attainment(args: argparse.Namespace, system: str, name: str, seed: int, rate
                trace: Sequence[TraceRequest] | None) -> dict[str, float]:
     rule, split = parse_system(system, args.replicas)
     cfg = SimConfig(regions={REGION: args.replicas}, profile=args.profile, block_size=args.block_size,
-                    pd_split={REGION: split}, pair_rule=rule, tbt_slo_s=args.tbt, record_tbt=True)
+                    pd_split={REGION: split}, pair_rule=rule, pair_options=system_options(system),
+                    tbt_slo_s=args.tbt, record_tbt=True)
     reqs = workload(name, seed, rate, trace)
     watch = None
     if not args.no_early_stop:

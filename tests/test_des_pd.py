@@ -351,3 +351,14 @@ def test_the_conductor_refuses_what_no_pair_serves_in_time_only_where_the_region
     for rid, rep in sim.replicas.items():
         e = rep.engine
         assert e.held == {} and not e.running and not e.waiting and not e.requests, rid
+
+
+def test_a_pd_split_system_name_carries_its_rules_boolean_options() -> None:
+    from benchmarks.pd_split import parse_system, system_options
+
+    assert parse_system("conductor@6:2+prefill_pool", 8) == ("conductor", (6, 2))
+    assert system_options("conductor@6:2+prefill_pool+whole_on_decode") == {"prefill_pool": True,
+                                                                           "whole_on_decode": True}
+    assert system_options("conductor@6:2") == {} and parse_system("aggregated", 8) == ("never", (0, 0))
+    with pytest.raises(ValueError):
+        parse_system("always@6:3+prefill_pool", 8)

@@ -181,6 +181,74 @@ def test_conductor_matches_brute_force_on_random_pools() -> None:
     assert all(n > 0 for n in seen.values()), seen
 
 
+def test_conductor_with_a_prefill_pool_matches_brute_force_on_random_pools() -> None:
+    """``prefill_pool``: Algorithm 1 over every available prefill-capable replica the
+    request may run on, each split priced from it to each decode replica; the policy's
+    pick keeps the whole placement and ties (it is priced first)."""
+    rng = random.Random(381)
+    moved = 0
+    for i in range(600):
+        m, req, p, views, roles, excluded = random_case(rng, i)
+        ctx = context(m)
+        rule = Conductor(ConductorOptions(prefill_pool=True), ctx)
+        pricing = PairPricing(ctx)
+        choice = rule.choose(req, Decision(p, "policy", matched_tokens=0), views, roles, excluded, NOW)
+        decoders = decoders_of(pricing, req, views, roles, excluded)
+        prefills = [p] + [q for q, v in views.items() if q != p and q not in excluded and v.available and v.healthy
+                          and roles.get(q, "both") != "decode"]
+        matched = pricing.matched(req, list(dict.fromkeys([*prefills, *decoders])))
+        cands = []
+        if does_decode(roles.get(p, "both")) and p in decoders:
+            cands.append(pricing.aggregated(req, views[p], matched[p], NOW))
+        cands += [pricing.split(req, views[q], views[d], matched[q], matched[d], NOW)
+                  for q in prefills for d in decoders if d != q]
+        if not cands:
+            assert choice is None, (i, choice)
+            continue
+        assert choice is not None, i
+        ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else ctx.ttft_slo_s
+        tbt_slo = req.slo_tpot_s if req.slo_tpot_s is not None else ctx.tbt_slo_s
+        fit = [c for c in cands if c.ttft_s <= ttft_slo and c.tbt_s <= tbt_slo]
+        if fit:
+            keys = [(c.ttft_s, c.decode is not None) for c in fit]
+            pool = fit
+        else:
+            keys = [(max(c.ttft_s / ttft_slo, c.tbt_s / tbt_slo), c.decode is None) for c in cands]
+            pool = cands
+        best = min(keys)
+        winners = {(c.prefill, c.decode): c for c, k in zip(pool, keys, strict=True) if k == best}
+        got = (choice.prefill_replica_id, choice.decode_replica_id)
+        assert got in winners, (i, got, sorted(winners, key=str))
+        assert choice.predicted_ttft_s == pytest.approx(winners[got].ttft_s, rel=1e-12)
+        assert choice.matched_tokens == matched[choice.prefill_replica_id]
+        if choice.prefill_replica_id != p:
+            moved += 1
+            assert views[choice.prefill_replica_id].available and choice.prefill_replica_id not in excluded
+            assert roles.get(choice.prefill_replica_id, "both") != "decode"
+    assert moved > 0  # the pool moves some prefills off the policy's pick
+
+
+def test_conductor_prefill_pool_takes_the_idle_replica_over_the_policys_queued_pick() -> None:
+    m = model()
+    ctx = context(m, ttft_slo_s=2.0, tbt_slo_s=0.1)
+    req = request(0, 8000, 200)
+    p = ReplicaView("p", pending_prefill_tokens=120_000)  # a long prefill queue
+    q = ReplicaView("q")  # idle, holds as much of the prompt (nothing)
+    d = ReplicaView("d", num_running=2)
+    views = {"p": p, "q": q, "d": d}
+    roles: dict[str, Role] = {"p": "prefill", "q": "prefill", "d": "decode"}
+    kept = Conductor(ConductorOptions(), ctx).choose(req, Decision("p"), views, roles, set(), NOW)
+    assert kept is not None and kept.prefill_replica_id == "p"
+    pooled = Conductor(ConductorOptions(prefill_pool=True), ctx).choose(req, Decision("p"), views, roles, set(), NOW)
+    assert pooled is not None and (pooled.prefill_replica_id, pooled.decode_replica_id) == ("q", "d")
+    assert pooled.predicted_ttft_s is not None and kept.predicted_ttft_s is not None
+    assert pooled.predicted_ttft_s < kept.predicted_ttft_s
+    # q busy (no unit free for a push), excluded, or decode-only: the pick stays p
+    q.available = False
+    assert Conductor(ConductorOptions(prefill_pool=True), ctx).choose(
+        req, Decision("p"), views, roles, set(), NOW).prefill_replica_id == "p"
+
+
 def test_conductor_splits_where_decoding_beside_prefill_breaks_tbt() -> None:
     m = model()
     ctx = context(m, tbt_slo_s=0.05, ttft_slo_s=5.0)

@@ -19,7 +19,7 @@ class PairingConfig(ConfigModel):
     # (Mooncake's Algorithm 1), elastic (the conductor over roles that follow the load):
     # skymesh/routing/pair_registry.py
     rule: PairRuleConfigName = "never"
-    # the rule's options by name (threshold_tokens, whole_on_decode)
+    # the rule's options by name (threshold_tokens, whole_on_decode, prefill_pool)
     options: dict[str, Any] = Field(default_factory=dict)
     # Mooncake's TBT target: the mean of a request's longest 10% token intervals
     tbt_slo_s: Annotated[Float, Field(gt=0, le=60)] = 0.1

@@ -10,8 +10,11 @@ Retry-After, Algorithm 1's rejection) where the region rejects early
 (``PairContext.refuse_unmet``); otherwise, and for a peer's forward, the one that misses
 them least (the largest ratio of prediction to target) is taken, a split on a tie.
 
-Not modelled: pulling a better cached prefix from another replica to the prefill replica
-(Mooncake's ``kvcache_balancing_threshold``); the policy's pick is the prefill replica."""
+The prefill replica is the policy's pick, or with ``prefill_pool`` the one of every
+available prefill-capable replica whose split is priced lowest (Algorithm 1's prefill
+instance: its queue, the prefill of what it does not hold and the KV's move to the decode
+instance). Not modelled: pulling a better cached prefix from another replica to the
+prefill replica (Mooncake's ``kvcache_balancing_threshold``)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from skymesh.routing.pairing.base import PairChoice, PairOptions, Role, does_decode
+from skymesh.routing.pairing.base import PairChoice, PairOptions, Role, does_decode, does_prefill
 from skymesh.routing.pairing.pricing import Candidate, PricedRule
 
 if TYPE_CHECKING:
@@ -35,6 +38,12 @@ class ConductorOptions(PairOptions):
     # price of this one request does not show (on the long-context day it let decode
     # replicas fill with prefill until no placement met the TBT target)
     whole_on_decode: bool = False
+    # also price a split from every other available prefill-capable replica the request
+    # may run on, not only from the policy's pick: Algorithm 1's prefill instance, by its
+    # predicted TTFT with the KV's move to each decode instance (the policy's pick keeps
+    # ties and the whole placement). Off by default: it overrides the policy's cache and
+    # load balance with one request's price (docs/benchmarks.md, "Prefill/decode pairs")
+    prefill_pool: bool = False
 
 
 class Conductor(PricedRule):
@@ -48,19 +57,20 @@ class Conductor(PricedRule):
         assert p is not None
         pricing = self.pricing
         decoders = self.decoders(req, views, roles, excluded)
-        matched = pricing.matched(req, list(dict.fromkeys([p, *decoders])))
+        prefills = [p]
+        if self.options.prefill_pool:
+            prefills += [q for q, v in views.items()
+                         if q != p and q not in excluded and v.available and v.healthy
+                         and does_prefill(roles.get(q, "both"))]
+        matched = pricing.matched(req, list(dict.fromkeys([*prefills, *decoders])))
         pv = views[p]
         whole: list[Candidate] = []
         if does_decode(roles.get(p, "both")) and p in decoders:
             whole.append(pricing.aggregated(req, pv, matched[p], now))
-        split: list[Candidate] = []
-        for d in decoders:
-            if d == p:
-                continue
-            dv = views[d]
-            if self.options.whole_on_decode and dv.available:
-                whole.append(pricing.aggregated(req, dv, matched[d], now))
-            split.append(pricing.split(req, pv, dv, matched[p], matched[d], now))
+        if self.options.whole_on_decode:
+            whole += [pricing.aggregated(req, views[d], matched[d], now) for d in decoders
+                      if d != p and views[d].available]
+        split = pricing.splits(req, [views[q] for q in prefills], [views[d] for d in decoders], matched, now)
         return whole + split
 
     def choose(self, req: RoutingRequest, decision: Decision, views: Mapping[str, ReplicaView],

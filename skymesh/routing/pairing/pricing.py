@@ -139,11 +139,26 @@ class PairPricing:
               matched_decode: int, now: float) -> Candidate:
         """Prefill on ``prefill``, the KV ``decode`` lacks moved there, decode on ``decode``
         (which recomputes the prompt's last token, as vLLM's decode side does)."""
-        transfer = self.transfer_s(req, prefill.replica_id, decode.replica_id, matched_decode)
-        first_step = self.decode_step_s(req, decode, decode.pending_prefill_tokens)
-        ttft = self.prefill_ttft_s(req, prefill, matched_prefill) + transfer + first_step
-        return Candidate(prefill.replica_id, decode.replica_id, ttft, self.tbt_s(req, decode, now), matched_prefill,
-                         transfer)
+        return self.splits(req, [prefill], [decode], {prefill.replica_id: matched_prefill,
+                                                      decode.replica_id: matched_decode}, now)[0]
+
+    def splits(self, req: RoutingRequest, prefills: list[ReplicaView], decodes: list[ReplicaView],
+               matched: Mapping[str, int], now: float) -> list[Candidate]:
+        """:meth:`split` for every pair of a prefill in ``prefills`` and another replica in
+        ``decodes`` (by prefill, then decode), each replica's own part priced once."""
+        prefill_s = [(p, self.prefill_ttft_s(req, p, matched[p.replica_id])) for p in prefills]
+        decode_parts = [(d, self.decode_step_s(req, d, d.pending_prefill_tokens), self.tbt_s(req, d, now))
+                        for d in decodes]
+        out = []
+        for p, ttft_p in prefill_s:
+            pid = p.replica_id
+            for d, first_step, tbt in decode_parts:
+                did = d.replica_id
+                if did == pid:
+                    continue
+                transfer = self.transfer_s(req, pid, did, matched[did])
+                out.append(Candidate(pid, did, ttft_p + transfer + first_step, tbt, matched[pid], transfer))
+        return out
 
 
 class PricedRule:
