@@ -159,6 +159,32 @@ def test_configured_roles_are_kept_and_a_request_priced_again_counts_once() -> N
     assert lone.k == 0
 
 
+def test_a_lost_decode_replica_is_replaced_at_once_not_at_the_next_decision() -> None:
+    vs = views(4)
+    plan = RolePlan(ElasticOptions(interval_s=2.0, min_requests=10), CAP)
+    plan.plan({}, vs, 0.0)
+    roles = decide(plan, vs, 2.0, whole_misses=20)
+    assert roles is not None and plan.k == 1
+    (down,) = plan.decode_ids
+    vs[down].healthy = False
+    others = [rid for rid in vs if rid != down]
+    vs[others[0]].pending_prefill_tokens = 5000  # the other two have less prefill ahead
+    # 0.1 s later, with no request priced since: the plan does not wait for its interval
+    roles = plan.plan({}, vs, 2.1)
+    assert roles is not None and plan.k == 1
+    (new,) = plan.decode_ids
+    assert new != down and vs[new].healthy and new != others[0]
+    assert roles[new] == "decode" and roles[down] == "prefill"  # back in the pool (it takes nothing while down)
+    assert plan.plan({}, vs, 2.2) is None  # replaced once; the interval's decision stands at 2.0
+    # every replica but the lost one's stand-in down: the decode side is empty, not a dead one
+    for rid in vs:
+        if rid != new:
+            vs[rid].healthy = False
+    vs[new].healthy = False
+    roles = plan.plan({}, vs, 2.3)
+    assert roles is not None and plan.k == 0 and all(r == "both" for r in roles.values())
+
+
 def model() -> RegionModel:
     per_token, fixed = H100.ttft_seed()
     return RegionModel(chunk_tokens=CHUNK, prefill_s_per_token=per_token, first_token_fixed_s=max(fixed, 0.01))

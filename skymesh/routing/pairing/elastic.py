@@ -19,8 +19,11 @@ request on the roles of the moment, and the plan reads what its prices said:
   fill k − 1 to under ``lower_fill`` and no request was short of one.
 
 k moves by at most one per interval, and a decision waits for ``min_requests`` priced
-requests (the window then starts again). Replicas configured ``prefill`` or ``decode`` keep
-their role. Pure: ``now`` is passed in.
+requests (the window then starts again). A decode replica lost (unhealthy, gone, or
+configured otherwise) is replaced at once, not at the next decision: the healthy ``both``
+replica with the least prefill ahead takes its place, so requests never wait for a decode
+side that is down while others could decode them. Replicas configured ``prefill`` or
+``decode`` keep their role. Pure: ``now`` is passed in.
 """
 
 from __future__ import annotations
@@ -137,12 +140,14 @@ class RolePlan:
         passed, too few requests were priced, or k stays)."""
         if self.decided_at is None:
             self.decided_at = now
+        eligible = [rid for rid in views if configured.get(rid, "both") == "both"]
+        lost = [rid for rid in self.decode_ids
+                if rid not in views or not views[rid].healthy or configured.get(rid, "both") != "both"]
+        if lost:
+            return self.replace(lost, configured, eligible, views)
         if now - self.decided_at < self.options.interval_s or self.window.priced < self.options.min_requests:
             return None
-        eligible = [rid for rid in views if configured.get(rid, "both") == "both"]
-        kept = [rid for rid in self.decode_ids if rid in views and configured.get(rid, "both") == "both"]
-        changed = kept != self.decode_ids
-        self.decode_ids = kept
+        changed = False
         move = self.step(eligible, views) if len(eligible) >= 2 else -self.k
         self.window = PlanWindow()
         self.decided_at = now
@@ -159,6 +164,19 @@ class RolePlan:
             changed = True
         if not changed:
             return None
+        return self.roles(configured, eligible)
+
+    def replace(self, lost: list[str], configured: Mapping[str, Role], eligible: list[str],
+                views: Mapping[str, ReplicaView]) -> dict[str, Role]:
+        """The decode replicas ``lost`` leave the plan; each is replaced by the healthy
+        eligible replica with the least prefill ahead while one is left (k stays; the
+        window and the time of the last decision stand)."""
+        self.decode_ids = [rid for rid in self.decode_ids if rid not in lost]
+        for _ in lost:
+            free = [rid for rid in eligible if rid not in self.decode_ids and views[rid].healthy]
+            if not free:
+                break
+            self.decode_ids.append(min(free, key=lambda r: (views[r].pending_prefill_tokens, r)))
         return self.roles(configured, eligible)
 
     def roles(self, configured: Mapping[str, Role], eligible: list[str]) -> dict[str, Role]:
