@@ -34,7 +34,7 @@ from skymesh.routing.pairing.base import (
     does_prefill,
 )
 from skymesh.routing.pairing.conductor import Conductor, ConductorOptions
-from skymesh.routing.pairing.pricing import PairPricing
+from skymesh.routing.pairing.pricing import Candidate, PairPricing
 from skymesh.routing.pairing.threshold import ThresholdOptions, ThresholdSplit
 from skymesh.routing.region import RegionCore
 from skymesh.routing.region_actions import AbandonAttempt, Reject, SendToReplica
@@ -133,6 +133,24 @@ def decode_load_key(v: ReplicaView) -> tuple[int, float, str]:
 # ---------------------------------------------------------------------------- 1. conductor
 
 
+def algorithm_1_winners(req: RoutingRequest, ctx: PairContext, cands: list[Candidate]
+                        ) -> tuple[dict[tuple[str, str | None], Candidate], str]:
+    """Algorithm 1's pick among priced placements, by hand: the lowest TTFT among those
+    meeting both targets (whole first), else the least violation (split first); every
+    placement tied for it, and whether the winners meet the targets."""
+    ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else ctx.ttft_slo_s
+    tbt_slo = req.slo_tpot_s if req.slo_tpot_s is not None else ctx.tbt_slo_s
+    fit = [c for c in cands if c.ttft_s <= ttft_slo and c.tbt_s <= tbt_slo]
+    if fit:
+        keys = [(c.ttft_s, c.decode is not None) for c in fit]
+        pool, what = fit, "meets"
+    else:
+        keys = [(max(c.ttft_s / ttft_slo, c.tbt_s / tbt_slo), c.decode is None) for c in cands]
+        pool, what = cands, "misses"
+    best = min(keys)
+    return {(c.prefill, c.decode): c for c, k in zip(pool, keys, strict=True) if k == best}, what
+
+
 def test_conductor_matches_brute_force_on_random_pools() -> None:
     rng = random.Random(38)
     seen = {"none": 0, "meets whole": 0, "meets split": 0, "misses whole": 0, "misses split": 0}
@@ -155,17 +173,7 @@ def test_conductor_matches_brute_force_on_random_pools() -> None:
             seen["none"] += 1
             continue
         assert choice is not None, i
-        ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else ctx.ttft_slo_s
-        tbt_slo = req.slo_tpot_s if req.slo_tpot_s is not None else ctx.tbt_slo_s
-        fit = [c for c in cands if c.ttft_s <= ttft_slo and c.tbt_s <= tbt_slo]
-        if fit:
-            keys = [(c.ttft_s, c.decode is not None) for c in fit]  # lowest TTFT, whole first
-            pool, what = fit, "meets"
-        else:  # least violation, split first
-            keys = [(max(c.ttft_s / ttft_slo, c.tbt_s / tbt_slo), c.decode is None) for c in cands]
-            pool, what = cands, "misses"
-        best = min(keys)
-        winners = {(c.prefill, c.decode): c for c, k in zip(pool, keys, strict=True) if k == best}
+        winners, what = algorithm_1_winners(req, ctx, cands)
         got = (choice.prefill_replica_id, choice.decode_replica_id)
         assert got in winners, (i, got, sorted(winners, key=str))
         w = winners[got]
@@ -206,17 +214,7 @@ def test_conductor_with_a_prefill_pool_matches_brute_force_on_random_pools() -> 
             assert choice is None, (i, choice)
             continue
         assert choice is not None, i
-        ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else ctx.ttft_slo_s
-        tbt_slo = req.slo_tpot_s if req.slo_tpot_s is not None else ctx.tbt_slo_s
-        fit = [c for c in cands if c.ttft_s <= ttft_slo and c.tbt_s <= tbt_slo]
-        if fit:
-            keys = [(c.ttft_s, c.decode is not None) for c in fit]
-            pool = fit
-        else:
-            keys = [(max(c.ttft_s / ttft_slo, c.tbt_s / tbt_slo), c.decode is None) for c in cands]
-            pool = cands
-        best = min(keys)
-        winners = {(c.prefill, c.decode): c for c, k in zip(pool, keys, strict=True) if k == best}
+        winners, _ = algorithm_1_winners(req, ctx, cands)
         got = (choice.prefill_replica_id, choice.decode_replica_id)
         assert got in winners, (i, got, sorted(winners, key=str))
         assert choice.predicted_ttft_s == pytest.approx(winners[got].ttft_s, rel=1e-12)
