@@ -229,6 +229,32 @@ def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path, jobs: int) -> 
     assert "region-local" in report["best_so_far"]
 
 
+def test_a_plan_whose_worker_dies_writes_what_it_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A pool broken under the plan (a worker killed, or Ctrl-C reaching the workers
+    before the plan's own process): what was found so far is written, no traceback."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from skymesh.bench import plan_main
+
+    real = plan_main.Evaluator.__call__
+    calls = 0
+
+    def breaks_on_the_third(self: object, layouts: list[Layout], stop: StopWhen | None = None) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise BrokenProcessPool("a worker ended abruptly")
+        return real(self, layouts, stop)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_main.Evaluator, "__call__", breaks_on_the_third)
+    out = tmp_path / "plan"
+    assert skymesh(*PLAN_DAY, "--out", str(out)) == 1
+    assert "ended abruptly" in capsys.readouterr().out
+    report = json.loads((out / "plan.json").read_text())
+    assert report["interrupted"] is True and len(report["trials"]["region-local"]) == 2
+
+
 @pytest.mark.parametrize("start", [{"a": 6, "b": 3, "c": 1}, {"a": 20, "b": 9, "c": 5}, {"a": 2, "b": 1, "c": 1},
                                    {"a": 7, "b": 2, "c": 3}])
 def test_region_local_from_an_estimate_finds_the_same_counts(start: Layout) -> None:
@@ -257,3 +283,55 @@ def test_the_estimate_follows_each_regions_busiest_window() -> None:
     # a prompt seen before costs no prefill: the same day with one shared prompt needs fewer
     shared = [TraceRequest(r.arrival_s, r.input_len, r.output_len, tuple(range(8)), r.region) for r in trace]
     assert estimate_layout(shared, ["a", "b", "c"], prof, max_replicas=64)["a"] < est["a"]
+
+
+def plan_args(*extra: str) -> object:
+    import argparse
+
+    from skymesh.bench import plan_main
+
+    p = argparse.ArgumentParser()
+    plan_main.add_arguments(p)
+    return p.parse_args([*PLAN_DAY[1:], *extra])
+
+
+@pytest.mark.parametrize("layout", [{"us-east-1": 1, "eu-west-1": 2, "ap-northeast-1": 1},
+                                    {"us-east-1": 3, "eu-west-1": 1, "ap-northeast-1": 4}])
+def test_a_region_local_regions_day_alone_is_its_day_in_the_whole_mesh(layout: Layout) -> None:
+    """What lets the region-local search run each region's count on its own: with no
+    offload, a region simulated alone (its clients, its replicas) gives the attainment
+    it has in a run of the whole mesh, whole and stopped early alike."""
+    from skymesh.bench.plan_main import evaluate_one, evaluate_region
+
+    args = plan_args()
+    whole = evaluate_one(args, "dualmap@local", layout, 0)
+    stopped = evaluate_one(args, "dualmap@local", layout, 0, StopWhen.EVERY_REGION_DECIDED)
+    for region, n in layout.items():
+        alone = evaluate_region(args, "dualmap@local", region, n, 0)
+        assert alone["attainment"][region] == whole["attainment"][region]
+        assert alone["requests"] > 0
+        alone_stopped = evaluate_region(args, "dualmap@local", region, n, 0, StopWhen.EVERY_REGION_DECIDED)
+        # the bound on the side of the region's verdict, as the whole stopped run gives it
+        assert (alone_stopped["attainment"][region] >= 0.9) == (whole["attainment"][region] >= 0.9)
+        if "stopped_early" not in stopped:
+            assert alone_stopped["attainment"][region] == whole["attainment"][region]
+    with pytest.raises(AssertionError):
+        evaluate_region(args, "dualmap", "us-east-1", 1, 0)  # offload couples the regions
+
+
+def test_the_region_local_search_runs_each_regions_count_once() -> None:
+    """A region whose count the bisection has settled is not simulated again while the
+    others' counts move: the one-region runs are at most the distinct (region, count)
+    pairs the search tried, each made once, and fewer than a run per region per layout."""
+    from skymesh.bench.plan_main import Evaluator
+
+    args = plan_args()
+    names = ["us-east-1", "eu-west-1", "ap-northeast-1"]
+    evaluator = Evaluator(args, "dualmap@local", [0], None)
+    search = Search(evaluator)
+    plan = plan_region_local(search, names, 0.9, 8)
+    steps = [lay for lay, _ in search.trials[:-1]]  # the bisection's (the last: the plan run whole)
+    assert len(steps) >= 2
+    assert evaluator.region_runs == len({(r, lay[r]) for lay in steps for r in names})
+    assert evaluator.region_runs < len(names) * len(steps)  # settled regions were not run again
+    assert search.trials[-1][0] == plan

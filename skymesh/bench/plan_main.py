@@ -24,9 +24,11 @@ own mesh: --config").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,39 @@ def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: in
             "bins_s": edges.round(2).tolist(), "load": load, "served": served}
 
 
+def is_region_local(system: str) -> bool:
+    """``NAME@local``: no region offloads, so each region's day is its own."""
+    return system.partition("@")[2] == "local"
+
+
+def evaluate_region(args: argparse.Namespace, system: str, region: str, replicas: int, seed: int,
+                    stop: StopWhen | None = None) -> dict[str, Any]:
+    """One region of a region-local ``system`` (no offload) alone: its clients' requests
+    of the day on its ``replicas``, nothing else simulated. With no offload a region's
+    day is its own (the same attainment as in a run of the whole mesh,
+    tests/test_plan.py), so the region-local search runs each region's count as a job of
+    its own (side by side with ``--jobs``) and runs a count it has measured once no
+    more. Stopped as ``stop`` says once the region's verdict is decided."""
+    assert is_region_local(system), system
+    run_args = argparse.Namespace(**{**vars(args), "region_replicas": f"{region}={replicas}", "seed": seed})
+    trace = [q for q in sim_setup.build_trace(run_args, args.rate_multiplier) if q.region == region]
+    full = sim_setup.sim_config(run_args, system)
+    cfg = dataclasses.replace(full, regions={region: replicas},
+                              one_way_ms={k: v for k, v in full.one_way_ms.items() if k == (region, region)})
+    watch = None
+    if stop is not None:
+        watch = VerdictWatch.for_requests([region], [q.arrival_s for q in trace], [region] * len(trace),
+                                          slo_s=args.slo, target=args.target, when=stop, warmup_s=args.warmup_s)
+    res = Simulator(cfg).run(trace, watch=watch)
+    if res.stopped_early:
+        assert watch is not None
+        low, high = watch.bounds()[region]
+        return {"attainment": {region: low if watch.verdict(0) else high}, "stopped_early": res.stopped_early,
+                "requests": len(trace), "simulated": int(res.arrival.size)}
+    return {"attainment": {region: res.region_summaries(args.slo, args.warmup_s)[region]["slo_attainment"]},
+            "requests": int(res.arrival.size)}
+
+
 class Evaluator:
     """Runs layouts of one system over every plan seed side by side; keeps what each
     layout's first seed showed over the day (for the plot)."""
@@ -145,12 +180,17 @@ class Evaluator:
         self.best: tuple[Layout, Attainment] | None = None
         # every layout evaluated, as it was (an interrupted plan writes these)
         self.evaluated: list[tuple[Layout, Attainment]] = []
+        # region-local: (region, replicas, seed, stop) -> that region's run alone
+        self._region_runs: dict[tuple[str, int, int, StopWhen | None], dict[str, Any]] = {}
+        self.region_runs = 0  # one-region runs made (each count measured once)
 
     def __call__(self, layouts: list[Layout], stop: StopWhen | None = None) -> list[Attainment]:
         if self.args.no_early_stop:
             stop = None
         jobs = [(lay, s) for lay in layouts for s in self.seeds]
-        if self.pool is not None:
+        if stop is not None and is_region_local(self.system):
+            outs = self._by_region(jobs, stop)
+        elif self.pool is not None:
             outs = list(self.pool.map(evaluate_one, *zip(*[(self.args, self.system, lay, s, stop) for lay, s in jobs],
                                                          strict=True)))
         else:
@@ -161,7 +201,8 @@ class Evaluator:
             runs = outs[i * per:(i + 1) * per]
             stopped = [run["stopped_early"] for run in runs if "stopped_early" in run]
             if not stopped:
-                self.days[layout_arg(lay)] = runs[0]
+                if "by_region" not in runs[0]:  # a day of the whole mesh (the plot's)
+                    self.days[layout_arg(lay)] = runs[0]
             else:
                 self.stopped_early += 1
                 self.simulated_share.append(sum(run.get("simulated", run["requests"]) for run in runs)
@@ -178,6 +219,33 @@ class Evaluator:
                   + " ".join(f"{r}={v:.3f}" for r, v in att.items()) + note, flush=True)
         print(f"    {self.progress()}", flush=True)
         return result
+
+    def _by_region(self, jobs: list[tuple[Layout, int]], stop: StopWhen) -> list[dict[str, Any]]:
+        """Each (layout, seed) of a region-local search from one run per region (each
+        (region, count, seed) run once: a region whose count the search has settled
+        costs nothing more), combined as one layout's run would read."""
+        todo = list(dict.fromkeys((r, n, s) for lay, s in jobs for r, n in lay.items()
+                                  if (r, n, s, stop) not in self._region_runs))
+        if todo:
+            args = [(self.args, self.system, r, n, s, stop) for r, n, s in todo]
+            if self.pool is not None:
+                done = list(self.pool.map(evaluate_region, *zip(*args, strict=True)))
+            else:
+                done = [evaluate_region(*a) for a in args]
+            for (r, n, s), out in zip(todo, done, strict=True):
+                self._region_runs[(r, n, s, stop)] = out
+            self.region_runs += len(todo)
+        outs = []
+        for lay, s in jobs:
+            runs = [self._region_runs[(r, n, s, stop)] for r, n in lay.items()]
+            out: dict[str, Any] = {"attainment": {r: run["attainment"][r] for r, run in zip(lay, runs, strict=True)},
+                                   "by_region": True, "requests": sum(run["requests"] for run in runs),
+                                   "simulated": sum(run.get("simulated", run["requests"]) for run in runs)}
+            why = next((run["stopped_early"] for run in runs if "stopped_early" in run), None)
+            if why is not None:
+                out["stopped_early"] = why
+            outs.append(out)
+        return outs
 
     def progress(self) -> str:
         """Layouts tried, the best so far and its worst region, time spent."""
@@ -294,16 +362,20 @@ def run(args: argparse.Namespace) -> int:
             days[label] = evaluator.days[layout_arg(plans[label])]
             shares = evaluator.simulated_share
             early[label] = {"layouts": len(search.trials), "stopped_early": evaluator.stopped_early,
-                            "mean_share_simulated": round(sum(shares) / len(shares), 4) if shares else None}
+                            "mean_share_simulated": round(sum(shares) / len(shares), 4) if shares else None,
+                            "one_region_runs": evaluator.region_runs}
     except PlanError as e:
         raise SystemExit(f"skymesh plan: {e}") from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenProcessPool) as e:
+        # Ctrl-C reaches the workers too: the pool may break before the main process
+        # sees the interrupt (a worker killed otherwise breaks it the same way)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
             pool = None
         path = write_partial(out, args, plans, searches, time.perf_counter() - t0)
-        print(f"\ninterrupted: what was found so far is in {path}", flush=True)
-        return 130
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else "a simulation worker ended abruptly"
+        print(f"\n{why}: what was found so far is in {path}", flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
         if pool is not None:
             pool.shutdown()
