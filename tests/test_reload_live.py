@@ -19,7 +19,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +126,12 @@ class Load:
     """``workers`` clients sending one request after another with ``key`` until stopped
     (at most ``cap`` each): the steady load a reload must not drop anything of."""
 
-    def __init__(self, url: str, key: str, workers: int = 10, cap: int = 2000) -> None:
+    def __init__(self, url: str, key: str, workers: int = 10, cap: int = 2000,
+                 release: Sequence[HoldingReplica] = ()) -> None:
         self.url, self.key, self.workers, self.cap = url, key, workers, cap
+        # replicas to let go of what they hold on the way out: a check failing while they
+        # hold requests must fail as itself, not hang in the workers' wait
+        self.release = release
         self.statuses: list[int] = []
         self.stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -151,6 +155,8 @@ class Load:
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop.set()
+        for r in self.release:
+            r.release.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._session.close()
 
@@ -203,17 +209,21 @@ async def test_a_reload_swaps_client_keys_under_load_and_refuses_bad_files(
             assert (await reloads("ok"), await reloads("error")) == (0.0, 0.0)
 
             # --- a valid reload under a steady load, with requests in flight and queued
-            async with Load(base + "/v1/completions", ALICE) as load:
+            async with Load(base + "/v1/completions", ALICE, release=replicas) as load:
                 await wait_until(lambda: len(load.statuses) >= 20, "the load is flowing", child)
                 for r in replicas:
                     r.release.clear()  # from now on the replicas hold what they get
 
                 async def held_and_queued() -> bool:
+                    # every request in flight is held at a replica (none still finishing
+                    # from before the replicas began to hold: those may end meanwhile)
                     st = await status()
-                    return st["in_flight"] >= 2 and st["queue_length"] >= 1
+                    return (st["in_flight"] >= 2 and st["queue_length"] >= 1
+                            and st["in_flight"] == sum(r.holding for r in replicas))
 
                 await wait_until(held_and_queued, "requests in flight and queued at the balancer", child)
                 in_flight_at_reload = (await status())["active_requests"]
+                ended_before_reload = len(load.statuses)
                 data2 = copy.deepcopy(data)
                 data2["client_auth"]["keys"] = [keys[0], {"name": "carol", "sha256": sha(CAROL)}]  # bob out
                 second_digest = write(path, data2)
@@ -223,8 +233,12 @@ async def test_a_reload_swaps_client_keys_under_load_and_refuses_bad_files(
                     return await reloads("ok") == 1.0
 
                 await wait_until(reloaded_ok, "skymesh_config_reloads_total{result=ok} 1", child)
-                # nothing held or queued was dropped by the reload: all still there
-                assert (await status())["active_requests"] >= in_flight_at_reload
+                # nothing held or queued was dropped by the reload: each is still there or
+                # ended (a request may end meanwhile: every status is checked 200 below)
+                st_after = await status()
+                ended = len(load.statuses) - ended_before_reload
+                assert st_after["active_requests"] + ended >= in_flight_at_reload, (
+                    in_flight_at_reload, ended, {k: st_after[k] for k in ("active_requests", "in_flight", "queue_length")})
                 for r in replicas:
                     r.release.set()
                 assert await ask(CAROL) == 200 and await ask(BOB) == 401
