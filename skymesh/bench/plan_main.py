@@ -182,7 +182,6 @@ class Evaluator:
         self.evaluated: list[tuple[Layout, Attainment]] = []
         # region-local: (region, replicas, seed, stop) -> that region's run alone
         self._region_runs: dict[tuple[str, int, int, StopWhen | None], dict[str, Any]] = {}
-        self.region_runs = 0  # one-region runs made (each count measured once)
 
     def __call__(self, layouts: list[Layout], stop: StopWhen | None = None) -> list[Attainment]:
         if self.args.no_early_stop:
@@ -220,6 +219,11 @@ class Evaluator:
         print(f"    {self.progress()}", flush=True)
         return result
 
+    @property
+    def region_runs(self) -> int:
+        """One-region runs made (each (region, count, seed) once)."""
+        return len(self._region_runs)
+
     def _by_region(self, jobs: list[tuple[Layout, int]], stop: StopWhen) -> list[dict[str, Any]]:
         """Each (layout, seed) of a region-local search from one run per region (each
         (region, count, seed) run once: a region whose count the search has settled
@@ -234,7 +238,6 @@ class Evaluator:
                 done = [evaluate_region(*a) for a in args]
             for (r, n, s), out in zip(todo, done, strict=True):
                 self._region_runs[(r, n, s, stop)] = out
-            self.region_runs += len(todo)
         outs = []
         for lay, s in jobs:
             runs = [self._region_runs[(r, n, s, stop)] for r, n in lay.items()]
