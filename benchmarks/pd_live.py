@@ -11,6 +11,10 @@ its request count and ``--timeout-s``. Systems:
 - ``always@P:D`` / ``threshold@P:D`` / ``conductor@P:D``: a skymesh balancer whose first P
   replicas are ``prefill``, the next D ``decode``, the rest ``both``, with that pair rule
   (``conductor``: Mooncake's per-request choice; ``threshold``: the peers' 256 tokens);
+- ``elastic@0:0``: every replica ``both``, the conductor over roles that follow the load
+  (its role plan sets some decode-only and the rest prefill-only as the load asks);
+- ``rule@P:D+option``: the skymesh rule with a boolean option of its own on (e.g.
+  ``conductor@1:1+prefill_pool``);
 - ``vllm-router@P:D``: vllm-router's ``--vllm-pd-disaggregation`` over the same P prefill
   and D decode replicas (P + D must be every replica: it has no ``both``), its default
   ``cache_aware`` policy for both pools (skipped with a message when not installed).
@@ -51,7 +55,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from benchmarks.pd_split import parse_system
+from benchmarks.pd_split import parse_system, system_options
 from skymesh.bench.loadgen import LiveResult, replay
 from skymesh.bench.pd_workloads import long_context, short_chat
 from skymesh.bench.peers import (
@@ -100,13 +104,14 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
 
 
 def pools(system: str, replicas: int) -> tuple[str, int, int]:
-    """(rule or ``vllm-router``, P, D) of a system name."""
-    if "+" in system:
-        raise ValueError(f"{system}: the live comparison runs each rule with its default options")
+    """(rule or ``vllm-router``, P, D) of a system name (the options after ``+`` of a
+    skymesh rule left out: :func:`benchmarks.pd_split.system_options`)."""
     rule, (p, d) = parse_system(system, replicas)
+    if "+" in system and rule in (VLLM_ROUTER, "never"):
+        raise ValueError(f"{system}: options are a skymesh pair rule's")
     if rule == VLLM_ROUTER and (p < 1 or d < 1 or p + d != replicas):
         raise ValueError(f"{system}: vllm-router's P/D mode needs P + D = {replicas} replicas, each >= 1")
-    if rule not in (VLLM_ROUTER, "never", "always", "threshold", "conductor"):
+    if rule not in (VLLM_ROUTER, "never", "always", "threshold", "conductor", "elastic"):
         raise ValueError(f"{system}: unknown system")
     return rule, p, d
 
@@ -123,7 +128,7 @@ def bytes_per_token(trace: Sequence[TraceRequest]) -> float:
 
 
 def skymesh_config(rule: str, roles_: Sequence[str], ports: Sequence[int], args: argparse.Namespace,
-                   ts: float, bpt: float) -> dict[str, Any]:
+                   ts: float, bpt: float, options: dict[str, bool] | None = None) -> dict[str, Any]:
     """One region: the stand-ins as ``sim:`` replicas (the pair rules price steps by their
     profile and time scale), their roles, and ``pairing:`` with the scaled TBT target and
     the stand-ins' KV link (its transfer time is scaled as their steps are); ``ts``: their
@@ -137,7 +142,8 @@ def skymesh_config(rule: str, roles_: Sequence[str], ports: Sequence[int], args:
         {"id": f"r{i}", "role": role, "sim": {"profile": args.profile, "port": port, "time_scale": ts}}
         for i, (role, port) in enumerate(zip(roles_, ports, strict=True))]
     if rule != "never":
-        cfg["pairing"] = {"rule": rule, "tbt_slo_s": args.tbt * ts, "link_gbps": args.kv_gbps / ts}
+        cfg["pairing"] = {"rule": rule, "tbt_slo_s": args.tbt * ts, "link_gbps": args.kv_gbps / ts,
+                          "options": options or {}}
     return cfg
 
 
@@ -221,7 +227,7 @@ async def run_cell(system: str, name: str, wl: Workload, trace: list[TraceReques
             await wait_healthy(url + "/health", router, within_s=60)
         else:
             cfg = skymesh_config(rule, roles(p, d, args.replicas), [c.port("http") for c in reps], args,
-                                 wl.time_scale, bytes_per_token(trace))
+                                 wl.time_scale, bytes_per_token(trace), system_options(system))
             router = balancer_config_child(cfg, f"{tag}-router", 0, tmp)
             router.start()
             children.append(router)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.pd_live import main, pools, roles, tbt_of
+from benchmarks.pd_live import main, pools, roles, skymesh_config, tbt_of
 from skymesh.bench.peers import peer_available
+from skymesh.config.load import parse_config
 
 
 def test_tbt_is_the_mean_of_the_longest_tenth() -> None:
@@ -28,6 +29,29 @@ def test_a_systems_pools() -> None:
         pools("vllm-router@1:1", 4)  # it has no `both` replicas
     with pytest.raises(ValueError, match="unknown"):
         pools("sometimes@1:1", 4)
+    assert pools("elastic@0:0", 4) == ("elastic", 0, 0)
+    assert pools("conductor@1:1+prefill_pool", 4) == ("conductor", 1, 1)
+    for no_rule in ("aggregated+prefill_pool", "vllm-router@3:1+prefill_pool"):
+        with pytest.raises(ValueError, match="options"):
+            pools(no_rule, 4)
+
+
+def test_a_rules_options_reach_the_balancers_region_core() -> None:
+    """``rule@P:D+option`` runs the rule with that option on: the region core built from
+    the balancer's config, as the daemon builds it, has the rule with the option set."""
+    import argparse
+
+    from skymesh.assembly import region_assembly
+    from skymesh.routing.assembly import build_region_core
+
+    args = argparse.Namespace(policy="dualmap", ttft=2.0, tbt=0.1, kv_gbps=100.0, profile="h100-qwen2.5-7b")
+    for options, on in (({"prefill_pool": True}, True), ({}, False)):
+        cfg = parse_config(skymesh_config("conductor", roles(1, 1, 4), [9001, 9002, 9003, 9004], args, 1.0, 5.0,
+                                          options))
+        region = cfg.regions[0].name
+        core = build_region_core(region_assembly(cfg, region, "dualmap", kv_events=False))
+        rule = core.local.pair_rule
+        assert rule is not None and rule.options.prefill_pool is on  # type: ignore[attr-defined]
 
 
 def test_a_tiny_run_writes_every_cell(tmp_path: Path) -> None:
