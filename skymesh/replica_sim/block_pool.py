@@ -139,39 +139,59 @@ class BlockPool:
         return b
 
     def alloc_many(self, n: int, into: list[int]) -> None:
-        """Append ``n`` blocks to ``into``; the caller has checked there are enough.
-        Free blocks are taken with one slice (long prompts need hundreds of blocks)."""
+        """Append ``n`` blocks to ``into``; the caller has checked there are enough. Free
+        ones first, taken with one slice off the top of the stack (long prompts need
+        hundreds of blocks), then the least recently used idle cached ones, evicted
+        together in the order :meth:`alloc` would evict them one by one."""
         free = self._free
         take = min(n, len(free))
+        ref = self._ref
         if take:
             got = free[len(free) - take :]
             del free[len(free) - take :]
-            ref = self._ref
             for b in got:
                 ref[b] = 1
             self.used += take
             into += got
-        for _ in range(n - take):
-            b = self.alloc()
-            assert b is not None
-            into.append(b)
+        if n > take:
+            evicted = self._evictable.pop_oldest_many(n - take)
+            hashes, cached, events = self._hash, self._cached, self.kv_events
+            for b in evicted:
+                h = hashes[b]
+                if h is not None and cached.get(h) == b:
+                    del cached[h]
+                    if events is not None:
+                        events.append(removed(h))
+                hashes[b] = None
+                ref[b] = 1
+            self.evictions += len(evicted)
+            self.used += len(evicted)
+            into += evicted
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference on each of ``blocks``; a block left unreferenced stays cached
         (idle, evictable) if it holds a cached hash, else becomes free."""
         ref, hashes, cached = self._ref, self._hash, self._cached
         # reversed: a request's last blocks are the least likely to be shared, so they
-        # are put first in LRU order and evicted before its prefix (vLLM does the same)
+        # are put first in LRU order and evicted before its prefix (vLLM does the same);
+        # the idle cached ones and the freed ones each keep that order in their own list
+        idle: list[int] = []
+        freed: list[int] = []
         for b in reversed(blocks):
-            ref[b] -= 1
-            if ref[b] == 0:
-                self.used -= 1
+            left = ref[b] - 1
+            ref[b] = left
+            if left == 0:
                 h = hashes[b]
                 if h is not None and cached.get(h) == b:
-                    self._evictable.append(b)  # stays cached until evicted (LRU)
+                    idle.append(b)  # stays cached until evicted (LRU)
                 else:
                     hashes[b] = None
-                    self._free.append(b)
+                    freed.append(b)
+        self.used -= len(idle) + len(freed)
+        if idle:
+            self._evictable.extend(idle)
+        if freed:
+            self._free.extend(freed)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -193,25 +213,33 @@ class BlockPool:
         return sum(1 for b in blocks if ref[b] == 0)
 
     def share(self, blocks: list[int]) -> None:
-        """Take a reference on each of ``blocks`` (prefix hits), pulling idle ones out of
-        the LRU order."""
+        """Take a reference on each of ``blocks`` (prefix hits, no repeats), pulling idle
+        ones out of the LRU order."""
         ref = self._ref
+        idle = [b for b in blocks if ref[b] == 0]
+        if idle:
+            self._evictable.remove_many(idle)
+            self.used += len(idle)
         for b in blocks:
-            if ref[b] == 0:
-                self._evictable.remove(b)
-                self.used += 1
             ref[b] += 1
 
     def register_computed(self, r: EngineRequest, before: int) -> None:
         """Publish the hashes of the blocks that became fully computed since ``before``
         computed tokens: prompt blocks and, as vLLM caches them too (``cache_blocks`` up to
-        the tokens whose KV exists), blocks of generated tokens."""
+        the tokens whose KV exists), blocks of generated tokens. Each block is cached under
+        its hash unless that hash is cached already (the stand-in keeps one block per
+        hash), as :meth:`register_block` does, inline (a long prompt has hundreds)."""
         bs = self.block_size
         last = r.num_computed // bs
         run = -1  # first block of the current run of newly cached blocks (KV events)
         end = min(last, len(r.block_hashes), len(r.blocks))
+        block_hashes, blocks, cached, hashes = r.block_hashes, r.blocks, self._cached, self._hash
         for i in range(before // bs, end):
-            if self.register_block(r, i):
+            h = block_hashes[i]
+            if h not in cached:
+                b = blocks[i]
+                hashes[b] = h
+                cached[h] = b
                 if run < 0:
                     run = i
             elif run >= 0:
