@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skymesh.replica_sim import block_lru
 from skymesh.replica_sim.block_lru import BlockLru
 
 
@@ -39,11 +40,20 @@ def test_the_order_equals_an_ordered_dict_after_every_operation(seed: int, num_b
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(1, 40))
-def test_the_bulk_operations_equal_one_block_at_a_time(seed: int, num_blocks: int) -> None:
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(1, 40), bulk=st.sampled_from([1, 8, 10**9]))
+def test_the_bulk_operations_equal_one_block_at_a_time(seed: int, num_blocks: int, bulk: int) -> None:
     """extend / remove_many / pop_oldest_many leave the order an OrderedDict has after the
-    same blocks one by one; 600 operations on at most 40 blocks compact the queue many
+    same blocks one by one, on their numpy path (``bulk`` 1: every call), their loop
+    (10**9: none) or both; 600 operations on at most 40 blocks compact the queue many
     times over."""
+    saved, block_lru.BULK = block_lru.BULK, bulk
+    try:
+        bulk_operations(seed, num_blocks)
+    finally:
+        block_lru.BULK = saved
+
+
+def bulk_operations(seed: int, num_blocks: int) -> None:
     rng = random.Random(seed)
     lru, reference = BlockLru(num_blocks), OrderedDict[int, None]()
     for _ in range(600):
@@ -73,7 +83,7 @@ def test_the_bulk_operations_equal_one_block_at_a_time(seed: int, num_blocks: in
         assert all((k in lru) == (k in reference) for k in range(num_blocks))
         # stale entries are compacted away: the queue stays within a few times the
         # engine's size, whatever the history
-        assert len(lru._queue) <= 3 * num_blocks
+        assert lru._tail <= 3 * num_blocks
 
 
 def test_misuse_is_refused() -> None:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skymesh.replica_sim import block_lru
 from skymesh.replica_sim.block_pool import BlockPool
 from skymesh.replica_sim.kv_events import removed, stored
 from skymesh.replica_sim.request_state import EngineRequest
@@ -113,7 +114,7 @@ class ReferencePool:
 
 def same_state(pool: BlockPool, ref: ReferencePool) -> None:
     assert list(pool._ref) == ref.ref
-    assert pool._hash == ref.hash
+    assert [pool._hash[b] if pool._owned[b] else None for b in range(len(ref.hash))] == ref.hash
     assert list(pool._free) == ref.free
     assert list(pool._evictable) == list(ref.lru)
     assert pool._cached == ref.cached
@@ -121,12 +122,24 @@ def same_state(pool: BlockPool, ref: ReferencePool) -> None:
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(4, 64), block_size=st.sampled_from([1, 4]))
-def test_bulk_blocks_equal_one_at_a_time(seed: int, num_blocks: int, block_size: int) -> None:
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(4, 64), block_size=st.sampled_from([1, 4]),
+       bulk=st.sampled_from([1, 6, 10**9]))
+def test_bulk_blocks_equal_one_at_a_time(seed: int, num_blocks: int, block_size: int, bulk: int) -> None:
+    """``bulk``: the pool's calls take their numpy path from this many blocks on (1:
+    always, 10**9: never, 6: both, by the request)."""
+    saved, block_lru.BULK = block_lru.BULK, bulk
+    try:
+        bulk_against_reference(seed, num_blocks, block_size)
+    finally:
+        block_lru.BULK = saved
+
+
+def bulk_against_reference(seed: int, num_blocks: int, block_size: int) -> None:
     rng = random.Random(seed)
     pool, ref = BlockPool(num_blocks, block_size), ReferencePool(num_blocks, block_size)
     pool.enable_kv_events()
     prefixes = [[rng.randrange(1 << 60) for _ in range(24)] for _ in range(4)]  # shared prompt heads
+    tail_hashes = [rng.randrange(1 << 60) for _ in range(6)]
     running: list[EngineRequest] = []
     for step in range(150):
         if running and (rng.random() < 0.4 or pool.num_free == 0):
@@ -135,8 +148,11 @@ def test_bulk_blocks_equal_one_at_a_time(seed: int, num_blocks: int, block_size:
             ref.release(r.blocks)
         elif pool.num_free:
             head = rng.choice(prefixes)[: rng.randrange(1, 24)]
-            tail = [rng.randrange(1 << 60) for _ in range(rng.randrange(0, 8))]
-            hashes = head + tail
+            # tails drawn from a small set: a tail block's hash is sometimes cached
+            # already (by another request's block) though the block before it is not
+            tail = [rng.choice(tail_hashes) if rng.random() < 0.3 else rng.randrange(1 << 60)
+                    for _ in range(rng.randrange(0, 8))]
+            hashes = list(dict.fromkeys(head + tail))  # a chain never repeats a hash
             r = EngineRequest(f"r{step}", len(hashes) * block_size, hashes, 1, 0.0,
                               token_ids=[rng.randrange(1000) for _ in range(len(hashes) * block_size)])
             hits = pool.lookup(hashes, len(hashes))
@@ -150,7 +166,8 @@ def test_bulk_blocks_equal_one_at_a_time(seed: int, num_blocks: int, block_size:
             pool.alloc_many(want, blocks)
             assert blocks == hits + ref.alloc_many(want)
             r.blocks = blocks
-            r.num_computed = len(blocks) * block_size
+            # computed so far: some blocks may not be (a prompt still being prefilled)
+            r.num_computed = rng.randrange(len(hits), len(blocks) + 1) * block_size
             pool.register_computed(r, len(hits) * block_size)
             ref.register(r, len(hits) * block_size)
             running.append(r)

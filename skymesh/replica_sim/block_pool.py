@@ -8,8 +8,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
+from skymesh.replica_sim import block_lru
 from skymesh.replica_sim.block_lru import BlockLru
 from skymesh.replica_sim.kv_events import AllBlocksCleared, StandInEvent, removed, stored
 from skymesh.replica_sim.request_state import EngineRequest
@@ -41,11 +43,14 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # per block: reference count and the prefix hash it holds (None: not cached); the
-        # integer tables are flat arrays (an engine of thousands of blocks, a simulation
-        # of a thousand engines: no int object per block)
+        # per block: reference count, whether it holds a prefix hash (then it is that
+        # hash's one cached block: ``_cached[_hash[b]] == b``) and the hash (meaningful
+        # only while held); the tables are flat arrays (an engine of thousands of blocks,
+        # a simulation of a thousand engines: no int object per block)
         self._ref = array("i", [0]) * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
+        self._owned = bytearray(num_blocks)
+        self._hash = array("Q", [0]) * num_blocks
+        self._views()
         # no hash, ref 0; a stack: which free block is used first does not matter
         self._free = array("i", range(num_blocks - 1, -1, -1))
         self._evictable = BlockLru(num_blocks)  # cached, ref 0, LRU order
@@ -54,6 +59,14 @@ class BlockPool:
         self.evictions = 0
         # vLLM's KV cache events since the last take_kv_events (None: not recorded)
         self.kv_events: list[StandInEvent] | None = None
+
+    def _views(self) -> None:
+        """numpy views of the per-block tables, for the calls moving many blocks at once
+        (:data:`~skymesh.replica_sim.block_lru.BULK` or more: a request's prompt)."""
+        n = self.num_blocks
+        self._ref_np = np.frombuffer(self._ref, dtype=np.int32) if n else np.zeros(0, np.int32)
+        self._owned_np = np.frombuffer(self._owned, dtype=np.bool_) if n else np.zeros(0, np.bool_)
+        self._hash_np = np.frombuffer(self._hash, dtype=np.uint64) if n else np.zeros(0, np.uint64)
 
     # ------------------------------------------------------------------ KV events
 
@@ -96,7 +109,7 @@ class BlockPool:
         if self.used:
             return False
         for b in self._evictable:
-            self._hash[b] = None
+            self._owned[b] = 0
             self._free.append(b)
         self._evictable.clear()
         self._cached.clear()
@@ -108,7 +121,9 @@ class BlockPool:
         """Every block free and uncached, whatever state the structures were left in: only
         builds fresh ones, so it cannot fail (the eviction counter is kept)."""
         self._ref = array("i", [0]) * self.num_blocks
-        self._hash = [None] * self.num_blocks
+        self._owned = bytearray(self.num_blocks)
+        self._hash = array("Q", [0]) * self.num_blocks
+        self._views()
         self._free = array("i", range(self.num_blocks - 1, -1, -1))
         self._evictable = BlockLru(self.num_blocks)
         self._cached = {}
@@ -125,12 +140,12 @@ class BlockPool:
             b = self._free.pop()
         elif self._evictable:
             b = self._evictable.pop_oldest()
-            h = self._hash[b]
-            if h is not None and self._cached.get(h) == b:
+            if self._owned[b]:  # an idle cached block holds its hash: it goes
+                h = self._hash[b]
                 del self._cached[h]
                 if self.kv_events is not None:
                     self.kv_events.append(removed(h))
-            self._hash[b] = None
+                self._owned[b] = 0
             self.evictions += 1
         else:
             return None
@@ -145,51 +160,74 @@ class BlockPool:
         together in the order :meth:`alloc` would evict them one by one."""
         free = self._free
         take = min(n, len(free))
-        ref = self._ref
         if take:
             got = free[len(free) - take :]
             del free[len(free) - take :]
-            for b in got:
-                ref[b] = 1
+            if take >= block_lru.BULK:
+                self._ref_np[np.frombuffer(got, dtype=np.int32)] = 1
+            else:
+                ref = self._ref
+                for b in got:
+                    ref[b] = 1
             self.used += take
             into += got
         if n > take:
             evicted = self._evictable.pop_oldest_many(n - take)
-            hashes, cached, events = self._hash, self._cached, self.kv_events
-            for b in evicted:
-                h = hashes[b]
-                if h is not None and cached.get(h) == b:
-                    del cached[h]
-                    if events is not None:
-                        events.append(removed(h))
-                hashes[b] = None
-                ref[b] = 1
+            # every idle cached block holds its hash, as that hash's cached block: each
+            # evicted one's hash leaves the cache
+            cached, events = self._cached, self.kv_events
+            if len(evicted) >= block_lru.BULK:
+                idx = np.asarray(evicted, dtype=np.int32)
+                gone = self._hash_np[idx].tolist()
+                self._owned_np[idx] = False
+                self._ref_np[idx] = 1
+            else:
+                hashes, owned, ref = self._hash, self._owned, self._ref
+                gone = [hashes[b] for b in evicted]
+                for b in evicted:
+                    owned[b] = 0
+                    ref[b] = 1
+            for h in gone:
+                del cached[h]
+            if events is not None:
+                events.extend(removed(h) for h in gone)
             self.evictions += len(evicted)
             self.used += len(evicted)
             into += evicted
 
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference on each of ``blocks``; a block left unreferenced stays cached
-        (idle, evictable) if it holds a cached hash, else becomes free."""
-        ref, hashes, cached = self._ref, self._hash, self._cached
+        """Drop one reference on each of ``blocks`` (no repeats); a block left
+        unreferenced stays cached (idle, evictable) if it holds a hash, else becomes free."""
         # reversed: a request's last blocks are the least likely to be shared, so they
         # are put first in LRU order and evicted before its prefix (vLLM does the same);
         # the idle cached ones and the freed ones each keep that order in their own list
-        idle: list[int] = []
+        if len(blocks) >= block_lru.BULK:
+            idx = np.asarray(blocks[::-1], dtype=np.int32)
+            ref = self._ref_np
+            ref[idx] -= 1
+            unheld = idx[ref[idx] == 0]
+            owned = self._owned_np[unheld]
+            self.used -= len(unheld)
+            idle = unheld[owned]
+            if len(idle):
+                self._evictable.extend(idle)  # stays cached until evicted (LRU)
+            if len(idle) < len(unheld):
+                self._free.extend(unheld[~owned].tolist())
+            return
+        ref, owned_b = self._ref, self._owned
+        idle_b: list[int] = []
         freed: list[int] = []
         for b in reversed(blocks):
             left = ref[b] - 1
             ref[b] = left
             if left == 0:
-                h = hashes[b]
-                if h is not None and cached.get(h) == b:
-                    idle.append(b)  # stays cached until evicted (LRU)
+                if owned_b[b]:
+                    idle_b.append(b)
                 else:
-                    hashes[b] = None
                     freed.append(b)
-        self.used -= len(idle) + len(freed)
-        if idle:
-            self._evictable.extend(idle)
+        self.used -= len(idle_b) + len(freed)
+        if idle_b:
+            self._evictable.extend(idle_b)
         if freed:
             self._free.extend(freed)
 
@@ -198,47 +236,74 @@ class BlockPool:
     def lookup(self, block_hashes: list[int], max_hit_blocks: int) -> list[int]:
         """Blocks of the longest cached prefix of ``block_hashes``, at most
         ``max_hit_blocks`` (full blocks only)."""
-        hits: list[int] = []
         cached = self._cached
-        for h in block_hashes[:max_hit_blocks]:
-            b = cached.get(h)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        if max_hit_blocks <= 0 or block_hashes[0] not in cached:
+            return []  # most misses miss at once: no need to look further
+        found = list(map(cached.get, block_hashes[:max_hit_blocks]))
+        try:
+            return found[: found.index(None)]
+        except ValueError:
+            return found  # type: ignore[return-value]
 
     def num_idle(self, blocks: list[int]) -> int:
         """How many of ``blocks`` no request holds (counted in :attr:`num_free`)."""
+        if len(blocks) >= block_lru.BULK:
+            return int(np.count_nonzero(self._ref_np[np.asarray(blocks, dtype=np.int32)] == 0))
         ref = self._ref
         return sum(1 for b in blocks if ref[b] == 0)
 
     def share(self, blocks: list[int]) -> None:
         """Take a reference on each of ``blocks`` (prefix hits, no repeats), pulling idle
         ones out of the LRU order."""
-        ref = self._ref
-        idle = [b for b in blocks if ref[b] == 0]
-        if idle:
-            self._evictable.remove_many(idle)
-            self.used += len(idle)
+        if len(blocks) >= block_lru.BULK:
+            idx = np.asarray(blocks, dtype=np.int32)
+            ref = self._ref_np
+            idle = idx[ref[idx] == 0]
+            if len(idle):
+                self._evictable.remove_many(idle)
+                self.used += len(idle)
+            ref[idx] += 1
+            return
+        ref_a = self._ref
+        idle_b = [b for b in blocks if ref_a[b] == 0]
+        if idle_b:
+            self._evictable.remove_many(idle_b)
+            self.used += len(idle_b)
         for b in blocks:
-            ref[b] += 1
+            ref_a[b] += 1
 
     def register_computed(self, r: EngineRequest, before: int) -> None:
         """Publish the hashes of the blocks that became fully computed since ``before``
         computed tokens: prompt blocks and, as vLLM caches them too (``cache_blocks`` up to
         the tokens whose KV exists), blocks of generated tokens. Each block is cached under
         its hash unless that hash is cached already (the stand-in keeps one block per
-        hash), as :meth:`register_block` does, inline (a long prompt has hundreds)."""
+        hash), as :meth:`register_block` does; a stretch of hashes none of which is cached
+        (a prompt's uncached part, as a rule) is cached at once."""
         bs = self.block_size
-        last = r.num_computed // bs
-        run = -1  # first block of the current run of newly cached blocks (KV events)
-        end = min(last, len(r.block_hashes), len(r.blocks))
+        first = before // bs
+        end = min(r.num_computed // bs, len(r.block_hashes), len(r.blocks))
+        if end <= first:
+            return
         block_hashes, blocks, cached, hashes = r.block_hashes, r.blocks, self._cached, self._hash
-        for i in range(before // bs, end):
+        if end - first >= block_lru.BULK:
+            new_hashes = block_hashes[first:end]
+            # none cached, no repeat (each check runs over the new hashes alone)
+            if not any(map(cached.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
+                new_blocks = blocks[first:end]
+                cached.update(zip(new_hashes, new_blocks, strict=True))
+                idx = np.asarray(new_blocks, dtype=np.int32)
+                self._hash_np[idx] = np.asarray(new_hashes, dtype=np.uint64)
+                self._owned_np[idx] = True
+                self.emit_stored(r, first, end)
+                return
+        owned = self._owned
+        run = -1  # first block of the current run of newly cached blocks (KV events)
+        for i in range(first, end):
             h = block_hashes[i]
             if h not in cached:
                 b = blocks[i]
                 hashes[b] = h
+                owned[b] = 1
                 cached[h] = b
                 if run < 0:
                     run = i
@@ -256,5 +321,6 @@ class BlockPool:
             return False
         b = r.blocks[i]
         self._hash[b] = h
+        self._owned[b] = 1
         self._cached[h] = b
         return True
