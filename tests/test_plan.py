@@ -159,6 +159,24 @@ def test_plan_over_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "fewer" in capsys.readouterr().out
 
 
+def test_the_shared_searches_side_by_side_make_the_plans_they_make_alone(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """With a pool, the mesh's and the pooled bound's searches run side by side (both
+    start from region-local's plan); each makes the plan and reports the attainment it
+    does run alone, one after the other."""
+    day = [a if a != "1" or PLAN_DAY[i - 1] != "--jobs" else "2" for i, a in enumerate(PLAN_DAY)] + ["--pooled-bound"]
+    assert day[day.index("--jobs") + 1] == "2"
+    side = tmp_path / "side"
+    assert skymesh(*day, "--out", str(side)) == 0
+    assert "side by side" in capsys.readouterr().out
+    alone = tmp_path / "alone"
+    assert skymesh(*PLAN_DAY, "--pooled-bound", "--out", str(alone)) == 0
+    a, b = (json.loads((d / "plan.json").read_text()) for d in (side, alone))
+    assert set(a["plans"]) == {"region-local", "mesh", "pooled bound"}
+    # (the layouts tried may differ: --jobs also sets how many removals run ahead)
+    assert a["plans"] == b["plans"] and a["attainment"] == b["attainment"]
+
+
 def test_plan_refuses_a_day_it_cannot_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs --regions 2" in str(skymesh("plan", "--regions", "1", "--trace", "hot-prefix"))
     assert "--target" in str(skymesh("plan", "--trace", "hot-prefix", "--target", "1.5"))
@@ -184,10 +202,11 @@ def test_a_result_is_reused_only_where_it_answers_the_question() -> None:
     assert asked == [StopWhen.ANY_REGION_FAILS, StopWhen.EVERY_REGION_DECIDED, None]
 
 
-@pytest.mark.parametrize("jobs", [1, 2])
-def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path, jobs: int) -> None:
+@pytest.mark.parametrize(("jobs", "side_by_side"), [(1, False), (2, False), (2, True)])
+def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path, jobs: int, side_by_side: bool) -> None:
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once the first
-    layouts were evaluated: the plan stops cleanly, exits 130 and leaves a readable
+    layouts were evaluated (``side_by_side``: once the mesh's and the pooled bound's
+    searches run side by side): the plan stops cleanly, exits 130 and leaves a readable
     plan.json with every layout evaluated so far; its pool's workers end silently (no
     traceback of theirs)."""
     import os
@@ -204,15 +223,19 @@ def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path, jobs: int) -> 
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     out = tmp_path / "plan"
-    argv = [sys.executable, "-m", "skymesh.cli", *PLAN_DAY, "--jobs", str(jobs), "--out", str(out)]
+    argv = [sys.executable, "-m", "skymesh.cli", *PLAN_DAY, "--jobs", str(jobs), "--out", str(out),
+            *(["--pooled-bound"] if side_by_side else [])]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).resolve().parent.parent, preexec_fn=own_group_and_default_sigint)
     try:
         assert proc.stdout is not None
         seen = []
+        waiting_for = "side by side" if side_by_side else "layouts in"
         for line in proc.stdout:
             seen.append(line)
-            if "layouts in" in line:  # the progress line after the first batch of layouts
+            if waiting_for in line and waiting_for != "layouts in":
+                waiting_for = "layouts in"  # then the first batch of the searches side by side
+            elif waiting_for in line:  # the progress line after a batch of layouts
                 os.killpg(proc.pid, signal.SIGINT)
                 break
         rest = proc.stdout.read()
@@ -227,6 +250,10 @@ def test_an_interrupted_plan_writes_what_it_found(tmp_path: Path, jobs: int) -> 
     trials = report["trials"]["region-local"]
     assert trials and all(set(t["attainment"]) == set(t["layout"]) for t in trials)
     assert "region-local" in report["best_so_far"]
+    if side_by_side:
+        assert report["plans"]["region-local"]  # finished before the interrupt
+        assert {"mesh", "pooled bound"} <= set(report["trials"])
+        assert any(report["trials"][label] for label in ("mesh", "pooled bound"))
 
 
 def test_a_plan_whose_worker_dies_writes_what_it_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

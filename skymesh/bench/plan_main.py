@@ -27,7 +27,7 @@ import argparse
 import dataclasses
 import json
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -313,6 +313,18 @@ def write_partial(out: Path, args: argparse.Namespace, plans: dict[str, Layout],
     return path
 
 
+def interrupt_landed(grace_s: float = 0.2) -> bool:
+    """After the pool broke: whether a Ctrl-C is what broke it. The terminal's SIGINT
+    reaches this process and its workers at once, and a worker may die of it before this
+    process runs its own handler (most often on a busy machine); waiting a moment lets a
+    pending interrupt land here, not in the middle of writing the partial plan."""
+    try:
+        time.sleep(grace_s)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
     mesh = sim_setup.mesh_of(args)  # with --config: the file loaded and checked first
     if args.regions < 2:
@@ -350,17 +362,43 @@ def run(args: argparse.Namespace) -> int:
     early: dict[str, dict[str, Any]] = {}
     pool = ProcessPoolExecutor(max_workers=args.jobs, initializer=quiet_pool_worker) if args.jobs > 1 else None
     searches: dict[str, Evaluator] = {}
+    started: dict[str, Search] = {}
+
+    def begin(label: str) -> Search:
+        evaluator = Evaluator(args, systems[label], seeds, pool)
+        searches[label] = evaluator
+        started[label] = Search(evaluator)
+        return started[label]
+
+    def descend(label: str) -> Layout:
+        return plan_shared(started[label], plans["region-local"], args.target, args.max_replicas, batch=args.jobs)
+
     try:
-        for label, system in systems.items():
-            print(f"{label} ({system}):", flush=True)
-            evaluator = Evaluator(args, system, seeds, pool)
-            search = Search(evaluator)
-            searches[label] = evaluator
-            if label == "region-local":
-                plans[label] = plan_region_local(search, names, args.target, args.max_replicas, start=start)
-            else:
-                plans[label] = plan_shared(search, plans["region-local"], args.target, args.max_replicas,
-                                           batch=args.jobs)
+        print(f"region-local ({systems['region-local']}):", flush=True)
+        plans["region-local"] = plan_region_local(begin("region-local"), names, args.target, args.max_replicas,
+                                                  start=start)
+        shared = [label for label in systems if label != "region-local"]
+        for label in shared:
+            begin(label)
+        if pool is not None and len(shared) > 1:
+            # the shared searches (the mesh, the pooled bound) both start from
+            # region-local's plan and are independent: side by side over the one pool,
+            # each fills the workers the other's one-layout steps leave idle; each makes
+            # the plan it makes alone (its lines are prefixed with its system)
+            print(" and ".join(f"{label} ({systems[label]})" for label in shared) + ", side by side:", flush=True)
+            threads = ThreadPoolExecutor(max_workers=len(shared), thread_name_prefix="plan-search")
+            try:
+                descents = {label: threads.submit(descend, label) for label in shared}
+                for label in shared:
+                    plans[label] = descents[label].result()
+            finally:
+                threads.shutdown(wait=False, cancel_futures=True)
+        else:
+            for label in shared:
+                print(f"{label} ({systems[label]}):", flush=True)
+                plans[label] = descend(label)
+        for label in systems:
+            search, evaluator = started[label], searches[label]
             trials[label] = [{"layout": lay, "attainment": att} for lay, att in search.trials]
             days[label] = evaluator.days[layout_arg(plans[label])]
             shares = evaluator.simulated_share
@@ -368,17 +406,21 @@ def run(args: argparse.Namespace) -> int:
                             "mean_share_simulated": round(sum(shares) / len(shares), 4) if shares else None,
                             "one_region_runs": evaluator.region_runs}
     except PlanError as e:
+        if pool is not None:  # a search still running side by side stops at its next batch
+            pool.shutdown(wait=False, cancel_futures=True)
+            pool = None
         raise SystemExit(f"skymesh plan: {e}") from None
     except (KeyboardInterrupt, BrokenProcessPool) as e:
         # Ctrl-C reaches the workers too: the pool may break before the main process
         # sees the interrupt (a worker killed otherwise breaks it the same way)
+        interrupted = isinstance(e, KeyboardInterrupt) or interrupt_landed()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
             pool = None
         path = write_partial(out, args, plans, searches, time.perf_counter() - t0)
-        why = "interrupted" if isinstance(e, KeyboardInterrupt) else "a simulation worker ended abruptly"
+        why = "interrupted" if interrupted else "a simulation worker ended abruptly"
         print(f"\n{why}: what was found so far is in {path}", flush=True)
-        return 130 if isinstance(e, KeyboardInterrupt) else 1
+        return 130 if interrupted else 1
     finally:
         if pool is not None:
             pool.shutdown()
