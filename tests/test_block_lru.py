@@ -83,7 +83,7 @@ def bulk_operations(seed: int, num_blocks: int) -> None:
         assert all((k in lru) == (k in reference) for k in range(num_blocks))
         # stale entries are compacted away: the queue stays within a few times the
         # engine's size, whatever the history
-        assert lru._tail <= 3 * num_blocks
+        assert lru._tail <= 3 * num_blocks + 16
 
 
 def test_misuse_is_refused() -> None:
@@ -110,3 +110,26 @@ def test_a_refused_bulk_call_changes_nothing() -> None:
     with pytest.raises(KeyError):
         lru.pop_oldest_many(3)
     assert list(lru) == [3, 1] and len(lru) == 2
+
+
+@pytest.mark.parametrize("bulk", [1, 10**9])
+def test_an_addition_that_would_not_fit_compacts_first(bulk: int) -> None:
+    """The queue holds three entries per block: a whole engine's blocks made idle and
+    shared again, over and over, leave stale entries under the compaction threshold until
+    an addition no longer fits; it compacts first and keeps the order."""
+    saved, block_lru.BULK = block_lru.BULK, bulk
+    try:
+        n = 64
+        lru, reference = BlockLru(n), OrderedDict[int, None]()
+        rng = random.Random(7)
+        for _ in range(12):
+            blocks = list(range(n))
+            rng.shuffle(blocks)
+            lru.extend(blocks)
+            reference.update(dict.fromkeys(blocks))
+            assert list(lru) == list(reference)
+            lru.remove_many(blocks)
+            reference.clear()
+            assert not list(lru) and lru._tail <= len(lru._queue)
+    finally:
+        block_lru.BULK = saved

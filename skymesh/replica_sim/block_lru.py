@@ -14,8 +14,8 @@ few array reads and writes, and a request's hundreds of blocks go in or out in o
 views of the same arrays once a call has :data:`BULK` blocks or more (a day of long
 prompts spent most of its time moving blocks one by one). The queue is compacted (live
 entries moved to its front, in order) once stale entries outnumber live ones by the
-engine's size, so it never holds more than three entries per block of the engine: its
-storage is allocated once.
+engine's size, or when an addition would not fit; its storage, three entries per block
+of the engine, is allocated once.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ class BlockLru:
         # per block: its index in _queue while a member, else _NONE
         self._pos = array("i", [_NONE]) * num_blocks
         # block ids in the order added, in _queue[_head:_tail]; an entry is live iff
-        # _pos[b] is its index. At most 2 * (the set's size) + num_blocks entries after
-        # each addition or eviction, and an addition brings fewer than num_blocks
-        self._queue = array("i", [0]) * (4 * num_blocks + 16)
+        # _pos[b] is its index. An addition that would not fit compacts first: the set
+        # and the addition hold at most num_blocks, so a compaction leaves at least
+        # 2 * num_blocks entries free (each costs O(1) amortized)
+        self._queue = array("i", [0]) * (3 * num_blocks + 16)
         # numpy views of the same memory (the arrays are never resized)
         self._pos_np = np.frombuffer(self._pos, dtype=np.int32) if num_blocks else np.zeros(0, np.int32)
         self._queue_np = np.frombuffer(self._queue, dtype=np.int32)
@@ -72,6 +73,8 @@ class BlockLru:
         """``block`` (not in the set) becomes the newest."""
         if self._pos[block] != _NONE:
             raise ValueError(f"block {block} is already in the LRU order")
+        if self._tail == len(self._queue):
+            self._compact()
         self._pos[block] = self._tail
         self._queue[self._tail] = block
         self._tail += 1
@@ -83,6 +86,8 @@ class BlockLru:
         the same as appending them one by one (ValueError, nothing added, when one is in
         the set already)."""
         n = len(blocks)
+        if self._tail + n > len(self._queue):
+            self._compact()
         tail = self._tail
         if n >= BULK:
             idx = np.asarray(blocks, dtype=np.int32)
@@ -184,9 +189,11 @@ class BlockLru:
     def _maybe_compact(self) -> None:
         """Move the live entries to the front, in order, once the stale ones (skipped
         before the head, or left by a removal) outnumber them by the engine's size."""
+        if self._tail - self._len > self._len + self._num_blocks:
+            self._compact()
+
+    def _compact(self) -> None:
         head, tail = self._head, self._tail
-        if tail - self._len <= self._len + self._num_blocks:
-            return
         pos_np, queue_np = self._pos_np, self._queue_np
         chunk = queue_np[head:tail]
         live = chunk[pos_np[chunk] == np.arange(head, tail, dtype=np.int32)].copy()
