@@ -39,6 +39,7 @@ from skymesh.bench.day_shape import day_shape
 from skymesh.bench.des import Simulator
 from skymesh.bench.plan import Attainment, Layout, PlanError, Search, plan_region_local, plan_shared
 from skymesh.bench.plan_estimate import estimate_layout
+from skymesh.bench.sim_result import SimResult
 from skymesh.bench.verdict import StopWhen, VerdictWatch
 from skymesh.hardware import PROFILES
 from skymesh.runtime.procs import quiet_pool_worker
@@ -90,6 +91,16 @@ def layout_arg(layout: Layout) -> str:
     return ",".join(f"{r}={n}" for r, n in layout.items())
 
 
+def stopped_run(watch: VerdictWatch, names: list[str], res: SimResult, requests: int) -> dict[str, Any]:
+    """A run stopped once its verdict was decided, as a plan reads it: each region's
+    attainment is the watch's bound on the side of its verdict (a region decided to
+    pass, its lowest; any other, its highest: a failing region's is under the target)."""
+    bounds = watch.bounds()
+    att = {r: bounds[r][0] if watch.verdict(k) else bounds[r][1] for k, r in enumerate(names)}
+    return {"attainment": att, "stopped_early": res.stopped_early, "requests": requests,
+            "simulated": int(res.arrival.size)}
+
+
 def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: int,
                  stop: StopWhen | None = None) -> dict[str, Any]:
     """One simulated day of ``system`` on ``layout`` (picklable: runs in a worker),
@@ -109,12 +120,7 @@ def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: in
     res = Simulator(cfg).run(trace, watch=watch)
     if res.stopped_early:
         assert watch is not None
-        bounds = watch.bounds()
-        # the bound on the side of each verdict: a region decided to pass, its lowest
-        # attainment; any other, its highest (a failing region's is under the target)
-        att = {r: bounds[r][0] if watch.verdict(k) else bounds[r][1] for k, r in enumerate(names)}
-        return {"attainment": att, "stopped_early": res.stopped_early, "requests": len(trace),
-                "simulated": int(res.arrival.size)}
+        return stopped_run(watch, names, res, len(trace))
     regions = res.region_summaries(args.slo, args.warmup_s)
     span = float(res.arrival.max()) if res.arrival.size else 1.0
     edges = np.linspace(0.0, max(span, 1e-9), BINS + 1)
@@ -130,11 +136,6 @@ def evaluate_one(args: argparse.Namespace, system: str, layout: Layout, seed: in
             "bins_s": edges.round(2).tolist(), "load": load, "served": served}
 
 
-def is_region_local(system: str) -> bool:
-    """``NAME@local``: no region offloads, so each region's day is its own."""
-    return system.partition("@")[2] == "local"
-
-
 def evaluate_region(args: argparse.Namespace, system: str, region: str, replicas: int, seed: int,
                     stop: StopWhen | None = None) -> dict[str, Any]:
     """One region of a region-local ``system`` (no offload) alone: its clients' requests
@@ -143,7 +144,7 @@ def evaluate_region(args: argparse.Namespace, system: str, region: str, replicas
     tests/test_plan.py), so the region-local search runs each region's count as a job of
     its own (side by side with ``--jobs``) and runs a count it has measured once no
     more. Stopped as ``stop`` says once the region's verdict is decided."""
-    assert is_region_local(system), system
+    assert sim_setup.is_region_local(system), system
     run_args = argparse.Namespace(**{**vars(args), "region_replicas": f"{region}={replicas}", "seed": seed})
     trace = [q for q in sim_setup.build_trace(run_args, args.rate_multiplier) if q.region == region]
     full = sim_setup.sim_config(run_args, system)
@@ -156,9 +157,7 @@ def evaluate_region(args: argparse.Namespace, system: str, region: str, replicas
     res = Simulator(cfg).run(trace, watch=watch)
     if res.stopped_early:
         assert watch is not None
-        low, high = watch.bounds()[region]
-        return {"attainment": {region: low if watch.verdict(0) else high}, "stopped_early": res.stopped_early,
-                "requests": len(trace), "simulated": int(res.arrival.size)}
+        return stopped_run(watch, [region], res, len(trace))
     return {"attainment": {region: res.region_summaries(args.slo, args.warmup_s)[region]["slo_attainment"]},
             "requests": int(res.arrival.size)}
 
@@ -187,7 +186,7 @@ class Evaluator:
         if self.args.no_early_stop:
             stop = None
         jobs = [(lay, s) for lay in layouts for s in self.seeds]
-        if stop is not None and is_region_local(self.system):
+        if stop is not None and sim_setup.is_region_local(self.system):
             outs = self._by_region(jobs, stop)
         elif self.pool is not None:
             outs = list(self.pool.map(evaluate_one, *zip(*[(self.args, self.system, lay, s, stop) for lay, s in jobs],
@@ -348,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
     sim_setup.build_trace(args)  # the day's options checked before any simulation starts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    systems = {"region-local": f"{args.policy}@local", "mesh": args.policy}
+    systems = {"region-local": f"{args.policy}@{sim_setup.LOCAL}", "mesh": args.policy}
     if args.pooled_bound:
         systems["pooled bound"] = f"{args.policy}@pooled"
     t0 = time.perf_counter()

@@ -311,6 +311,7 @@ def conversation_mix(args: argparse.Namespace) -> ConversationMix:
 
 
 POOLED = "pooled"
+LOCAL = "local"
 
 
 def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, bool, OffloadTrigger]:
@@ -318,7 +319,7 @@ def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, boo
     ``NAME@saturated`` (offload by SkyWalker's rule) or ``NAME@pooled`` (the pooled bound:
     one region core, so no offload) -> (policy, offload, trigger)."""
     policy, _, variant = system.partition("@")
-    if variant not in ("", "local", "saturated", POOLED):
+    if variant not in ("", LOCAL, "saturated", POOLED):
         raise SystemExit(f"system {system!r}: the suffix is @local, @saturated or @{POOLED}")
     return policy, variant == "" or variant == "saturated", "saturated" if variant == "saturated" else default_trigger
 
@@ -326,6 +327,12 @@ def split_system(system: str, default_trigger: OffloadTrigger) -> tuple[str, boo
 def is_pooled(system: str) -> bool:
     """Whether ``system`` is a pooled bound (``NAME@pooled``)."""
     return system.partition("@")[2] == POOLED
+
+
+def is_region_local(system: str) -> bool:
+    """Whether ``system`` is region-local (``NAME@local``: no region offloads, so each
+    region's day is its own)."""
+    return system.partition("@")[2] == LOCAL
 
 
 def pooled_of(system: str) -> str:
