@@ -136,22 +136,11 @@ class BlockPool:
     def alloc(self) -> int | None:
         """One block for a request: a free one, else the least recently used idle cached
         one (evicted); None when every block is held."""
-        if self._free:
-            b = self._free.pop()
-        elif self._evictable:
-            b = self._evictable.pop_oldest()
-            if self._owned[b]:  # an idle cached block holds its hash: it goes
-                h = self._hash[b]
-                del self._cached[h]
-                if self.kv_events is not None:
-                    self.kv_events.append(removed(h))
-                self._owned[b] = 0
-            self.evictions += 1
-        else:
+        if not self.num_free:
             return None
-        self._ref[b] = 1
-        self.used += 1
-        return b
+        got: list[int] = []
+        self.alloc_many(1, got)
+        return got[0]
 
     def alloc_many(self, n: int, into: list[int]) -> None:
         """Append ``n`` blocks to ``into``; the caller has checked there are enough. Free
