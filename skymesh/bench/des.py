@@ -575,7 +575,10 @@ class Simulator:
 
     def _apply(self, rep: SimReplica, out: StepOutput, t: float) -> int:
         """Report a step's first tokens and finishes to the balancers; returns finishes."""
-        touched: set[str] = set()
+        # the balancers to run a dispatch round for, in the order the step reached them: a
+        # dict, not a set, whose order would follow the strings' hashes (PYTHONHASHSEED)
+        # wherever a step touches two balancers of one region
+        touched: dict[tuple[str, int], None] = {}
         cfg = self.cfg
         regions = self.regions
         if self.events_view:
@@ -607,7 +610,7 @@ class Simulator:
                 # the origin tracks its forwarded request to the end too (it books nothing
                 # there, so this changes no decision and needs no dispatch round)
                 regions[origin].cores[ok].first_token(rid, t)
-            touched.add((region, k))
+            touched[region, k] = None
         finished = 0
         for rid in out.finished:
             if rid in prefill_legs:
@@ -621,7 +624,7 @@ class Simulator:
                 lacking = in_len - drep.engine.cached_prefix_tokens(blocks, in_len)
                 moved = max(0, lacking) * self.profile.kv_bytes_per_token
                 self._push(t + cfg.kv_links.transfer_s(rep.rid, drep.rid, moved), self.KV_MOVED, rid)
-                touched.add((region, k))
+                touched[region, k] = None
                 continue
             if cfg.record_tbt:
                 self._tbt[int(rid)] = self._tbt_of(rid)
@@ -633,7 +636,7 @@ class Simulator:
             regions[region].cores[k].complete(rid, t)
             if origin != region:
                 regions[origin].cores[ok].complete(rid, t)
-            touched.add((region, k))
+            touched[region, k] = None
             finished += 1
         for region, k in touched:
             self._dispatch(self.regions[region], k, t)
