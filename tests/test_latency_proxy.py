@@ -501,13 +501,15 @@ async def test_the_entry_takes_out_the_members_its_controller_lists_dead(
         two_members: tuple[NamedUpstream, int, NamedUpstream, int]) -> None:
     """A frozen member may still pass nothing and fail nothing for seconds (its checks time
     out one by one); the controller's word takes it out at once. Every member listed
-    dead, or a controller that does not answer, leaves the entry on its own checks."""
+    dead, or a controller that has not answered for ``controller_stale_s``, leaves the
+    entry on its own checks; until then a failed read keeps the last word."""
     _, port_a, _, port_b = two_members
     answers = HealthAnswers()
     await answers.start()
     assert answers.runner is not None
     feed = ControllerFeed(f"http://127.0.0.1:{answers.port}/v1/topology", HealthAnswers.TOKEN, "us-east-1")
-    health = MemberHealth([answers.url("b0"), answers.url("b1")], controller=feed)
+    # the last word kept however long reads fail, until the test lowers the bound
+    health = MemberHealth([answers.url("b0"), answers.url("b1")], controller=feed, controller_stale_s=3600.0)
     proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port_a), lambda ip: 0.0,
                        more_targets=[("127.0.0.1", port_b)], health=health)
 
@@ -534,9 +536,15 @@ async def test_the_entry_takes_out_the_members_its_controller_lists_dead(
             assert sorted(await names_reached(proxy.port, 4)) == [b"b0", b"b0", b"b1", b"b1"]
             answers.dead = {"b1"}
             await until(lambda: health.listed_dead == {answers.url("b1")})
-            answers.topology_status = 500  # the controller is away: its last word is not kept
+            # reads fail (a busy controller's timeouts): its last word holds, as a
+            # deregistration does, and the member its own checks still pass stays out
+            answers.topology_status = 500
             await two_more_reads()
-            assert health.listed_dead == frozenset()
+            assert health.listed_dead == {answers.url("b1")}
+            assert await names_reached(proxy.port, 4) == [b"b0"] * 4
+            # failing past the stale bound (here: now): the entry's own checks alone
+            health.controller_stale_s = 0.0
+            await until(lambda: health.listed_dead == frozenset())
             assert sorted(await names_reached(proxy.port, 4)) == [b"b0", b"b0", b"b1", b"b1"]
     finally:
         await answers.runner.cleanup()

@@ -62,6 +62,11 @@ LOCAL_DRAIN_LISTEN_S = 2.0
 # how often the entry reads which members the controller lists dead (as the controller
 # deregisters them from an NLB's target groups on AWS: controller/entry_targets.py)
 CONTROLLER_POLL_S = 0.5
+# how long the controller's last word holds while its reads fail: a read that times out on
+# a busy machine must not put a frozen member back in service before the entry's own
+# checks (UNHEALTHY_THRESHOLD timeouts of HEALTH_TIMEOUT_S, 6 s) have judged it; a
+# controller away for longer leaves the entry on its own checks
+CONTROLLER_STALE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,13 +186,16 @@ class MemberHealth:
     after HEALTHY_THRESHOLD passes.
     Members start healthy (a refused connect is skipped anyway). One per region, shared by
     its proxies; it checks while any of them runs. With ``controller`` it also takes out
-    the members the controller's topology lists dead (read every CONTROLLER_POLL_S; a
-    failed read trusts its own checks alone), as the controller deregisters them from
-    the target groups on AWS."""
+    the members the controller's topology lists dead (read every CONTROLLER_POLL_S), as
+    the controller deregisters them from the target groups on AWS. Its last answer holds
+    while reads fail, for ``controller_stale_s`` after it (a deregistration outlives a
+    controller's hiccup); after that the entry trusts its own checks alone."""
 
-    def __init__(self, urls: Sequence[str], controller: ControllerFeed | None = None) -> None:
+    def __init__(self, urls: Sequence[str], controller: ControllerFeed | None = None,
+                 controller_stale_s: float = CONTROLLER_STALE_S) -> None:
         self.urls = tuple(urls)
         self.controller = controller
+        self.controller_stale_s = controller_stale_s
         # members the controller lists dead (their health URLs), as last read
         self.listed_dead: frozenset[str] = frozenset()
         self.healthy: dict[str, bool] = dict.fromkeys(self.urls, True)
@@ -247,16 +255,20 @@ class MemberHealth:
     async def _follow_controller(self, session: aiohttp.ClientSession, feed: ControllerFeed) -> None:
         loop = asyncio.get_running_loop()
         headers = admin_headers(feed.token)
+        answered_at = loop.time()
         while True:
             started = loop.time()
-            dead: frozenset[str] = frozenset()
+            dead: frozenset[str] | None = None
             try:
                 async with session.get(feed.topology_url, headers=headers) as r:
                     if r.status == 200:
                         dead = listed_dead(await r.json(content_type=None), feed.region, self.urls)
             except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-                pass  # the controller is away: the entry's own checks alone
-            self.listed_dead = dead
+                pass
+            if dead is not None:
+                self.listed_dead, answered_at = dead, loop.time()
+            elif loop.time() - answered_at > self.controller_stale_s:
+                self.listed_dead = frozenset()  # the controller is away: the entry's own checks alone
             await asyncio.sleep(max(0.0, CONTROLLER_POLL_S - (loop.time() - started)))
 
     async def _check_every_interval(self, session: aiohttp.ClientSession, url: str) -> None:
