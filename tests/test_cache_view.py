@@ -39,7 +39,7 @@ class ToySource:
 def history_with(*held: tuple[str, int]) -> RoutingHistory:
     history = RoutingHistory(BoundedPrefixTrie(1000))
     for replica, n in held:
-        history.record(CHUNKS[:n], replica, 0.0)
+        history.record(CHUNKS[:n], replica)
     return history
 
 
@@ -73,8 +73,8 @@ def test_writes_go_to_the_routing_history() -> None:
     history = history_with()
     toy = ToySource("toy", {"r1"}, 1)
     view = CacheView([toy, history], history)
-    view.insert(CHUNKS, "r1", 0.0)
-    view.insert(CHUNKS[:2], "r2", 0.0)
+    view.insert(CHUNKS, "r1")
+    view.insert(CHUNKS[:2], "r2")
     assert view.match_per_target(CHUNKS, ["r1", "r2"]) == {"r1": 1, "r2": 2}  # r1: the toy answers
     assert history.match_per_target(CHUNKS, ["r1"]) == {"r1": 4}
     view.remove_target("r2")

@@ -184,8 +184,8 @@ def test_the_cache_view_reads_events_where_live_and_the_trie_elsewhere() -> None
     chunks = id_chunk_hashes(prompt, BLOCK)
     indexes = KvIndexes(chunk_tokens=BLOCK)
     view = RegionModel(chunk_tokens=BLOCK, trie_max_nodes=1000, kv_indexes=indexes).cache
-    view.insert(chunks, "r1", 0.0)  # the balancer sent it to r1 ...
-    view.insert(chunks, "r2", 0.0)
+    view.insert(chunks, "r1")  # the balancer sent it to r1 ...
+    view.insert(chunks, "r2")
     assert view.match_per_target(chunks, ["r1", "r2"]) == {"r1": 3, "r2": 3}
     # ... but r1's events say it evicted the last block, and r2 publishes nothing
     r1 = indexes.index("r1")

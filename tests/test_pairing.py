@@ -104,7 +104,7 @@ def random_case(rng: random.Random, i: int) -> tuple[RegionModel, RoutingRequest
         views[rid] = v
         cached = rng.randint(0, len(req.chunk_hashes))
         if cached:
-            m.cache.insert(req.chunk_hashes[:cached], rid, 0.0)
+            m.cache.insert(req.chunk_hashes[:cached], rid)
     excluded = {rid for rid in ids if rid != p and rng.random() < 0.15}
     return m, req, p, views, roles, excluded
 
@@ -288,7 +288,7 @@ def test_conductor_whole_on_decode_prices_the_decode_replica_whole() -> None:
     m = model()
     rule = Conductor(ConductorOptions(whole_on_decode=True), context(m, ttft_slo_s=5.0, tbt_slo_s=0.2))
     req = request(0, 6400, 100)
-    m.cache.insert(req.chunk_hashes, "d", 0.0)  # d holds the whole prompt: its prefill is short
+    m.cache.insert(req.chunk_hashes, "d")  # d holds the whole prompt: its prefill is short
     views = {"p": ReplicaView("p", pending_prefill_tokens=20_000), "d": ReplicaView("d")}
     roles: dict[str, Role] = {"p": "prefill", "d": "decode"}
     choice = rule.choose(req, Decision("p"), views, roles, set(), NOW)
@@ -401,7 +401,7 @@ def test_threshold_whole_below_the_threshold_split_at_and_above_it() -> None:
     req = request(0, 64 * 20, 100)
     views = {"p": ReplicaView("p"), "d": ReplicaView("d")}
     roles: dict[str, Role] = {"p": "prefill", "d": "decode"}
-    m.cache.insert(req.chunk_hashes[:17], "d", 0.0)  # 3 chunks (192 tokens) uncached: below
+    m.cache.insert(req.chunk_hashes[:17], "d")  # 3 chunks (192 tokens) uncached: below
     choice = rule.choose(req, Decision("p"), views, roles, set(), NOW)
     assert choice is not None and (choice.prefill_replica_id, choice.decode_replica_id) == ("d", None)
     assert choice.matched_tokens == 17 * 64

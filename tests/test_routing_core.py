@@ -30,7 +30,7 @@ def test_trie_stays_bounded_under_unique_prompts(max_nodes: int, seed: int) -> N
     t = BoundedPrefixTrie(max_nodes)
     for i in range(400):
         chunks = tuple(rng.getrandbits(63) for _ in range(rng.randint(1, 12)))
-        t.insert(chunks, f"r{i % 5}", float(i))
+        t.insert(chunks, f"r{i % 5}")
         assert len(t) <= max_nodes
 
 
@@ -38,7 +38,7 @@ def test_trie_bound_with_endless_unique_stream() -> None:
     t = BoundedPrefixTrie(1000)
     shared = tuple(range(1, 5))
     for i in range(50_000):
-        t.insert(shared + (10_000 + 3 * i, 10_001 + 3 * i), "r0", float(i))
+        t.insert(shared + (10_000 + 3 * i, 10_001 + 3 * i), "r0")
     assert len(t) <= 1000
     # the hot shared prefix survives eviction (it is refreshed by every insert)
     assert t.longest_match(shared + (7,), {"r0"})[0] == 4
@@ -46,8 +46,8 @@ def test_trie_bound_with_endless_unique_stream() -> None:
 
 def test_trie_longest_match_and_early_stop() -> None:
     t = BoundedPrefixTrie(100)
-    t.insert((1, 2, 3, 4), "a", 0.0)
-    t.insert((1, 2), "b", 0.0)
+    t.insert((1, 2, 3, 4), "a")
+    t.insert((1, 2), "b")
     assert t.longest_match((1, 2, 3, 4, 5), {"a", "b"}) == (4, {"a"})
     assert t.longest_match((1, 2, 3, 4), {"b"}) == (2, {"b"})  # stops once no "b" below
     assert t.longest_match((1, 2, 3), {"c"}) == (0, set())

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh.routing.trie import BoundedPrefixTrie
+from skymesh.routing.trie import WIDE_NODE, BoundedPrefixTrie
 
 
 def assert_consistent(t: BoundedPrefixTrie) -> None:
@@ -32,7 +32,7 @@ def test_endless_unique_prompts_stay_under_the_bound() -> None:
     system = tuple(rng.getrandbits(64) for _ in range(4))
     for i in range(50_000):
         suffix = tuple(rng.getrandbits(64) for _ in range(rng.randint(1, 4)))
-        t.insert(system + suffix, f"r{i % 8}", float(i))
+        t.insert(system + suffix, f"r{i % 8}")
         assert len(t) <= 1000
     assert t.evictions > 0
     assert_consistent(t)
@@ -56,11 +56,11 @@ def test_random_operations_keep_the_bound_and_the_structure(
     max_nodes: int, ops: list[tuple[str, list[int], str]]
 ) -> None:
     t = BoundedPrefixTrie(max_nodes)
-    for step, (op, path, target) in enumerate(ops):
+    for op, path, target in ops:
         if op == "insert":
             # cumulative ids: a node id names its whole prefix, like chunk_hashes does
             chunks = tuple(hash(tuple(path[: i + 1])) for i in range(len(path)))
-            t.insert(chunks, target, float(step))
+            t.insert(chunks, target)
             if chunks:  # the prompt just inserted is never the one evicted
                 assert t.longest_match(chunks, {target})[0] == min(len(chunks), max_nodes)
         else:
@@ -85,7 +85,7 @@ def test_matches_agree_with_a_brute_force_model(
 
     t = BoundedPrefixTrie(10_000)  # no eviction: the model is every prompt ever inserted
     for path, target in prompts:
-        t.insert(ids(path), target, 0.0)
+        t.insert(ids(path), target)
 
     def held(target: str) -> int:
         return max(
@@ -108,9 +108,9 @@ def test_matches_agree_with_a_brute_force_model(
 
 def test_longest_match_stops_where_no_available_target_remains() -> None:
     t = BoundedPrefixTrie(100)
-    t.insert((1, 2, 3, 4, 5, 6), "busy", 0.0)
-    t.insert((1, 2), "free", 0.0)
-    t.insert((1, 2, 3), "other", 0.0)
+    t.insert((1, 2, 3, 4, 5, 6), "busy")
+    t.insert((1, 2), "free")
+    t.insert((1, 2, 3), "other")
     # the deeper nodes belong to replicas that are not available: they do not count
     assert t.longest_match((1, 2, 3, 4, 5, 6), {"free"}) == (2, {"free"})
     assert t.longest_match((1, 2, 3, 4, 5, 6), {"free", "other"}) == (3, {"other"})
@@ -123,38 +123,73 @@ def test_longest_match_stops_where_no_available_target_remains() -> None:
 
 def test_the_least_recently_used_leaf_goes_first() -> None:
     t = BoundedPrefixTrie(4)
-    t.insert((1, 10), "a", 0.0)
-    t.insert((1, 20), "b", 1.0)
-    t.insert((1, 10), "a", 2.0)  # refreshes leaf 10: leaf 20 is now the oldest
-    t.insert((1, 30), "c", 3.0)  # fits (4 nodes)
-    t.insert((1, 40), "d", 4.0)  # one over: evicts 20
+    t.insert((1, 10), "a")
+    t.insert((1, 20), "b")
+    t.insert((1, 10), "a")  # refreshes leaf 10: leaf 20 is now the oldest
+    t.insert((1, 30), "c")  # fits (4 nodes)
+    t.insert((1, 40), "d")  # one over: evicts 20
     assert 20 not in t and all(h in t for h in (1, 10, 30, 40))
-    assert t.targets_at(1) == {"a": 2.0, "b": 1.0, "c": 3.0, "d": 4.0}
+    assert t.targets_at(1) == ("a", "b", "c", "d")  # in the order they first came
 
 
 def test_interior_nodes_go_only_after_their_children() -> None:
     t = BoundedPrefixTrie(3)
-    t.insert((1, 2, 3), "a", 0.0)
-    t.insert((7,), "b", 1.0)  # evicts leaf 3; 2 becomes a leaf and is oldest
+    t.insert((1, 2, 3), "a")
+    t.insert((7,), "b")  # evicts leaf 3; 2 becomes a leaf and is oldest
     assert 3 not in t and 2 in t and 7 in t
-    t.insert((8,), "b", 2.0)  # evicts 2 (then 1 would be next), never an orphan
+    t.insert((8,), "b")  # evicts 2 (then 1 would be next), never an orphan
     assert 2 not in t and 1 in t and len(t) == 3
     assert_consistent(t)
 
 
 def test_a_path_longer_than_the_bound_keeps_its_head() -> None:
     t = BoundedPrefixTrie(5)
-    t.insert(tuple(range(1, 21)), "a", 0.0)
+    t.insert(tuple(range(1, 21)), "a")
     assert len(t) == 5 and t.longest_match(tuple(range(1, 21)), {"a"}) == (5, {"a"})
 
 
 def test_remove_target_forgets_a_replica_everywhere() -> None:
     t = BoundedPrefixTrie(100)
-    t.insert((1, 2, 3), "a", 0.0)
-    t.insert((1, 2), "b", 0.0)
+    t.insert((1, 2, 3), "a")
+    t.insert((1, 2), "b")
     t.remove_target("a")
     assert t.longest_match((1, 2, 3), {"a", "b"}) == (2, {"b"})
     assert t.match_per_target((1, 2, 3), ["a"]) == {"a": 0}
+    assert_consistent(t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert"] * 5 + ["remove"]),
+            st.lists(st.integers(0, 1), min_size=1, max_size=4),
+            st.integers(0, 2 * WIDE_NODE),
+        ),
+        max_size=80,
+    ),
+)
+def test_node_targets_keep_their_first_order_across_the_wide_form(ops: list[tuple[str, list[int], int]]) -> None:
+    # a node's targets are a tuple below WIDE_NODE and a dict from it on: either way what
+    # it holds, and in what order, is a list of first arrivals less the removed targets
+    t = BoundedPrefixTrie(10_000)
+    model: dict[int, list[str]] = {}
+    for op, path, n in ops:
+        target = f"r{n}"
+        if op == "insert":
+            chunks = tuple(hash(("w", *path[: i + 1])) for i in range(len(path)))
+            t.insert(chunks, target)
+            for h in chunks:
+                held = model.setdefault(h, [])
+                if target not in held:
+                    held.append(target)
+        else:
+            t.remove_target(target)
+            for held in model.values():
+                if target in held:
+                    held.remove(target)
+        assert {h: list(t.targets_at(h)) for h in model} == model
+        assert all(isinstance(t._targets[h], dict) for h, held in model.items() if len(held) >= WIDE_NODE)
     assert_consistent(t)
 
 

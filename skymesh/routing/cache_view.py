@@ -26,8 +26,8 @@ class CacheView:
         self.history = history
 
     # writes: the routing history
-    def insert(self, chunks: Sequence[int], target: str, now: float) -> None:
-        self.history.record(chunks, target, now)
+    def insert(self, chunks: Sequence[int], target: str) -> None:
+        self.history.record(chunks, target)
 
     def remove_target(self, target: str) -> None:
         self.history.forget(target)

@@ -59,7 +59,7 @@ class RegionModel:
         """``req`` went to ``replica_id``: its prompt is in the routing history now. The
         region core records each dispatch once, after the policy and the discipline (which
         read the history as it was before it) were told of it."""
-        self.cache.insert(req.chunk_hashes, replica_id, now)
+        self.cache.insert(req.chunk_hashes, replica_id)
 
     @property
     def prefill_s_per_token(self) -> float:

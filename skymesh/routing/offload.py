@@ -409,10 +409,10 @@ class OffloadRouter:
     def on_local_dispatch(self, req: RoutingRequest, now: float) -> None:
         """``req`` went to a replica of this region: its prefix is held here."""
         if self.enabled and self.trigger == "predicted_ttft":
-            self.snapshot.insert(req.chunk_hashes, self.region, now)
+            self.snapshot.insert(req.chunk_hashes, self.region)
 
     def on_forwarded(self, req: RoutingRequest, region: str, now: float) -> None:
-        self.snapshot.insert(req.chunk_hashes, region, now)
+        self.snapshot.insert(req.chunk_hashes, region)
         p = self.peers.get(region)
         if p is not None:
             p.forwarded_since_heartbeat += 1

@@ -179,7 +179,7 @@ class RegionCore:
         known = self.local.replicas
         for p in msg.placements:
             if p.replica_id in known:
-                self.model.cache.insert(p.chunk_hashes, p.replica_id, min(now, p.at))
+                self.model.cache.insert(p.chunk_hashes, p.replica_id)
                 sib.placements_applied += 1
         self._sibling_step(now)
         return True

@@ -7,7 +7,8 @@ re-walks the path from the root at each level, O(n^2), which broke the decision-
 budget at 2k-token prompts.
 
 Each node records the targets (replicas, or peer regions for a snapshot trie) that were
-sent that prefix and when they last were. A hard bound on the node count is enforced by
+sent that prefix, in the order they first were (no times: the lookups ask only who holds
+a prefix, and eviction goes by the leaves' LRU order). A hard bound on the node count is enforced by
 evicting the least recently used *leaves* first (SkyWalker evicts oldest entries); interior
 nodes are never orphaned, so memory stays bounded under an endless stream of unique
 prompts. Leaves are kept in their own LRU list so an eviction is O(1).
@@ -16,9 +17,12 @@ Invariant the lookups rely on: a target recorded on a node is recorded on every 
 (paths are inserted whole, only leaves are evicted, ``remove_target`` clears every node).
 
 Storage is three flat dicts keyed by node id instead of one object per node: a node then
-costs no garbage-collector-tracked allocation (a dict of str -> float is untracked), so a
-stream of inserts never triggers cyclic-GC passes over the trie, and creating a node is
-cheaper than instantiating a class.
+costs no garbage-collector-tracked allocation (a tuple or dict of strings is untracked), so
+a stream of inserts never triggers cyclic-GC passes over the trie, and creating a node is
+cheaper than instantiating a class. A node's targets are a tuple while they are few (most
+nodes: one or two replicas; 48-64 bytes where a dict took 184, a quarter of a node) and a
+dict of target -> None from ``WIDE_NODE`` on (a shared system prompt's nodes, held by
+every replica: membership stays O(1)); both keep the order targets arrived in.
 """
 
 from __future__ import annotations
@@ -27,14 +31,19 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+# from this many targets a node keeps them in a dict (O(1) membership), below in a tuple
+WIDE_NODE = 8
+
+Targets = tuple[str, ...] | dict[str, None]
+
 
 class BoundedPrefixTrie:
     def __init__(self, max_nodes: int) -> None:
         if max_nodes < 1:
             raise ValueError("max_nodes must be >= 1")
         self.max_nodes = max_nodes
-        # node id -> {target: last time it was sent this prefix}; a key exists iff the node does
-        self._targets: dict[int, dict[str, float]] = {}
+        # node id -> the targets sent this prefix (Targets); a key exists iff the node does
+        self._targets: dict[int, Targets] = {}
         self._parent: dict[int, int | None] = {}  # None for first-chunk nodes
         self._children: dict[int, int] = {}  # child count; absent for leaves
         # the current leaves in least-recently-used order: eviction pops the front, O(1)
@@ -47,7 +56,7 @@ class BoundedPrefixTrie:
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._targets
 
-    def insert(self, chunks: Sequence[int], target: str, now: float) -> None:
+    def insert(self, chunks: Sequence[int], target: str) -> None:
         """Record that ``target`` was sent the prompt whose chunk hashes are ``chunks``."""
         nodes = self._targets
         children = self._children
@@ -55,12 +64,18 @@ class BoundedPrefixTrie:
         path = chunks if len(chunks) <= self.max_nodes else chunks[: self.max_nodes]
         parent: int | None = None
         depth = 0
-        # the part of the prompt already in the trie: refresh its targets
+        # the part of the prompt already in the trie: add the target where it is missing
         for h in path:
             held = nodes.get(h)
             if held is None:
                 break
-            held[target] = now
+            if target not in held:
+                if type(held) is dict:
+                    held[target] = None
+                elif len(held) + 1 < WIDE_NODE:
+                    nodes[h] = (*held, target)
+                else:
+                    nodes[h] = dict.fromkeys((*held, target))
             parent = h
             depth += 1
         leaves = self._leaves
@@ -77,7 +92,7 @@ class BoundedPrefixTrie:
             if count == 0:
                 del leaves[parent]  # it has a child now
             children[parent] = count + 1
-        nodes.update(zip(tail, [{target: now} for _ in tail], strict=True))
+        nodes.update(dict.fromkeys(tail, (target,)))
         self._parent.update(zip(tail, (parent, *tail[:-1]), strict=True))
         children.update(dict.fromkeys(tail[:-1], 1))
         last = tail[-1]
@@ -118,7 +133,7 @@ class BoundedPrefixTrie:
                 leaves.move_to_end(parent, last=False)
                 break
 
-    def _path(self, chunks: Sequence[int]) -> list[dict[str, float]]:
+    def _path(self, chunks: Sequence[int]) -> list[Targets]:
         """The target sets of the prompt's nodes present in the trie, root first."""
         nodes = self._targets
         path: list[dict[str, float]] = []
@@ -184,14 +199,19 @@ class BoundedPrefixTrie:
             left.difference_update(found)
         return out
 
-    def targets_at(self, node_id: int) -> dict[str, float]:
-        """A copy of ``{target: last use}`` for one node (empty if absent)."""
-        return dict(self._targets.get(node_id, {}))
+    def targets_at(self, node_id: int) -> tuple[str, ...]:
+        """The targets sent one node's prefix, in the order they first were (() if absent)."""
+        return tuple(self._targets.get(node_id, ()))
 
     def remove_target(self, target: str) -> None:
         """Forget ``target`` everywhere (a replica left). O(nodes): membership changes are rare."""
-        for held in self._targets.values():
-            held.pop(target, None)
+        nodes = self._targets
+        for h, held in nodes.items():
+            if target in held:
+                if type(held) is dict:
+                    del held[target]
+                else:
+                    nodes[h] = tuple(t for t in held if t != target)
 
     def stats(self) -> dict[str, Any]:
         return {"nodes": len(self._targets), "max_nodes": self.max_nodes, "evictions": self.evictions}

@@ -28,10 +28,10 @@ class RoutingHistory:
     def longest_match(self, chunks: Sequence[int], replica_ids: Iterable[str]) -> tuple[int, set[str]]:
         return self.trie.longest_match(chunks, replica_ids)
 
-    def record(self, chunks: Sequence[int], replica_id: str, now: float) -> None:
-        """``replica_id`` was sent the prompt whose chunk hashes are ``chunks``. Recording
-        the same prompt for the same replica at the same ``now`` twice changes nothing."""
-        self.trie.insert(chunks, replica_id, now)
+    def record(self, chunks: Sequence[int], replica_id: str) -> None:
+        """``replica_id`` was sent the prompt whose chunk hashes are ``chunks`` (recording
+        it again changes only the LRU order of its leaf)."""
+        self.trie.insert(chunks, replica_id)
 
     def forget(self, replica_id: str) -> None:
         self.trie.remove_target(replica_id)
