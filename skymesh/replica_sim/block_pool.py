@@ -5,6 +5,7 @@ for blocks and hands them back, as vLLM v1 keeps its ``BlockPool``."""
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Sequence
 
@@ -28,6 +29,14 @@ def chained_block_hashes(tokens: Sequence[str], block_size: int, parent: int = 0
         h = xxhash.xxh64_intdigest("\x1f".join(tokens[start : start + block_size]).encode(), seed=h)
         out.append(h)
     return out
+
+
+@functools.cache
+def block_ids(num_blocks: int) -> tuple[int, ...]:
+    """``tuple(range(num_blocks))``, one per pool size: every pool's prefix cache maps a
+    hash to these int objects instead of to an int of its own (28 bytes a cached block;
+    a simulation of a thousand engines caches millions of blocks)."""
+    return tuple(range(num_blocks))
 
 
 class BlockPool:
@@ -54,7 +63,8 @@ class BlockPool:
         # no hash, ref 0; a stack: which free block is used first does not matter
         self._free = array("i", range(num_blocks - 1, -1, -1))
         self._evictable = BlockLru(num_blocks)  # cached, ref 0, LRU order
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[int, int] = {}  # block hash -> block id (one of _ids)
+        self._ids = block_ids(num_blocks)
         self.used = 0  # blocks with ref > 0
         self.evictions = 0
         # vLLM's KV cache events since the last take_kv_events (None: not recorded)
@@ -279,13 +289,13 @@ class BlockPool:
             # none cached, no repeat (each check runs over the new hashes alone)
             if not any(map(cached.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
                 new_blocks = blocks[first:end]
-                cached.update(zip(new_hashes, new_blocks, strict=True))
+                cached.update(zip(new_hashes, map(self._ids.__getitem__, new_blocks), strict=True))
                 idx = np.asarray(new_blocks, dtype=np.int32)
                 self._hash_np[idx] = np.asarray(new_hashes, dtype=np.uint64)
                 self._owned_np[idx] = True
                 self.emit_stored(r, first, end)
                 return
-        owned = self._owned
+        owned, ids = self._owned, self._ids
         run = -1  # first block of the current run of newly cached blocks (KV events)
         for i in range(first, end):
             h = block_hashes[i]
@@ -293,7 +303,7 @@ class BlockPool:
                 b = blocks[i]
                 hashes[b] = h
                 owned[b] = 1
-                cached[h] = b
+                cached[h] = ids[b]
                 if run < 0:
                     run = i
             elif run >= 0:
@@ -311,5 +321,5 @@ class BlockPool:
         b = r.blocks[i]
         self._hash[b] = h
         self._owned[b] = 1
-        self._cached[h] = b
+        self._cached[h] = self._ids[b]
         return True
