@@ -134,16 +134,30 @@ async def test_saturated_regions_offload_within_rules_once_and_lose_nothing(tmp_
     # 180 long prompts on 9 stand-ins: on a machine busy beside the suite a stand-in's
     # /metrics can miss the probe's 0.5 s three times running, which ejects it (then a
     # region with every replica ejected answers 503); this test is about offload, so
-    # ejection takes ten missed probes here
-    async with running_mesh(tmp_path, health={"unhealthy_threshold": 10}) as mesh:
-        us, ap, eu = await asyncio.gather(
-            burst(mesh, "us-east-1", 60), burst(mesh, "ap-northeast-1", 60), burst(mesh, "eu-west-1", 60)
-        )
+    # ejection takes ten missed probes here, and a peer counts as gone after ten missed
+    # heartbeats (1 s) rather than three: with all three regions bursting at once, a
+    # balancer's loop stalled 0.3 s on a busy machine (the suite beside a simulation) made
+    # its peers look gone and nothing was offloaded
+    async with running_mesh(tmp_path, health={"unhealthy_threshold": 10},
+                            offload={"heartbeat_miss_limit": 10}) as mesh:
+        async def queued(*regions: str) -> bool:
+            states = [await admin(mesh, r) for r in regions]
+            return all(st is not None and st["queue_length"] > 0 for st in states)
+
+        # the US and Asia bursts first: once both queue, EU (idle) is a faster peer to them;
+        # EU's own burst then saturates it while they still queue, and its requests would
+        # offload too but for the rule
+        us_ap = asyncio.gather(burst(mesh, "us-east-1", 60), burst(mesh, "ap-northeast-1", 60))
+        await wait_for(lambda: queued("us-east-1", "ap-northeast-1"), 30, "US and Asia queueing")
+        eu = await burst(mesh, "eu-west-1", 60)
+        us, ap = await us_ap
         for res in us + ap + eu:
             assert res["status"] == 200 and res["tokens"] == 48, res  # nothing lost
             assert res["path"].count(">") <= 1, res  # never forwarded twice
         # the saturated regions did offload...
-        assert any(r["offloaded"] == "1" for r in us + ap)
+        assert any(r["offloaded"] == "1" for r in us + ap), {
+            reg: {k: (st or {}).get(k) for k in ("offloaded_out", "offloaded_in", "peers")} for reg, st in
+            [(reg, await admin(mesh, reg)) for reg in REGION_SOURCES]}
         # ...only along allowed links: EU traffic never leaves the EU
         assert all(r["path"] == "eu-west-1" for r in eu)
         for r in us + ap:
