@@ -76,6 +76,18 @@ def test_the_default_trace_missing_is_the_same_error(
     assert "hot-prefix" in err  # what works instead
 
 
+def test_the_live_bench_checks_the_default_trace_when_it_runs(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # the parser leaves --trace unset (a --replot reads no trace); a run checks the default
+    # as argparse would have
+    import skymesh.bench.live as live
+
+    missing = str(tmp_path / "shared" / "traces" / "mooncake_conversation.jsonl")
+    monkeypatch.setattr(live, "DEFAULT_TRACE", missing)
+    code, _, err = run_cli(capsys, "bench", "--systems", "dualmap")
+    assert code == 2 and f"skymesh bench: error: argument --trace: no trace file {missing}" in err
+
+
 def test_a_closed_pipe_ends_the_command_quietly() -> None:
     """`skymesh config --schema | head -1`: a real pipe, small enough that the command
     is still writing when the reader has read one line and gone."""

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks import fleet_capacity, pd_split, results_plots, slo_mix, three_days
-from skymesh.bench import figures
+from skymesh.bench import figures, live
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,7 +101,9 @@ def test_each_command_replots_a_json_it_wrote(tmp_path: Path, main: Any, data: A
     assert _is_png(png)
 
 
-def test_live_bench_replots_its_results_json(tmp_path: Path) -> None:
+def test_live_bench_replots_its_results_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a replot reads no trace: it works where the default trace is not
+    monkeypatch.setattr(live, "DEFAULT_TRACE", str(tmp_path / "no-such-trace.jsonl"))
     src = _write(tmp_path / "results.json", PEERS)
     png = tmp_path / "peers.png"
     assert results_plots._live_replot(["--replot", str(src), "--png", str(png)]) == 0

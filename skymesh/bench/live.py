@@ -177,7 +177,9 @@ async def run_system(system: str, trace: list[TraceRequest], args: argparse.Name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE, type=trace_argument(p.prog),
+    # no default here: argparse would check the default trace even for --replot, which
+    # reads none (run() checks it, as argparse would, when a run needs it)
+    p.add_argument("--trace", default=None, type=trace_argument(p.prog),
                    help="Mooncake JSONL trace (default: the Mooncake conversation trace in ../shared/traces/, "
                         "not part of the repository)")
     p.add_argument("--systems", default="dualmap,prefix_tree,cache_aware,round_robin,sglang-router,vllm-router")
@@ -216,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--replot: name the figure's file with --png PATH")
         print(f"wrote {figures.peers_figure(figures.load_json(args.replot), Path(args.png))}")
         return 0
+    if args.trace is None:
+        args.trace = trace_argument("skymesh bench")(DEFAULT_TRACE)
     profile = PROFILES[args.profile]
     # the same cut the discrete-event mode makes, so both replay the same work
     base = fit_to_context(load_mooncake(args.trace, args.requests), profile.max_model_len,
