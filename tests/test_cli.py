@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib
 import os
 import subprocess
 from pathlib import Path
@@ -65,27 +66,20 @@ def test_a_missing_trace_is_one_argparse_line(
     assert err.startswith("skymesh ") and f": error: argument --trace: no trace file {missing} (" in err
 
 
+@pytest.mark.parametrize(("module", "command", "instead"), [
+    ("skymesh.bench.sim_setup", "sim", "hot-prefix"),  # a generated workload works instead
+    # the live bench's parser leaves --trace unset (a --replot reads no trace); its run
+    # checks the default as argparse would have
+    ("skymesh.bench.live", "bench", ""),
+])
 def test_the_default_trace_missing_is_the_same_error(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import skymesh.bench.sim_setup as sim_setup
-
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        module: str, command: str, instead: str) -> None:
     missing = str(tmp_path / "shared" / "traces" / "mooncake_conversation.jsonl")
-    monkeypatch.setattr(sim_setup, "DEFAULT_TRACE", missing)
-    code, _, err = run_cli(capsys, "sim", "--systems", "dualmap")
-    assert code == 2 and f"argument --trace: no trace file {missing}" in err
-    assert "hot-prefix" in err  # what works instead
-
-
-def test_the_live_bench_checks_the_default_trace_when_it_runs(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # the parser leaves --trace unset (a --replot reads no trace); a run checks the default
-    # as argparse would have
-    import skymesh.bench.live as live
-
-    missing = str(tmp_path / "shared" / "traces" / "mooncake_conversation.jsonl")
-    monkeypatch.setattr(live, "DEFAULT_TRACE", missing)
-    code, _, err = run_cli(capsys, "bench", "--systems", "dualmap")
-    assert code == 2 and f"skymesh bench: error: argument --trace: no trace file {missing}" in err
+    monkeypatch.setattr(importlib.import_module(module), "DEFAULT_TRACE", missing)
+    code, _, err = run_cli(capsys, command, "--systems", "dualmap")
+    assert code == 2 and f"skymesh {command}: error: argument --trace: no trace file {missing}" in err
+    assert instead in err
 
 
 def test_a_closed_pipe_ends_the_command_quietly() -> None:
