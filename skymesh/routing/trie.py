@@ -136,7 +136,7 @@ class BoundedPrefixTrie:
     def _path(self, chunks: Sequence[int]) -> list[Targets]:
         """The target sets of the prompt's nodes present in the trie, root first."""
         nodes = self._targets
-        path: list[dict[str, float]] = []
+        path: list[Targets] = []
         for h in chunks:
             held = nodes.get(h)
             if held is None:
